@@ -1,0 +1,1 @@
+"""Pulumi components for disaggregated LLM inference on EKS (see README)."""

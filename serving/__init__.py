@@ -1,0 +1,1 @@
+"""The Ray Serve application that runs vLLM prefill/decode engines behind an OpenAI API."""
