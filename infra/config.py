@@ -364,6 +364,10 @@ class StackConfig(SpecModel):
             p, d = self.node_pools.prefill.instance, self.node_pools.decode.instance
             if p.efa != d.efa:
                 errors.append(("nodePools", "prefill and decode pools must both have EFA or neither (KV transfer path)"))
+        # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
+        from infra.capacity import fit_errors
+
+        errors.extend(fit_errors(self.serving, {role: pool.instance for role, pool in pools.items()}))
         if errors:
             key, msg = errors[0]
             raise ValueError(f"@{key}@ {msg}")
