@@ -1,0 +1,121 @@
+"""The composition root: read and validate the stack config, then wire the components.
+
+What flows through here: Pulumi's config for this stack -> `infra.config.load` (one line
+naming the stack file and key on any error, before anything is registered) -> Network ->
+Cluster (and its kubernetes Provider) -> a GPU node pool per engine role -> device plugins
+and the KubeRay operator -> the LLM service -> stack outputs. Only this file reads config.
+"""
+
+import pulumi
+
+from infra.cluster import Cluster, ClusterArgs
+from infra.config import PROJECT, SECRET_KEYS, ConfigError, Environment, load, stack_file
+from infra.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
+from infra.gpu_node_pool import GpuNodePool, GpuNodePoolArgs
+from infra.kuberay import KubeRayOperator, KubeRayOperatorArgs
+from infra.llm_service import LlmService, LlmServiceArgs
+from infra.network import Network, NetworkArgs
+
+
+def _raw_config() -> tuple[dict, set]:
+    """This project's config values (bare keys) and which of them are secrets."""
+    prefix = f"{PROJECT}:"
+    all_config = {**pulumi.runtime.get_config_env(), **pulumi.runtime.config.CONFIG.get()}
+    values = {k[len(prefix):]: v for k, v in all_config.items() if k.startswith(prefix)}
+    secrets = {k for k in values if pulumi.runtime.is_config_secret(prefix + k)}
+    return values, secrets
+
+
+values, secret_keys = _raw_config()
+try:
+    cfg = load(values, secret_keys=secret_keys, source=stack_file(pulumi.get_stack()))
+except ConfigError as err:
+    raise pulumi.RunError(str(err)) from None
+
+conf = pulumi.Config()
+secrets = {k: conf.get_secret(k) for k in SECRET_KEYS}
+stack = pulumi.get_stack()
+cluster_name = f"{PROJECT}-{stack}"
+tags = {"pd-inference/stack": stack, "pd-inference/environment": cfg.environment.value}
+
+network = Network(
+    "net",
+    NetworkArgs(
+        cidr=cfg.vpc_cidr,
+        availability_zones=cfg.availability_zones,
+        efa_zone=cfg.efa_zone_name,
+        nat_gateways=cfg.nat_gateways,
+        existing=cfg.existing_vpc,
+        tags=tags,
+    ),
+)
+cluster = Cluster(
+    "eks",
+    ClusterArgs(
+        cluster_name=cluster_name,
+        kubernetes_version=cfg.kubernetes_version,
+        vpc_id=network.vpc_id,
+        private_subnet_ids=network.private_subnet_ids,
+        public_subnet_ids=network.public_subnet_ids,
+        endpoint_access=cfg.endpoint_access,
+        public_access_cidrs=cfg.public_access_cidrs,
+        admin_role_arns=cfg.admin_role_arns,
+        system_nodes=cfg.system_nodes,
+        deletion_protection=cfg.environment is Environment.PROD,
+        tags=tags,
+    ),
+)
+pools = {
+    role: GpuNodePool(
+        f"gpu-{role}",
+        GpuNodePoolArgs(
+            role=role,
+            pool=pool,
+            cluster=cluster.eks,
+            cluster_name=cluster.cluster_name,
+            node_role=cluster.node_role,
+            vpc_id=network.vpc_id,
+            subnet_ids=network.private_subnet_ids,
+            efa_subnet_id=network.efa_subnet_id,
+            efa_zone=cfg.efa_zone_name,
+            tags=tags,
+        ),
+    )
+    for role, pool in (("prefill", cfg.node_pools.prefill), ("decode", cfg.node_pools.decode))
+}
+plugins = DevicePluginArgs(provider=cluster.provider)
+NvidiaDevicePlugin("nvidia-device-plugin", plugins)
+EfaDevicePlugin("efa-device-plugin", plugins)
+operator = KubeRayOperator("kuberay", KubeRayOperatorArgs(provider=cluster.provider, watch_namespaces=[cfg.namespace]))
+service = LlmService(
+    "llm",
+    LlmServiceArgs(
+        cluster_name=cluster.cluster_name,
+        namespace=cfg.namespace,
+        provider=cluster.provider,
+        operator=operator,
+        serving=cfg.serving,
+        instances={role: pools[role].instance for role in cfg.serving.engine_roles()},
+        image=cfg.ray_image,
+        exposure=cfg.service_exposure,
+        allowed_cidrs=cfg.service_allowed_cidrs,
+        vpc_cidr=cfg.vpc_cidr,
+        upgrade_strategy=cfg.upgrade_strategy.value,
+        api_keys=secrets["apiKeys"],
+        hf_token=secrets["hfToken"],
+        redis_password=secrets["gcsRedisPassword"],
+        gcs_redis_address=cfg.gcs_redis_address,
+        model_bucket=cfg.model_bucket,
+        tags=tags,
+    ),
+    opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
+)
+
+pulumi.export("clusterName", cluster.cluster_name)
+pulumi.export("kubeconfig", cluster.kubeconfig)
+pulumi.export("oidcIssuer", cluster.oidc_issuer)
+pulumi.export("nodePools", {role: p.node_group_name for role, p in pools.items()})
+pulumi.export("systemNodeGroup", cluster.system_node_group_name)
+pulumi.export("namespace", cfg.namespace)
+pulumi.export("endpoint", service.endpoint)
+pulumi.export("codeBucket", service.code_bucket)

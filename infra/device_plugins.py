@@ -1,0 +1,91 @@
+"""Device plugins: how Kubernetes learns a node's GPUs and EFA interfaces.
+
+What flows through here: the GPU and EFA instance types of the catalog -> two Helm releases
+(versions from infra/versions.py) whose DaemonSets tolerate the GPU taint and run only on
+those types: the NVIDIA device plugin (`nvidia.com/gpu`) and the AWS EFA device plugin
+(`vpc.amazonaws.com/efa`). The AL2023 NVIDIA AMI ships drivers and EFA host software but
+neither plugin. The EFA plugin must stay off nodes without EFA, or they never get Ready.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra import catalog, versions
+from infra.gpu_node_pool import GPU_TAINT_KEY
+from infra.versions import HelmChart
+
+GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
+
+
+def instance_type_affinity(types: list[str]) -> dict:
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "node.kubernetes.io/instance-type", "operator": "In", "values": types}]}
+                ]
+            }
+        }
+    }
+
+
+GPU_TYPES = sorted(catalog.CATALOG)
+EFA_TYPES = sorted(t.name for t in catalog.CATALOG.values() if t.efa)
+
+
+@dataclass
+class DevicePluginArgs:
+    provider: k8s.Provider
+
+
+def _release(owner: pulumi.ComponentResource, name: str, chart: HelmChart, namespace: str, values: dict,
+             provider: k8s.Provider) -> k8s.helm.v4.Chart:
+    return k8s.helm.v4.Chart(
+        name,
+        chart=chart.chart,
+        version=chart.version,
+        repository_opts=k8s.helm.v4.RepositoryOptsArgs(repo=chart.repo),
+        namespace=namespace,
+        values=values,
+        opts=pulumi.ResourceOptions(parent=owner, provider=provider),
+    )
+
+
+class NvidiaDevicePlugin(pulumi.ComponentResource):
+    NAMESPACE = "nvidia-device-plugin"
+
+    def __init__(self, name: str, args: DevicePluginArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:addons:NvidiaDevicePlugin", name, None, opts)
+        ns = k8s.core.v1.Namespace(
+            f"{name}-ns",
+            metadata={"name": self.NAMESPACE},
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider),
+        )
+        values = {
+            # EKS nodes carry no Node Feature Discovery labels: select on the GPU types instead.
+            "affinity": instance_type_affinity(GPU_TYPES),
+            "tolerations": [GPU_TOLERATION],
+            "nfd": {"enabled": False},
+            "gfd": {"enabled": False},
+            "priorityClassName": "system-node-critical",
+        }
+        self.chart = _release(self, f"{name}-chart", versions.NVIDIA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)
+        del ns
+        self.register_outputs({"chartVersion": versions.NVIDIA_DEVICE_PLUGIN.version})
+
+
+class EfaDevicePlugin(pulumi.ComponentResource):
+    NAMESPACE = "kube-system"
+
+    def __init__(self, name: str, args: DevicePluginArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:addons:EfaDevicePlugin", name, None, opts)
+        values = {
+            "affinity": instance_type_affinity(EFA_TYPES),
+            "tolerations": [GPU_TOLERATION],
+        }
+        self.chart = _release(self, f"{name}-chart", versions.EFA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)
+        self.register_outputs({"chartVersion": versions.EFA_DEVICE_PLUGIN.version})
