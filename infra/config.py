@@ -67,6 +67,11 @@ class LocalStorage(str, Enum):
     NONE = "none"
 
 
+class NatGateways(str, Enum):
+    SINGLE = "single"  # one NAT gateway for all zones: cheaper, one zone's outage cuts egress
+    PER_ZONE = "per-zone"
+
+
 class ServiceExposure(str, Enum):
     CLUSTER_IP = "cluster-ip"
     INTERNAL_NLB = "internal-nlb"
@@ -206,6 +211,7 @@ class StackConfig(SpecModel):
     availability_zones: list[str] = Field(min_length=2, max_length=6)
     efa_zone: str | None = None  # default: the first of availabilityZones
     existing_vpc: ExistingVpc | None = None
+    nat_gateways: NatGateways = NatGateways.SINGLE
     # Cluster
     endpoint_access: EndpointAccess = EndpointAccess.PRIVATE
     public_access_cidrs: list[str] = Field(default_factory=list)
