@@ -160,7 +160,11 @@ def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> 
 
 def run(stack: str, values: dict[str, Any], secret_keys: set[str] | None = None,
         others: dict[str, Any] | None = None) -> RunResult:
-    """Run __main__.py for `stack` with these config values; raises what the program raises."""
+    """Run __main__.py for `stack` with these config values.
+
+    Raises what the program raises (a bad stack file: pulumi.RunError with the one-line
+    message), with the resources registered before the error as `err.registered`.
+    """
     result = RunResult()
     mocks = _Mocks(result.resources)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False, monitor=_Monitor(mocks))
@@ -173,7 +177,12 @@ def run(stack: str, values: dict[str, Any], secret_keys: set[str] | None = None,
     def program() -> None:
         runpy.run_path(str(PROGRAM), run_name="__main__")
 
-    _sync_await(run_pulumi_func(program))
+    try:
+        _sync_await(run_pulumi_func(program))
+    except Exception as err:
+        # Callers check that a rejected stack registered nothing.
+        err.registered = list(result.resources)  # type: ignore[attr-defined]
+        raise
     root = pulumi.runtime.settings.get_root_resource()
     exported = dict(getattr(root, "outputs", {}) or {})
     if exported:

@@ -1,0 +1,15 @@
+"""Shared fixtures: every stack in stacks/ rendered once per test session under mocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra import render, stackfile
+
+STACKS = stackfile.stacks()
+
+
+@pytest.fixture(scope="session")
+def rendered_stacks() -> dict[str, render.Rendered]:
+    """stack name -> Rendered (config, registered resources, outputs) for every shipped stack."""
+    return {s: render.render(s) for s in STACKS}
