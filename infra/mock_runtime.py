@@ -24,6 +24,7 @@ from typing import Any
 
 import pulumi
 from pulumi.runtime import mocks as _mocks
+from pulumi.runtime import rpc
 from pulumi.runtime.proto import resource_pb2
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
@@ -41,6 +42,7 @@ class Registered:
     name: str
     parent: str | None
     inputs: dict[str, Any]
+    provider: str | None = None  # "urn::id" of an explicit provider, if any
 
     def as_json(self) -> dict[str, Any]:
         return {"type": self.type, "name": self.name, "parent": self.parent, "inputs": self.inputs}
@@ -72,7 +74,9 @@ def _name_from_urn(urn: str) -> str | None:
 
 
 def _plain(value: Any) -> Any:
-    """Inputs as JSON-able data (unknowns and assets reduced to markers)."""
+    """Inputs as JSON-able data (secrets unwrapped: offline they hold placeholders)."""
+    if isinstance(value, dict) and value.get(rpc._special_sig_key) == rpc._special_secret_sig:
+        return _plain(value.get("value"))
     if isinstance(value, dict):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -94,7 +98,9 @@ class _Mocks(pulumi.runtime.Mocks):
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         parent = getattr(_local, "parent", None)
-        self.recorder.append(Registered(args.typ, args.name, _name_from_urn(parent or ""), _plain(args.inputs)))
+        self.recorder.append(
+            Registered(args.typ, args.name, _name_from_urn(parent or ""), _plain(args.inputs), args.provider or None)
+        )
         name = args.inputs.get("name") or args.name
         state = dict(args.inputs)
         state.setdefault("name", name)
