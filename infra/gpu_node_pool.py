@@ -150,7 +150,7 @@ class GpuNodePool(pulumi.ComponentResource):
         cluster = aws.eks.get_cluster_output(
             name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[args.cluster])
         )
-        sg_ids.append(cluster.vpc_configs[0].cluster_security_group_id)
+        sg_ids.append(cluster.vpc_config.cluster_security_group_id)
         if inst.efa:
             efa_sg = aws.ec2.SecurityGroup(
                 f"{name}-efa-sg",

@@ -132,7 +132,7 @@ class _Mocks(pulumi.runtime.Mocks):
 
     def call(self, args: pulumi.runtime.MockCallArgs):
         if args.token == "aws:eks/getCluster:getCluster":
-            return {"name": args.args.get("name"), "vpcConfigs": [{"clusterSecurityGroupId": "sg-0eksmanaged000001"}]}
+            return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
         return {}
 
 

@@ -1,0 +1,228 @@
+"""Every shipped stack, run through the real program under mocks: what a reviewer checks.
+
+What flows through here: each stacks/Pulumi.<env>.yaml -> `infra.render.render` (the real
+__main__.py under Pulumi's mock runtime) -> assertions on the registered resources' inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra import catalog, config, versions
+from infra.gpu_node_pool import AMI_TYPE, ROLE_LABEL
+from tests.conftest import STACKS
+
+MNG = "eks:index:ManagedNodeGroup"
+CLUSTER = "eks:index:Cluster"
+CHART = "kubernetes:helm.sh/v4:Chart"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_three_environments_ship():
+    assert {"dev", "staging", "prod"} <= set(STACKS)
+
+
+@pytest.fixture(params=STACKS)
+def stack(request, rendered_stacks):
+    return rendered_stacks[request.param]
+
+
+def _gpu_groups(stack):
+    return {r.inputs["labels"][ROLE_LABEL]: r for r in stack.result.of_type(MNG) if r.inputs.get("gpu")}
+
+
+def test_registers_cluster_system_group_gpu_pools_plugins_and_operator(stack):
+    res = stack.result
+    assert len(res.of_type(CLUSTER)) == 1
+    system = [r for r in res.of_type(MNG) if not r.inputs.get("gpu")]
+    assert len(system) == 1 and system[0].inputs["labels"] == {ROLE_LABEL: "system"}
+    assert set(_gpu_groups(stack)) == {"prefill", "decode"}
+    charts = {r.inputs["chart"] for r in res.of_type(CHART)}
+    assert charts == {"nvidia-device-plugin", "aws-efa-k8s-device-plugin", "kuberay-operator"}
+
+
+def test_gpu_pools_efa_taint_label_ami(stack):
+    cfg = stack.config
+    pools = {"prefill": cfg.node_pools.prefill, "decode": cfg.node_pools.decode}
+    efa_subnet = next(r for r in stack.result.resources if r.name == f"net-private-{cfg.efa_zone_name}")
+    for role, group in _gpu_groups(stack).items():
+        inp, inst = group.inputs, catalog.lookup(pools[role].instance_type)
+        assert inp["instanceTypes"] == [inst.name]
+        assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
+        assert inp["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]
+        assert inp["labels"] == {ROLE_LABEL: role}
+        assert inp["enableIMDSv2"] is True
+        sizes = inp["scalingConfig"]
+        assert (sizes["minSize"], sizes["desiredSize"], sizes["maxSize"]) == (
+            pools[role].min_size, pools[role].desired_size, pools[role].max_size)
+        if inst.efa:
+            assert inp["enableEfaSupport"] is True
+            assert inp["placementGroupAvailabilityZone"] == cfg.efa_zone_name
+            assert inp["subnetIds"] == [f"{efa_subnet.name}-id"], "EFA pools live in one zone"
+        else:
+            assert not inp.get("enableEfaSupport")
+            assert len(inp["subnetIds"]) == len(cfg.availability_zones)
+        if inst.nvme_disks:
+            assert "RAID0" in inp["nodeadmExtraOptions"][0]["content"]
+
+
+def test_p5_and_p4de_pools_have_efa(rendered_stacks):
+    seen = set()
+    for stack in rendered_stacks.values():
+        for group in _gpu_groups(stack).values():
+            if group.inputs["instanceTypes"][0].startswith(("p5", "p4de")):
+                seen.add(group.inputs["instanceTypes"][0])
+                assert group.inputs["enableEfaSupport"] is True
+    assert {"p5.48xlarge", "p4de.24xlarge"} <= seen
+
+
+def test_charts_pinned_to_versions_module(stack):
+    pinned = {c.chart: c for c in (versions.NVIDIA_DEVICE_PLUGIN, versions.EFA_DEVICE_PLUGIN, versions.KUBERAY_OPERATOR)}
+    for chart in stack.result.of_type(CHART):
+        want = pinned[chart.inputs["chart"]]
+        assert chart.inputs["version"] == want.version
+        assert re.fullmatch(r"v?\d+\.\d+\.\d+", chart.inputs["version"])
+        assert chart.inputs["repositoryOpts"]["repo"] == want.repo
+    assert versions.KUBERAY_OPERATOR.version.startswith("1.7.")
+
+
+def test_device_plugins_tolerate_gpu_taint_and_efa_only_on_efa_types(stack):
+    charts = {c.inputs["chart"]: c.inputs["values"] for c in stack.result.of_type(CHART)}
+    efa = charts["aws-efa-k8s-device-plugin"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in efa["tolerations"]
+    term = efa["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
+    types = term["matchExpressions"][0]["values"]
+    assert types and all(catalog.lookup(t).efa for t in types)
+    assert {t for t, i in catalog.CATALOG.items() if i.efa} == set(types)
+    nvidia = charts["nvidia-device-plugin"]
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in nvidia["tolerations"]
+
+
+def test_cluster_encryption_logging_auth_and_endpoint(stack):
+    cluster = stack.result.one(CLUSTER).inputs
+    key = stack.result.one("aws:kms/key:Key").inputs
+    assert key["enableKeyRotation"] is True
+    assert cluster["encryptionConfigKeyArn"].startswith("arn:")
+    assert set(cluster["enabledClusterLogTypes"]) == {"api", "audit", "authenticator", "controllerManager", "scheduler"}
+    assert cluster["authenticationMode"] == "API"
+    assert cluster["endpointPrivateAccess"] is True
+    assert cluster["skipDefaultNodeGroup"] is True
+    assert cluster["createOidcProvider"] is True
+    admins = {e["principalArn"] for e in cluster["accessEntries"].values()}
+    assert admins == set(stack.config.admin_role_arns)
+    if stack.config.environment is config.Environment.PROD:
+        assert cluster["endpointPublicAccess"] is False
+        assert "publicAccessCidrs" not in cluster
+    if cluster["endpointPublicAccess"]:
+        assert cluster["publicAccessCidrs"] and "0.0.0.0/0" not in cluster["publicAccessCidrs"]
+    addon = stack.result.one("aws:eks/addon:Addon").inputs
+    assert addon["addonName"] == "eks-pod-identity-agent"
+
+
+def test_prod_endpoint_is_private(rendered_stacks):
+    assert rendered_stacks["prod"].result.one(CLUSTER).inputs["endpointPublicAccess"] is False
+
+
+def test_kubernetes_provider_gets_cluster_kubeconfig_and_is_used_in_cluster(stack):
+    provider = stack.result.one("pulumi:providers:kubernetes")
+    kubeconfig = json.loads(provider.inputs["kubeconfig"])
+    assert kubeconfig["clusters"][0]["cluster"]["server"] == f"https://pd-inference-{stack.stack}.eks.mock"
+    for r in stack.result.resources:
+        if r.type.startswith("kubernetes:") and r.type != "pulumi:providers:kubernetes":
+            assert r.provider and f"::{provider.name}::" in r.provider, f"{r.name} bypasses the cluster provider"
+
+
+def test_stack_outputs(stack):
+    out = stack.result.outputs
+    assert out["clusterName"] == f"pd-inference-{stack.stack}"
+    assert json.loads(out["kubeconfig"])["kind"] == "Config"
+    assert out["oidcIssuer"].startswith("https://oidc.eks.")
+    assert out["nodePools"] == {"prefill": f"pd-inference-{stack.stack}-prefill", "decode": f"pd-inference-{stack.stack}-decode"}
+    assert out["systemNodeGroup"] == f"pd-inference-{stack.stack}-system"
+    assert out["endpoint"].endswith(":8000/v1")
+
+
+def test_network_new_vpc(stack):
+    cfg = stack.config
+    subnets = stack.result.of_type("aws:ec2/subnet:Subnet")
+    private = [s for s in subnets if s.inputs["tags"].get("kubernetes.io/role/internal-elb") == "1"]
+    public = [s for s in subnets if s.inputs["tags"].get("kubernetes.io/role/elb") == "1"]
+    assert sorted(s.inputs["availabilityZone"] for s in private) == sorted(cfg.availability_zones)
+    assert len(public) == len(cfg.availability_zones)
+    assert all(not s.inputs.get("mapPublicIpOnLaunch") for s in subnets)
+    nats = stack.result.of_type("aws:ec2/natGateway:NatGateway")
+    assert len(nats) == (len(cfg.availability_zones) if cfg.nat_gateways is config.NatGateways.PER_ZONE else 1)
+
+
+def test_existing_vpc_creates_no_network(rendered_stacks):
+    from infra import mock_runtime, stackfile
+
+    values, secrets, others = stackfile.read("staging")
+    values["existingVpc"] = {
+        "vpcId": "vpc-0123456789abcdef0",
+        "privateSubnetIds": ["subnet-0aaaaaaaaaaaaaaa1", "subnet-0bbbbbbbbbbbbbbb2"],
+        "publicSubnetIds": ["subnet-0ccccccccccccccc3"],
+        "efaSubnetId": "subnet-0bbbbbbbbbbbbbbb2",
+    }
+    result = mock_runtime.run("staging", values, secrets, others)
+    assert not result.of_type("aws:ec2/vpc:Vpc") and not result.of_type("aws:ec2/subnet:Subnet")
+    assert result.one(CLUSTER).inputs["vpcId"] == "vpc-0123456789abcdef0"
+    for group in result.of_type(MNG):
+        if group.inputs.get("enableEfaSupport"):
+            assert group.inputs["subnetIds"] == ["subnet-0bbbbbbbbbbbbbbb2"]
+
+
+def test_capacity_block_pool_builds_its_own_efa_launch_template():
+    from infra import mock_runtime, stackfile
+
+    values, secrets, others = stackfile.read("prod")
+    values["nodePools"]["decode"].update(capacityType="capacity-block", capacityReservationId="cr-0123456789abcdef0")
+    result = mock_runtime.run("prod", values, secrets, others)
+    decode = next(r for r in result.of_type(MNG) if r.inputs["labels"].get(ROLE_LABEL) == "decode")
+    assert decode.inputs["capacityType"] == "CAPACITY_BLOCK"
+    assert "launchTemplate" in decode.inputs and not decode.inputs.get("enableEfaSupport")
+    lt = result.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    nics = lt["networkInterfaces"]
+    assert len(nics) == catalog.lookup("p5.48xlarge").efa_interfaces == 32
+    assert nics[0]["interfaceType"] == "efa" and nics[0]["deviceIndex"] == 0
+    assert all(n["interfaceType"] == "efa-only" and n["deviceIndex"] == 1 for n in nics[1:])
+    assert [n["networkCardIndex"] for n in nics] == list(range(32))
+    assert all("sg-0eksmanaged000001" in n["securityGroups"] for n in nics), "nodes need the EKS cluster SG"
+    assert lt["metadataOptions"]["httpTokens"] == "required"
+    assert lt["instanceMarketOptions"]["marketType"] == "capacity-block"
+    target = lt["capacityReservationSpecification"]["capacityReservationTarget"]
+    assert target["capacityReservationId"] == "cr-0123456789abcdef0"
+    sg = result.one("aws:ec2/securityGroup:SecurityGroup")
+    rules = result.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+    assert rules and all(r.inputs["referencedSecurityGroupId"] == r.inputs["securityGroupId"] for r in rules)
+    assert sg.name.endswith("efa-sg")
+
+
+def test_pulumi_yaml_declares_scalar_keys_with_model_defaults():
+    project = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())
+    assert project["name"] == config.PROJECT
+    assert project["stackConfigDir"] == "stacks"
+    assert project["runtime"]["name"] == "python"
+    declared = project["config"]
+    fields = config.StackConfig.model_fields
+    by_alias = {(f.alias or name): f for name, f in fields.items()}
+    for key, decl in declared.items():
+        if key in config.SECRET_KEYS:
+            assert decl["secret"] is True
+            continue
+        assert key in by_alias, f"Pulumi.yaml declares {key}, which the config model does not have"
+        field = by_alias[key]
+        if "default" in decl:
+            default = field.get_default(call_default_factory=True)
+            default = default.value if hasattr(default, "value") else default
+            assert decl["default"] == default, key
+        else:
+            assert field.is_required() or field.get_default() is None, f"{key}: model default not declared"
+    scalar = {a for a, f in by_alias.items() if f.annotation in (str, int, bool) or "Enum" in str(f.annotation)
+              or str(f.annotation).startswith(("list[str]", "str |"))}
+    assert scalar <= set(declared), f"undeclared scalar keys: {scalar - set(declared)}"
