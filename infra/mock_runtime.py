@@ -165,7 +165,7 @@ def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> 
 
 
 def run(stack: str, values: dict[str, Any], secret_keys: set[str] | None = None,
-        others: dict[str, Any] | None = None) -> RunResult:
+        others: dict[str, Any] | None = None, program: Path = PROGRAM) -> RunResult:
     """Run __main__.py for `stack` with these config values.
 
     Raises what the program raises (a bad stack file: pulumi.RunError with the one-line
@@ -180,11 +180,11 @@ def run(stack: str, values: dict[str, Any], secret_keys: set[str] | None = None,
     settings.rpc_manager.clear()
     settings.outputs.clear()
 
-    def program() -> None:
-        runpy.run_path(str(PROGRAM), run_name="__main__")
+    def main() -> None:
+        runpy.run_path(str(program), run_name="__main__")
 
     try:
-        _sync_await(run_pulumi_func(program))
+        _sync_await(run_pulumi_func(main))
     except Exception as err:
         # Callers check that a rejected stack registered nothing.
         err.registered = list(result.resources)  # type: ignore[attr-defined]
