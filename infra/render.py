@@ -137,8 +137,11 @@ def summary(rendered: Rendered) -> str:
             f"GPUs {row['gpusAtMax']:3d}  EFA {row['efaAtMax']:3d}  ${row['usdPerHourDesired']:.2f}/h desired, "
             f"${row['usdPerHourMax']:.2f}/h max"
         )
-        total_desired += row["usdPerHourDesired"]
-        total_max += row["usdPerHourMax"]
+    # Totals from unrounded prices: summing the rounded per-pool figures drifts by cents.
+    for pool in (rendered.config.node_pools.prefill, rendered.config.node_pools.decode):
+        price = catalog.lookup(pool.instance_type).usd_per_hour
+        total_desired += price * pool.desired_size
+        total_max += price * pool.max_size
     lines.append(
         f"  GPU node cost: ${total_desired:,.2f}/h at desired size, ${total_max:,.2f}/h at max "
         f"(indicative on-demand list prices; spot and capacity blocks differ)"
