@@ -8,6 +8,7 @@ are replaced by a placeholder (offline tools never see, or need, the real value)
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ import yaml
 from infra.config import PROJECT
 
 ROOT = Path(__file__).resolve().parent.parent
-STACKS_DIR = ROOT / "stacks"
+# PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
+# tests render throwaway files from a temporary folder); messages still say stacks/<file>.
+STACKS_DIR = Path(os.environ["PD_STACKS_DIR"]) if os.environ.get("PD_STACKS_DIR") else ROOT / "stacks"
 
 
 class StackFileError(Exception):
@@ -46,6 +49,15 @@ def parse(text: str, source: str) -> tuple[dict[str, Any], set[str], dict[str, A
         raise StackFileError(f"{source}: not valid YAML{where}") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):
         raise StackFileError(f"{source}: expected a mapping with a 'config:' mapping")
+    # Anchors and aliases can expand a small file into billions of values (or a cycle): Pulumi
+    # refuses such files, and so do the offline tools, before anything walks the values.
+    budget, todo = 100_000, [doc]
+    while todo:
+        node = todo.pop()
+        budget -= 1
+        if budget < 0:
+            raise StackFileError(f"{source}: expands to more than 100000 values (YAML anchors and aliases?)")
+        todo.extend([*node.keys(), *node.values()] if isinstance(node, dict) else node if isinstance(node, list) else ())
     values: dict[str, Any] = {}
     secrets: set[str] = set()
     others: dict[str, Any] = {}
@@ -58,7 +70,8 @@ def parse(text: str, source: str) -> tuple[dict[str, Any], set[str], dict[str, A
             continue
         if isinstance(value, dict) and set(value) == {"secure"}:
             secrets.add(key)
-            value = secret_placeholder(key)
+            # An empty ciphertext holds no secret: hand on "" so the config check says it is unset.
+            value = secret_placeholder(key) if value["secure"] else ""
         values[key] = value
     return values, secrets, others
 
