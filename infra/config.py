@@ -255,8 +255,13 @@ class StackConfig(SpecModel):
     def _cidrs(cls, v: list[str]) -> list[str]:
         out = [_cidr(c) for c in v]
         for c in out:
-            if ipaddress.ip_network(c).prefixlen == 0:
+            net = ipaddress.ip_network(c)
+            if net.prefixlen == 0:
                 raise ValueError(f"{c!r} opens the endpoint to the whole internet; list your networks")
+            # Two halves (0.0.0.0/1 + 128.0.0.0/1) are the whole internet too: cap the width.
+            widest = 8 if net.version == 4 else 32
+            if net.prefixlen < widest:
+                raise ValueError(f"{c!r} is wider than a /{widest}; list your networks")
         return out
 
     @field_validator("availability_zones")
@@ -280,8 +285,11 @@ class StackConfig(SpecModel):
     @field_validator("namespace")
     @classmethod
     def _ns(cls, v: str) -> str:
-        if not _DNS_LABEL.match(v) or v.startswith("kube-") or v == "default":
-            raise ValueError(f"{v!r} is not a usable namespace name (a DNS label, not default or kube-*)")
+        # kuberay-system and nvidia-device-plugin are created by the stack's add-ons themselves.
+        if not _DNS_LABEL.match(v) or v.startswith("kube-") or v in ("default", "kuberay-system", "nvidia-device-plugin"):
+            raise ValueError(
+                f"{v!r} is not a usable namespace name (a DNS label, not default, kube-* or an add-on's namespace)"
+            )
         return v
 
     @field_validator("ray_image")
