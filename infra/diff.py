@@ -309,7 +309,8 @@ def compare(a: Side, b: Side) -> Report:
 
 # --- the report -------------------------------------------------------------------------
 def _short_type(t: str) -> str:
-    return t.rsplit(":", 1)[-1]
+    # aws:ec2/vpc:Vpc -> aws:Vpc; the package stays, so eks:Cluster and pd-inference:Cluster differ.
+    return f"{t.split(':', 1)[0]}:{t.rsplit(':', 1)[-1]}"
 
 
 def format_report(report: Report) -> str:
@@ -371,6 +372,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--allow-missing", action="store_true", help="with --rendered: a missing A is a new stack")
     ap.add_argument("--markdown", action="store_true", help="a pull-request summary instead of plain text")
     ap.add_argument("--title", help="heading of the markdown summary (default: A vs B)")
+    ap.add_argument("--labels", nargs=2, metavar=("A_LABEL", "B_LABEL"), help="names for A and B in the report")
     args = ap.parse_args(list(argv) if argv is not None else None)
     try:
         if args.rendered:
@@ -378,6 +380,8 @@ def main(argv: Iterable[str] | None = None) -> int:
             side_b = from_rendered(Path(args.b))
         else:
             side_a, side_b = from_stack(args.a), from_stack(args.b)
+        if args.labels:
+            side_a.label, side_b.label = args.labels
         report = compare(side_a, side_b)
     except DiffError as e:
         print(e, file=sys.stderr)

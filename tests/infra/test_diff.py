@@ -96,7 +96,7 @@ def test_identical_resources_are_summarized_not_listed(staging_prod):
     assert n > 10
     # The namespaces and KubeRay's chart are the same in both: counted, not listed.
     assert "kubernetes:core/v1:Namespace" not in staging_prod
-    assert "3 Namespace" in summary[0]
+    assert "3 kubernetes:Namespace" in summary[0]
     # A change common to many resources (the environment tag) is said once.
     common = [line for line in staging_prod.splitlines() if "tags.pd-inference/environment: staging -> prod" in line]
     assert len(common) == 1 and "resources]" in common[0]
@@ -154,9 +154,11 @@ def test_rendered_directories_for_pull_requests(tmp_path, rendered_stacks):
     ng = next(x for x in res if x["name"] == "gpu-decode-ng")
     ng["inputs"]["scalingConfig"]["maxSize"] = 5
     (head / "resources.json").write_text(json.dumps(res))
-    r = _cli("--rendered", "--markdown", "--title", "dev", str(base), str(head))
+    r = _cli("--rendered", "--markdown", "--title", "dev", "--labels", "base branch", "this pull request",
+             str(base), str(head))
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("### dev: 1 changed, 0 added, 0 removed\n")
+    assert "Differences from base branch (A) to this pull request (B)" in r.stdout
     assert "<details>" in r.stdout and "~~~diff\n" in r.stdout
     assert "      ~ scalingConfig.maxSize: 2 -> 5\n" in r.stdout
 
