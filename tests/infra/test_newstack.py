@@ -7,12 +7,14 @@ folder of the test's own (the shipped stacks/ is never written) -> read back thr
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
 import pytest
+import yaml
 
-from infra import catalog, newstack, stackfile
+from infra import catalog, mock_runtime, newstack, stackfile
 from infra.config import CapacityType, EndpointAccess, Environment, load
 from serving.spec import AuthMode
 
@@ -123,3 +125,63 @@ def test_bad_choices_fail_with_one_line(stacks_dir, capsys, args, starts):
     err = capsys.readouterr().err
     assert err.startswith(starts) and err.count("\n") == 1
     assert not (stacks_dir / f"Pulumi.{args[0]}.yaml").exists()
+
+
+# --- the Pulumi project template (`pulumi new .../templates/pd-inference`) -----------------
+TEMPLATE_DIR = ROOT / "templates" / "pd-inference"
+
+
+def _template_stack() -> tuple[dict, set, dict]:
+    """The stack config `pulumi new` writes from the template's defaults (values as strings)."""
+    project = yaml.safe_load((TEMPLATE_DIR / "Pulumi.yaml").read_text())
+    values, secrets, others = {}, set(), {}
+    for key, spec in project["template"]["config"].items():
+        ns, _, bare = key.partition(":")
+        if spec.get("secret"):
+            assert "default" not in spec, f"{key}: a secret has no default"
+            secrets.add(bare)
+            values[bare] = stackfile.secret_placeholder(bare)
+        elif ns == "pd-inference":
+            values[bare] = spec["default"]
+        else:
+            others[key] = spec["default"]
+    return values, secrets, others
+
+
+def test_pulumi_template_is_documented():
+    project = yaml.safe_load((TEMPLATE_DIR / "Pulumi.yaml").read_text())
+    assert project["name"] == "pd-inference"  # the program's config namespace
+    assert project["runtime"]["name"] == "python" and project["stackConfigDir"] == "stacks"
+    template = project["template"]
+    assert template["description"] and template["displayName"]
+    for key, spec in template["config"].items():
+        assert spec.get("description"), f"{key} needs a description"
+        assert "default" in spec or spec.get("secret"), f"{key} needs a default"
+    assert (TEMPLATE_DIR / "requirements.txt").read_text().splitlines()[-1] == "-r platform/requirements.txt"
+
+
+def test_pulumi_template_defaults_equal_make_stack():
+    values, secrets, others = _template_stack()
+    from_template = load(values, secret_keys=secrets, source="templates/pd-inference")
+    new_values, new_secrets, new_others = stackfile.parse(newstack.text_for("team-t"), "new")
+    from_make = load(new_values, secret_keys=new_secrets, source="new")
+    assert from_template.model_dump() == from_make.model_dump()
+    assert secrets == new_secrets and others == new_others
+
+
+def test_pulumi_template_program_runs_the_platform_program(tmp_path, monkeypatch):
+    project = tmp_path / "my-inference"
+    shutil.copytree(TEMPLATE_DIR, project)
+    (project / "platform").symlink_to(ROOT)  # the submodule checkout
+    monkeypatch.setattr(mock_runtime, "PROGRAM", project / "__main__.py")
+    values, secrets, others = _template_stack()
+    result = mock_runtime.run("team-t", values, secrets, others)
+    types = sorted(r.type for r in result.resources)
+    assert "eks:index:Cluster" in types and "kubernetes:ray.io/v1:RayService" in types
+    assert len(_gpu_pools(result)) == 2
+    assert {p.inputs["instanceTypes"][0] for p in _gpu_pools(result)} == {"g5.xlarge"}
+    assert result.outputs["clusterName"] == "pd-inference-team-t"
+
+
+def _gpu_pools(result):
+    return [r for r in result.resources if r.type == "eks:index:ManagedNodeGroup" and r.inputs.get("gpu")]
