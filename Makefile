@@ -28,10 +28,19 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-serving.txt
 
 venv: $(STAMP)
 
-test: venv
+# checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
+# its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.
+CHECKOV_STAMP := .venv-checkov/.installed
+$(CHECKOV_STAMP): policies/requirements-checkov.txt
+	test -x .venv-checkov/bin/python || $(PYTHON) -m venv .venv-checkov
+	.venv-checkov/bin/python -m pip install -q --upgrade pip
+	.venv-checkov/bin/python -m pip install -q -r policies/requirements-checkov.txt
+	touch $(CHECKOV_STAMP)
+
+test: venv $(CHECKOV_STAMP)
 	$(PY) -m pytest
 
-test-fast: venv
+test-fast: venv $(CHECKOV_STAMP)
 	$(PY) -m pytest -m "not e2e"
 
 serve: venv
