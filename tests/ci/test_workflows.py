@@ -110,6 +110,7 @@ def test_aws_credentials_come_only_from_oidc(pr, deploy):
                        "aws-session-token", "PULUMI_ACCESS_TOKEN", "secrets."):
             assert stored not in text, f"{path.name} uses {stored}: credentials come from OIDC only"
         assert doc["permissions"] == {}, f"{path.name}: no permissions by default; each job asks"
+        assert doc["defaults"]["run"]["shell"] == "bash", f"{path.name}: pipefail for every run step"
         for name, job in doc["jobs"].items():
             perms = job.get("permissions")
             assert isinstance(perms, dict), f"{path.name} {name}: declare the job's permissions"
