@@ -190,7 +190,7 @@ def test_merges_update_dev_then_staging_then_prod_behind_environments(deploy):
 
 def test_each_shipped_stack_is_updated_by_its_own_tier_only():
     rows = {tier: [r["stack"] for r in affected.matrix(affected.in_environment(tier))] for tier in TIERS}
-    assert "dev" in rows["dev"] and "staging" in rows["staging"] and rows["prod"] == ["prod"]
+    assert "dev" in rows["dev"] and "staging" in rows["staging"] and "prod" in rows["prod"]
     everything = [s for tier in TIERS for s in rows[tier]]
     assert sorted(everything) == stackfile.stacks(), "every stack deploys in exactly one tier"
 

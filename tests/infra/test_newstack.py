@@ -97,7 +97,7 @@ def test_bad_name_fails_with_one_line(name):
     assert r.returncode == 1, r.stdout
     assert r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith(f"NAME {name!r}:")
-    assert not list((ROOT / "stacks").glob("Pulumi.*team*")), "nothing may be written"
+    assert not (ROOT / "stacks" / f"Pulumi.{name}.yaml").exists(), "nothing may be written"
 
 
 def test_shipped_stack_is_not_overwritten_by_the_cli():
