@@ -557,6 +557,13 @@ def check_secrets_by_reference(type_: str, props: dict[str, Any], ctx: Context) 
         for where, name in _serve_config_env(dig(props, "spec", "serveConfigV2")):
             if secret_like(name):
                 yield f"{where} sets {name} as a literal runtime_env variable: {fix} on the pods instead"
+        for prefix, cluster in _ray_clusters(type_, props.get("spec")):
+            password = dig(cluster, "gcsFaultToleranceOptions", "redisPassword")
+            if isinstance(password, Mapping) and "value" in password:
+                yield (
+                    f"{prefix}.gcsFaultToleranceOptions.redisPassword is a literal value: use "
+                    "redisPassword.valueFrom.secretKeyRef (the stack's gcsRedisPassword secret)"
+                )
     if type_.startswith("kubernetes:") and type_ != K8S_SECRET and "stringData" in props:
         yield f"stringData on a {type_.rsplit(':', 1)[-1]}: only a Secret (kubernetes:core/v1:Secret) may hold secret data"
     if type_ == K8S_CONFIGMAP:

@@ -212,6 +212,9 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
     ("runtime-env-token", "secrets-by-reference", "dev", RAYSERVICE, None,
      lambda i: i["spec"].update(serveConfigV2="applications:\n- name: llm\n  runtime_env:\n    env_vars:\n"
                                               "      HUGGING_FACE_HUB_TOKEN: hf_x\n"), "Kubernetes Secret"),
+    ("redis-password-literal", "secrets-by-reference", "prod", RAYSERVICE, None,
+     lambda i: i["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"].update(redisPassword={"value": "hunter2"}),
+     "valueFrom.secretKeyRef"),
     ("string-data-off-secret", "secrets-by-reference", "prod", rules.K8S_SERVICE, None,
      lambda i: i.update(stringData={"api-keys": "sk-1"}), "only a Secret"),
     ("token-in-configmap", "secrets-by-reference", "prod", rules.K8S_SERVICE, None,
