@@ -15,7 +15,7 @@ Its output `endpoint` is the API's base URL.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pulumi
@@ -25,7 +25,7 @@ import pulumi_kubernetes as k8s
 from infra import catalog
 from infra.config import ServiceExposure
 from infra.package import ROOT, write_serving_zip
-from infra.rayservice import RayServiceInputs, SecretRef, rayservice_manifest
+from infra.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from serving.spec import SERVE_PORT, ServingSpec
 
 API_KEYS_SECRET_KEY = "api-keys"
@@ -147,15 +147,16 @@ class LlmService(pulumi.ComponentResource):
         redis = secret("redis", args.redis_password, "password")
 
         # --- the RayService ------------------------------------------------------------------
-        def manifest(wd: str) -> dict:
-            return rayservice_manifest(RayServiceInputs(
-                name=name, namespace=ns, image=args.image, serving=args.serving, instances=args.instances,
-                working_dir=wd, head_service_account=head_sa, worker_service_account=worker_sa,
-                api_keys=api_keys, hf_token=hf_token, redis_password=redis,
-                gcs_redis_address=args.gcs_redis_address, upgrade_strategy=args.upgrade_strategy,
-            ))
-
-        spec = working_dir.apply(lambda wd: manifest(wd)["spec"])
+        inputs = RayServiceInputs(
+            name=name, namespace=ns, image=args.image, serving=args.serving, instances=args.instances,
+            working_dir="", head_service_account=head_sa, worker_service_account=worker_sa,
+            api_keys=api_keys, hf_token=hf_token, redis_password=redis,
+            gcs_redis_address=args.gcs_redis_address, upgrade_strategy=args.upgrade_strategy,
+        )
+        # Everything but serveConfigV2 is known at preview, so policies see the pods even
+        # before the code bucket exists; only the Serve config waits for the bucket's name.
+        spec = rayservice_manifest(inputs)["spec"]
+        spec["serveConfigV2"] = working_dir.apply(lambda wd: serve_config_yaml(replace(inputs, working_dir=wd)))
         k8s.apiextensions.CustomResource(
             f"{name}-rayservice",
             api_version="ray.io/v1",
