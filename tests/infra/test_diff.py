@@ -182,7 +182,7 @@ def test_errors_are_one_line(args, starts):
 
 def test_readme_section_shows_real_output(rendered_stacks, staging_prod):
     """The platform README section pastes `make render` cost lines and a `make diff` excerpt: real ones."""
-    section = (ROOT / ".github" / "README-section.md").read_text()
+    section = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```text\n(.*?)```", section, flags=re.S)
     costs, excerpt = blocks[0], blocks[1]
     for stack in ("dev", "staging", "prod"):
