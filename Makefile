@@ -37,10 +37,10 @@ $(CHECKOV_STAMP): policies/requirements-checkov.txt
 	.venv-checkov/bin/python -m pip install -q -r policies/requirements-checkov.txt
 	touch $(CHECKOV_STAMP)
 
-test: venv $(CHECKOV_STAMP)
+test: venv $(CHECKOV_STAMP) $(ACTIONLINT)
 	$(PY) -m pytest
 
-test-fast: venv $(CHECKOV_STAMP)
+test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT)
 	$(PY) -m pytest -m "not e2e"
 
 serve: venv
