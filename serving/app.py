@@ -1,0 +1,320 @@
+"""The Ray Serve application: `build_app(args)`, the import path of the Serve config.
+
+What flows through here: the `args` that `serving.spec.ServingSpec.app_args()` renders
+(mode, auth, ingress options, and either prefill/decode LLMConfigs or one aggregated
+LLMConfig) come in; a Ray Serve `Application` goes out, built by Ray Serve LLM's own
+builders (`build_pd_openai_app` / `build_openai_app`): OpenAI ingress -> decode engine ->
+prefill engine, KV cache moved by the engines' NIXL connector.
+
+What this module adds to Ray's builder is one ingress subclass, plugged in through the
+builders' `ingress_cls_config`:
+  * API-key auth (`Authorization: Bearer <key>`), keys from the environment variable named
+    in args["auth"]["api_keys_env"]; checked before the body is even parsed. With auth on
+    and no key configured, every request is refused (401) rather than served open.
+  * One error shape for every failure the ingress answers itself:
+    {"error": {"message", "type", "param", "code"}} with 400 / 401 / 404 / 503 / 500.
+Ray Serve's own `/-/healthz` and `/-/routes` are answered by the proxy and stay open.
+
+Only public `ray.serve.llm` APIs are used here.
+"""
+
+from __future__ import annotations
+
+import hmac
+import inspect
+import json
+import logging
+import os
+from functools import lru_cache
+from typing import Any, Mapping
+
+from fastapi import Request
+from pydantic import TypeAdapter, ValidationError
+from starlette.responses import JSONResponse, Response
+
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+from ray.serve.llm import build_openai_app, build_pd_openai_app
+from ray.serve.llm.ingress import OpenAiIngress
+from ray.serve.llm.openai_api_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    TranscriptionRequest,
+)
+
+logger = logging.getLogger("ray.serve")
+
+AUTH_API_KEY = "api-key"
+AUTH_DISABLED = "disabled"
+DEFAULT_API_KEYS_ENV = "PD_API_KEYS"
+
+# OpenAI's error `type` and `code` for each status the ingress answers itself.
+_ERROR_KINDS: dict[int, tuple[str, str | None]] = {
+    400: ("invalid_request_error", None),
+    401: ("invalid_request_error", "invalid_api_key"),
+    404: ("invalid_request_error", "model_not_found"),
+    408: ("timeout_error", "timeout"),
+    413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", None),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    503: ("server_error", "overloaded"),
+}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    type: str | None = None,
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
+    """An OpenAI-style JSON error: {"error": {"message", "type", "param", "code"}}."""
+    default_type, default_code = _ERROR_KINDS.get(
+        status, ("server_error" if status >= 500 else "invalid_request_error", None)
+    )
+    body = {
+        "error": {
+            "message": message,
+            "type": type or default_type,
+            "param": param,
+            "code": code if code is not None else default_code,
+        }
+    }
+    return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
+
+
+def parse_api_keys(raw: str | None) -> tuple[str, ...]:
+    """Comma-separated keys from the environment; blanks dropped."""
+    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
+
+
+class ApiKeyAuth:
+    """Checks `Authorization: Bearer <key>` against a fixed set of keys."""
+
+    def __init__(self, mode: str, keys: tuple[str, ...]):
+        if mode not in (AUTH_API_KEY, AUTH_DISABLED):
+            raise ValueError(f"auth mode {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}")
+        self.enabled = mode != AUTH_DISABLED
+        self._keys = tuple(k.encode() for k in keys)
+
+    def check(self, request: Request) -> JSONResponse | None:
+        """None when the request may pass, else the 401 response to send."""
+        if not self.enabled:
+            return None
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        token = token.strip().encode()
+        if scheme.lower() != "bearer" or not token:
+            return error_response(
+                401,
+                "Missing API key: send it as 'Authorization: Bearer <key>'.",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        # Compare against every key, constant-time, so timing says nothing about which.
+        ok = False
+        for key in self._keys:
+            ok |= hmac.compare_digest(token, key)
+        if not ok:
+            return error_response(
+                401, "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"}
+            )
+        return None
+
+
+def _validation_error(err: ValidationError) -> JSONResponse:
+    first = err.errors()[0] if err.errors() else {}
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
+    msg = first.get("msg", "invalid request body")
+    where = f" (at '{loc}')" if loc else ""
+    return error_response(400, f"Invalid request body: {msg}{where}.", param=loc)
+
+
+def _from_exception(exc: BaseException) -> JSONResponse:
+    """Map what Ray Serve LLM raises to the OpenAI error shape."""
+    if isinstance(exc, ValidationError):
+        return _validation_error(exc)
+    if isinstance(exc, BackPressureError):
+        return error_response(
+            503, "The server is overloaded; retry later.", headers={"Retry-After": "1"}
+        )
+    if isinstance(exc, DeploymentUnavailableError):
+        return error_response(503, "The model is not available yet; retry later.",
+                              headers={"Retry-After": "5"})
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        # fastapi.HTTPException carries `detail`; Ray's OpenAIHTTPException `message`.
+        message = getattr(exc, "message", None) or getattr(exc, "detail", None) or str(exc)
+        if status >= 500:
+            logger.error("ingress error %s: %s", status, message)
+            if status == 503:
+                return error_response(503, "The server is overloaded; retry later.")
+            return error_response(status, "Internal server error.")
+        return error_response(status, str(message))
+    logger.exception("unhandled ingress error", exc_info=exc)
+    return error_response(500, "Internal server error.", code="internal_error")
+
+
+async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(
+            400,
+            "We could not parse the JSON body of your request. Send a JSON object "
+            "with 'Content-Type: application/json'.",
+            code="invalid_json",
+        )
+    if not isinstance(body, dict):
+        return error_response(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+class AuthenticatedIngress(OpenAiIngress):
+    """Ray Serve LLM's OpenAI ingress with API-key auth and uniform OpenAI-style errors.
+
+    Each endpoint takes the raw request, so auth runs before the body is parsed and every
+    parse or validation error comes back in the OpenAI error shape; it then hands the
+    typed body to the parent's endpoint unchanged.
+    """
+
+    def __init__(
+        self,
+        llm_deployments,
+        model_cards,
+        *,
+        auth_mode: str = AUTH_API_KEY,
+        api_keys_env: str = DEFAULT_API_KEYS_ENV,
+        **kwargs,
+    ):
+        super().__init__(llm_deployments, model_cards, **kwargs)
+        keys = parse_api_keys(os.environ.get(api_keys_env))
+        self._auth = ApiKeyAuth(auth_mode, keys)
+        if self._auth.enabled and not keys:
+            logger.warning(
+                "auth is %r but %s holds no keys: every request will get 401",
+                auth_mode,
+                api_keys_env,
+            )
+
+    async def _typed_call(self, request: Request, model_cls, parent_method) -> Response:
+        denied = self._auth.check(request)
+        if denied is not None:
+            return denied
+        body = await _json_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            typed = _adapter(model_cls).validate_python(body)
+        except ValidationError as err:
+            return _validation_error(err)
+        try:
+            return await parent_method(typed, request)
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as a JSON error
+            return _from_exception(exc)
+
+    # --- the OpenAI endpoints (route table: Ray's DEFAULT_ENDPOINTS) -----------------
+    async def chat(self, request: Request) -> Response:
+        return await self._typed_call(request, ChatCompletionRequest, super().chat)
+
+    async def completions(self, request: Request) -> Response:
+        return await self._typed_call(request, CompletionRequest, super().completions)
+
+    async def models(self, request: Request):
+        denied = self._auth.check(request)
+        if denied is not None:
+            return denied
+        try:
+            return await super().models()
+        except Exception as exc:  # noqa: BLE001
+            return _from_exception(exc)
+
+    async def model_data(self, model: str, request: Request):
+        denied = self._auth.check(request)
+        if denied is not None:
+            return denied
+        try:
+            return await super().model_data(model)
+        except Exception as exc:  # noqa: BLE001
+            resp = _from_exception(exc)
+            if resp.status_code == 404:
+                return error_response(404, f"The model '{model}' does not exist.", param="model")
+            return resp
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self._typed_call(request, _body_type("embeddings"), super().embeddings)
+
+    async def score(self, request: Request) -> Response:
+        return await self._typed_call(request, _body_type("score"), super().score)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self._typed_call(request, _body_type("tokenize"), super().tokenize)
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._typed_call(request, _body_type("detokenize"), super().detokenize)
+
+    async def transcriptions(self, request: Request) -> Response:
+        denied = self._auth.check(request)
+        if denied is not None:
+            return denied
+        try:
+            typed = TranscriptionRequest.model_validate(dict(await request.form()))
+        except ValidationError as err:
+            return _validation_error(err)
+        except Exception as exc:  # noqa: BLE001 - malformed multipart
+            return error_response(400, f"Invalid form body: {exc}")
+        try:
+            return await super().transcriptions(typed, request)
+        except Exception as exc:  # noqa: BLE001
+            return _from_exception(exc)
+
+
+@lru_cache(maxsize=None)
+def _adapter(model_cls) -> TypeAdapter:
+    return TypeAdapter(model_cls)
+
+
+def _body_type(endpoint: str) -> type:
+    """The request model the parent's endpoint declares for `body`.
+
+    Read from the parent's signature so the vLLM-specific endpoints (score, tokenize, ...)
+    parse exactly as Ray's ingress would, without importing Ray's internal models.
+    """
+    return inspect.signature(getattr(OpenAiIngress, endpoint)).parameters["body"].annotation
+
+
+def _ingress_cls_config(auth: Mapping[str, Any]) -> dict[str, Any]:
+    mode = auth.get("mode", AUTH_API_KEY)
+    if mode not in (AUTH_API_KEY, AUTH_DISABLED):
+        raise ValueError(f"args.auth.mode {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}")
+    return {
+        "ingress_cls": AuthenticatedIngress,
+        "ingress_extra_kwargs": {
+            "auth_mode": mode,
+            "api_keys_env": auth.get("api_keys_env", DEFAULT_API_KEYS_ENV),
+        },
+    }
+
+
+_PD_KEYS = {"mode", "auth", "ingress_deployment_config", "prefill_config", "decode_config"}
+_AGG_KEYS = {"mode", "auth", "ingress_deployment_config", "llm_configs"}
+
+
+def build_app(args: dict) -> "Application":  # noqa: F821 - ray.serve.Application
+    """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
+    args = dict(args)
+    mode = args.get("mode", "disaggregated")
+    if mode == "disaggregated":
+        allowed, builder = _PD_KEYS, build_pd_openai_app
+    elif mode == "aggregated":
+        allowed, builder = _AGG_KEYS, build_openai_app
+    else:
+        raise ValueError(f"args.mode {mode!r} is not 'disaggregated' or 'aggregated'")
+    unknown = sorted(set(args) - allowed)
+    if unknown:
+        raise ValueError(f"unknown keys in args for mode {mode!r}: {', '.join(unknown)}")
+
+    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth")}
+    builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {})
+    return builder(builder_args)
