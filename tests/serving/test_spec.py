@@ -1,0 +1,306 @@
+"""What serving/spec.py renders, checked by Ray Serve's and vLLM's own validators.
+
+None of these start Ray. The serving packages are required: if Ray or vLLM is missing the
+imports below fail the tests rather than skip them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from pydantic import ValidationError
+
+from serving.spec import (
+    API_KEYS_ENV,
+    APP_IMPORT_PATH,
+    DEFAULT_LABEL_KEY,
+    SERVE_PORT,
+    Mode,
+    ServingSpec,
+    Target,
+)
+
+GPU = Target(
+    accelerator_type="H100",
+    working_dir="s3://example-bucket/serving.zip",
+    engine_env={"FI_PROVIDER": "efa"},
+    ingress_env={"LOG_LEVEL": "info"},
+)
+CPU = Target(engine_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+
+
+def make_spec(**overrides) -> ServingSpec:
+    data = {
+        "model": {"id": "llama-3-8b", "source": "meta-llama/Meta-Llama-3-8B-Instruct"},
+        "prefill": {"tensorParallelSize": 2},
+        "decode": {"tensorParallelSize": 2, "minReplicas": 1, "maxReplicas": 3},
+        "kvTransfer": {"extraConfig": {"backends": ["UCX"]}},
+    }
+    data.update(overrides)
+    return ServingSpec.model_validate(data)
+
+
+def cpu_spec(mode: str = "disaggregated") -> ServingSpec:
+    return ServingSpec.model_validate(
+        {
+            "model": {"id": "tiny", "source": "/models/tiny", "dtype": "float32", "maxModelLen": 512},
+            "mode": mode,
+            "engineKwargs": {"enforce_eager": True},
+        }
+    )
+
+
+CASES = {
+    "gpu-disaggregated": (make_spec(), GPU),
+    "gpu-aggregated": (make_spec(mode="aggregated", decode={"tensorParallelSize": 4, "pipelineParallelSize": 2}), GPU),
+    "cpu-disaggregated": (cpu_spec(), CPU),
+    "cpu-aggregated": (cpu_spec("aggregated"), CPU),
+}
+
+
+def engine_configs(args: dict) -> dict[str, dict]:
+    if args["mode"] == "aggregated":
+        return {"decode": args["llm_configs"][0]}
+    return {"prefill": args["prefill_config"], "decode": args["decode_config"]}
+
+
+# --- Ray Serve's validators ----------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_serve_config_passes_ray_serve_schema(case):
+    from ray.serve.schema import ServeDeploySchema
+
+    spec, target = CASES[case]
+    config = spec.serve_config(target)
+    parsed = ServeDeploySchema.model_validate(config)
+    app = parsed.applications[0]
+    assert app.import_path == APP_IMPORT_PATH
+    assert app.route_prefix == "/"
+    assert parsed.http_options.port == SERVE_PORT
+    assert parsed.proxy_location.value == "HeadOnly"
+    if target.working_dir:
+        assert app.runtime_env == {"working_dir": target.working_dir}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_engine_config_is_a_valid_ray_llm_config(case):
+    from ray.serve.llm import LLMConfig
+
+    spec, target = CASES[case]
+    for role, raw in engine_configs(spec.app_args(target)).items():
+        cfg = LLMConfig.model_validate(copy.deepcopy(raw))
+        assert cfg.model_id == spec.model.id
+        if target.cpu:
+            assert cfg.accelerator_config.kind == "cpu"
+            assert cfg.accelerator_type is None
+        else:
+            assert cfg.accelerator_type == target.accelerator_type
+        assert cfg.runtime_env["env_vars"] == dict(target.engine_env)
+
+
+@pytest.mark.parametrize("case", ["gpu-disaggregated", "cpu-disaggregated"])
+def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
+    from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
+
+    from serving.app import AuthenticatedIngress, _ingress_cls_config
+
+    spec, target = CASES[case]
+    args = spec.app_args(target)
+    pd = PDServingArgs.model_validate(
+        {
+            "prefill_config": args["prefill_config"],
+            "decode_config": args["decode_config"],
+            "ingress_deployment_config": args["ingress_deployment_config"],
+            "ingress_cls_config": _ingress_cls_config(args["auth"]),
+        }
+    )
+    assert pd.prefill_config.model_id == pd.decode_config.model_id == spec.model.id
+    assert pd.ingress_cls_config.ingress_cls is AuthenticatedIngress
+    assert pd.ingress_cls_config.ingress_extra_kwargs == {
+        "auth_mode": "api-key",
+        "api_keys_env": API_KEYS_ENV,
+    }
+
+
+@pytest.mark.parametrize("case", ["gpu-aggregated", "cpu-aggregated"])
+def test_aggregated_args_pass_ray_serving_args_validator(case):
+    from ray.serve.llm import LLMServingArgs
+
+    from serving.app import _ingress_cls_config
+
+    spec, target = CASES[case]
+    args = spec.app_args(target)
+    parsed = LLMServingArgs.model_validate(
+        {
+            "llm_configs": args["llm_configs"],
+            "ingress_deployment_config": args["ingress_deployment_config"],
+            "ingress_cls_config": _ingress_cls_config(args["auth"]),
+        }
+    )
+    assert [c.model_id for c in parsed.llm_configs] == [spec.model.id]
+
+
+def test_ray_pd_validator_rejects_a_missing_kv_transfer_config():
+    """The validator used above is not a rubber stamp."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
+
+    args = cpu_spec().app_args(CPU)
+    del args["decode_config"]["engine_kwargs"]["kv_transfer_config"]
+    with pytest.raises(ValidationError, match="kv_transfer_config is required"):
+        PDServingArgs.model_validate(
+            {"prefill_config": args["prefill_config"], "decode_config": args["decode_config"]}
+        )
+
+
+# --- vLLM's validators ---------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["gpu-disaggregated", "cpu-disaggregated"])
+def test_kv_transfer_config_is_valid_for_vllm(case):
+    from vllm.config import KVTransferConfig
+
+    spec, target = CASES[case]
+    for role, raw in engine_configs(spec.app_args(target)).items():
+        kv = KVTransferConfig(**raw["engine_kwargs"]["kv_transfer_config"])
+        assert kv.kv_connector == "NixlConnector"
+        assert kv.kv_role == "kv_both"
+        assert kv.is_kv_transfer_instance
+        assert kv.kv_buffer_device == ("cpu" if target.cpu else "cuda")
+        assert kv.kv_load_failure_policy == "recompute"
+        if not target.cpu:
+            assert kv.kv_connector_extra_config == {"backends": ["UCX"]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_engine_kwargs_are_valid_vllm_engine_args(case):
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    spec, target = CASES[case]
+    for role, raw in engine_configs(spec.app_args(target)).items():
+        kwargs = dict(raw["engine_kwargs"])
+        if "kv_transfer_config" in kwargs:
+            kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        args = AsyncEngineArgs(model=spec.model.source, **kwargs)
+        assert args.dtype == spec.model.dtype.value
+        assert args.max_model_len == spec.model.max_model_len
+        role_spec = spec.engine_roles()[role]
+        assert args.tensor_parallel_size == role_spec.tensor_parallel_size
+        assert args.pipeline_parallel_size == role_spec.pipeline_parallel_size
+        if target.cpu:
+            assert args.enforce_eager is True
+
+
+def test_vllm_rejects_an_unknown_engine_kwarg_that_the_spec_lets_through():
+    """The spec leaves engineKwargs to vLLM; vLLM's own validator is what catches typos."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    spec = cpu_spec().model_copy(update={"engine_kwargs": {"enforce_eagre": True}})
+    kwargs = dict(spec.app_args(CPU)["decode_config"]["engine_kwargs"])
+    kwargs.pop("kv_transfer_config")
+    with pytest.raises(TypeError, match="enforce_eagre"):
+        AsyncEngineArgs(model="/models/tiny", **kwargs)
+
+
+# --- placement and auth in what is rendered ---------------------------------------------------
+def test_engines_pinned_to_their_node_group_one_selector_per_bundle():
+    spec, target = CASES["gpu-disaggregated"]
+    args = spec.app_args(target)
+    for role in ("prefill", "decode"):
+        selectors = args[f"{role}_config"]["deployment_config"]["placement_group_bundle_label_selector"]
+        assert selectors == [{DEFAULT_LABEL_KEY: role}] * 2  # TP 2 -> two bundles
+    assert args["ingress_deployment_config"]["ray_actor_options"]["label_selector"] == {
+        DEFAULT_LABEL_KEY: "head"
+    }
+    assert args["ingress_deployment_config"]["ray_actor_options"]["runtime_env"] == {
+        "env_vars": {"LOG_LEVEL": "info"}
+    }
+
+
+def test_aggregated_engine_runs_on_the_decode_group():
+    spec, target = CASES["gpu-aggregated"]
+    (cfg,) = spec.app_args(target)["llm_configs"]
+    assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [
+        {DEFAULT_LABEL_KEY: "decode"}
+    ] * 8  # TP 4 x PP 2
+    assert "kv_transfer_config" not in cfg["engine_kwargs"]
+
+
+def test_cpu_target_renders_no_gpu_settings():
+    args = cpu_spec().app_args(CPU)
+    for cfg in (args["prefill_config"], args["decode_config"]):
+        assert cfg["accelerator_config"] == {"kind": "cpu"}
+        assert "accelerator_type" not in cfg
+        assert "gpu_memory_utilization" not in cfg["engine_kwargs"]
+        assert cfg["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
+
+
+@pytest.mark.parametrize("auth", ["api-key", "disabled"])
+def test_auth_mode_and_key_variable_reach_the_app_args(auth):
+    args = make_spec(auth=auth).app_args(GPU)
+    assert args["auth"] == {"mode": auth, "api_keys_env": API_KEYS_ENV}
+
+
+def test_cloud_and_local_differ_only_in_target():
+    """Same spec, two targets: the model, parallelism, KV transfer and placement agree."""
+    spec = make_spec()
+    cloud = spec.app_args(GPU)
+    local = spec.app_args(CPU)
+    for role in ("prefill_config", "decode_config"):
+        c, l = cloud[role], local[role]
+        assert c["model_loading_config"] == l["model_loading_config"]
+        assert c["deployment_config"] == l["deployment_config"]
+        ck = {k: v for k, v in c["engine_kwargs"].items() if k not in ("gpu_memory_utilization", "kv_transfer_config")}
+        lk = {k: v for k, v in l["engine_kwargs"].items() if k != "kv_transfer_config"}
+        assert ck == lk
+    assert cloud["ingress_deployment_config"]["autoscaling_config"] == local["ingress_deployment_config"]["autoscaling_config"]
+
+
+# --- cross-field validation ------------------------------------------------------------------
+def test_tensor_parallel_mismatch_is_rejected():
+    with pytest.raises(ValidationError, match=r"prefill.tensorParallelSize \(2\) must equal decode.tensorParallelSize \(4\)"):
+        make_spec(decode={"tensorParallelSize": 4})
+
+
+def test_tensor_parallel_mismatch_is_fine_in_aggregated_mode():
+    spec = make_spec(mode="aggregated", decode={"tensorParallelSize": 4})
+    assert spec.engine_roles() == {"decode": spec.decode}
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_pipeline_parallel_in_disaggregated_mode_is_rejected(role):
+    overrides = {role: {"tensorParallelSize": 2, "pipelineParallelSize": 2}}
+    with pytest.raises(ValidationError, match=r"pipelineParallelSize > 1 is not supported in disaggregated mode"):
+        make_spec(**overrides)
+
+
+@pytest.mark.parametrize("key", ["tensor_parallel_size", "kv_transfer_config", "model", "dtype"])
+def test_reserved_engine_kwargs_are_rejected(key):
+    with pytest.raises(ValidationError, match=rf"{key} set by the spec itself .* remove from engineKwargs"):
+        make_spec(engineKwargs={key: 1})
+
+
+@pytest.mark.parametrize("bad", ["", "has space", "a/b", "-lead", "x" * 129])
+def test_bad_model_id_is_rejected(bad):
+    with pytest.raises(ValidationError, match="is not a valid model id"):
+        make_spec(model={"id": bad, "source": "org/name"})
+
+
+@pytest.mark.parametrize(
+    "bad", ["../weights", "/models/../etc", "https://example.com/model", "just-a-name", "s3://B/x", "org/name/extra"]
+)
+def test_bad_model_source_is_rejected(bad):
+    with pytest.raises(ValidationError, match="is not a valid model source"):
+        make_spec(model={"id": "m", "source": bad})
+
+
+@pytest.mark.parametrize("good", ["org/name", "s3://bucket-1/prefix/model", "/abs/path/model"])
+def test_model_source_forms_accepted(good):
+    assert make_spec(model={"id": "m", "source": good}).model.source == good
+
+
+def test_placement_labels_must_differ():
+    with pytest.raises(ValidationError, match="must differ"):
+        make_spec(placement={"prefill": "gpu", "decode": "gpu"})
+
+
+def test_mode_enum_round_trips():
+    assert make_spec(mode="aggregated").mode is Mode.AGGREGATED
