@@ -1,0 +1,33 @@
+"""One local serving stack for the whole e2e session.
+
+`stack` runs `python -m serving.local --mode both` (what `make serve` runs, plus the
+aggregated app at /aggregated) on a free port with a known API key, waits for its ready
+line, and Ctrl-Cs it at the end. Its log goes to build/test-logs/serve-e2e.log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+E2E_KEY = "sk-e2e-test-key"
+LOG_DIR = Path(__file__).resolve().parents[2] / "build" / "test-logs"
+# Runs last: it stops the shared stack.
+LAST = "test_ctrl_c_shuts_everything_down"
+
+
+def pytest_collection_modifyitems(config, items):
+    last = [i for i in items if i.originalname == LAST]
+    items[:] = [i for i in items if i.originalname != LAST] + last
+
+
+@pytest.fixture(scope="session")
+def stack():
+    from serving.local import background_stack
+
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / "serve-e2e.log"
+    log.write_text("")
+    with background_stack(mode="both", api_key=E2E_KEY, log_path=log, timeout=480) as running:
+        yield running
