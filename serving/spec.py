@@ -257,6 +257,11 @@ class ServingSpec(SpecModel):
     @field_validator("engine_kwargs")
     @classmethod
     def _engine_kwargs(cls, v: dict[str, Any]) -> dict[str, Any]:
+        if v.get("trust_remote_code"):
+            raise ValueError(
+                "trust_remote_code runs Python code from the model repository inside the engines; "
+                "it is refused (use a model that transformers supports natively)"
+            )
         clash = sorted(RESERVED_ENGINE_KWARGS & set(v))
         if clash:
             raise ValueError(
@@ -294,6 +299,11 @@ class ServingSpec(SpecModel):
         return {"prefill": self.prefill, "decode": self.decode}
 
     # --- rendering ----------------------------------------------------------------------
+    def _model_source(self) -> str | dict[str, str]:
+        # Ray Serve LLM reads a bucket through its mirror config; a repo id or path as is.
+        src = self.model.source
+        return {"bucket_uri": src} if src.startswith("s3://") else src
+
     def _llm_config(self, role: str, spec: RoleSpec, target: Target) -> dict[str, Any]:
         label = getattr(self.placement, role)
         engine_kwargs: dict[str, Any] = {
@@ -324,7 +334,7 @@ class ServingSpec(SpecModel):
             autoscaling["initial_replicas"] = spec.initial_replicas
         bundles = spec.gpus_per_replica
         config: dict[str, Any] = {
-            "model_loading_config": {"model_id": self.model.id, "model_source": self.model.source},
+            "model_loading_config": {"model_id": self.model.id, "model_source": self._model_source()},
             "engine_kwargs": engine_kwargs,
             "deployment_config": {
                 "autoscaling_config": autoscaling,
@@ -352,6 +362,9 @@ class ServingSpec(SpecModel):
             },
             "ray_actor_options": {
                 "label_selector": {self.placement.label_key: self.placement.head},
+                # The head offers no CPUs to Serve replicas (it must not take model work);
+                # the ingress is I/O-bound and asks for none.
+                "num_cpus": 0,
             },
         }
         if target.ingress_env:

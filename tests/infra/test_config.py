@@ -84,6 +84,8 @@ def test_issue_example_message(prod):
         (lambda v: v.pop("apiKeys"), "apiKeys: serving.auth is api-key but no apiKeys secret is set"),
         (lambda v: v["nodePools"]["prefill"].update(minSize=3), "nodePools.prefill: sizes must satisfy"),
         (lambda v: v.update(efaZone="us-east-1d"), "efaZone: 'us-east-1d' is not one of availabilityZones"),
+        (lambda v: v["serving"].update(engineKwargs={"trust_remote_code": True}),
+         "serving.engineKwargs: trust_remote_code runs Python code from the model repository"),
     ],
 )
 def test_one_line_names_file_and_key(prod, mutate, expected):

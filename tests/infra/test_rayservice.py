@@ -244,3 +244,18 @@ def test_render_cli_writes_resources_and_manifests(stack_name, tmp_path):
     helm = yaml.safe_load((out / "manifests" / "helm-kuberay-chart.yaml").read_text())
     assert helm["chart"] == "kuberay-operator" and helm["version"] == "1.7.0"
     assert "GPU pools" in proc.stdout and "GPUs" in proc.stdout
+
+
+def test_ingress_fits_on_a_head_that_offers_no_cpus(stack):
+    rs = _rayservice(stack)
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    ingress = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["ingress_deployment_config"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert ingress["ray_actor_options"]["num_cpus"] == 0
+    assert ingress["ray_actor_options"]["label_selector"] == {"ray.io/node-group": "head"}
+
+
+def test_s3_model_source_uses_ray_mirror_config(rendered_stacks):
+    serve = yaml.safe_load(_rayservice(rendered_stacks["prod"])["spec"]["serveConfigV2"])
+    source = serve["applications"][0]["args"]["decode_config"]["model_loading_config"]["model_source"]
+    assert source == {"bucket_uri": rendered_stacks["prod"].config.serving.model.source}
