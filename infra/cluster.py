@@ -10,7 +10,6 @@ role (shared by every node group) and the outputs the stack exports.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import pulumi
@@ -19,6 +18,7 @@ import pulumi_eks as eks
 import pulumi_kubernetes as k8s
 
 from infra.config import EndpointAccess, SystemNodes
+from infra.iam import trusted_by
 
 SYSTEM_ROLE_LABEL = "pd-inference/role"
 SYSTEM_ROLE = "system"
@@ -73,14 +73,7 @@ class Cluster(pulumi.ComponentResource):
 
         self.node_role = aws.iam.Role(
             f"{name}-node-role",
-            assume_role_policy=json.dumps(
-                {
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}
-                    ],
-                }
-            ),
+            assume_role_policy=trusted_by("ec2.amazonaws.com"),
             tags=tags,
             opts=child,
         )

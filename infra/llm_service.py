@@ -24,6 +24,7 @@ import pulumi_kubernetes as k8s
 
 from infra import catalog
 from infra.config import ServiceExposure
+from infra.iam import trusted_by
 from infra.package import ROOT, write_serving_zip
 from infra.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from serving.spec import SERVE_PORT, ServingSpec
@@ -101,18 +102,14 @@ class LlmService(pulumi.ComponentResource):
         head_sa, worker_sa = f"{name}-head", f"{name}-worker"
         role = aws.iam.Role(
             f"{name}-pods",
-            assume_role_policy=json.dumps({
-                "Version": "2012-10-17",
-                "Statement": [{"Effect": "Allow", "Principal": {"Service": "pods.eks.amazonaws.com"},
-                               "Action": ["sts:AssumeRole", "sts:TagSession"]}],
-            }),
+            assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
             tags=tags, opts=aws_opts,
         )
         model_bucket = args.model_bucket
         aws.iam.RolePolicy(
             f"{name}-pods-read",
             role=role.id,
-            policy=bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, key, model_bucket))),
+            policy=bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket))),
             opts=aws_opts,
         )
         for sa in (head_sa, worker_sa):
@@ -229,7 +226,7 @@ def _lb_url(status) -> str | None:
     return f"http://{host}:{SERVE_PORT}/v1" if host else None
 
 
-def _read_policy(code_bucket_arn: str, code_key: str, model_bucket: str | None) -> dict:
+def _read_policy(code_bucket_arn: str, model_bucket: str | None) -> dict:
     statements = [
         {"Sid": "ServingCode", "Effect": "Allow", "Action": ["s3:GetObject"],
          "Resource": [f"{code_bucket_arn}/serving/*"]},

@@ -17,6 +17,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.config import ExistingVpc, NatGateways
+from infra.iam import trusted_by
 
 
 @dataclass
@@ -140,14 +141,7 @@ class Network(pulumi.ComponentResource):
         )
         flow_role = aws.iam.Role(
             f"{name}-flow-logs-role",
-            assume_role_policy=json.dumps(
-                {
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        {"Effect": "Allow", "Principal": {"Service": "vpc-flow-logs.amazonaws.com"}, "Action": "sts:AssumeRole"}
-                    ],
-                }
-            ),
+            assume_role_policy=trusted_by("vpc-flow-logs.amazonaws.com"),
             tags=tags,
             opts=child,
         )
