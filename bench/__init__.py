@@ -1,0 +1,1 @@
+"""Benchmarks of the local serving path (make bench)."""
