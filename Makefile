@@ -46,6 +46,9 @@ test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT)
 serve: venv
 	$(PY) -m serving.local --port $(PORT)
 
+bench: venv
+	$(PY) -m bench.serving_bench --out build/bench/serving.json
+
 render: venv
 	$(PY) -m infra.render --stack $(STACK)
 
