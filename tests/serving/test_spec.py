@@ -54,6 +54,7 @@ def cpu_spec(mode: str = "disaggregated") -> ServingSpec:
 CASES = {
     "gpu-disaggregated": (make_spec(), GPU),
     "gpu-aggregated": (make_spec(mode="aggregated", decode={"tensorParallelSize": 4, "pipelineParallelSize": 2}), GPU),
+    "gpu-s3-disaggregated": (make_spec(model={"id": "llama-3-8b", "source": "s3://models-bucket/llama-3-8b"}), GPU),
     "cpu-disaggregated": (cpu_spec(), CPU),
     "cpu-aggregated": (cpu_spec("aggregated"), CPU),
 }
@@ -90,6 +91,9 @@ def test_each_engine_config_is_a_valid_ray_llm_config(case):
     for role, raw in engine_configs(spec.app_args(target)).items():
         cfg = LLMConfig.model_validate(copy.deepcopy(raw))
         assert cfg.model_id == spec.model.id
+        if spec.model.source.startswith("s3://"):
+            # Ray Serve LLM reads a bucket through its mirror config.
+            assert cfg.model_loading_config.model_source.bucket_uri == spec.model.source
         if target.cpu:
             assert cfg.accelerator_config.kind == "cpu"
             assert cfg.accelerator_type is None
@@ -98,7 +102,7 @@ def test_each_engine_config_is_a_valid_ray_llm_config(case):
         assert cfg.runtime_env["env_vars"] == dict(target.engine_env)
 
 
-@pytest.mark.parametrize("case", ["gpu-disaggregated", "cpu-disaggregated"])
+@pytest.mark.parametrize("case", ["gpu-disaggregated", "gpu-s3-disaggregated", "cpu-disaggregated"])
 def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
     from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
 
