@@ -48,6 +48,7 @@ serve: venv
 
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json
+	$(PY) -m infra.bench --json build/bench/program.json
 
 render: venv
 	$(PY) -m infra.render --stack $(STACK)
