@@ -49,8 +49,9 @@ HOST = "127.0.0.1"
 MODES = ("disaggregated", "aggregated", "both")
 
 # Logical CPUs per node. Ray only counts them (the OS shares the real cores); each engine
-# replica takes 2 (its actor plus the vLLM worker bundle) and the ingress 1.
-HEAD_CPUS = 2
+# replica takes 2 (its actor plus the vLLM worker bundle). The head offers none, as in the
+# cloud: the ingress, proxy and controller ask for no CPU.
+HEAD_CPUS = 0
 PREFILL_CPUS = 2
 DECODE_CPUS = 4
 
