@@ -41,11 +41,14 @@ from ray.serve.llm.openai_api_models import (
     TranscriptionRequest,
 )
 
+from serving.spec import API_KEYS_ENV, AuthMode
+
 logger = logging.getLogger("ray.serve")
 
-AUTH_API_KEY = "api-key"
-AUTH_DISABLED = "disabled"
-DEFAULT_API_KEYS_ENV = "PD_API_KEYS"
+# The spec renders these; one definition, there.
+AUTH_API_KEY = AuthMode.API_KEY.value
+AUTH_DISABLED = AuthMode.DISABLED.value
+DEFAULT_API_KEYS_ENV = API_KEYS_ENV
 
 # OpenAI's error `type` and `code` for each status the ingress answers itself.
 _ERROR_KINDS: dict[int, tuple[str, str | None]] = {
