@@ -17,18 +17,18 @@ from infra.llm_service import LlmService, LlmServiceArgs
 from infra.network import Network, NetworkArgs
 
 
-def _raw_config() -> tuple[dict, set]:
-    """This project's config values (bare keys) and which of them are secrets."""
+def _raw_config() -> tuple[dict, set, str | None]:
+    """This project's config values (bare keys), which of them are secrets, and aws:region."""
     prefix = f"{PROJECT}:"
     all_config = {**pulumi.runtime.get_config_env(), **pulumi.runtime.config.CONFIG.get()}
     values = {k[len(prefix):]: v for k, v in all_config.items() if k.startswith(prefix)}
     secrets = {k for k in values if pulumi.runtime.is_config_secret(prefix + k)}
-    return values, secrets
+    return values, secrets, all_config.get("aws:region")
 
 
-values, secret_keys = _raw_config()
+values, secret_keys, region = _raw_config()
 try:
-    cfg = load(values, secret_keys=secret_keys, source=stack_file(pulumi.get_stack()))
+    cfg = load(values, secret_keys=secret_keys, source=stack_file(pulumi.get_stack()), region=region)
 except ConfigError as err:
     raise pulumi.RunError(str(err)) from None
 

@@ -321,6 +321,9 @@ class StackConfig(SpecModel):
         # Which secrets the stack holds comes from load(), never from the file's values.
         secrets_present = (info.context or {}).get("secrets_present", frozenset())
         errors: list[tuple[str, str]] = []
+        region = (info.context or {}).get("region")
+        if region and any(not z.startswith(region) for z in self.availability_zones):
+            errors.append(("availabilityZones", f"{self.availability_zones} are not all zones of aws:region {region!r}"))
         zone = self.efa_zone or self.availability_zones[0]
         if zone not in self.availability_zones:
             errors.append(("efaZone", f"{zone!r} is not one of availabilityZones {self.availability_zones}"))
@@ -448,8 +451,12 @@ def load(
     *,
     secret_keys: Collection[str] = (),
     source: str,
+    region: str | None = None,
 ) -> StackConfig:
-    """Validate a stack's config (bare keys) into a StackConfig, or raise a one-line ConfigError."""
+    """Validate a stack's config (bare keys) into a StackConfig, or raise a one-line ConfigError.
+
+    `region` (the stack's `aws:region`, when known) lets the zones be checked against it.
+    """
     secrets_present = set()
     data: dict[str, Any] = {}
     for key, raw in values.items():
@@ -463,7 +470,9 @@ def load(
             continue
         data[key] = _decode(key, raw)
     try:
-        return StackConfig.model_validate(data, context={"secrets_present": frozenset(secrets_present)})
+        return StackConfig.model_validate(
+            data, context={"secrets_present": frozenset(secrets_present), "region": region}
+        )
     except ValidationError as err:
         raise ConfigError(_one_line(source, err)) from None
 

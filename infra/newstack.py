@@ -86,9 +86,9 @@ def create(name: str, **choices) -> tuple[Path, render.Rendered]:
     if path.exists():
         raise NewStackError(f"{source} already exists; edit it, or choose another NAME")
     text = text_for(name, **choices)
-    values, secrets, _ = stackfile.parse(text, source)
+    values, secrets, others = stackfile.parse(text, source)
     try:
-        load(values, secret_keys=secrets, source=source)
+        load(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
     except ConfigError as e:
         raise NewStackError(str(e)) from None
     path.parent.mkdir(parents=True, exist_ok=True)

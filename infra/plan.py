@@ -37,8 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.context is not None and args.context < 1:
         parser.error("--context must be a positive number of tokens")
     try:
-        values, secret_keys, _ = read(args.stack)
-        config = load(values, secret_keys=secret_keys, source=stack_file(args.stack))
+        values, secret_keys, others = read(args.stack)
+        config = load(values, secret_keys=secret_keys, source=stack_file(args.stack), region=others.get("aws:region"))
     except (StackFileError, ConfigError) as e:
         print(e, file=sys.stderr)
         return 1

@@ -74,7 +74,7 @@ def _load(stack: str) -> tuple[StackConfig, dict, set, dict]:
     except stackfile.StackFileError as e:
         raise RenderError(str(e)) from None
     try:
-        cfg = load(values, secret_keys=secrets, source=stack_file(stack))
+        cfg = load(values, secret_keys=secrets, source=stack_file(stack), region=others.get("aws:region"))
     except ConfigError as e:
         raise RenderError(str(e)) from None
     return cfg, values, secrets, others

@@ -108,3 +108,13 @@ def test_secrets_present_cannot_be_faked_through_a_key(prod):
     values.pop("apiKeys")
     values["secretsPresent"] = ["apiKeys"]
     assert "secretsPresent: unknown key" in _error(values, secrets)
+
+
+def test_zones_must_belong_to_the_stack_region(prod):
+    values, secrets = prod
+    assert config.load(values, secret_keys=secrets, source=SOURCE, region="us-east-1")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(values, secret_keys=secrets, source=SOURCE, region="us-west-2")
+    assert str(e.value) == (
+        f"{SOURCE}: availabilityZones: ['us-east-1a', 'us-east-1b', 'us-east-1c'] are not all zones of aws:region 'us-west-2'"
+    )

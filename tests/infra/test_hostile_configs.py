@@ -128,6 +128,7 @@ CASES: list[Hostile] = [
     Hostile("unknown-instance", "prod", _set("nodePools.prefill.instanceType", "p9.96xlarge"),
             "nodePools.prefill.instanceType"),
     Hostile("gpu-system-nodes", "dev", _set("systemNodes.instanceType", "p5.48xlarge"), "systemNodes.instanceType"),
+    Hostile("zones-of-another-region", "staging", _set("aws:region", "eu-west-1"), "availabilityZones"),
     Hostile("efa-subnet-other-zone", "prod", _set("existingVpc", EXISTING_VPC), "efaSubnetId"),
     Hostile("efa-zone-not-listed", "staging", _set("efaZone", "us-east-2d"), "efaZone"),
     Hostile("efa-mixed-pools", "dev", _set("nodePools.prefill.instanceType", "p4de.24xlarge"), "nodePools"),
