@@ -16,7 +16,7 @@ import pulumi_kubernetes as k8s
 
 from infra import catalog, versions
 from infra.gpu_node_pool import GPU_TAINT_KEY
-from infra.versions import HelmChart
+from infra.helm import release
 
 GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 
@@ -42,19 +42,6 @@ class DevicePluginArgs:
     provider: k8s.Provider
 
 
-def _release(owner: pulumi.ComponentResource, name: str, chart: HelmChart, namespace: str, values: dict,
-             provider: k8s.Provider) -> k8s.helm.v4.Chart:
-    return k8s.helm.v4.Chart(
-        name,
-        chart=chart.chart,
-        version=chart.version,
-        repository_opts=k8s.helm.v4.RepositoryOptsArgs(repo=chart.repo),
-        namespace=namespace,
-        values=values,
-        opts=pulumi.ResourceOptions(parent=owner, provider=provider),
-    )
-
-
 class NvidiaDevicePlugin(pulumi.ComponentResource):
     NAMESPACE = "nvidia-device-plugin"
 
@@ -73,8 +60,9 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
             "gfd": {"enabled": False},
             "priorityClassName": "system-node-critical",
         }
-        self.chart = _release(self, f"{name}-chart", versions.NVIDIA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)
-        del ns
+        self.chart = release(
+            self, f"{name}-chart", versions.NVIDIA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider, depends_on=[ns]
+        )
         self.register_outputs({"chartVersion": versions.NVIDIA_DEVICE_PLUGIN.version})
 
 
@@ -87,5 +75,5 @@ class EfaDevicePlugin(pulumi.ComponentResource):
             "affinity": instance_type_affinity(EFA_TYPES),
             "tolerations": [GPU_TOLERATION],
         }
-        self.chart = _release(self, f"{name}-chart", versions.EFA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)
+        self.chart = release(self, f"{name}-chart", versions.EFA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)
         self.register_outputs({"chartVersion": versions.EFA_DEVICE_PLUGIN.version})

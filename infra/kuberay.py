@@ -16,6 +16,7 @@ import pulumi_kubernetes as k8s
 
 from infra import versions
 from infra.cluster import SYSTEM_ROLE, SYSTEM_ROLE_LABEL
+from infra.helm import release
 
 NAMESPACE = "kuberay-system"
 
@@ -46,21 +47,17 @@ class KubeRayOperator(pulumi.ComponentResource):
             for wn in args.watch_namespaces
         ]
         chart = versions.KUBERAY_OPERATOR
-        self.chart = k8s.helm.v4.Chart(
-            f"{name}-chart",
-            chart=chart.chart,
-            version=chart.version,
-            repository_opts=k8s.helm.v4.RepositoryOptsArgs(repo=chart.repo),
-            namespace=NAMESPACE,
-            values={
-                "nodeSelector": {SYSTEM_ROLE_LABEL: SYSTEM_ROLE},
-                "singleNamespaceInstall": True,
-                "watchNamespace": list(args.watch_namespaces),
-                "resources": {
-                    "requests": {"cpu": "100m", "memory": "512Mi"},
-                    "limits": {"cpu": "1", "memory": "1Gi"},
-                },
+        values = {
+            "nodeSelector": {SYSTEM_ROLE_LABEL: SYSTEM_ROLE},
+            "singleNamespaceInstall": True,
+            "watchNamespace": list(args.watch_namespaces),
+            "resources": {
+                "requests": {"cpu": "100m", "memory": "512Mi"},
+                "limits": {"cpu": "1", "memory": "1Gi"},
             },
-            opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[ns, *self.workload_namespaces]),
+        }
+        # Its Roles live in the namespaces it watches: those must exist first.
+        self.chart = release(
+            self, f"{name}-chart", chart, NAMESPACE, values, args.provider, depends_on=[ns, *self.workload_namespaces]
         )
         self.register_outputs({"chartVersion": chart.version, "namespace": NAMESPACE})

@@ -43,6 +43,7 @@ class Registered:
     parent: str | None
     inputs: dict[str, Any]
     provider: str | None = None  # "urn::id" of an explicit provider, if any
+    depends_on: list[str] = field(default_factory=list)  # names of explicit dependencies
 
     def as_json(self) -> dict[str, Any]:
         return {"type": self.type, "name": self.name, "parent": self.parent, "inputs": self.inputs}
@@ -98,8 +99,9 @@ class _Mocks(pulumi.runtime.Mocks):
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         parent = getattr(_local, "parent", None)
+        deps = [n for n in map(_name_from_urn, getattr(_local, "dependencies", [])) if n]
         self.recorder.append(
-            Registered(args.typ, args.name, _name_from_urn(parent or ""), _plain(args.inputs), args.provider or None)
+            Registered(args.typ, args.name, _name_from_urn(parent or ""), _plain(args.inputs), args.provider or None, deps)
         )
         name = args.inputs.get("name") or args.name
         state = dict(args.inputs)
@@ -150,10 +152,12 @@ class _Monitor(_mocks.MockMonitor):
 
     def RegisterResource(self, request):
         _local.parent = request.parent
+        _local.dependencies = list(request.dependencies)
         try:
             return super().RegisterResource(request)
         finally:
             _local.parent = None
+            _local.dependencies = []
 
 
 def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> dict[str, str]:

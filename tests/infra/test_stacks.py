@@ -226,3 +226,11 @@ def test_pulumi_yaml_declares_scalar_keys_with_model_defaults():
     scalar = {a for a, f in by_alias.items() if f.annotation in (str, int, bool) or "Enum" in str(f.annotation)
               or str(f.annotation).startswith(("list[str]", "str |"))}
     assert scalar <= set(declared), f"undeclared scalar keys: {scalar - set(declared)}"
+
+
+def test_charts_install_after_their_namespaces(stack):
+    charts = {c.inputs["chart"]: c for c in stack.result.of_type(CHART)}
+    assert "nvidia-device-plugin-ns" in charts["nvidia-device-plugin"].depends_on
+    kuberay = charts["kuberay-operator"].depends_on
+    assert "kuberay-ns" in kuberay
+    assert f"kuberay-{stack.config.namespace}-ns" in kuberay, "its Roles live in the watched namespace"
