@@ -130,7 +130,7 @@ class Cluster(pulumi.ComponentResource):
         )
 
         system = args.system_nodes
-        ng = eks.ManagedNodeGroup(
+        eks.ManagedNodeGroup(
             f"{name}-system",
             cluster=self.eks,
             node_role=self.node_role,
@@ -148,7 +148,6 @@ class Cluster(pulumi.ComponentResource):
             opts=child,
         )
         self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
-        del ng  # registered; nothing reads it
 
         self.kubeconfig = pulumi.Output.secret(self.eks.kubeconfig_json)
         self.oidc_issuer = self.eks.oidc_issuer

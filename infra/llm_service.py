@@ -215,14 +215,10 @@ class LlmService(pulumi.ComponentResource):
 
 
 def _lb_url(status) -> str | None:
-    ingress = ((status or {}).get("load_balancer") or {}).get("ingress") if isinstance(status, dict) else None
-    if not ingress and status is not None and not isinstance(status, dict):
-        lb = getattr(status, "load_balancer", None)
-        ingress = getattr(lb, "ingress", None) if lb else None
-    if not ingress:
-        return None
-    first = ingress[0]
-    host = first.get("hostname") if isinstance(first, dict) else getattr(first, "hostname", None)
+    """The NLB's URL from a Service status, once AWS has assigned its hostname."""
+    lb = getattr(status, "load_balancer", None)
+    ingress = getattr(lb, "ingress", None) or []
+    host = getattr(ingress[0], "hostname", None) if ingress else None
     return f"http://{host}:{SERVE_PORT}/v1" if host else None
 
 

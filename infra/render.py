@@ -27,6 +27,7 @@ import pulumi
 import yaml
 
 from infra import catalog, mock_runtime, stackfile
+from infra import plan as planner
 from infra.config import ConfigError, StackConfig, load, stack_file
 
 HELM_CHART = "kubernetes:helm.sh/v4:Chart"
@@ -149,11 +150,7 @@ def summary(rendered: Rendered) -> str:
     return "\n".join(lines)
 
 
-def _plan_text(cfg: StackConfig) -> str | None:
-    try:
-        from infra import plan as planner
-    except ImportError:
-        return None
+def _plan_text(cfg: StackConfig) -> str:
     return planner.format_plan(planner.plan(cfg))
 
 
@@ -170,9 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or stackfile.ROOT / "build" / args.stack
     write(rendered, out)
     print(summary(rendered))
-    plan = _plan_text(rendered.config)
-    if plan:
-        print(plan)
+    print(_plan_text(rendered.config))
     print(f"wrote {out / 'resources.json'} and {len(rendered.manifests())} manifests in {out / 'manifests'}")
     return 0
 
