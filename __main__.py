@@ -1,6 +1,6 @@
 """The composition root: read and validate the stack config, then wire the components.
 
-What flows through here: Pulumi's config for this stack -> `infra.config.load` (one line
+What flows through here: Pulumi's config for this stack -> `infra.model.config.load` (one line
 naming the stack file and key on any error, before anything is registered) -> Network ->
 Cluster (and its kubernetes Provider) -> a GPU node pool per engine role -> device plugins
 and the KubeRay operator -> the LLM service -> stack outputs. Only this file reads config.
@@ -8,20 +8,21 @@ and the KubeRay operator -> the LLM service -> stack outputs. Only this file rea
 
 import pulumi
 
-from infra.cluster import Cluster, ClusterArgs
-from infra.config import PROJECT, SECRET_KEYS, ConfigError, Environment, load, stack_file
-from infra.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
-from infra.gpu_node_pool import GpuNodePool, GpuNodePoolArgs
-from infra.kuberay import KubeRayOperator, KubeRayOperatorArgs
-from infra.llm_service import LlmService, LlmServiceArgs
-from infra.network import Network, NetworkArgs
+from infra.components.cluster import Cluster, ClusterArgs
+from infra.components.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
+from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs
+from infra.components.kuberay import KubeRayOperator, KubeRayOperatorArgs
+from infra.components.llm_service import LlmService, LlmServiceArgs
+from infra.components.network import Network, NetworkArgs
+from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, load
+from infra.paths import stack_file
 
 
 def _raw_config() -> tuple[dict, set, str | None]:
     """This project's config values (bare keys), which of them are secrets, and aws:region."""
     prefix = f"{PROJECT}:"
     all_config = {**pulumi.runtime.get_config_env(), **pulumi.runtime.config.CONFIG.get()}
-    values = {k[len(prefix):]: v for k, v in all_config.items() if k.startswith(prefix)}
+    values = {k[len(prefix) :]: v for k, v in all_config.items() if k.startswith(prefix)}
     secrets = {k for k in values if pulumi.runtime.is_config_secret(prefix + k)}
     return values, secrets, all_config.get("aws:region")
 

@@ -28,22 +28,21 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import httpx
 
 from bench.stats import RequestResult, format_table, kv_transfer_per_request, ratios, summarize
+from infra.paths import ROOT as REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "serving.json"
 TARGETS = ("disaggregated", "aggregated", "vllm")
 BASELINE = "vllm"
 
 # The workload: stated here so the report can quote it.
-INPUT_LEN = (32, 384)     # prompt tokens, uniform integer
-OUTPUT_LEN = (16, 96)     # output tokens, uniform integer (ignore_eos: exactly this many)
+INPUT_LEN = (32, 384)  # prompt tokens, uniform integer
+OUTPUT_LEN = (16, 96)  # output tokens, uniform integer (ignore_eos: exactly this many)
 LEVELS = {1: 32, 4: 64, 16: 128}  # concurrency -> requests per target
 ROUNDS = 4
 WARMUP = 4
@@ -66,8 +65,7 @@ def make_workload(seed: int, n: int, vocab: int, first_id: int) -> list[Request]
 
 
 # --- the client ---------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, url: str, key: str | None, model: str,
-                      req: Request) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, url: str, key: str | None, model: str, req: Request) -> RequestResult:
     body = {
         "model": model,
         "prompt": req.prompt,
@@ -116,12 +114,14 @@ async def one_request(client: httpx.AsyncClient, url: str, key: str | None, mode
     return res
 
 
-async def run_batch(url: str, key: str | None, model: str, reqs: list[Request],
-                    concurrency: int) -> tuple[list[RequestResult], float]:
+async def run_batch(
+    url: str, key: str | None, model: str, reqs: list[Request], concurrency: int
+) -> tuple[list[RequestResult], float]:
     """All of `reqs`, at most `concurrency` in flight; returns results and wall time."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30), limits=limits) as client:
+
         async def guarded(r: Request):
             async with sem:
                 return await one_request(client, url, key, model, r)
@@ -135,9 +135,8 @@ async def run_batch(url: str, key: str | None, model: str, reqs: list[Request],
 def _metric_sum(text: str, name: str, **labels: str) -> float:
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            if all(f'{k}="{v}"' in line for k, v in labels.items()):
-                total += float(line.rsplit(" ", 1)[1])
+        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
     return total
 
 
@@ -167,12 +166,28 @@ def settled_kv_counters(metrics_url: str, quiet_s: float = 12, limit_s: float = 
 # --- vLLM's own server (target c) --------------------------------------------------------------
 @contextlib.contextmanager
 def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, str], log_path: Path):
-    from serving.local import HOST, MAX_MODEL_LEN
+    from serving.local.config import HOST, MAX_MODEL_LEN
 
     env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
-           "--served-model-name", model_id, "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-           "--enforce-eager", "--host", HOST, "--port", str(port), "--disable-uvicorn-access-log"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        model_id,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         try:
@@ -203,8 +218,11 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving_bench", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=20260101)
-    p.add_argument("--levels", default=",".join(f"{c}:{n}" for c, n in LEVELS.items()),
-                   help="concurrency:requests per target, comma-separated (default %(default)s)")
+    p.add_argument(
+        "--levels",
+        default=",".join(f"{c}:{n}" for c, n in LEVELS.items()),
+        help="concurrency:requests per target, comma-separated (default %(default)s)",
+    )
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
@@ -220,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     say = lambda m: _say(t0, m)  # noqa: E731
 
-    from serving import tiny_model
-    from serving.local import HOST, MODEL_ID, background_stack, free_port, local_target
+    from serving.local import tiny_model
+    from serving.local.background import background_stack
+    from serving.local.config import HOST, MODEL_ID, local_target
+    from serving.local.procs import free_port
 
     model_dir = str(tiny_model.ensure_tiny_model())
     first_id = len(tiny_model.SPECIAL_TOKENS)
@@ -234,8 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     vport = free_port()
     vurl = f"http://{HOST}:{vport}/v1"
     say(f"starting vLLM's OpenAI server (target c) on {vurl} and the local Ray stack (targets a, b)")
-    with vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc, \
-            background_stack(mode="both", api_key="sk-bench", log_path=logs / "serve.log") as stack:
+    with (
+        vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc,
+        background_stack(mode="both", api_key="sk-bench", log_path=logs / "serve.log") as stack,
+    ):
         wait_healthy(f"http://{HOST}:{vport}", vproc)
         urls = {"disaggregated": stack.urls["disaggregated"], "aggregated": stack.urls["aggregated"], "vllm": vurl}
         keys = {"disaggregated": stack.api_key, "aggregated": stack.api_key, "vllm": None}
@@ -251,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[int, list[RequestResult]]] = {t: {} for t in TARGETS}
         durations: dict[str, dict[int, float]] = {t: {} for t in TARGETS}
         for li, (conc, reqs) in enumerate(workload.items()):
-            per_round = [reqs[i::args.rounds] for i in range(args.rounds)]
+            per_round = [reqs[i :: args.rounds] for i in range(args.rounds)]
             for r, batch in enumerate(per_round):
                 shift = (r + li) % len(TARGETS)
                 order = TARGETS[shift:] + TARGETS[:shift]
@@ -281,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {t: {str(c): s for c, s in by.items()} for t, by in summaries.items()},
         "ratios_vs_vllm": {
             t: {str(c): ratios(summaries[t][c], summaries[BASELINE][c]) for c in levels}
-            for t in TARGETS if t != BASELINE
+            for t in TARGETS
+            if t != BASELINE
         },
         "kv_transfer": {"decode_counters_delta": kv_delta, **kv},
         "notes": [
@@ -291,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             "All three targets share this machine's cores; the NIXL workers of the "
             "disaggregated app keep UCX progress threads polling even when idle.",
         ],
-        "errors_sample": {
-            t: [r.error for c in levels for r in results[t][c] if not r.ok][:5] for t in TARGETS
-        },
+        "errors_sample": {t: [r.error for c in levels for r in results[t][c] if not r.ok][:5] for t in TARGETS},
         "wall_s": time.monotonic() - t0,
     }
     args.out.write_text(json.dumps(report, indent=2))
@@ -301,12 +322,16 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(summaries, BASELINE))
     print()
-    print("KV transfer (decode's NIXL counters over the disaggregated requests): "
-          f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
-          f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'])} transfers)")
+    print(
+        "KV transfer (decode's NIXL counters over the disaggregated requests): "
+        f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
+        f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'])} transfers)"
+    )
     print("Ratios are target / vllm (TTFT, TPOT: lower is better; tok/s, req/s: higher is better).")
-    print("ITL is measured per streamed chunk as vLLM's client does; Ray Serve LLM sends tokens in "
-          "batches (every 50 ms by default), so most gaps it shows are 0 and TPOT is the per-token pace.")
+    print(
+        "ITL is measured per streamed chunk as vLLM's client does; Ray Serve LLM sends tokens in "
+        "batches (every 50 ms by default), so most gaps it shows are 0 and TPOT is the per-token pace."
+    )
     print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
     return 0
 

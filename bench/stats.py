@@ -17,8 +17,8 @@ Percentiles interpolate linearly between order statistics, as numpy.percentile d
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
 
 
 @dataclass
@@ -77,8 +77,9 @@ def summarize(results: Iterable[RequestResult], duration_s: float) -> dict[str, 
 RATIO_KEYS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "tpot_p50_ms", "output_tok_s", "req_s")
 
 
-def ratios(a: Mapping[str, float | None], c: Mapping[str, float | None],
-           keys: Sequence[str] = RATIO_KEYS) -> dict[str, float | None]:
+def ratios(
+    a: Mapping[str, float | None], c: Mapping[str, float | None], keys: Sequence[str] = RATIO_KEYS
+) -> dict[str, float | None]:
     """a[k] / c[k] for each key; None where either side is missing or c is zero."""
     out: dict[str, float | None] = {}
     for k in keys:
@@ -96,9 +97,7 @@ def kv_transfer_per_request(delta: Mapping[str, float], requests: int) -> dict[s
         "transfers": transfers,
         "bytes_per_request": per(delta.get("nixl_bytes", 0.0)),
         "kv_tokens_per_request": per(delta.get("external_kv_tokens", 0.0)),
-        "xfer_ms_per_transfer": (
-            delta.get("nixl_xfer_s", 0.0) * 1000 / transfers if transfers else None
-        ),
+        "xfer_ms_per_transfer": (delta.get("nixl_xfer_s", 0.0) * 1000 / transfers if transfers else None),
         "xfer_ms_per_request": per(delta.get("nixl_xfer_s", 0.0) * 1000),
     }
 
@@ -113,9 +112,11 @@ def _fmt(v: float | int | None, digits: int = 1) -> str:
 
 def format_table(summaries: Mapping[str, Mapping[int, Mapping]], baseline: str) -> str:
     """Rows per target and concurrency; ratio columns against `baseline`."""
-    head = (f"{'target':<14}{'conc':>5}{'reqs':>5}{'err':>4}{'TTFT p50':>9}{'TTFT p99':>9}"
-            f"{'ITL p50':>8}{'TPOT p50':>9}{'out tok/s':>10}{'req/s':>7}"
-            f"  | / {baseline}: {'TTFT50':>6}{'TPOT50':>7}{'tok/s':>6}{'req/s':>6}")
+    head = (
+        f"{'target':<14}{'conc':>5}{'reqs':>5}{'err':>4}{'TTFT p50':>9}{'TTFT p99':>9}"
+        f"{'ITL p50':>8}{'TPOT p50':>9}{'out tok/s':>10}{'req/s':>7}"
+        f"  | / {baseline}: {'TTFT50':>6}{'TPOT50':>7}{'tok/s':>6}{'req/s':>6}"
+    )
     lines = [head, "-" * len(head)]
     for target, by_conc in summaries.items():
         for conc, s in sorted(by_conc.items()):
@@ -124,7 +125,8 @@ def format_table(summaries: Mapping[str, Mapping[int, Mapping]], baseline: str) 
             ratio_txt = (
                 f"{_fmt(r['ttft_p50_ms'], 2):>6}{_fmt(r['tpot_p50_ms'], 2):>7}"
                 f"{_fmt(r['output_tok_s'], 2):>6}{_fmt(r['req_s'], 2):>6}"
-                if r else ""
+                if r
+                else ""
             )
             lines.append(
                 f"{target:<14}{conc:>5}{s['requests']:>5}{s['errors']:>4}"

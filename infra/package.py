@@ -1,6 +1,7 @@
 """Packaging serving/ for the cluster: a deterministic, content-hashed zip.
 
-What flows through here: the files of serving/ (sources only) -> one zip whose bytes depend
+What flows through here: the files of serving/ (sources only, without the local-only
+serving/local/) -> one zip whose bytes depend
 only on those files' paths and contents -> its SHA-256, which names the object in the
 stack's code bucket. Changing serving code changes the name, so the RayService's
 `working_dir` changes and Serve rolls the application in place; unchanged code leaves the
@@ -14,8 +15,12 @@ import io
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-SERVING = ROOT / "serving"
+from infra import paths
+
+ROOT = paths.ROOT
+SERVING = paths.SERVING_DIR
+# Local-only code (`make serve`, the tiny model) never runs on the cluster.
+LOCAL_ONLY = "local"
 # Ray unpacks a working_dir zip and uses its single top-level directory as the working dir.
 TOP = "app"
 _EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -23,8 +28,12 @@ _EPOCH = (1980, 1, 1, 0, 0, 0)
 
 def serving_files() -> list[Path]:
     return sorted(
-        p for p in SERVING.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts and p.suffix in {".py", ".json", ".jinja", ".txt"}
+        p
+        for p in SERVING.rglob("*")
+        if p.is_file()
+        and "__pycache__" not in p.parts
+        and p.suffix in {".py", ".json", ".jinja", ".txt"}
+        and not p.is_relative_to(SERVING / LOCAL_ONLY)
     )
 
 

@@ -14,7 +14,7 @@ from pulumi_policy import EnforcementLevel, PolicyPack
 # Pulumi runs this file by path; make its sibling module importable however it is launched.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rules import POLICIES  # noqa: E402
+from rules import POLICIES
 
 PolicyPack(
     name="pd-inference-guardrails",

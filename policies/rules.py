@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 from pulumi_policy import (
@@ -85,7 +85,9 @@ class _Unknown:
 
 UNKNOWN: Any = _Unknown()
 # The engine's markers for unknown values of each type (strings inside the serialized inputs).
-UNKNOWN_SENTINELS = frozenset(getattr(_proxy, n) for n in dir(_proxy) if n.startswith("UNKNOWN_") and n.endswith("_VALUE"))
+UNKNOWN_SENTINELS = frozenset(
+    getattr(_proxy, n) for n in dir(_proxy) if n.startswith("UNKNOWN_") and n.endswith("_VALUE")
+)
 _SIG_KEY = "4dabf18193072939515e22adb298388d"
 _SECRET_SIG = "1b47061264138c4ac30d75fd1eb44270"
 
@@ -122,9 +124,9 @@ def dig(obj: Any, *path: Any, default: Any = None) -> Any:
     for step in path:
         if obj is UNKNOWN:
             return UNKNOWN
-        if isinstance(obj, Mapping) and step in obj:
-            obj = obj[step]
-        elif isinstance(obj, list) and isinstance(step, int) and -len(obj) <= step < len(obj):
+        if (isinstance(obj, Mapping) and step in obj) or (
+            isinstance(obj, list) and isinstance(step, int) and -len(obj) <= step < len(obj)
+        ):
             obj = obj[step]
         else:
             return default
@@ -296,7 +298,7 @@ def check_helm_pinned(type_: str, props: dict[str, Any], ctx: Context) -> Iterat
     if not isinstance(version, str) or not _EXACT_VERSION.match(version.strip()):
         yield (
             f"Helm chart {chart!r} has version {version!r}: pin an exact version (e.g. '1.7.0', in "
-            "infra/versions.py); ranges, 'latest' or no version install whatever is newest at deploy time"
+            "infra/model/versions.py); ranges, 'latest' or no version install whatever is newest at deploy time"
         )
 
 
@@ -373,7 +375,7 @@ def check_control_plane_logging(type_: str, props: dict[str, Any], ctx: Context)
     if missing:
         yield (
             f"control-plane logging is missing {missing}: set enabledClusterLogTypes to include "
-            f"{list(REQUIRED_LOG_TYPES)} (infra/cluster.py LOG_TYPES)"
+            f"{list(REQUIRED_LOG_TYPES)} (infra/components/cluster.py LOG_TYPES)"
         )
 
 
@@ -435,10 +437,7 @@ def check_gpu_taint(type_: str, props: dict[str, Any], ctx: Context) -> Iterator
 
 
 def _efa_interfaces(props: Mapping[str, Any]) -> list[Any]:
-    return [
-        ni for ni in as_list(props.get("networkInterfaces"))
-        if dig(ni, "interfaceType") in ("efa", "efa-only")
-    ]
+    return [ni for ni in as_list(props.get("networkInterfaces")) if dig(ni, "interfaceType") in ("efa", "efa-only")]
 
 
 def check_efa_single_zone(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
@@ -466,9 +465,8 @@ def check_efa_single_zone(type_: str, props: dict[str, Any], ctx: Context) -> It
         if not efa:
             return
         placed = dig(props, "placement", "groupName") or dig(props, "placement", "availabilityZone")
-        reserved = (
-            dig(props, "instanceMarketOptions", "marketType") == "capacity-block"
-            or dig(props, "capacityReservationSpecification", "capacityReservationTarget", "capacityReservationId")
+        reserved = dig(props, "instanceMarketOptions", "marketType") == "capacity-block" or dig(
+            props, "capacityReservationSpecification", "capacityReservationTarget", "capacityReservationId"
         )
         if not placed and not reserved:
             yield (
@@ -501,7 +499,7 @@ def check_ray_head_no_gpu(type_: str, props: dict[str, Any], ctx: Context) -> It
         gpus = dig(head, "rayStartParams", "num-gpus")
         if known(gpus) and str(gpus).strip() != "0":
             yield (
-                f"{prefix}.headGroupSpec.rayStartParams num-gpus is {gpus!r}: set it to \"0\" so Ray never places "
+                f'{prefix}.headGroupSpec.rayStartParams num-gpus is {gpus!r}: set it to "0" so Ray never places '
                 "model replicas on the head (it runs the GCS, the Serve controller and the proxy)"
             )
         for c in containers(dig(head, "template", "spec")):
@@ -653,29 +651,65 @@ _STACK_SCHEMA = PolicyConfigSchema(
 )
 
 RULES: list[Rule] = [
-    Rule("eks-endpoint-allow-list", "The EKS API endpoint is private, or public only to a CIDR allow-list.",
-         MANDATORY, check_endpoint_allow_list),
-    Rule("eks-secrets-encryption", "Kubernetes Secrets are envelope-encrypted with a KMS key.",
-         MANDATORY, check_secrets_encryption),
-    Rule("eks-control-plane-logging", "The api, audit and authenticator control-plane logs are on.",
-         MANDATORY, check_control_plane_logging),
-    Rule("nodes-imdsv2-required", "Nodes require IMDSv2 (node groups and their launch templates).",
-         MANDATORY, check_imdsv2),
-    Rule("gpu-nodes-tainted", "GPU node groups carry the nvidia.com/gpu NoSchedule taint.",
-         MANDATORY, check_gpu_taint),
-    Rule("efa-single-zone", "EFA node groups sit in one subnet (one zone) with a placement group or capacity block.",
-         MANDATORY, check_efa_single_zone),
+    Rule(
+        "eks-endpoint-allow-list",
+        "The EKS API endpoint is private, or public only to a CIDR allow-list.",
+        MANDATORY,
+        check_endpoint_allow_list,
+    ),
+    Rule(
+        "eks-secrets-encryption",
+        "Kubernetes Secrets are envelope-encrypted with a KMS key.",
+        MANDATORY,
+        check_secrets_encryption,
+    ),
+    Rule(
+        "eks-control-plane-logging",
+        "The api, audit and authenticator control-plane logs are on.",
+        MANDATORY,
+        check_control_plane_logging,
+    ),
+    Rule(
+        "nodes-imdsv2-required",
+        "Nodes require IMDSv2 (node groups and their launch templates).",
+        MANDATORY,
+        check_imdsv2,
+    ),
+    Rule("gpu-nodes-tainted", "GPU node groups carry the nvidia.com/gpu NoSchedule taint.", MANDATORY, check_gpu_taint),
+    Rule(
+        "efa-single-zone",
+        "EFA node groups sit in one subnet (one zone) with a placement group or capacity block.",
+        MANDATORY,
+        check_efa_single_zone,
+    ),
     Rule("helm-charts-pinned", "Helm charts are pinned to an exact version.", MANDATORY, check_helm_pinned),
-    Rule("images-pinned", "Container images carry a release tag or a digest, never latest/nightly or none.",
-         MANDATORY, check_images_pinned),
-    Rule("ray-head-no-gpu", "The Ray head asks for no GPU (num-gpus 0, no nvidia.com/gpu).",
-         MANDATORY, check_ray_head_no_gpu),
-    Rule("secrets-by-reference", "Tokens, keys and passwords reach pods only by Secret reference.",
-         MANDATORY, check_secrets_by_reference),
-    Rule("no-open-ingress", "Nothing admits 0.0.0.0/0 or ::/0 (Services, NetworkPolicies, security groups).",
-         MANDATORY, check_no_open_ingress),
-    Rule("no-spot-in-prod", "Prod node groups do not run on spot capacity.", ADVISORY, check_spot_in_prod,
-         _STACK_SCHEMA),
+    Rule(
+        "images-pinned",
+        "Container images carry a release tag or a digest, never latest/nightly or none.",
+        MANDATORY,
+        check_images_pinned,
+    ),
+    Rule(
+        "ray-head-no-gpu",
+        "The Ray head asks for no GPU (num-gpus 0, no nvidia.com/gpu).",
+        MANDATORY,
+        check_ray_head_no_gpu,
+    ),
+    Rule(
+        "secrets-by-reference",
+        "Tokens, keys and passwords reach pods only by Secret reference.",
+        MANDATORY,
+        check_secrets_by_reference,
+    ),
+    Rule(
+        "no-open-ingress",
+        "Nothing admits 0.0.0.0/0 or ::/0 (Services, NetworkPolicies, security groups).",
+        MANDATORY,
+        check_no_open_ingress,
+    ),
+    Rule(
+        "no-spot-in-prod", "Prod node groups do not run on spot capacity.", ADVISORY, check_spot_in_prod, _STACK_SCHEMA
+    ),
     Rule("eks-endpoint-private", "The EKS API endpoint is private (any stack).", ADVISORY, check_public_endpoint),
 ]
 

@@ -25,13 +25,12 @@ import inspect
 import json
 import logging
 import os
-from functools import lru_cache
-from typing import Any, Mapping
+from collections.abc import Mapping
+from functools import cache
+from typing import Any
 
 from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
-from starlette.responses import JSONResponse, Response
-
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.llm import build_openai_app, build_pd_openai_app
 from ray.serve.llm.ingress import OpenAiIngress
@@ -40,6 +39,7 @@ from ray.serve.llm.openai_api_models import (
     CompletionRequest,
     TranscriptionRequest,
 )
+from starlette.responses import JSONResponse, Response
 
 from serving.spec import API_KEYS_ENV, AuthMode
 
@@ -119,9 +119,7 @@ class ApiKeyAuth:
         for key in self._keys:
             ok |= hmac.compare_digest(token, key)
         if not ok:
-            return error_response(
-                401, "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"}
-            )
+            return error_response(401, "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"})
         return None
 
 
@@ -138,12 +136,9 @@ def _from_exception(exc: BaseException) -> JSONResponse:
     if isinstance(exc, ValidationError):
         return _validation_error(exc)
     if isinstance(exc, BackPressureError):
-        return error_response(
-            503, "The server is overloaded; retry later.", headers={"Retry-After": "1"}
-        )
+        return error_response(503, "The server is overloaded; retry later.", headers={"Retry-After": "1"})
     if isinstance(exc, DeploymentUnavailableError):
-        return error_response(503, "The model is not available yet; retry later.",
-                              headers={"Retry-After": "5"})
+        return error_response(503, "The model is not available yet; retry later.", headers={"Retry-After": "5"})
     status = getattr(exc, "status_code", None)
     if isinstance(status, int) and 400 <= status < 600:
         # fastapi.HTTPException carries `detail`; Ray's OpenAIHTTPException `message`.
@@ -214,7 +209,7 @@ class AuthenticatedIngress(OpenAiIngress):
             return _validation_error(err)
         try:
             return await parent_method(typed, request)
-        except Exception as exc:  # noqa: BLE001 - every failure leaves as a JSON error
+        except Exception as exc:
             return _from_exception(exc)
 
     # --- the OpenAI endpoints (route table: Ray's DEFAULT_ENDPOINTS) -----------------
@@ -230,7 +225,7 @@ class AuthenticatedIngress(OpenAiIngress):
             return denied
         try:
             return await super().models()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _from_exception(exc)
 
     async def model_data(self, model: str, request: Request):
@@ -239,7 +234,7 @@ class AuthenticatedIngress(OpenAiIngress):
             return denied
         try:
             return await super().model_data(model)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             resp = _from_exception(exc)
             if resp.status_code == 404:
                 return error_response(404, f"The model '{model}' does not exist.", param="model")
@@ -265,15 +260,15 @@ class AuthenticatedIngress(OpenAiIngress):
             typed = TranscriptionRequest.model_validate(dict(await request.form()))
         except ValidationError as err:
             return _validation_error(err)
-        except Exception as exc:  # noqa: BLE001 - malformed multipart
+        except Exception as exc:
             return error_response(400, f"Invalid form body: {exc}")
         try:
             return await super().transcriptions(typed, request)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             return _from_exception(exc)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _adapter(model_cls) -> TypeAdapter:
     return TypeAdapter(model_cls)
 
@@ -304,7 +299,7 @@ _PD_KEYS = {"mode", "auth", "ingress_deployment_config", "prefill_config", "deco
 _AGG_KEYS = {"mode", "auth", "ingress_deployment_config", "llm_configs"}
 
 
-def build_app(args: dict) -> "Application":  # noqa: F821 - ray.serve.Application
+def build_app(args: dict) -> Application:  # noqa: F821 - ray.serve.Application
     """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
     args = dict(args)
     mode = args.get("mode", "disaggregated")

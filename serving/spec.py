@@ -13,9 +13,10 @@ and the Pulumi program must not need Ray or vLLM.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -111,7 +112,7 @@ class ModelArchitecture(SpecModel):
     head_dim: int | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelArchitecture":
+    def _heads(self) -> ModelArchitecture:
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError("numAttentionHeads must be a multiple of numKvHeads")
         return self
@@ -129,9 +130,7 @@ class ModelSpec(SpecModel):
     @classmethod
     def _id(cls, v: str) -> str:
         if not _MODEL_ID.match(v):
-            raise ValueError(
-                f"{v!r} is not a valid model id (letters, digits, '.', '_', '-'; at most 128)"
-            )
+            raise ValueError(f"{v!r} is not a valid model id (letters, digits, '.', '_', '-'; at most 128)")
         return v
 
     @field_validator("source")
@@ -163,14 +162,10 @@ class RoleSpec(SpecModel):
         return v
 
     @model_validator(mode="after")
-    def _bounds(self) -> "RoleSpec":
+    def _bounds(self) -> RoleSpec:
         if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})"
-            )
-        if self.initial_replicas is not None and not (
-            self.min_replicas <= self.initial_replicas <= self.max_replicas
-        ):
+            raise ValueError(f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})")
+        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
             raise ValueError("initialReplicas must lie between minReplicas and maxReplicas")
         return self
 
@@ -184,11 +179,9 @@ class IngressSpec(SpecModel):
     max_replicas: int = Field(default=2, ge=1)
 
     @model_validator(mode="after")
-    def _bounds(self) -> "IngressSpec":
+    def _bounds(self) -> IngressSpec:
         if self.max_replicas < self.min_replicas:
-            raise ValueError(
-                f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})"
-            )
+            raise ValueError(f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})")
         return self
 
 
@@ -271,7 +264,7 @@ class ServingSpec(SpecModel):
         return v
 
     @model_validator(mode="after")
-    def _cross(self) -> "ServingSpec":
+    def _cross(self) -> ServingSpec:
         if self.mode is Mode.DISAGGREGATED:
             p, d = self.prefill, self.decode
             if p.tensor_parallel_size != d.tensor_parallel_size:
@@ -340,9 +333,7 @@ class ServingSpec(SpecModel):
                 "autoscaling_config": autoscaling,
                 "max_ongoing_requests": spec.max_ongoing_requests,
                 # One selector per placement-group bundle (one bundle per GPU/worker).
-                "placement_group_bundle_label_selector": [
-                    {self.placement.label_key: label} for _ in range(bundles)
-                ],
+                "placement_group_bundle_label_selector": [{self.placement.label_key: label} for _ in range(bundles)],
             },
         }
         if target.cpu:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra import render, stackfile
+from tools import render, stackfile
 
 STACKS = stackfile.stacks()
 

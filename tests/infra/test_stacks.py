@@ -1,6 +1,6 @@
 """Every shipped stack, run through the real program under mocks: what a reviewer checks.
 
-What flows through here: each stacks/Pulumi.<env>.yaml -> `infra.render.render` (the real
+What flows through here: each stacks/Pulumi.<env>.yaml -> `tools.render.render` (the real
 __main__.py under Pulumi's mock runtime) -> assertions on the registered resources' inputs.
 """
 
@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import pytest
 import yaml
 
-from infra import catalog, config, versions
-from infra.gpu_node_pool import AMI_TYPE, ROLE_LABEL
+from infra.components.gpu_node_pool import AMI_TYPE
+from infra.k8s.labels import ROLE_LABEL
+from infra.model import catalog, config, versions
+from infra.paths import ROOT
 from tests.conftest import STACKS
 
 MNG = "eks:index:ManagedNodeGroup"
 CLUSTER = "eks:index:Cluster"
 CHART = "kubernetes:helm.sh/v4:Chart"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_three_environments_ship():
@@ -59,7 +59,10 @@ def test_gpu_pools_efa_taint_label_ami(stack):
         assert inp["enableIMDSv2"] is True
         sizes = inp["scalingConfig"]
         assert (sizes["minSize"], sizes["desiredSize"], sizes["maxSize"]) == (
-            pools[role].min_size, pools[role].desired_size, pools[role].max_size)
+            pools[role].min_size,
+            pools[role].desired_size,
+            pools[role].max_size,
+        )
         if inst.efa:
             assert inp["enableEfaSupport"] is True
             assert inp["placementGroupAvailabilityZone"] == cfg.efa_zone_name
@@ -82,7 +85,9 @@ def test_p5_and_p4de_pools_have_efa(rendered_stacks):
 
 
 def test_charts_pinned_to_versions_module(stack):
-    pinned = {c.chart: c for c in (versions.NVIDIA_DEVICE_PLUGIN, versions.EFA_DEVICE_PLUGIN, versions.KUBERAY_OPERATOR)}
+    pinned = {
+        c.chart: c for c in (versions.NVIDIA_DEVICE_PLUGIN, versions.EFA_DEVICE_PLUGIN, versions.KUBERAY_OPERATOR)
+    }
     for chart in stack.result.of_type(CHART):
         want = pinned[chart.inputs["chart"]]
         assert chart.inputs["version"] == want.version
@@ -142,7 +147,10 @@ def test_stack_outputs(stack):
     assert out["clusterName"] == f"pd-inference-{stack.stack}"
     assert json.loads(out["kubeconfig"])["kind"] == "Config"
     assert out["oidcIssuer"].startswith("https://oidc.eks.")
-    assert out["nodePools"] == {"prefill": f"pd-inference-{stack.stack}-prefill", "decode": f"pd-inference-{stack.stack}-decode"}
+    assert out["nodePools"] == {
+        "prefill": f"pd-inference-{stack.stack}-prefill",
+        "decode": f"pd-inference-{stack.stack}-decode",
+    }
     assert out["systemNodeGroup"] == f"pd-inference-{stack.stack}-system"
     assert out["endpoint"].endswith(":8000/v1")
 
@@ -160,7 +168,7 @@ def test_network_new_vpc(stack):
 
 
 def test_existing_vpc_creates_no_network(rendered_stacks):
-    from infra import mock_runtime, stackfile
+    from tools import mock_runtime, stackfile
 
     values, secrets, others = stackfile.read("staging")
     values["existingVpc"] = {
@@ -178,7 +186,7 @@ def test_existing_vpc_creates_no_network(rendered_stacks):
 
 
 def test_capacity_block_pool_builds_its_own_efa_launch_template():
-    from infra import mock_runtime, stackfile
+    from tools import mock_runtime, stackfile
 
     values, secrets, others = stackfile.read("prod")
     values["nodePools"]["decode"].update(capacityType="capacity-block", capacityReservationId="cr-0123456789abcdef0")
@@ -223,8 +231,13 @@ def test_pulumi_yaml_declares_scalar_keys_with_model_defaults():
             assert decl["default"] == default, key
         else:
             assert field.is_required() or field.get_default() is None, f"{key}: model default not declared"
-    scalar = {a for a, f in by_alias.items() if f.annotation in (str, int, bool) or "Enum" in str(f.annotation)
-              or str(f.annotation).startswith(("list[str]", "str |"))}
+    scalar = {
+        a
+        for a, f in by_alias.items()
+        if f.annotation in (str, int, bool)
+        or "Enum" in str(f.annotation)
+        or str(f.annotation).startswith(("list[str]", "str |"))
+    }
     assert scalar <= set(declared), f"undeclared scalar keys: {scalar - set(declared)}"
 
 

@@ -15,23 +15,30 @@ from pulumi_policy import PolicyCustomTimeouts, PolicyResourceOptions, ResourceV
 from pulumi_policy.deserialize import deserialize_properties
 from pulumi_policy.proxy import unknown_checking_proxy
 
-from infra.mock_runtime import Registered
 from policies import rules
+from tools.mock_runtime import Registered
 
 
-def args_for(type_: str, name: str, inputs: dict[str, Any], stack: str,
-             config: dict[str, Any] | None = None) -> ResourceValidationArgs:
+def args_for(
+    type_: str, name: str, inputs: dict[str, Any], stack: str, config: dict[str, Any] | None = None
+) -> ResourceValidationArgs:
     props = unknown_checking_proxy(deserialize_properties(copy.deepcopy(inputs)))
     opts = PolicyResourceOptions(
-        protect=False, ignore_changes=[], delete_before_replace=None, aliases=[],
-        custom_timeouts=PolicyCustomTimeouts(0, 0, 0), additional_secret_outputs=[], parent=None,
+        protect=False,
+        ignore_changes=[],
+        delete_before_replace=None,
+        aliases=[],
+        custom_timeouts=PolicyCustomTimeouts(0, 0, 0),
+        additional_secret_outputs=[],
+        parent=None,
     )
     urn = f"urn:pulumi:{stack}::{rules.PROJECT}::{type_}::{name}"
     return ResourceValidationArgs(type_, props, urn, name, opts, None, config, {})
 
 
-def violations(rule: rules.Rule, type_: str, name: str, inputs: dict[str, Any], stack: str,
-               config: dict[str, Any] | None = None) -> list[str]:
+def violations(
+    rule: rules.Rule, type_: str, name: str, inputs: dict[str, Any], stack: str, config: dict[str, Any] | None = None
+) -> list[str]:
     """Messages `rule` reports for one resource, through its real ResourceValidationPolicy."""
     found: list[str] = []
     policy = rule.policy()

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import yaml
 
+from infra.paths import ROOT
 from tests.conftest import STACKS
 
-ROOT = Path(__file__).resolve().parents[2]
 CHECKOV = Path(os.environ.get("PD_CHECKOV") or ROOT / ".venv-checkov" / "bin" / "checkov")
 SKIPS_FILE = ROOT / "policies" / "checkov-skips.yaml"
 
@@ -54,8 +54,11 @@ def ray_pods(manifests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             pods[f"pod-{meta['namespace']}-{name}.yaml"] = {
                 "apiVersion": "v1",
                 "kind": "Pod",
-                "metadata": {"name": name, "namespace": meta["namespace"],
-                             "labels": dict((template.get("metadata") or {}).get("labels") or {})},
+                "metadata": {
+                    "name": name,
+                    "namespace": meta["namespace"],
+                    "labels": dict((template.get("metadata") or {}).get("labels") or {}),
+                },
                 "spec": template["spec"],
             }
     return pods
@@ -64,8 +67,18 @@ def ray_pods(manifests: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def checkov(directory: Path, skip: list[str]) -> dict[str, Any]:
     if not CHECKOV.is_file():
         pytest.fail(f"checkov not found at {CHECKOV}: run `make test` (it builds .venv-checkov) or set PD_CHECKOV")
-    cmd = [str(CHECKOV), "-d", str(directory), "--framework", "kubernetes", "--skip-download",
-           "--compact", "--quiet", "-o", "json"]
+    cmd = [
+        str(CHECKOV),
+        "-d",
+        str(directory),
+        "--framework",
+        "kubernetes",
+        "--skip-download",
+        "--compact",
+        "--quiet",
+        "-o",
+        "json",
+    ]
     if skip:
         cmd += ["--skip-check", ",".join(skip)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=directory)

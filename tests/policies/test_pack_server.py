@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
@@ -19,20 +18,24 @@ from google.protobuf import empty_pb2, struct_pb2
 from pulumi.runtime import proto
 from pulumi.runtime.proto import analyzer_pb2_grpc
 
+from infra.paths import ROOT
 from policies import rules
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def analyzer():
     proc = subprocess.Popen(
         [sys.executable, "-u", str(ROOT / "policies" / "__main__.py")],
-        cwd=ROOT / "policies", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=ROOT / "policies",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = proc.stdout.readline().strip()  # PolicyPack prints its port, then serves
-        assert line.isdigit(), f"the pack did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        assert line.isdigit(), (
+            f"the pack did not start: {line!r} {proc.stderr.read() if proc.poll() is not None else ''}"
+        )
         channel = grpc.insecure_channel(f"127.0.0.1:{line}")
         grpc.channel_ready_future(channel).result(timeout=30)
         yield analyzer_pb2_grpc.AnalyzerStub(channel)
@@ -46,7 +49,10 @@ def _analyze(stub, type_: str, name: str, inputs: dict, stack: str = "prod"):
     props = struct_pb2.Struct()
     props.update(inputs)
     request = proto.AnalyzeRequest(
-        type=type_, properties=props, urn=f"urn:pulumi:{stack}::{rules.PROJECT}::{type_}::{name}", name=name,
+        type=type_,
+        properties=props,
+        urn=f"urn:pulumi:{stack}::{rules.PROJECT}::{type_}::{name}",
+        name=name,
     )
     return stub.Analyze(request, timeout=30).diagnostics
 
@@ -55,16 +61,17 @@ def test_the_engine_sees_every_rule(analyzer) -> None:
     info = analyzer.GetAnalyzerInfo(empty_pb2.Empty(), timeout=30)
     assert info.name == "pd-inference-guardrails"
     levels = {p.name: p.enforcementLevel for p in info.policies}
-    expected = {
-        r.name: proto.MANDATORY if r.level is rules.MANDATORY else proto.ADVISORY for r in rules.RULES
-    }
+    expected = {r.name: proto.MANDATORY if r.level is rules.MANDATORY else proto.ADVISORY for r in rules.RULES}
     assert levels == expected
 
 
 def test_a_violation_fails_the_preview(analyzer, rendered_stacks) -> None:
     cluster = next(r for r in rendered_stacks["prod"].result.resources if r.type == rules.EKS_CLUSTER)
-    assert [d for d in _analyze(analyzer, cluster.type, cluster.name, cluster.inputs)
-            if d.enforcementLevel == proto.MANDATORY] == []
+    assert [
+        d
+        for d in _analyze(analyzer, cluster.type, cluster.name, cluster.inputs)
+        if d.enforcementLevel == proto.MANDATORY
+    ] == []
     broken = {**cluster.inputs, "endpointPublicAccess": True}
     broken.pop("encryptionConfigKeyArn")
     diagnostics = _analyze(analyzer, cluster.type, cluster.name, broken)

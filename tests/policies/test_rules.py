@@ -13,28 +13,37 @@ from __future__ import annotations
 import ast
 import copy
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from pulumi_policy import EnforcementLevel
 from pulumi_policy.proxy import UNKNOWN_ARRAY_VALUE, UNKNOWN_OBJECT_VALUE, UNKNOWN_STRING_VALUE
 
-from infra import mock_runtime, stackfile
-from infra.cluster import LOG_TYPES
-from infra.gpu_node_pool import GPU_TAINT_KEY
-from infra.mock_runtime import Registered
-from infra.rayservice import HF_TOKEN_ENV
+from infra.components.cluster import LOG_TYPES
+from infra.k8s.labels import GPU_TAINT_KEY
+from infra.k8s.rayservice import HF_TOKEN_ENV
+from infra.paths import ROOT
 from policies import rules
 from serving.spec import API_KEYS_ENV
 from tests.conftest import STACKS
 from tests.policies.harness import scan, violations
+from tools import mock_runtime, stackfile
+from tools.mock_runtime import Registered
 
-ROOT = Path(__file__).resolve().parents[2]
 REQUIRED = {
-    "eks-endpoint-allow-list", "eks-secrets-encryption", "eks-control-plane-logging", "nodes-imdsv2-required",
-    "gpu-nodes-tainted", "efa-single-zone", "helm-charts-pinned", "images-pinned", "ray-head-no-gpu",
-    "secrets-by-reference", "no-open-ingress",
+    "eks-endpoint-allow-list",
+    "eks-secrets-encryption",
+    "eks-control-plane-logging",
+    "nodes-imdsv2-required",
+    "gpu-nodes-tainted",
+    "efa-single-zone",
+    "helm-charts-pinned",
+    "images-pinned",
+    "ray-head-no-gpu",
+    "secrets-by-reference",
+    "no-open-ingress",
 }
 # Advisory findings the shipped stacks make on purpose: dev's API endpoint is public (allow-listed).
 EXPECTED_ADVISORIES = {"dev": {("eks-endpoint-private", "eks-eks")}}
@@ -60,13 +69,16 @@ def resources(rendered_stacks, capacity_block) -> dict[str, list[Registered]]:
 def test_rules_are_well_formed() -> None:
     names = [r.name for r in rules.RULES]
     assert len(set(names)) == len(names)
-    assert REQUIRED <= set(names)
-    for rule, policy in zip(rules.RULES, rules.POLICIES):
+    assert set(names) >= REQUIRED
+    for rule, policy in zip(rules.RULES, rules.POLICIES, strict=False):
         assert policy.name == rule.name and policy.description and policy.enforcement_level is rule.level
         assert rule.level in (EnforcementLevel.MANDATORY, EnforcementLevel.ADVISORY)
         assert policy.has_validation()
     assert {r.name for r in rules.RULES if r.level is EnforcementLevel.MANDATORY} >= REQUIRED
-    assert {r.name for r in rules.RULES if r.level is EnforcementLevel.ADVISORY} == {"no-spot-in-prod", "eks-endpoint-private"}
+    assert {r.name for r in rules.RULES if r.level is EnforcementLevel.ADVISORY} == {
+        "no-spot-in-prod",
+        "eks-endpoint-private",
+    }
 
 
 def test_entry_point_only_assembles_the_pack() -> None:
@@ -110,8 +122,17 @@ def test_the_shipped_stacks_are_all_scanned(resources) -> None:
     assert {"dev", "staging", "prod"} <= set(STACKS) and set(resources) >= set(STACKS)
     types = {r.type for rs in resources.values() for r in rs}
     # The types the mandatory rules are about are all there (so "clean" means something).
-    for t in (rules.EKS_CLUSTER, rules.EKS_MNG, rules.HELM_CHART_V4, rules.RAY_TYPES[0], rules.K8S_SERVICE,
-              rules.K8S_NETWORK_POLICY, rules.K8S_SECRET, rules.LAUNCH_TEMPLATE, "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule"):
+    for t in (
+        rules.EKS_CLUSTER,
+        rules.EKS_MNG,
+        rules.HELM_CHART_V4,
+        rules.RAY_TYPES[0],
+        rules.K8S_SERVICE,
+        rules.K8S_NETWORK_POLICY,
+        rules.K8S_SECRET,
+        rules.LAUNCH_TEMPLATE,
+        "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
+    ):
         assert t in types, t
 
 
@@ -148,100 +169,416 @@ RAYSERVICE = rules.RAY_TYPES[0]
 Mutate = Callable[[dict[str, Any]], Any]
 # (case id, rule, stack, resource type, resource name or None, mutation of a copy of its inputs, what the message must say)
 CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
-    ("public-no-allow-list", "eks-endpoint-allow-list", "prod", rules.EKS_CLUSTER, None,
-     lambda i: i.update(endpointPublicAccess=True), "publicAccessCidrs"),
-    ("public-by-default", "eks-endpoint-allow-list", "prod", rules.EKS_CLUSTER, None,
-     lambda i: i.pop("endpointPublicAccess"), "endpointAccess: private"),
-    ("allow-list-open", "eks-endpoint-allow-list", "dev", rules.EKS_CLUSTER, None,
-     lambda i: i.update(publicAccessCidrs=["203.0.113.0/24", "0.0.0.0/0"]), "list your own networks"),
-    ("no-kms-key", "eks-secrets-encryption", "prod", rules.EKS_CLUSTER, None,
-     lambda i: i.pop("encryptionConfigKeyArn"), "encryptionConfigKeyArn"),
-    ("audit-log-off", "eks-control-plane-logging", "staging", rules.EKS_CLUSTER, None,
-     lambda i: i.update(enabledClusterLogTypes=["api", "authenticator"]), "enabledClusterLogTypes"),
-    ("no-logs", "eks-control-plane-logging", "dev", rules.EKS_CLUSTER, None,
-     lambda i: i.pop("enabledClusterLogTypes"), "'audit'"),
-    ("system-imdsv1", "nodes-imdsv2-required", "prod", rules.EKS_MNG, "eks-system",
-     lambda i: i.pop("enableIMDSv2"), "enableIMDSv2=True"),
-    ("gpu-imdsv1", "nodes-imdsv2-required", "dev", rules.EKS_MNG, "gpu-decode-ng",
-     lambda i: i.update(enableIMDSv2=False), "httpTokens 'required'"),
-    ("template-imdsv1", "nodes-imdsv2-required", "prod-capacity-block", rules.LAUNCH_TEMPLATE, None,
-     lambda i: i["metadataOptions"].update(httpTokens="optional"), "set it to 'required'"),
-    ("template-no-metadata-options", "nodes-imdsv2-required", "prod-capacity-block", rules.LAUNCH_TEMPLATE, None,
-     lambda i: i.pop("metadataOptions"), "'required'"),
-    ("gpu-untainted", "gpu-nodes-tainted", "prod", rules.EKS_MNG, "gpu-decode-ng",
-     lambda i: i.pop("taints"), "nvidia.com/gpu=true:NoSchedule"),
-    ("gpu-soft-taint", "gpu-nodes-tainted", "dev", rules.EKS_MNG, "gpu-prefill-ng",
-     lambda i: i["taints"][0].update(effect="PREFER_NO_SCHEDULE"), "NO_SCHEDULE"),
-    ("nvidia-ami-untainted", "gpu-nodes-tainted", "staging", rules.EKS_MNG, "gpu-prefill-ng",
-     lambda i: (i.pop("gpu"), i.pop("taints")), "add the taint"),
-    ("efa-three-subnets", "efa-single-zone", "prod", rules.EKS_MNG, "gpu-prefill-ng",
-     lambda i: i.update(subnetIds=["subnet-a", "subnet-b", "subnet-c"]), "exactly one subnet"),
-    ("efa-no-placement-zone", "efa-single-zone", "staging", rules.EKS_MNG, "gpu-decode-ng",
-     lambda i: i.pop("placementGroupAvailabilityZone"), "placementGroupAvailabilityZone"),
-    ("capacity-block-two-subnets", "efa-single-zone", "prod-capacity-block", rules.EKS_MNG, "gpu-prefill-ng",
-     lambda i: i.update(subnetIds=["subnet-a", "subnet-b"]), "exactly one subnet"),
-    ("efa-template-unplaced", "efa-single-zone", "prod-capacity-block", rules.LAUNCH_TEMPLATE, None,
-     lambda i: (i.pop("instanceMarketOptions"), i.pop("capacityReservationSpecification")), "placement.groupName"),
-    ("chart-range", "helm-charts-pinned", "prod", rules.HELM_CHART_V4, "kuberay-chart",
-     lambda i: i.update(version="^1.7.0"), "pin an exact version"),
-    ("chart-latest", "helm-charts-pinned", "dev", rules.HELM_CHART_V4, "nvidia-device-plugin-chart",
-     lambda i: i.update(version="latest"), "pin an exact version"),
-    ("chart-unversioned", "helm-charts-pinned", "staging", rules.HELM_CHART_V4, "efa-device-plugin-chart",
-     lambda i: i.pop("version"), "pin an exact version"),
-    ("chart-wildcard", "helm-charts-pinned", "prod", rules.HELM_CHART_V4, "kuberay-chart",
-     lambda i: i.update(version="1.x"), "infra/versions.py"),
-    ("head-image-latest", "images-pinned", "prod", RAYSERVICE, None,
-     lambda i: _container(_head(i)).update(image="rayproject/ray-llm:latest"), "pin a release tag"),
-    ("worker-image-untagged", "images-pinned", "staging", RAYSERVICE, None,
-     lambda i: _container(_worker(i, 1)).update(image="rayproject/ray-llm"), "or a digest"),
-    ("worker-image-nightly", "images-pinned", "dev", RAYSERVICE, None,
-     lambda i: _container(_worker(i)).update(image="rayproject/ray-llm:nightly-py311-cu128"), "pin a release tag"),
-    ("autoscaler-image-floating", "images-pinned", "prod", RAYSERVICE, None,
-     lambda i: i["spec"]["rayClusterConfig"]["autoscalerOptions"].update(image="rayproject/ray:latest"), "pin"),
-    ("chart-values-image-latest", "images-pinned", "prod", rules.HELM_CHART_V4, "kuberay-chart",
-     lambda i: i["values"].update(image={"repository": "quay.io/kuberay/operator", "tag": "latest"}), "pin the tag"),
-    ("head-num-gpus", "ray-head-no-gpu", "prod", RAYSERVICE, None,
-     lambda i: _head(i)["rayStartParams"].update({"num-gpus": "1"}), 'set it to "0"'),
-    ("head-num-gpus-unset", "ray-head-no-gpu", "dev", RAYSERVICE, None,
-     lambda i: _head(i)["rayStartParams"].pop("num-gpus"), 'set it to "0"'),
-    ("head-gpu-limit", "ray-head-no-gpu", "staging", RAYSERVICE, None,
-     lambda i: _container(_head(i))["resources"]["limits"].update({"nvidia.com/gpu": "1"}), "remove it"),
-    ("api-keys-literal", "secrets-by-reference", "prod", RAYSERVICE, None,
-     lambda i: _container(_head(i)).update(env=[{"name": "PD_API_KEYS", "value": "sk-1,sk-2"}]), "secretKeyRef"),
-    ("hf-token-literal", "secrets-by-reference", "staging", RAYSERVICE, None,
-     lambda i: _container(_worker(i)).update(env=[{"name": "HF_TOKEN", "value": "hf_x"}]), "secretKeyRef"),
-    ("runtime-env-token", "secrets-by-reference", "dev", RAYSERVICE, None,
-     lambda i: i["spec"].update(serveConfigV2="applications:\n- name: llm\n  runtime_env:\n    env_vars:\n"
-                                              "      HUGGING_FACE_HUB_TOKEN: hf_x\n"), "Kubernetes Secret"),
-    ("redis-password-literal", "secrets-by-reference", "prod", RAYSERVICE, None,
-     lambda i: i["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"].update(redisPassword={"value": "hunter2"}),
-     "valueFrom.secretKeyRef"),
-    ("string-data-off-secret", "secrets-by-reference", "prod", rules.K8S_SERVICE, None,
-     lambda i: i.update(stringData={"api-keys": "sk-1"}), "only a Secret"),
-    ("token-in-configmap", "secrets-by-reference", "prod", rules.K8S_SERVICE, None,
-     lambda i: i.update(kind="ConfigMap", data={"OPENAI_API_KEY": "sk-1"}), "Kubernetes Secret"),
-    ("lb-open-v4", "no-open-ingress", "prod", rules.K8S_SERVICE, None,
-     lambda i: i["spec"].update(loadBalancerSourceRanges=["0.0.0.0/0"]), "list the client CIDRs"),
-    ("lb-no-ranges", "no-open-ingress", "prod", rules.K8S_SERVICE, None,
-     lambda i: i["spec"].pop("loadBalancerSourceRanges"), "serviceAllowedCidrs"),
-    ("lb-open-by-annotation", "no-open-ingress", "prod", rules.K8S_SERVICE, None,
-     lambda i: i["metadata"]["annotations"].update({"service.beta.kubernetes.io/load-balancer-source-ranges": "::/0"}),
-     "list the client CIDRs"),
-    ("netpol-open-ipblock", "no-open-ingress", "dev", rules.K8S_NETWORK_POLICY, None,
-     lambda i: i["spec"]["ingress"][2]["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}), "list the client CIDRs"),
-    ("netpol-rule-without-from", "no-open-ingress", "staging", rules.K8S_NETWORK_POLICY, None,
-     lambda i: i["spec"]["ingress"][2].pop("from"), "list pod/namespace selectors"),
-    ("sg-rule-open", "no-open-ingress", "prod-capacity-block", rules.SG_INGRESS_RULE, None,
-     lambda i: (i.pop("referencedSecurityGroupId"), i.update(cidrIpv4="0.0.0.0/0")), "allow only the networks"),
-    ("sg-inline-open-v6", "no-open-ingress", "prod", "aws:ec2/defaultSecurityGroup:DefaultSecurityGroup", None,
-     lambda i: i.update(ingress=[{"protocol": "-1", "fromPort": 0, "toPort": 0, "ipv6CidrBlocks": ["::/0"]}]),
-     "allow only the networks"),
-    ("spot-in-prod-by-config", "no-spot-in-prod", "dev", rules.EKS_MNG, "gpu-decode-ng",
-     lambda i: i, "on-demand or a capacity block"),
-    ("spot-in-prod-by-tag", "no-spot-in-prod", "prod", rules.EKS_MNG, "gpu-decode-ng",
-     lambda i: i.update(capacityType="SPOT"), "on-demand or a capacity block"),
-    ("public-endpoint-advice", "eks-endpoint-private", "staging", rules.EKS_CLUSTER, None,
-     lambda i: i.update(endpointPublicAccess=True, publicAccessCidrs=["198.51.100.0/24"]), "endpointAccess: private"),
+    (
+        "public-no-allow-list",
+        "eks-endpoint-allow-list",
+        "prod",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.update(endpointPublicAccess=True),
+        "publicAccessCidrs",
+    ),
+    (
+        "public-by-default",
+        "eks-endpoint-allow-list",
+        "prod",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.pop("endpointPublicAccess"),
+        "endpointAccess: private",
+    ),
+    (
+        "allow-list-open",
+        "eks-endpoint-allow-list",
+        "dev",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.update(publicAccessCidrs=["203.0.113.0/24", "0.0.0.0/0"]),
+        "list your own networks",
+    ),
+    (
+        "no-kms-key",
+        "eks-secrets-encryption",
+        "prod",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.pop("encryptionConfigKeyArn"),
+        "encryptionConfigKeyArn",
+    ),
+    (
+        "audit-log-off",
+        "eks-control-plane-logging",
+        "staging",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.update(enabledClusterLogTypes=["api", "authenticator"]),
+        "enabledClusterLogTypes",
+    ),
+    (
+        "no-logs",
+        "eks-control-plane-logging",
+        "dev",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.pop("enabledClusterLogTypes"),
+        "'audit'",
+    ),
+    (
+        "system-imdsv1",
+        "nodes-imdsv2-required",
+        "prod",
+        rules.EKS_MNG,
+        "eks-system",
+        lambda i: i.pop("enableIMDSv2"),
+        "enableIMDSv2=True",
+    ),
+    (
+        "gpu-imdsv1",
+        "nodes-imdsv2-required",
+        "dev",
+        rules.EKS_MNG,
+        "gpu-decode-ng",
+        lambda i: i.update(enableIMDSv2=False),
+        "httpTokens 'required'",
+    ),
+    (
+        "template-imdsv1",
+        "nodes-imdsv2-required",
+        "prod-capacity-block",
+        rules.LAUNCH_TEMPLATE,
+        None,
+        lambda i: i["metadataOptions"].update(httpTokens="optional"),
+        "set it to 'required'",
+    ),
+    (
+        "template-no-metadata-options",
+        "nodes-imdsv2-required",
+        "prod-capacity-block",
+        rules.LAUNCH_TEMPLATE,
+        None,
+        lambda i: i.pop("metadataOptions"),
+        "'required'",
+    ),
+    (
+        "gpu-untainted",
+        "gpu-nodes-tainted",
+        "prod",
+        rules.EKS_MNG,
+        "gpu-decode-ng",
+        lambda i: i.pop("taints"),
+        "nvidia.com/gpu=true:NoSchedule",
+    ),
+    (
+        "gpu-soft-taint",
+        "gpu-nodes-tainted",
+        "dev",
+        rules.EKS_MNG,
+        "gpu-prefill-ng",
+        lambda i: i["taints"][0].update(effect="PREFER_NO_SCHEDULE"),
+        "NO_SCHEDULE",
+    ),
+    (
+        "nvidia-ami-untainted",
+        "gpu-nodes-tainted",
+        "staging",
+        rules.EKS_MNG,
+        "gpu-prefill-ng",
+        lambda i: (i.pop("gpu"), i.pop("taints")),
+        "add the taint",
+    ),
+    (
+        "efa-three-subnets",
+        "efa-single-zone",
+        "prod",
+        rules.EKS_MNG,
+        "gpu-prefill-ng",
+        lambda i: i.update(subnetIds=["subnet-a", "subnet-b", "subnet-c"]),
+        "exactly one subnet",
+    ),
+    (
+        "efa-no-placement-zone",
+        "efa-single-zone",
+        "staging",
+        rules.EKS_MNG,
+        "gpu-decode-ng",
+        lambda i: i.pop("placementGroupAvailabilityZone"),
+        "placementGroupAvailabilityZone",
+    ),
+    (
+        "capacity-block-two-subnets",
+        "efa-single-zone",
+        "prod-capacity-block",
+        rules.EKS_MNG,
+        "gpu-prefill-ng",
+        lambda i: i.update(subnetIds=["subnet-a", "subnet-b"]),
+        "exactly one subnet",
+    ),
+    (
+        "efa-template-unplaced",
+        "efa-single-zone",
+        "prod-capacity-block",
+        rules.LAUNCH_TEMPLATE,
+        None,
+        lambda i: (i.pop("instanceMarketOptions"), i.pop("capacityReservationSpecification")),
+        "placement.groupName",
+    ),
+    (
+        "chart-range",
+        "helm-charts-pinned",
+        "prod",
+        rules.HELM_CHART_V4,
+        "kuberay-chart",
+        lambda i: i.update(version="^1.7.0"),
+        "pin an exact version",
+    ),
+    (
+        "chart-latest",
+        "helm-charts-pinned",
+        "dev",
+        rules.HELM_CHART_V4,
+        "nvidia-device-plugin-chart",
+        lambda i: i.update(version="latest"),
+        "pin an exact version",
+    ),
+    (
+        "chart-unversioned",
+        "helm-charts-pinned",
+        "staging",
+        rules.HELM_CHART_V4,
+        "efa-device-plugin-chart",
+        lambda i: i.pop("version"),
+        "pin an exact version",
+    ),
+    (
+        "chart-wildcard",
+        "helm-charts-pinned",
+        "prod",
+        rules.HELM_CHART_V4,
+        "kuberay-chart",
+        lambda i: i.update(version="1.x"),
+        "infra/model/versions.py",
+    ),
+    (
+        "head-image-latest",
+        "images-pinned",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: _container(_head(i)).update(image="rayproject/ray-llm:latest"),
+        "pin a release tag",
+    ),
+    (
+        "worker-image-untagged",
+        "images-pinned",
+        "staging",
+        RAYSERVICE,
+        None,
+        lambda i: _container(_worker(i, 1)).update(image="rayproject/ray-llm"),
+        "or a digest",
+    ),
+    (
+        "worker-image-nightly",
+        "images-pinned",
+        "dev",
+        RAYSERVICE,
+        None,
+        lambda i: _container(_worker(i)).update(image="rayproject/ray-llm:nightly-py311-cu128"),
+        "pin a release tag",
+    ),
+    (
+        "autoscaler-image-floating",
+        "images-pinned",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: i["spec"]["rayClusterConfig"]["autoscalerOptions"].update(image="rayproject/ray:latest"),
+        "pin",
+    ),
+    (
+        "chart-values-image-latest",
+        "images-pinned",
+        "prod",
+        rules.HELM_CHART_V4,
+        "kuberay-chart",
+        lambda i: i["values"].update(image={"repository": "quay.io/kuberay/operator", "tag": "latest"}),
+        "pin the tag",
+    ),
+    (
+        "head-num-gpus",
+        "ray-head-no-gpu",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: _head(i)["rayStartParams"].update({"num-gpus": "1"}),
+        'set it to "0"',
+    ),
+    (
+        "head-num-gpus-unset",
+        "ray-head-no-gpu",
+        "dev",
+        RAYSERVICE,
+        None,
+        lambda i: _head(i)["rayStartParams"].pop("num-gpus"),
+        'set it to "0"',
+    ),
+    (
+        "head-gpu-limit",
+        "ray-head-no-gpu",
+        "staging",
+        RAYSERVICE,
+        None,
+        lambda i: _container(_head(i))["resources"]["limits"].update({"nvidia.com/gpu": "1"}),
+        "remove it",
+    ),
+    (
+        "api-keys-literal",
+        "secrets-by-reference",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: _container(_head(i)).update(env=[{"name": "PD_API_KEYS", "value": "sk-1,sk-2"}]),
+        "secretKeyRef",
+    ),
+    (
+        "hf-token-literal",
+        "secrets-by-reference",
+        "staging",
+        RAYSERVICE,
+        None,
+        lambda i: _container(_worker(i)).update(env=[{"name": "HF_TOKEN", "value": "hf_x"}]),
+        "secretKeyRef",
+    ),
+    (
+        "runtime-env-token",
+        "secrets-by-reference",
+        "dev",
+        RAYSERVICE,
+        None,
+        lambda i: i["spec"].update(
+            serveConfigV2="applications:\n- name: llm\n  runtime_env:\n    env_vars:\n"
+            "      HUGGING_FACE_HUB_TOKEN: hf_x\n"
+        ),
+        "Kubernetes Secret",
+    ),
+    (
+        "redis-password-literal",
+        "secrets-by-reference",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: i["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"].update(redisPassword={"value": "hunter2"}),
+        "valueFrom.secretKeyRef",
+    ),
+    (
+        "string-data-off-secret",
+        "secrets-by-reference",
+        "prod",
+        rules.K8S_SERVICE,
+        None,
+        lambda i: i.update(stringData={"api-keys": "sk-1"}),
+        "only a Secret",
+    ),
+    (
+        "token-in-configmap",
+        "secrets-by-reference",
+        "prod",
+        rules.K8S_SERVICE,
+        None,
+        lambda i: i.update(kind="ConfigMap", data={"OPENAI_API_KEY": "sk-1"}),
+        "Kubernetes Secret",
+    ),
+    (
+        "lb-open-v4",
+        "no-open-ingress",
+        "prod",
+        rules.K8S_SERVICE,
+        None,
+        lambda i: i["spec"].update(loadBalancerSourceRanges=["0.0.0.0/0"]),
+        "list the client CIDRs",
+    ),
+    (
+        "lb-no-ranges",
+        "no-open-ingress",
+        "prod",
+        rules.K8S_SERVICE,
+        None,
+        lambda i: i["spec"].pop("loadBalancerSourceRanges"),
+        "serviceAllowedCidrs",
+    ),
+    (
+        "lb-open-by-annotation",
+        "no-open-ingress",
+        "prod",
+        rules.K8S_SERVICE,
+        None,
+        lambda i: i["metadata"]["annotations"].update(
+            {"service.beta.kubernetes.io/load-balancer-source-ranges": "::/0"}
+        ),
+        "list the client CIDRs",
+    ),
+    (
+        "netpol-open-ipblock",
+        "no-open-ingress",
+        "dev",
+        rules.K8S_NETWORK_POLICY,
+        None,
+        lambda i: i["spec"]["ingress"][2]["from"].append({"ipBlock": {"cidr": "0.0.0.0/0"}}),
+        "list the client CIDRs",
+    ),
+    (
+        "netpol-rule-without-from",
+        "no-open-ingress",
+        "staging",
+        rules.K8S_NETWORK_POLICY,
+        None,
+        lambda i: i["spec"]["ingress"][2].pop("from"),
+        "list pod/namespace selectors",
+    ),
+    (
+        "sg-rule-open",
+        "no-open-ingress",
+        "prod-capacity-block",
+        rules.SG_INGRESS_RULE,
+        None,
+        lambda i: (i.pop("referencedSecurityGroupId"), i.update(cidrIpv4="0.0.0.0/0")),
+        "allow only the networks",
+    ),
+    (
+        "sg-inline-open-v6",
+        "no-open-ingress",
+        "prod",
+        "aws:ec2/defaultSecurityGroup:DefaultSecurityGroup",
+        None,
+        lambda i: i.update(ingress=[{"protocol": "-1", "fromPort": 0, "toPort": 0, "ipv6CidrBlocks": ["::/0"]}]),
+        "allow only the networks",
+    ),
+    (
+        "spot-in-prod-by-config",
+        "no-spot-in-prod",
+        "dev",
+        rules.EKS_MNG,
+        "gpu-decode-ng",
+        lambda i: i,
+        "on-demand or a capacity block",
+    ),
+    (
+        "spot-in-prod-by-tag",
+        "no-spot-in-prod",
+        "prod",
+        rules.EKS_MNG,
+        "gpu-decode-ng",
+        lambda i: i.update(capacityType="SPOT"),
+        "on-demand or a capacity block",
+    ),
+    (
+        "public-endpoint-advice",
+        "eks-endpoint-private",
+        "staging",
+        rules.EKS_CLUSTER,
+        None,
+        lambda i: i.update(endpointPublicAccess=True, publicAccessCidrs=["198.51.100.0/24"]),
+        "endpointAccess: private",
+    ),
 ]
 # Some cases only make sense with a type other than the one they copy.
 _RETYPE = {
@@ -331,8 +668,16 @@ def test_image_problem(image: str, pinned: bool) -> None:
 
 @pytest.mark.parametrize(
     ("name", "secret"),
-    [("HF_TOKEN", True), ("PD_API_KEYS", True), ("AWS_SECRET_ACCESS_KEY", True), ("REDIS_PASSWORD", True),
-     ("VLLM_NIXL_SIDE_CHANNEL_HOST", False), ("FI_EFA_FORK_SAFE", False), ("KEYCLOAK_URL", False), ("MONKEY", False)],
+    [
+        ("HF_TOKEN", True),
+        ("PD_API_KEYS", True),
+        ("AWS_SECRET_ACCESS_KEY", True),
+        ("REDIS_PASSWORD", True),
+        ("VLLM_NIXL_SIDE_CHANNEL_HOST", False),
+        ("FI_EFA_FORK_SAFE", False),
+        ("KEYCLOAK_URL", False),
+        ("MONKEY", False),
+    ],
 )
 def test_secret_like(name: str, secret: bool) -> None:
     assert rules.secret_like(name) is secret
@@ -340,8 +685,16 @@ def test_secret_like(name: str, secret: bool) -> None:
 
 @pytest.mark.parametrize(
     ("cidr", "is_open"),
-    [("0.0.0.0/0", True), ("::/0", True), ("128.0.0.0/1", True), ("2000::/3", True),
-     ("10.0.0.0/8", False), ("203.0.113.0/24", False), ("2001:db8::/32", False), ("not-a-cidr", False)],
+    [
+        ("0.0.0.0/0", True),
+        ("::/0", True),
+        ("128.0.0.0/1", True),
+        ("2000::/3", True),
+        ("10.0.0.0/8", False),
+        ("203.0.113.0/24", False),
+        ("2001:db8::/32", False),
+        ("not-a-cidr", False),
+    ],
 )
 def test_open_cidr(cidr: str, is_open: bool) -> None:
     assert rules.open_cidr(cidr) is is_open

@@ -7,12 +7,12 @@ line, and Ctrl-Cs it at the end. Its log goes to build/test-logs/serve-e2e.log.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
+from infra.paths import BUILD_DIR
+
 E2E_KEY = "sk-e2e-test-key"
-LOG_DIR = Path(__file__).resolve().parents[2] / "build" / "test-logs"
+LOG_DIR = BUILD_DIR / "test-logs"
 # Runs last: it stops the shared stack.
 LAST = "test_ctrl_c_shuts_everything_down"
 
@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def stack():
-    from serving.local import background_stack
+    from serving.local.background import background_stack
 
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / "serve-e2e.log"

@@ -92,14 +92,18 @@ def make_ingress(monkeypatch, *, keys: str | None = KEY, mode: str = "api-key", 
     else:
         monkeypatch.setenv("TEST_PD_KEYS", keys)
     handle = FakeHandle(outcome)
-    ingress = AuthenticatedIngress(
-        {MODEL: handle}, {MODEL: model_card()}, auth_mode=mode, api_keys_env="TEST_PD_KEYS"
-    )
+    ingress = AuthenticatedIngress({MODEL: handle}, {MODEL: model_card()}, auth_mode=mode, api_keys_env="TEST_PD_KEYS")
     return ingress, handle
 
 
-def make_request(body: bytes | dict | None = None, *, key: str | None = KEY, path="/v1/chat/completions",
-                 method="POST", auth_header: str | None = None) -> Request:
+def make_request(
+    body: bytes | dict | None = None,
+    *,
+    key: str | None = KEY,
+    path="/v1/chat/completions",
+    method="POST",
+    auth_header: str | None = None,
+) -> Request:
     if isinstance(body, dict):
         body = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json")]
@@ -237,7 +241,9 @@ def test_invalid_body_is_400_naming_the_parameter(monkeypatch):
     ingress, _ = make_ingress(monkeypatch)
     status, err = error_of(run(ingress.chat(make_request({"model": MODEL}))))
     assert status == 400 and err["param"] == "messages" and "messages" in err["message"]
-    status, err = error_of(run(ingress.completions(make_request({"model": MODEL, "prompt": "x", "max_tokens": "many"}))))
+    status, err = error_of(
+        run(ingress.completions(make_request({"model": MODEL, "prompt": "x", "max_tokens": "many"})))
+    )
     assert status == 400 and err["param"] == "max_tokens"
 
 
@@ -262,7 +268,9 @@ def test_engine_error_response_keeps_its_status_and_message(monkeypatch):
     from ray.llm._internal.serve.core.configs.openai_api_models import ErrorInfo
     from ray.serve.llm.openai_api_models import ErrorResponse
 
-    too_long = ErrorResponse(error=ErrorInfo(message="prompt is longer than 512 tokens", type="BadRequestError", code=400))
+    too_long = ErrorResponse(
+        error=ErrorInfo(message="prompt is longer than 512 tokens", type="BadRequestError", code=400)
+    )
     ingress, _ = make_ingress(monkeypatch, outcome=too_long)
     status, err = error_of(run(ingress.completions(make_request({"model": MODEL, "prompt": "x"}))))
     assert status == 400 and err["message"] == "prompt is longer than 512 tokens"
@@ -283,7 +291,7 @@ def test_error_response_shape():
 
 # --- unit: build_app's argument checks (they fail before Ray is touched) ---------------------
 def test_build_app_rejects_an_unknown_mode():
-    with pytest.raises(ValueError, match="args.mode 'hybrid'"):
+    with pytest.raises(ValueError, match=r"args\.mode 'hybrid'"):
         build_app({"mode": "hybrid"})
 
 
@@ -293,7 +301,7 @@ def test_build_app_rejects_unknown_keys():
 
 
 def test_build_app_rejects_an_unknown_auth_mode():
-    with pytest.raises(ValueError, match="args.auth.mode 'open'"):
+    with pytest.raises(ValueError, match=r"args\.auth\.mode 'open'"):
         app_mod._ingress_cls_config({"mode": "open"})
 
 
@@ -318,8 +326,11 @@ def test_chat_non_streaming_and_streaming_agree(stack):
     assert full.usage.completion_tokens == 24 and full.usage.prompt_tokens > 10
     text = full.choices[0].message.content
     assert text
-    chunks = list(client.chat.completions.create(
-        model=stack.model, messages=PROMPT_MESSAGES, max_tokens=24, stream=True, **GREEDY))
+    chunks = list(
+        client.chat.completions.create(
+            model=stack.model, messages=PROMPT_MESSAGES, max_tokens=24, stream=True, **GREEDY
+        )
+    )
     assert len(chunks) > 5
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
 
@@ -329,8 +340,9 @@ def test_completions_non_streaming_and_streaming_agree(stack):
     client = _client(stack.urls["disaggregated"], stack.api_key)
     full = client.completions.create(model=stack.model, prompt="The quick brown fox", max_tokens=20, **GREEDY)
     assert full.object == "text_completion" and full.usage.completion_tokens == 20
-    chunks = list(client.completions.create(model=stack.model, prompt="The quick brown fox",
-                                            max_tokens=20, stream=True, **GREEDY))
+    chunks = list(
+        client.completions.create(model=stack.model, prompt="The quick brown fox", max_tokens=20, stream=True, **GREEDY)
+    )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
 
 
@@ -348,8 +360,10 @@ def test_disaggregated_output_equals_aggregated_output(stack):
         a = pd.completions.create(model=stack.model, prompt=prompt, max_tokens=32, **GREEDY)
         b = agg.completions.create(model=stack.model, prompt=prompt, max_tokens=32, **GREEDY)
         assert a.choices[0].text == b.choices[0].text
-        sa = "".join(c.choices[0].text for c in pd.completions.create(
-            model=stack.model, prompt=prompt, max_tokens=32, stream=True, **GREEDY))
+        sa = "".join(
+            c.choices[0].text
+            for c in pd.completions.create(model=stack.model, prompt=prompt, max_tokens=32, stream=True, **GREEDY)
+        )
         assert sa == b.choices[0].text
 
 

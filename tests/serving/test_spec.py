@@ -88,7 +88,7 @@ def test_each_engine_config_is_a_valid_ray_llm_config(case):
     from ray.serve.llm import LLMConfig
 
     spec, target = CASES[case]
-    for role, raw in engine_configs(spec.app_args(target)).items():
+    for raw in engine_configs(spec.app_args(target)).values():
         cfg = LLMConfig.model_validate(copy.deepcopy(raw))
         assert cfg.model_id == spec.model.id
         if spec.model.source.startswith("s3://"):
@@ -151,9 +151,7 @@ def test_ray_pd_validator_rejects_a_missing_kv_transfer_config():
     args = cpu_spec().app_args(CPU)
     del args["decode_config"]["engine_kwargs"]["kv_transfer_config"]
     with pytest.raises(ValidationError, match="kv_transfer_config is required"):
-        PDServingArgs.model_validate(
-            {"prefill_config": args["prefill_config"], "decode_config": args["decode_config"]}
-        )
+        PDServingArgs.model_validate({"prefill_config": args["prefill_config"], "decode_config": args["decode_config"]})
 
 
 # --- vLLM's validators ---------------------------------------------------------------------
@@ -162,7 +160,7 @@ def test_kv_transfer_config_is_valid_for_vllm(case):
     from vllm.config import KVTransferConfig
 
     spec, target = CASES[case]
-    for role, raw in engine_configs(spec.app_args(target)).items():
+    for raw in engine_configs(spec.app_args(target)).values():
         kv = KVTransferConfig(**raw["engine_kwargs"]["kv_transfer_config"])
         assert kv.kv_connector == "NixlConnector"
         assert kv.kv_role == "kv_both"
@@ -211,20 +209,16 @@ def test_engines_pinned_to_their_node_group_one_selector_per_bundle():
     for role in ("prefill", "decode"):
         selectors = args[f"{role}_config"]["deployment_config"]["placement_group_bundle_label_selector"]
         assert selectors == [{DEFAULT_LABEL_KEY: role}] * 2  # TP 2 -> two bundles
-    assert args["ingress_deployment_config"]["ray_actor_options"]["label_selector"] == {
-        DEFAULT_LABEL_KEY: "head"
-    }
-    assert args["ingress_deployment_config"]["ray_actor_options"]["runtime_env"] == {
-        "env_vars": {"LOG_LEVEL": "info"}
-    }
+    assert args["ingress_deployment_config"]["ray_actor_options"]["label_selector"] == {DEFAULT_LABEL_KEY: "head"}
+    assert args["ingress_deployment_config"]["ray_actor_options"]["runtime_env"] == {"env_vars": {"LOG_LEVEL": "info"}}
 
 
 def test_aggregated_engine_runs_on_the_decode_group():
     spec, target = CASES["gpu-aggregated"]
     (cfg,) = spec.app_args(target)["llm_configs"]
-    assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [
-        {DEFAULT_LABEL_KEY: "decode"}
-    ] * 8  # TP 4 x PP 2
+    assert (
+        cfg["deployment_config"]["placement_group_bundle_label_selector"] == [{DEFAULT_LABEL_KEY: "decode"}] * 8
+    )  # TP 4 x PP 2
     assert "kv_transfer_config" not in cfg["engine_kwargs"]
 
 
@@ -249,18 +243,23 @@ def test_cloud_and_local_differ_only_in_target():
     cloud = spec.app_args(GPU)
     local = spec.app_args(CPU)
     for role in ("prefill_config", "decode_config"):
-        c, l = cloud[role], local[role]
-        assert c["model_loading_config"] == l["model_loading_config"]
-        assert c["deployment_config"] == l["deployment_config"]
+        c, loc = cloud[role], local[role]
+        assert c["model_loading_config"] == loc["model_loading_config"]
+        assert c["deployment_config"] == loc["deployment_config"]
         ck = {k: v for k, v in c["engine_kwargs"].items() if k not in ("gpu_memory_utilization", "kv_transfer_config")}
-        lk = {k: v for k, v in l["engine_kwargs"].items() if k != "kv_transfer_config"}
+        lk = {k: v for k, v in loc["engine_kwargs"].items() if k != "kv_transfer_config"}
         assert ck == lk
-    assert cloud["ingress_deployment_config"]["autoscaling_config"] == local["ingress_deployment_config"]["autoscaling_config"]
+    assert (
+        cloud["ingress_deployment_config"]["autoscaling_config"]
+        == local["ingress_deployment_config"]["autoscaling_config"]
+    )
 
 
 # --- cross-field validation ------------------------------------------------------------------
 def test_tensor_parallel_mismatch_is_rejected():
-    with pytest.raises(ValidationError, match=r"prefill.tensorParallelSize \(2\) must equal decode.tensorParallelSize \(4\)"):
+    with pytest.raises(
+        ValidationError, match=r"prefill.tensorParallelSize \(2\) must equal decode.tensorParallelSize \(4\)"
+    ):
         make_spec(decode={"tensorParallelSize": 4})
 
 

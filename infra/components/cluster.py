@@ -1,0 +1,166 @@
+"""Cluster: the EKS control plane, its KMS key, the node IAM role, the CPU system node group
+and the `kubernetes.Provider` every in-cluster resource uses.
+
+What flows through here: the network's subnets and the stack's cluster settings (version,
+endpoint access, admin roles) -> an `eks.Cluster` with API authentication and access
+entries, all control-plane logs, envelope encryption of Secrets with a rotating KMS key,
+the core add-ons plus the Pod Identity agent, an OIDC provider -> the provider, the node
+role (shared by every node group) and the outputs the stack exports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_eks as eks
+import pulumi_kubernetes as k8s
+
+from infra.components.iam import trusted_by
+from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
+from infra.model.config import EndpointAccess, SystemNodes
+
+LOG_TYPES = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
+ADMIN_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"
+NODE_POLICIES = {
+    "worker": "arn:aws:iam::aws:policy/AmazonEKSWorkerNodePolicy",
+    "cni": "arn:aws:iam::aws:policy/AmazonEKS_CNI_Policy",
+    "ecr": "arn:aws:iam::aws:policy/AmazonEC2ContainerRegistryPullOnly",
+    "ssm": "arn:aws:iam::aws:policy/AmazonSSMManagedInstanceCore",
+}
+
+
+@dataclass
+class ClusterArgs:
+    cluster_name: str
+    kubernetes_version: str
+    vpc_id: pulumi.Input[str]
+    private_subnet_ids: pulumi.Input[list[str]]
+    public_subnet_ids: pulumi.Input[list[str]]
+    endpoint_access: EndpointAccess
+    public_access_cidrs: list[str]
+    admin_role_arns: list[str]
+    system_nodes: SystemNodes
+    deletion_protection: bool = False
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class Cluster(pulumi.ComponentResource):
+    eks: eks.Cluster
+    provider: k8s.Provider
+    node_role: aws.iam.Role
+    cluster_name: pulumi.Output[str]
+    kubeconfig: pulumi.Output[str]
+    oidc_issuer: pulumi.Output[str]
+    system_node_group_name: pulumi.Output[str]
+
+    def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:cluster:Cluster", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        tags = dict(args.tags)
+
+        key = aws.kms.Key(
+            f"{name}-secrets-key",
+            description=f"Envelope encryption of Kubernetes Secrets in EKS cluster {args.cluster_name}",
+            enable_key_rotation=True,
+            deletion_window_in_days=30,
+            tags=tags,
+            opts=child,
+        )
+        aws.kms.Alias(
+            f"{name}-secrets-key-alias", name=f"alias/{args.cluster_name}-secrets", target_key_id=key.key_id, opts=child
+        )
+
+        self.node_role = aws.iam.Role(
+            f"{name}-node-role",
+            assume_role_policy=trusted_by("ec2.amazonaws.com"),
+            tags=tags,
+            opts=child,
+        )
+        for suffix, arn in NODE_POLICIES.items():
+            aws.iam.RolePolicyAttachment(f"{name}-node-{suffix}", role=self.node_role.name, policy_arn=arn, opts=child)
+
+        public = args.endpoint_access is EndpointAccess.PUBLIC_AND_PRIVATE
+        self.eks = eks.Cluster(
+            f"{name}-eks",
+            name=args.cluster_name,
+            version=args.kubernetes_version,
+            vpc_id=args.vpc_id,
+            private_subnet_ids=args.private_subnet_ids,
+            public_subnet_ids=args.public_subnet_ids,
+            node_associate_public_ip_address=False,
+            endpoint_private_access=True,
+            endpoint_public_access=public,
+            public_access_cidrs=args.public_access_cidrs if public else None,
+            authentication_mode=eks.AuthenticationMode.API,
+            access_entries={
+                f"admin-{i}": eks.AccessEntryArgs(
+                    principal_arn=arn,
+                    access_policies={
+                        "cluster-admin": eks.AccessPolicyAssociationArgs(
+                            policy_arn=ADMIN_POLICY,
+                            access_scope=aws.eks.AccessPolicyAssociationAccessScopeArgs(type="cluster"),
+                        )
+                    },
+                )
+                for i, arn in enumerate(args.admin_role_arns)
+            },
+            enabled_cluster_log_types=LOG_TYPES,
+            encryption_config_key_arn=key.arn,
+            create_oidc_provider=True,
+            skip_default_node_group=True,
+            coredns_addon_options=eks.CoreDnsAddonOptionsArgs(enabled=True),
+            kube_proxy_addon_options=eks.KubeProxyAddonOptionsArgs(enabled=True),
+            # The VPC CNI enforces NetworkPolicy (the LLM namespace has one).
+            vpc_cni_options=eks.VpcCniOptionsArgs(enable_network_policy=True),
+            deletion_protection=args.deletion_protection,
+            tags=tags,
+            opts=child,
+        )
+        self.cluster_name = pulumi.Output.from_input(args.cluster_name)
+
+        # Pod Identity: how the Ray pods get their S3 role without node-wide credentials.
+        aws.eks.Addon(
+            f"{name}-pod-identity-agent",
+            cluster_name=self.cluster_name,
+            addon_name="eks-pod-identity-agent",
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.eks]),
+        )
+
+        system = args.system_nodes
+        eks.ManagedNodeGroup(
+            f"{name}-system",
+            cluster=self.eks,
+            node_role=self.node_role,
+            node_group_name=f"{args.cluster_name}-system",
+            instance_types=[system.instance_type],
+            ami_type="AL2023_x86_64_STANDARD",
+            capacity_type="ON_DEMAND",
+            subnet_ids=args.private_subnet_ids,
+            scaling_config=aws.eks.NodeGroupScalingConfigArgs(
+                min_size=system.min_size, desired_size=system.desired_size, max_size=system.max_size
+            ),
+            labels={ROLE_LABEL: SYSTEM_ROLE},
+            enable_imd_sv2=True,
+            tags=tags,
+            opts=child,
+        )
+        self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
+
+        self.kubeconfig = pulumi.Output.secret(self.eks.kubeconfig_json)
+        self.oidc_issuer = self.eks.oidc_issuer
+        self.provider = k8s.Provider(
+            f"{name}-k8s",
+            kubeconfig=self.kubeconfig,
+            enable_server_side_apply=True,
+            opts=child,
+        )
+        self.register_outputs(
+            {
+                "clusterName": self.cluster_name,
+                "kubeconfig": self.kubeconfig,
+                "oidcIssuer": self.oidc_issuer,
+                "systemNodeGroupName": self.system_node_group_name,
+            }
+        )

@@ -1,0 +1,216 @@
+"""GpuNodePool: one EKS managed node group of GPU instances for one engine role.
+
+What flows through here: a pool's config (instance type, capacity type, sizes, storage) and
+the catalog entry of its type -> an `eks.ManagedNodeGroup` on the AL2023 NVIDIA AMI, tainted
+`nvidia.com/gpu=true:NoSchedule` and labelled with its role so only the Ray worker group of
+that role lands there.
+
+EFA types: on-demand and spot pools use pulumi-eks's own EFA support (`enableEfaSupport` +
+`placementGroupAvailabilityZone`): it builds the launch template with every EFA interface of
+the type (card 0 "efa", the rest "efa-only") and a cluster placement group, in one zone.
+Capacity Blocks need a launch template that targets the reservation, so this component builds
+that template itself with the same interfaces (the Block already carries its placement) and
+an EFA security group that allows all traffic to and from itself.
+"""
+
+from __future__ import annotations
+
+import base64
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_eks as eks
+
+from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
+from infra.model import catalog
+from infra.model.config import CapacityType, LocalStorage, NodePool
+
+# The EKS API spells the effect NO_SCHEDULE (Kubernetes: NoSchedule).
+GPU_TAINT = {"key": GPU_TAINT_KEY, "value": GPU_TAINT_VALUE, "effect": "NO_SCHEDULE"}
+AMI_TYPE = "AL2023_x86_64_NVIDIA"
+_CAPACITY = {
+    CapacityType.ON_DEMAND: "ON_DEMAND",
+    CapacityType.SPOT: "SPOT",
+    CapacityType.CAPACITY_BLOCK: "CAPACITY_BLOCK",
+}
+
+# nodeadm stripes the instance-store NVMe drives into one RAID0 array and puts the kubelet
+# and containerd state on it, so model downloads and images land on local NVMe.
+RAID0_NODECONFIG = """apiVersion: node.eks.aws/v1alpha1
+kind: NodeConfig
+spec:
+  instance:
+    localStorage:
+      strategy: RAID0
+"""
+
+
+@dataclass
+class GpuNodePoolArgs:
+    role: str
+    pool: NodePool
+    cluster: eks.Cluster
+    cluster_name: pulumi.Input[str]
+    node_role: aws.iam.Role
+    vpc_id: pulumi.Input[str]
+    subnet_ids: pulumi.Input[list[str]]  # all private subnets (non-EFA types)
+    efa_subnet_id: pulumi.Input[str]  # the private subnet in the EFA zone
+    efa_zone: str
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def efa_network_interfaces(instance: catalog.InstanceType, security_groups: pulumi.Input[list[str]]) -> list:
+    """All EFA interfaces of the type: card 0 is EFA with ENA, every other card EFA-only."""
+    return [
+        aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+            network_card_index=i,
+            device_index=0 if i == 0 else 1,
+            interface_type="efa" if i == 0 else "efa-only",
+            security_groups=security_groups,
+            delete_on_termination="true",
+        )
+        for i in range(instance.efa_interfaces)
+    ]
+
+
+def _mime_user_data(nodeconfig: str) -> str:
+    # EKS merges a launch template's MIME user data with its own nodeadm bootstrap.
+    body = (
+        'MIME-Version: 1.0\nContent-Type: multipart/mixed; boundary="BOUNDARY"\n\n'
+        "--BOUNDARY\nContent-Type: application/node.eks.aws\n\n"
+        f"{nodeconfig}\n--BOUNDARY--\n"
+    )
+    return base64.b64encode(body.encode()).decode()
+
+
+class GpuNodePool(pulumi.ComponentResource):
+    node_group_name: pulumi.Output[str]
+    labels: dict[str, str]
+    instance: catalog.InstanceType
+
+    def __init__(self, name: str, args: GpuNodePoolArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:nodes:GpuNodePool", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self)
+        pool, inst = args.pool, args.pool.instance
+        self.instance = inst
+        self.labels = {ROLE_LABEL: args.role}
+        group_name = pulumi.Output.concat(args.cluster_name, f"-{args.role}")
+        raid = pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0
+        common = dict(
+            cluster=args.cluster,
+            node_role=args.node_role,
+            node_group_name=group_name,
+            ami_type=AMI_TYPE,
+            gpu=True,
+            instance_types=[inst.name],
+            capacity_type=_CAPACITY[pool.capacity_type],
+            scaling_config=aws.eks.NodeGroupScalingConfigArgs(
+                min_size=pool.min_size, desired_size=pool.desired_size, max_size=pool.max_size
+            ),
+            labels=self.labels,
+            taints=[aws.eks.NodeGroupTaintArgs(**GPU_TAINT)],
+            tags={**args.tags, ROLE_LABEL: args.role},
+        )
+
+        if pool.capacity_type is CapacityType.CAPACITY_BLOCK:
+            lt = self._capacity_block_template(name, args, raid, child)
+            eks.ManagedNodeGroup(
+                f"{name}-ng",
+                subnet_ids=[args.efa_subnet_id],
+                launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
+                opts=child,
+                **common,
+            )
+        else:
+            extra = dict(disk_size=pool.root_volume_gib, enable_imd_sv2=True)
+            if raid:
+                extra["nodeadm_extra_options"] = [
+                    eks.NodeadmOptionsArgs(content=RAID0_NODECONFIG, content_type="application/node.eks.aws")
+                ]
+            if inst.efa:
+                extra.update(
+                    enable_efa_support=True,
+                    placement_group_availability_zone=args.efa_zone,
+                    subnet_ids=[args.efa_subnet_id],
+                )
+            else:
+                extra["subnet_ids"] = args.subnet_ids
+            eks.ManagedNodeGroup(f"{name}-ng", opts=child, **common, **extra)
+
+        self.node_group_name = group_name
+        self.register_outputs({"nodeGroupName": self.node_group_name, "instanceType": inst.name})
+
+    def _capacity_block_template(
+        self, name: str, args: GpuNodePoolArgs, raid: bool, child: pulumi.ResourceOptions
+    ) -> aws.ec2.LaunchTemplate:
+        pool, inst = args.pool, args.pool.instance
+        sg_ids: list[pulumi.Input[str]] = []
+        # The EKS-managed cluster security group: what MNG nodes get when EKS builds the template.
+        cluster = aws.eks.get_cluster_output(
+            name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[args.cluster])
+        )
+        sg_ids.append(cluster.vpc_config.cluster_security_group_id)
+        if inst.efa:
+            efa_sg = aws.ec2.SecurityGroup(
+                f"{name}-efa-sg",
+                description="EFA: all traffic to and from members of this group only",
+                vpc_id=args.vpc_id,
+                tags=args.tags,
+                opts=child,
+            )
+            aws.vpc.SecurityGroupIngressRule(
+                f"{name}-efa-in",
+                security_group_id=efa_sg.id,
+                ip_protocol="-1",
+                referenced_security_group_id=efa_sg.id,
+                opts=child,
+            )
+            aws.vpc.SecurityGroupEgressRule(
+                f"{name}-efa-out",
+                security_group_id=efa_sg.id,
+                ip_protocol="-1",
+                referenced_security_group_id=efa_sg.id,
+                opts=child,
+            )
+            sg_ids.append(efa_sg.id)
+            interfaces = efa_network_interfaces(inst, sg_ids)
+        else:
+            interfaces = [
+                aws.ec2.LaunchTemplateNetworkInterfaceArgs(
+                    device_index=0, security_groups=sg_ids, delete_on_termination="true"
+                )
+            ]
+        return aws.ec2.LaunchTemplate(
+            f"{name}-lt",
+            description=f"{args.role} GPU nodes on capacity block {pool.capacity_reservation_id}",
+            network_interfaces=interfaces,
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2
+            ),
+            instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block"),
+            capacity_reservation_specification=aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
+                capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
+                    capacity_reservation_id=pool.capacity_reservation_id
+                )
+            ),
+            block_device_mappings=[
+                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+                    device_name="/dev/xvda",
+                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+                        volume_size=pool.root_volume_gib,
+                        volume_type="gp3",
+                        encrypted="true",
+                        delete_on_termination="true",
+                    ),
+                )
+            ],
+            user_data=_mime_user_data(RAID0_NODECONFIG) if raid else None,
+            tag_specifications=[
+                aws.ec2.LaunchTemplateTagSpecificationArgs(
+                    resource_type="instance", tags={**args.tags, ROLE_LABEL: args.role}
+                )
+            ],
+            tags=args.tags,
+            opts=child,
+        )

@@ -1,0 +1,62 @@
+"""KubeRayOperator: the operator that turns a RayService into a Ray cluster running Serve.
+
+What flows through here: the workload namespaces it manages -> those namespaces (Pod Security
+"baseline" enforced, "restricted" warned) and the KubeRay operator Helm release (version
+pinned in infra/model/versions.py) on the system nodes, with namespace-scoped RBAC for just those
+namespaces (least privilege) instead of cluster-wide rights. The operator creates the
+namespaces because its Roles live in them and must come after them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_kubernetes as k8s
+
+from infra.components.helm import release
+from infra.k8s.labels import KUBERAY_NAMESPACE as NAMESPACE
+from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
+from infra.model import versions
+
+
+@dataclass
+class KubeRayOperatorArgs:
+    provider: k8s.Provider
+    watch_namespaces: list[str]
+
+
+class KubeRayOperator(pulumi.ComponentResource):
+    def __init__(self, name: str, args: KubeRayOperatorArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:kuberay:KubeRayOperator", name, None, opts)
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        ns = k8s.core.v1.Namespace(f"{name}-ns", metadata={"name": NAMESPACE}, opts=k8s_opts)
+        self.workload_namespaces = [
+            k8s.core.v1.Namespace(
+                f"{name}-{wn}-ns",
+                metadata={
+                    "name": wn,
+                    "labels": {
+                        "pod-security.kubernetes.io/enforce": "baseline",
+                        "pod-security.kubernetes.io/warn": "restricted",
+                    },
+                },
+                opts=k8s_opts,
+            )
+            for wn in args.watch_namespaces
+        ]
+        chart = versions.KUBERAY_OPERATOR
+        values = {
+            "nodeSelector": {ROLE_LABEL: SYSTEM_ROLE},
+            "singleNamespaceInstall": True,
+            "watchNamespace": list(args.watch_namespaces),
+            "resources": {
+                "requests": {"cpu": "100m", "memory": "512Mi"},
+                "limits": {"cpu": "1", "memory": "1Gi"},
+            },
+        }
+        # Its Roles live in the namespaces it watches: those must exist first.
+        self.chart = release(
+            self, f"{name}-chart", chart, NAMESPACE, values, args.provider, depends_on=[ns, *self.workload_namespaces]
+        )
+        self.register_outputs({"chartVersion": chart.version, "namespace": NAMESPACE})

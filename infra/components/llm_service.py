@@ -1,0 +1,300 @@
+"""LlmService: the OpenAI-compatible P/D service, as a KubeRay RayService and what it needs.
+
+What flows through here: the serving spec, the pools' instance types, the secret Outputs
+(API keys, Hugging Face token, Redis password) and the stack's endpoint settings ->
+- a code bucket (private, encrypted, versioned) holding serving/ as a content-hashed zip,
+  which the RayService's runtime_env points at (no custom image);
+- an IAM role the Ray pods assume through EKS Pod Identity: read that zip and, if set, the
+  model bucket; nothing else;
+- Kubernetes Secrets fed from Pulumi secrets, reaching the pods only as secret references;
+- the RayService (`infra.k8s.rayservice.rayservice_manifest`), a Service for the OpenAI API
+  (ClusterIP or an internal NLB limited to the allowed CIDRs), and a NetworkPolicy.
+Its output `endpoint` is the API's base URL.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_kubernetes as k8s
+
+from infra.components.iam import trusted_by
+from infra.k8s.labels import KUBERAY_NAMESPACE
+from infra.k8s.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
+from infra.model import catalog
+from infra.model.config import ServiceExposure
+from infra.package import write_serving_zip
+from infra.paths import ROOT
+from serving.spec import SERVE_PORT, ServingSpec
+
+API_KEYS_SECRET_KEY = "api-keys"
+
+
+@dataclass
+class LlmServiceArgs:
+    cluster_name: pulumi.Input[str]
+    namespace: str
+    provider: k8s.Provider
+    operator: pulumi.Resource  # the RayService CRD must exist first
+    serving: ServingSpec
+    instances: dict[str, catalog.InstanceType]
+    image: str
+    exposure: ServiceExposure
+    allowed_cidrs: list[str]
+    vpc_cidr: str
+    upgrade_strategy: str
+    api_keys: pulumi.Output[str] | None = None
+    hf_token: pulumi.Output[str] | None = None
+    redis_password: pulumi.Output[str] | None = None
+    gcs_redis_address: str | None = None
+    model_bucket: str | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class LlmService(pulumi.ComponentResource):
+    endpoint: pulumi.Output[str]
+    code_bucket: pulumi.Output[str]
+    rayservice_name: str
+
+    def __init__(self, name: str, args: LlmServiceArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:serving:LlmService", name, None, opts)
+        aws_opts = pulumi.ResourceOptions(parent=self)
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        ns = args.namespace
+        self.rayservice_name = name
+        tags = dict(args.tags)
+
+        # --- serving/ code in a private bucket --------------------------------------------
+        bucket = aws.s3.Bucket(
+            f"{name}-code", bucket_prefix=f"{name}-code-", force_destroy=True, tags=tags, opts=aws_opts
+        )
+        aws.s3.BucketPublicAccessBlock(
+            f"{name}-code-pab",
+            bucket=bucket.id,
+            block_public_acls=True,
+            block_public_policy=True,
+            ignore_public_acls=True,
+            restrict_public_buckets=True,
+            opts=aws_opts,
+        )
+        aws.s3.BucketOwnershipControls(
+            f"{name}-code-owner",
+            bucket=bucket.id,
+            rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
+            opts=aws_opts,
+        )
+        aws.s3.BucketServerSideEncryptionConfiguration(
+            f"{name}-code-sse",
+            bucket=bucket.id,
+            rules=[
+                aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
+                    apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
+                        sse_algorithm="aws:kms"
+                    ),
+                    bucket_key_enabled=True,
+                )
+            ],
+            opts=aws_opts,
+        )
+        aws.s3.BucketVersioning(
+            f"{name}-code-versioning",
+            bucket=bucket.id,
+            versioning_configuration=aws.s3.BucketVersioningVersioningConfigurationArgs(status="Enabled"),
+            opts=aws_opts,
+        )
+        zip_path, sha = write_serving_zip(ROOT / "build" / "package")
+        key = f"serving/{sha}.zip"
+        code = aws.s3.BucketObjectv2(
+            f"{name}-code-zip",
+            bucket=bucket.id,
+            key=key,
+            source=pulumi.FileAsset(str(Path(zip_path))),
+            content_type="application/zip",
+            server_side_encryption="aws:kms",
+            tags=tags,
+            opts=aws_opts,
+        )
+        self.code_bucket = bucket.bucket
+        working_dir = pulumi.Output.concat("s3://", bucket.bucket, "/", key)
+
+        # --- who the Ray pods are, and what they may read ----------------------------------
+        head_sa, worker_sa = f"{name}-head", f"{name}-worker"
+        role = aws.iam.Role(
+            f"{name}-pods",
+            assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
+            tags=tags,
+            opts=aws_opts,
+        )
+        model_bucket = args.model_bucket
+        aws.iam.RolePolicy(
+            f"{name}-pods-read",
+            role=role.id,
+            policy=bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket))),
+            opts=aws_opts,
+        )
+        for sa in (head_sa, worker_sa):
+            aws.eks.PodIdentityAssociation(
+                f"{name}-{sa.removeprefix(name + '-')}-identity",
+                cluster_name=args.cluster_name,
+                namespace=ns,
+                service_account=sa,
+                role_arn=role.arn,
+                tags=tags,
+                opts=aws_opts,
+            )
+        k8s.core.v1.ServiceAccount(
+            f"{name}-head-sa",
+            metadata={"name": head_sa, "namespace": ns},
+            # The head's autoscaler talks to the API server; KubeRay binds its Role to this account.
+            automount_service_account_token=True,
+            opts=k8s_opts,
+        )
+        k8s.core.v1.ServiceAccount(
+            f"{name}-worker-sa",
+            metadata={"name": worker_sa, "namespace": ns},
+            automount_service_account_token=False,
+            opts=k8s_opts,
+        )
+
+        # --- secrets: Pulumi secret config -> Kubernetes Secret -> secretKeyRef ------------
+        def secret(suffix: str, value: pulumi.Output[str] | None, data_key: str) -> SecretRef | None:
+            if value is None:
+                return None
+            sname = f"{name}-{suffix}"
+            k8s.core.v1.Secret(
+                f"{name}-{suffix}-secret",
+                metadata={"name": sname, "namespace": ns},
+                type="Opaque",
+                string_data={data_key: pulumi.Output.secret(value)},
+                opts=k8s_opts,
+            )
+            return SecretRef(sname, data_key)
+
+        api_keys = secret("api-keys", args.api_keys, API_KEYS_SECRET_KEY)
+        hf_token = secret("hf-token", args.hf_token, "token")
+        redis = secret("redis", args.redis_password, "password")
+
+        # --- the RayService ------------------------------------------------------------------
+        inputs = RayServiceInputs(
+            name=name,
+            namespace=ns,
+            image=args.image,
+            serving=args.serving,
+            instances=args.instances,
+            working_dir="",
+            head_service_account=head_sa,
+            worker_service_account=worker_sa,
+            api_keys=api_keys,
+            hf_token=hf_token,
+            redis_password=redis,
+            gcs_redis_address=args.gcs_redis_address,
+            upgrade_strategy=args.upgrade_strategy,
+        )
+        # Everything but serveConfigV2 is known at preview, so policies see the pods even
+        # before the code bucket exists; only the Serve config waits for the bucket's name.
+        spec = rayservice_manifest(inputs)["spec"]
+        spec["serveConfigV2"] = working_dir.apply(lambda wd: serve_config_yaml(replace(inputs, working_dir=wd)))
+        k8s.apiextensions.CustomResource(
+            f"{name}-rayservice",
+            api_version="ray.io/v1",
+            kind="RayService",
+            metadata={"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": name}},
+            spec=spec,
+            opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[args.operator, code]),
+        )
+
+        # --- the endpoint --------------------------------------------------------------------
+        svc_name = f"{name}-openai"
+        selector = {
+            # Pods of whichever Ray cluster the RayService is serving from, once Serve is up.
+            "ray.io/originated-from-cr-name": name,
+            "ray.io/node-type": "head",
+            "ray.io/serve": "true",
+        }
+        nlb = args.exposure is ServiceExposure.INTERNAL_NLB
+        svc = k8s.core.v1.Service(
+            f"{name}-openai-svc",
+            metadata={
+                "name": svc_name,
+                "namespace": ns,
+                "annotations": {
+                    "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
+                    "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
+                }
+                if nlb
+                else {},
+            },
+            spec={
+                "type": "LoadBalancer" if nlb else "ClusterIP",
+                "selector": selector,
+                "ports": [{"name": "http", "port": SERVE_PORT, "targetPort": SERVE_PORT, "protocol": "TCP"}],
+                **({"loadBalancerSourceRanges": list(args.allowed_cidrs)} if nlb else {}),
+            },
+            opts=k8s_opts,
+        )
+        in_cluster = f"http://{svc_name}.{ns}.svc.cluster.local:{SERVE_PORT}/v1"
+        if nlb:
+            self.endpoint = svc.status.apply(lambda st: _lb_url(st) or in_cluster)
+        else:
+            self.endpoint = pulumi.Output.from_input(in_cluster)
+
+        # Only Ray's own pods, the operator, and the API's clients may reach the namespace.
+        api_sources = [{"ipBlock": {"cidr": c}} for c in (args.allowed_cidrs or [args.vpc_cidr])]
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-netpol",
+            metadata={"name": f"{name}-ingress", "namespace": ns},
+            spec={
+                "podSelector": {},
+                "policyTypes": ["Ingress"],
+                "ingress": [
+                    {"from": [{"podSelector": {}}]},
+                    {
+                        "from": [
+                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": KUBERAY_NAMESPACE}}}
+                        ]
+                    },
+                    {"from": api_sources, "ports": [{"port": SERVE_PORT, "protocol": "TCP"}]},
+                ],
+            },
+            opts=k8s_opts,
+        )
+        self.register_outputs({"endpoint": self.endpoint, "codeBucket": self.code_bucket})
+
+
+def _lb_url(status) -> str | None:
+    """The NLB's URL from a Service status, once AWS has assigned its hostname."""
+    lb = getattr(status, "load_balancer", None)
+    ingress = getattr(lb, "ingress", None) or []
+    host = getattr(ingress[0], "hostname", None) if ingress else None
+    return f"http://{host}:{SERVE_PORT}/v1" if host else None
+
+
+def _read_policy(code_bucket_arn: str, model_bucket: str | None) -> dict:
+    statements = [
+        {
+            "Sid": "ServingCode",
+            "Effect": "Allow",
+            "Action": ["s3:GetObject"],
+            "Resource": [f"{code_bucket_arn}/serving/*"],
+        },
+    ]
+    if model_bucket:
+        statements += [
+            {
+                "Sid": "ModelList",
+                "Effect": "Allow",
+                "Action": ["s3:ListBucket"],
+                "Resource": [f"arn:aws:s3:::{model_bucket}"],
+            },
+            {
+                "Sid": "ModelRead",
+                "Effect": "Allow",
+                "Action": ["s3:GetObject"],
+                "Resource": [f"arn:aws:s3:::{model_bucket}/*"],
+            },
+        ]
+    return {"Version": "2012-10-17", "Statement": statements}

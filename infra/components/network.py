@@ -1,0 +1,179 @@
+"""Network: the VPC the cluster lives in, new or existing.
+
+What flows through here: the stack's CIDR, zones and EFA zone (or an existing VPC's ids) ->
+a VPC with private subnets for nodes in every zone, public subnets for load balancers and
+NAT gateways -> the ids the Cluster and the GPU node pools use. EFA node groups get the one
+private subnet in the EFA zone: EFA needs every node of a pool in one zone.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+
+from infra.components.iam import trusted_by
+from infra.model.config import ExistingVpc, NatGateways
+
+
+@dataclass
+class NetworkArgs:
+    cidr: str
+    availability_zones: list[str]
+    efa_zone: str
+    nat_gateways: NatGateways = NatGateways.SINGLE
+    existing: ExistingVpc | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+def subnet_cidrs(cidr: str, zones: int) -> tuple[list[str], list[str]]:
+    """(private, public) CIDRs: equal slices of the VPC, private first, one per zone each."""
+    net = ipaddress.ip_network(cidr)
+    bits = math.ceil(math.log2(2 * zones))
+    slices = [str(s) for s in net.subnets(prefixlen_diff=bits)]
+    return slices[:zones], slices[zones : 2 * zones]
+
+
+class Network(pulumi.ComponentResource):
+    vpc_id: pulumi.Output[str]
+    private_subnet_ids: pulumi.Output[list[str]]
+    public_subnet_ids: pulumi.Output[list[str]]
+    efa_subnet_id: pulumi.Output[str]
+
+    def __init__(self, name: str, args: NetworkArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:network:Network", name, None, opts)
+        if args.existing is not None:
+            self._adopt(args.existing)
+        else:
+            self._create(name, args)
+        self.register_outputs(
+            {
+                "vpcId": self.vpc_id,
+                "privateSubnetIds": self.private_subnet_ids,
+                "publicSubnetIds": self.public_subnet_ids,
+                "efaSubnetId": self.efa_subnet_id,
+            }
+        )
+
+    def _adopt(self, existing: ExistingVpc) -> None:
+        self.vpc_id = pulumi.Output.from_input(existing.vpc_id)
+        self.private_subnet_ids = pulumi.Output.from_input(list(existing.private_subnet_ids))
+        self.public_subnet_ids = pulumi.Output.from_input(list(existing.public_subnet_ids))
+        self.efa_subnet_id = pulumi.Output.from_input(existing.efa_subnet_id)
+
+    def _create(self, name: str, args: NetworkArgs) -> None:
+        child = pulumi.ResourceOptions(parent=self)
+        tags = dict(args.tags)
+        vpc = aws.ec2.Vpc(
+            f"{name}-vpc",
+            cidr_block=args.cidr,
+            enable_dns_hostnames=True,
+            enable_dns_support=True,
+            tags={**tags, "Name": f"{name}-vpc"},
+            opts=child,
+        )
+        # No rules: the default security group of a new VPC should allow nothing.
+        aws.ec2.DefaultSecurityGroup(f"{name}-default-sg", vpc_id=vpc.id, tags=tags, opts=child)
+        igw = aws.ec2.InternetGateway(f"{name}-igw", vpc_id=vpc.id, tags=tags, opts=child)
+        private_cidrs, public_cidrs = subnet_cidrs(args.cidr, len(args.availability_zones))
+
+        public_rt = aws.ec2.RouteTable(
+            f"{name}-public-rt",
+            vpc_id=vpc.id,
+            routes=[aws.ec2.RouteTableRouteArgs(cidr_block="0.0.0.0/0", gateway_id=igw.id)],
+            tags=tags,
+            opts=child,
+        )
+        public, private, nats = [], [], []
+        for i, zone in enumerate(args.availability_zones):
+            pub = aws.ec2.Subnet(
+                f"{name}-public-{zone}",
+                vpc_id=vpc.id,
+                cidr_block=public_cidrs[i],
+                availability_zone=zone,
+                map_public_ip_on_launch=False,
+                tags={**tags, "Name": f"{name}-public-{zone}", "kubernetes.io/role/elb": "1"},
+                opts=child,
+            )
+            aws.ec2.RouteTableAssociation(
+                f"{name}-public-{zone}-rta", subnet_id=pub.id, route_table_id=public_rt.id, opts=child
+            )
+            public.append(pub)
+            if i == 0 or args.nat_gateways is NatGateways.PER_ZONE:
+                eip = aws.ec2.Eip(f"{name}-nat-{zone}-eip", domain="vpc", tags=tags, opts=child)
+                nats.append(
+                    aws.ec2.NatGateway(
+                        f"{name}-nat-{zone}",
+                        allocation_id=eip.id,
+                        subnet_id=pub.id,
+                        tags={**tags, "Name": f"{name}-nat-{zone}"},
+                        opts=pulumi.ResourceOptions(parent=self, depends_on=[igw]),
+                    )
+                )
+            nat = nats[-1]
+            priv = aws.ec2.Subnet(
+                f"{name}-private-{zone}",
+                vpc_id=vpc.id,
+                cidr_block=private_cidrs[i],
+                availability_zone=zone,
+                tags={**tags, "Name": f"{name}-private-{zone}", "kubernetes.io/role/internal-elb": "1"},
+                opts=child,
+            )
+            rt = aws.ec2.RouteTable(
+                f"{name}-private-{zone}-rt",
+                vpc_id=vpc.id,
+                routes=[aws.ec2.RouteTableRouteArgs(cidr_block="0.0.0.0/0", nat_gateway_id=nat.id)],
+                tags=tags,
+                opts=child,
+            )
+            aws.ec2.RouteTableAssociation(
+                f"{name}-private-{zone}-rta", subnet_id=priv.id, route_table_id=rt.id, opts=child
+            )
+            private.append(priv)
+
+        # Flow logs of rejected traffic: the first thing asked for when a pod cannot connect.
+        log_group = aws.cloudwatch.LogGroup(f"{name}-flow-logs", retention_in_days=30, tags=tags, opts=child)
+        flow_role = aws.iam.Role(
+            f"{name}-flow-logs-role",
+            assume_role_policy=trusted_by("vpc-flow-logs.amazonaws.com"),
+            tags=tags,
+            opts=child,
+        )
+        aws.iam.RolePolicy(
+            f"{name}-flow-logs-policy",
+            role=flow_role.id,
+            policy=log_group.arn.apply(
+                lambda arn: json.dumps(
+                    {
+                        "Version": "2012-10-17",
+                        "Statement": [
+                            {
+                                "Effect": "Allow",
+                                "Action": ["logs:CreateLogStream", "logs:PutLogEvents", "logs:DescribeLogStreams"],
+                                "Resource": f"{arn}:*",
+                            }
+                        ],
+                    }
+                )
+            ),
+            opts=child,
+        )
+        aws.ec2.FlowLog(
+            f"{name}-flow-log",
+            vpc_id=vpc.id,
+            traffic_type="REJECT",
+            log_destination=log_group.arn,
+            iam_role_arn=flow_role.arn,
+            tags=tags,
+            opts=child,
+        )
+
+        efa_index = args.availability_zones.index(args.efa_zone)
+        self.vpc_id = vpc.id
+        self.private_subnet_ids = pulumi.Output.all(*[s.id for s in private])
+        self.public_subnet_ids = pulumi.Output.all(*[s.id for s in public])
+        self.efa_subnet_id = private[efa_index].id

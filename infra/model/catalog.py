@@ -1,0 +1,85 @@
+"""The instance catalog: the one place that knows what each GPU instance type carries.
+
+What flows through here: a node pool's `instanceType` (from the stack file) is looked up
+here, and the answer feeds the node group (EFA on or off, instance-store RAID), the device
+requests of the Ray worker pods (`nvidia.com/gpu`, `vpc.amazonaws.com/efa`), their CPU,
+memory and /dev/shm sizes, the Ray accelerator type of the engines, the capacity planner and
+the cost shown by `make render`.
+
+Figures are AWS's published specifications. Prices are indicative on-demand list prices
+(us-east-1, USD per hour, after AWS's June 2025 P4/P5 price cut) for cost estimates only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class InstanceType:
+    name: str
+    gpu_model: str  # marketing name, e.g. "H100 80GB HBM3"
+    ray_accelerator: str  # Ray's accelerator type (ray.util.accelerators)
+    gpus: int
+    gpu_memory_mib: int  # per GPU, as nvidia-smi reports it
+    hbm_gbps: int  # per-GPU memory bandwidth, GB/s
+    vcpus: int
+    memory_gib: int
+    efa_interfaces: int  # 0: no EFA
+    network_gbps: int  # EFA bandwidth where EFA, else ENA bandwidth
+    nvme_disks: int  # instance-store NVMe drives
+    nvme_gib_each: int
+    max_pods: int  # EKS AL2023 max pods with the VPC CNI defaults
+    usd_per_hour: float
+
+    @property
+    def efa(self) -> bool:
+        return self.efa_interfaces > 0
+
+    @property
+    def gpu_memory_gib(self) -> float:
+        return self.gpu_memory_mib / 1024
+
+    @property
+    def nvme_gib(self) -> int:
+        return self.nvme_disks * self.nvme_gib_each
+
+    # Sizes of the one Ray worker pod that owns the node. Head-room is left for the
+    # kubelet, the device plugins, the CNI and other DaemonSets.
+    @property
+    def pod_cpus(self) -> int:
+        return self.vcpus - max(2, self.vcpus // 16)
+
+    @property
+    def pod_memory_gib(self) -> int:
+        return int(self.memory_gib * 0.85)
+
+    @property
+    def shm_gib(self) -> int:
+        # NCCL and vLLM use /dev/shm; it is RAM, and counts against the pod's memory limit.
+        return max(1, min(256, self.memory_gib // 8))
+
+
+_TYPES = [
+    InstanceType("p4d.24xlarge", "A100 40GB", "A100", 8, 40960, 1555, 96, 1152, 4, 400, 8, 1000, 737, 21.96),
+    InstanceType("p4de.24xlarge", "A100 80GB", "A100", 8, 81920, 2039, 96, 1152, 4, 400, 8, 1000, 737, 27.45),
+    InstanceType("p5.48xlarge", "H100 80GB HBM3", "H100", 8, 81559, 3350, 192, 2048, 32, 3200, 8, 3576, 100, 55.04),
+    InstanceType("p5e.48xlarge", "H200 141GB HBM3e", "H200", 8, 143771, 4800, 192, 2048, 32, 3200, 8, 3576, 100, 63.30),
+    InstanceType(
+        "p5en.48xlarge", "H200 141GB HBM3e", "H200", 8, 143771, 4800, 192, 2048, 16, 3200, 8, 3576, 198, 63.30
+    ),
+    # Small, non-EFA types for cheap dev stacks.
+    InstanceType("g5.xlarge", "A10G 24GB", "A10G", 1, 23028, 600, 4, 16, 0, 10, 1, 232, 58, 1.006),
+    InstanceType("g5.12xlarge", "A10G 24GB", "A10G", 4, 23028, 600, 48, 192, 0, 40, 1, 3539, 234, 5.672),
+    InstanceType("g6e.xlarge", "L40S 48GB", "L40S", 1, 46068, 864, 4, 32, 0, 20, 1, 232, 58, 1.861),
+]
+
+CATALOG: dict[str, InstanceType] = {t.name: t for t in _TYPES}
+
+
+def lookup(name: str) -> InstanceType:
+    """The catalog entry for `name`; KeyError names the supported types."""
+    try:
+        return CATALOG[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a supported GPU instance type (supported: {', '.join(CATALOG)})") from None

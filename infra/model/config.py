@@ -1,0 +1,538 @@
+"""The stack config: one typed, validated model of a `stacks/Pulumi.<env>.yaml` file.
+
+What flows through here: `__main__.py` (or `tools.render`, reading the same file) hands
+`load()` the stack's raw config values (bare keys, project namespace stripped) and the set of
+keys that are Pulumi secrets; `load()` returns a `StackConfig` or raises `ConfigError` with
+one line naming the stack file and the key. Nothing is registered before this succeeds.
+
+Defaults live here and nowhere else (Pulumi.yaml's declarations are checked against them by
+the tests). Secret values never enter the model: it records only which secrets are present;
+`__main__.py` passes the secret Outputs to the components.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import re
+from collections.abc import Collection, Mapping
+from enum import Enum
+from typing import Any
+
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from infra.k8s import labels
+from infra.model import catalog, sizing, versions
+from infra.model.fit import fit_errors
+from serving.spec import AuthMode, Mode, ServingSpec, SpecModel
+
+PROJECT = "pd-inference"
+
+# Config keys that must be Pulumi secrets (`pulumi config set --secret`).
+SECRET_KEYS = ("hfToken", "apiKeys", "gcsRedisPassword")
+
+_ARN_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
+_AZ = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
+_VPC_ID = re.compile(r"^vpc-[0-9a-f]{8,17}$")
+_SUBNET_ID = re.compile(r"^subnet-[0-9a-f]{8,17}$")
+_CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
+_DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
+_IMAGE = re.compile(r"^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+(:[A-Za-z0-9._-]{1,128}|@sha256:[0-9a-f]{64})$")
+_HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
+
+
+# Joins the cross-field errors inside one pydantic ValueError; `_one_line` splits them again.
+_CROSS_SEP = " @@ "
+
+
+class ConfigError(Exception):
+    """A stack file is wrong; the message is one line naming the file and the key."""
+
+
+class Environment(str, Enum):
+    DEV = "dev"
+    STAGING = "staging"
+    PROD = "prod"
+
+
+class EndpointAccess(str, Enum):
+    PRIVATE = "private"
+    PUBLIC_AND_PRIVATE = "public-and-private"
+
+
+class CapacityType(str, Enum):
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+    CAPACITY_BLOCK = "capacity-block"
+
+
+class LocalStorage(str, Enum):
+    # The instance-store NVMe drives striped into one RAID0 volume (kubelet and container
+    # storage, so the model cache and images land on NVMe), or left alone.
+    RAID0 = "raid0"
+    NONE = "none"
+
+
+class NatGateways(str, Enum):
+    SINGLE = "single"  # one NAT gateway for all zones: cheaper, one zone's outage cuts egress
+    PER_ZONE = "per-zone"
+
+
+class ServiceExposure(str, Enum):
+    CLUSTER_IP = "cluster-ip"
+    INTERNAL_NLB = "internal-nlb"
+
+
+class UpgradeStrategy(str, Enum):
+    # KubeRay RayService spec.upgradeStrategy.type
+    NEW_CLUSTER = "NewCluster"
+    NONE = "None"
+
+
+class GcsFaultTolerance(str, Enum):
+    DISABLED = "disabled"
+    EXTERNAL_REDIS = "external-redis"
+
+
+def _cidr(v: str) -> str:
+    try:
+        net = ipaddress.ip_network(v, strict=True)
+    except ValueError as e:
+        raise ValueError(f"{v!r} is not a valid CIDR ({e})") from None
+    return str(net)
+
+
+class ExistingVpc(SpecModel):
+    vpc_id: str
+    private_subnet_ids: list[str] = Field(min_length=2)
+    public_subnet_ids: list[str] = Field(default_factory=list)
+    # The private subnet in efaZone that the EFA node groups use.
+    efa_subnet_id: str
+
+    @field_validator("vpc_id")
+    @classmethod
+    def _vpc(cls, v: str) -> str:
+        if not _VPC_ID.match(v):
+            raise ValueError(f"{v!r} is not a VPC id (vpc-...)")
+        return v
+
+    @field_validator("private_subnet_ids", "public_subnet_ids")
+    @classmethod
+    def _subnets(cls, v: list[str]) -> list[str]:
+        for s in v:
+            if not _SUBNET_ID.match(s):
+                raise ValueError(f"{s!r} is not a subnet id (subnet-...)")
+        return v
+
+    @model_validator(mode="after")
+    def _efa_subnet(self) -> ExistingVpc:
+        if not _SUBNET_ID.match(self.efa_subnet_id):
+            raise ValueError(f"efaSubnetId {self.efa_subnet_id!r} is not a subnet id (subnet-...)")
+        if self.efa_subnet_id not in self.private_subnet_ids:
+            raise ValueError("efaSubnetId must be one of privateSubnetIds")
+        return self
+
+
+class SystemNodes(SpecModel):
+    """The CPU node group for the Ray head, the operators and other system pods."""
+
+    instance_type: str = "m7i.2xlarge"
+    min_size: int = Field(default=2, ge=1)
+    desired_size: int = Field(default=2, ge=1)
+    max_size: int = Field(default=4, ge=1)
+
+    @field_validator("instance_type")
+    @classmethod
+    def _cpu(cls, v: str) -> str:
+        if v in catalog.CATALOG:
+            raise ValueError(f"{v!r} is a GPU type; system nodes are CPU nodes")
+        if not re.match(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$", v):
+            raise ValueError(f"{v!r} is not an EC2 instance type")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes(self) -> SystemNodes:
+        if not self.min_size <= self.desired_size <= self.max_size:
+            raise ValueError(
+                f"sizes must satisfy minSize <= desiredSize <= maxSize "
+                f"(got {self.min_size}, {self.desired_size}, {self.max_size})"
+            )
+        return self
+
+
+class NodePool(SpecModel):
+    instance_type: str
+    capacity_type: CapacityType = CapacityType.ON_DEMAND
+    capacity_reservation_id: str | None = None
+    min_size: int = Field(default=1, ge=0)
+    desired_size: int = Field(default=1, ge=0)
+    max_size: int = Field(default=1, ge=1)
+    root_volume_gib: int = Field(default=200, ge=50, le=16384, alias="rootVolumeGiB")
+    local_storage: LocalStorage = LocalStorage.RAID0
+
+    @field_validator("instance_type")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        try:
+            catalog.lookup(v)
+        except KeyError as e:
+            raise ValueError(e.args[0]) from None
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> NodePool:
+        if not self.min_size <= self.desired_size <= self.max_size:
+            raise ValueError(
+                f"sizes must satisfy minSize <= desiredSize <= maxSize "
+                f"(got {self.min_size}, {self.desired_size}, {self.max_size})"
+            )
+        if self.capacity_type is CapacityType.CAPACITY_BLOCK:
+            if not self.capacity_reservation_id:
+                raise ValueError("capacityType capacity-block needs capacityReservationId (cr-...)")
+            if not _CAPACITY_RESERVATION.match(self.capacity_reservation_id):
+                raise ValueError(
+                    f"capacityReservationId {self.capacity_reservation_id!r} is not a reservation id (cr-...)"
+                )
+        elif self.capacity_reservation_id is not None:
+            raise ValueError("capacityReservationId is only used with capacityType capacity-block")
+        return self
+
+    @property
+    def instance(self) -> catalog.InstanceType:
+        return catalog.lookup(self.instance_type)
+
+
+class NodePools(SpecModel):
+    prefill: NodePool
+    decode: NodePool
+
+
+class StackConfig(SpecModel):
+    """Every key of a stack file's `pd-inference:` namespace."""
+
+    environment: Environment
+    kubernetes_version: str = versions.DEFAULT_KUBERNETES_VERSION
+    # Network: a new VPC unless existingVpc is given.
+    vpc_cidr: str = "10.0.0.0/16"
+    availability_zones: list[str] = Field(min_length=2, max_length=6)
+    efa_zone: str | None = None  # default: the first of availabilityZones
+    existing_vpc: ExistingVpc | None = None
+    nat_gateways: NatGateways = NatGateways.SINGLE
+    # Cluster
+    endpoint_access: EndpointAccess = EndpointAccess.PRIVATE
+    public_access_cidrs: list[str] = Field(default_factory=list)
+    admin_role_arns: list[str] = Field(default_factory=list)
+    system_nodes: SystemNodes = Field(default_factory=SystemNodes)
+    node_pools: NodePools
+    # The LLM service
+    namespace: str = "llm"
+    ray_image: str = versions.RAY_IMAGE
+    service_exposure: ServiceExposure = ServiceExposure.CLUSTER_IP
+    service_allowed_cidrs: list[str] = Field(default_factory=list)
+    upgrade_strategy: UpgradeStrategy = UpgradeStrategy.NEW_CLUSTER
+    gcs_fault_tolerance: GcsFaultTolerance = GcsFaultTolerance.DISABLED
+    gcs_redis_address: str | None = None
+    model_bucket: str | None = None
+    serving: ServingSpec
+
+    @field_validator("kubernetes_version")
+    @classmethod
+    def _k8s(cls, v: str) -> str:
+        m = re.fullmatch(r"1\.(\d{1,2})", v)
+        lo, hi = versions.MIN_KUBERNETES_VERSION, versions.MAX_KUBERNETES_VERSION
+        if not m or not (lo <= (1, int(m.group(1))) <= hi):
+            raise ValueError(
+                f"{v!r} is not a supported Kubernetes version (1.{lo[1]} to 1.{hi[1]}, e.g. "
+                f"{versions.DEFAULT_KUBERNETES_VERSION!r})"
+            )
+        return v
+
+    @field_validator("vpc_cidr")
+    @classmethod
+    def _vpc_cidr(cls, v: str) -> str:
+        v = _cidr(v)
+        net = ipaddress.ip_network(v)
+        if net.version != 4 or not net.is_private or not 16 <= net.prefixlen <= 20:
+            raise ValueError(f"{v!r} must be a private IPv4 range from /16 to /20")
+        return v
+
+    @field_validator("public_access_cidrs", "service_allowed_cidrs")
+    @classmethod
+    def _cidrs(cls, v: list[str]) -> list[str]:
+        out = [_cidr(c) for c in v]
+        for c in out:
+            net = ipaddress.ip_network(c)
+            if net.prefixlen == 0:
+                raise ValueError(f"{c!r} opens the endpoint to the whole internet; list your networks")
+            # Two halves (0.0.0.0/1 + 128.0.0.0/1) are the whole internet too: cap the width.
+            widest = 8 if net.version == 4 else 32
+            if net.prefixlen < widest:
+                raise ValueError(f"{c!r} is wider than a /{widest}; list your networks")
+        return out
+
+    @field_validator("availability_zones")
+    @classmethod
+    def _azs(cls, v: list[str]) -> list[str]:
+        for z in v:
+            if not _AZ.match(z):
+                raise ValueError(f"{z!r} is not an availability zone name (e.g. us-east-2a)")
+        if len(set(v)) != len(v):
+            raise ValueError("availability zones must not repeat")
+        return v
+
+    @field_validator("admin_role_arns")
+    @classmethod
+    def _arns(cls, v: list[str]) -> list[str]:
+        for a in v:
+            if not _ARN_ROLE.match(a):
+                raise ValueError(f"{a!r} is not an IAM role ARN (arn:aws:iam::<account>:role/<name>)")
+        return v
+
+    @field_validator("namespace")
+    @classmethod
+    def _ns(cls, v: str) -> str:
+        # kuberay-system and nvidia-device-plugin are created by the stack's add-ons themselves.
+        if not _DNS_LABEL.match(v) or v.startswith("kube-") or v in labels.RESERVED_NAMESPACES:
+            raise ValueError(
+                f"{v!r} is not a usable namespace name (a DNS label, not default, kube-* or an add-on's namespace)"
+            )
+        return v
+
+    @field_validator("ray_image")
+    @classmethod
+    def _image(cls, v: str) -> str:
+        if not _IMAGE.match(v):
+            raise ValueError(f"{v!r} is not a pinned image reference (registry/name:tag or @sha256:...)")
+        tag = v.rsplit(":", 1)[-1]
+        if tag in {"latest", "nightly"} or tag.startswith("nightly"):
+            raise ValueError(f"{v!r} uses a floating tag; pin a release tag or a digest")
+        return v
+
+    @field_validator("model_bucket")
+    @classmethod
+    def _bucket(cls, v: str | None) -> str | None:
+        if v is not None and not _BUCKET.match(v):
+            raise ValueError(f"{v!r} is not an S3 bucket name")
+        return v
+
+    @field_validator("gcs_redis_address")
+    @classmethod
+    def _redis(cls, v: str | None) -> str | None:
+        if v is not None and not _HOST_PORT.match(v):
+            raise ValueError(f"{v!r} is not host:port")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self, info: ValidationInfo) -> StackConfig:
+        """Checks that span several keys; every failing one is reported, the first one first."""
+        ctx = info.context or {}
+        errors = [
+            *self._zone_errors(ctx.get("region")),
+            *self._access_errors(),
+            # Which secrets the stack holds comes from load(), never from the file's values.
+            *self._secret_errors(ctx.get("secrets_present", frozenset())),
+            *self._model_source_errors(),
+            *self._pool_errors(),
+            # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
+            *fit_errors(self.serving, {role: pool.instance for role, pool in self._engine_pools().items()}),
+        ]
+        if errors:
+            raise ValueError(_CROSS_SEP.join(f"@{key}@ {msg}" for key, msg in errors))
+        return self
+
+    def _engine_pools(self) -> dict[str, NodePool]:
+        pools = {"prefill": self.node_pools.prefill, "decode": self.node_pools.decode}
+        return {role: pools[role] for role in self.serving.engine_roles()}
+
+    def _zone_errors(self, region: str | None) -> list[tuple[str, str]]:
+        errors = []
+        if region and any(not z.startswith(region) for z in self.availability_zones):
+            errors.append(
+                ("availabilityZones", f"{self.availability_zones} are not all zones of aws:region {region!r}")
+            )
+        zone = self.efa_zone or self.availability_zones[0]
+        if zone not in self.availability_zones:
+            errors.append(("efaZone", f"{zone!r} is not one of availabilityZones {self.availability_zones}"))
+        return errors
+
+    def _access_errors(self) -> list[tuple[str, str]]:
+        errors = []
+        if self.endpoint_access is EndpointAccess.PUBLIC_AND_PRIVATE and not self.public_access_cidrs:
+            errors.append(("publicAccessCidrs", "a public endpoint needs a CIDR allow-list"))
+        if self.environment is Environment.PROD and self.endpoint_access is not EndpointAccess.PRIVATE:
+            errors.append(("endpointAccess", "prod clusters keep a private API endpoint"))
+        if self.service_exposure is ServiceExposure.INTERNAL_NLB and not self.service_allowed_cidrs:
+            errors.append(("serviceAllowedCidrs", "an internal NLB needs the client CIDRs allowed to reach it"))
+        if self.gcs_fault_tolerance is GcsFaultTolerance.EXTERNAL_REDIS and not self.gcs_redis_address:
+            errors.append(("gcsRedisAddress", "gcsFaultTolerance external-redis needs gcsRedisAddress"))
+        return errors
+
+    def _secret_errors(self, secrets_present: Collection[str]) -> list[tuple[str, str]]:
+        errors = []
+        if self.serving.auth is AuthMode.API_KEY and "apiKeys" not in secrets_present:
+            errors.append(
+                (
+                    "apiKeys",
+                    "serving.auth is api-key but no apiKeys secret is set "
+                    "(pulumi config set --secret apiKeys <key1,key2>)",
+                )
+            )
+        if self.serving.auth is AuthMode.DISABLED and self.environment is not Environment.DEV:
+            errors.append(("serving.auth", "API-key authentication can only be disabled in dev"))
+        return errors
+
+    def _model_source_errors(self) -> list[tuple[str, str]]:
+        errors = []
+        src = self.serving.model.source
+        if src.startswith("/"):
+            errors.append(
+                (
+                    "serving.model.source",
+                    f"{src!r} is a local path; a stack needs a Hugging Face repo id or s3:// prefix",
+                )
+            )
+        if src.startswith("s3://") and self.model_bucket != src[5:].split("/", 1)[0]:
+            errors.append(
+                ("modelBucket", f"must name the bucket of serving.model.source ({src!r}) so the pods may read it")
+            )
+        return errors
+
+    def _pool_errors(self) -> list[tuple[str, str]]:
+        errors = []
+        for role, pool in self._engine_pools().items():
+            spec = self.serving.engine_roles()[role]
+            inst = pool.instance
+            need = spec.gpus_per_replica
+            key = f"serving.{role}"
+            if need > inst.gpus and need % inst.gpus:
+                errors.append(
+                    (
+                        f"{key}.tensorParallelSize",
+                        f"TP x PP = {need} GPUs neither fits one {inst.name} ({inst.gpus} GPUs) nor spans whole nodes",
+                    )
+                )
+            elif need > inst.gpus and spec.tensor_parallel_size > inst.gpus:
+                errors.append(
+                    (
+                        f"{key}.tensorParallelSize",
+                        f"tensorParallelSize {spec.tensor_parallel_size} is larger than one {inst.name} "
+                        f"({inst.gpus} GPUs); span nodes with pipelineParallelSize instead",
+                    )
+                )
+            elif need < inst.gpus and inst.gpus % need:
+                errors.append(
+                    (
+                        f"{key}.tensorParallelSize",
+                        f"TP x PP = {need} does not divide the {inst.gpus} GPUs of {inst.name}",
+                    )
+                )
+            if sizing.nodes_for(spec.max_replicas, need, inst.gpus) > pool.max_size:
+                errors.append(
+                    (
+                        f"nodePools.{role}.maxSize",
+                        f"{pool.max_size} nodes cannot hold serving.{role}.maxReplicas={spec.max_replicas} "
+                        f"({sizing.nodes_per_replica(need, inst.gpus)} node(s) per replica on {inst.name})",
+                    )
+                )
+        if self.serving.mode is Mode.DISAGGREGATED:
+            p, d = self.node_pools.prefill.instance, self.node_pools.decode.instance
+            if p.efa != d.efa:
+                errors.append(
+                    ("nodePools", "prefill and decode pools must both have EFA or neither (KV transfer path)")
+                )
+        return errors
+
+    @property
+    def efa_zone_name(self) -> str:
+        return self.efa_zone or self.availability_zones[0]
+
+
+# --- loading ---------------------------------------------------------------------------
+_JSON_KEYS = {
+    "availabilityZones",
+    "existingVpc",
+    "publicAccessCidrs",
+    "adminRoleArns",
+    "systemNodes",
+    "nodePools",
+    "serviceAllowedCidrs",
+    "serving",
+}
+
+
+def _decode(key: str, raw: Any) -> Any:
+    """Pulumi hands structured config to programs as JSON text; decode it."""
+    if key in _JSON_KEYS and isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            return raw  # let the model say what type it wanted
+    return raw
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    parts: list[str] = []
+    for p in loc:
+        if isinstance(p, int):
+            parts.append(f"[{p}]")
+        elif parts:
+            parts.append(f".{p}")
+        else:
+            parts.append(str(p))
+    return "".join(parts)
+
+
+def _one_line(source: str, err: ValidationError) -> str:
+    e = err.errors(include_url=False)[0]
+    loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-union"))))
+    msg = str(e["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix) :]
+    if msg.startswith("@"):  # cross-field checks name their own keys; all of them, on one line
+        found = [re.match(r"^@([^@]+)@ (.*)$", part, flags=re.S) for part in msg.split(_CROSS_SEP)]
+        first, *more = [(m.group(1), m.group(2)) for m in found if m]
+        line = f"{source}: {first[0]}: {first[1]}"
+        if more:
+            line += f" (and {len(more)} more: " + "; ".join(f"{k}: {v}" for k, v in more) + ")"
+        return line
+    key = _loc(loc) or "(top level)"
+    if e["type"] == "extra_forbidden":
+        return f"{source}: {key}: unknown key (check the spelling against README 'Configuration')"
+    if e["type"] == "missing":
+        return f"{source}: {key}: required key is missing"
+    if e["type"] == "enum":
+        return f"{source}: {key}: {e['input']!r} is not allowed ({msg.replace('Input should be ', 'expected ')})"
+    if "input" in e and not isinstance(e["input"], (dict, list)) and repr(e["input"]) not in msg:
+        return f"{source}: {key}: {e['input']!r}: {msg}"
+    return f"{source}: {key}: {msg}"
+
+
+def load(
+    values: Mapping[str, Any],
+    *,
+    secret_keys: Collection[str] = (),
+    source: str,
+    region: str | None = None,
+) -> StackConfig:
+    """Validate a stack's config (bare keys) into a StackConfig, or raise a one-line ConfigError.
+
+    `region` (the stack's `aws:region`, when known) lets the zones be checked against it.
+    """
+    secrets_present = set()
+    data: dict[str, Any] = {}
+    for key, raw in values.items():
+        if key in SECRET_KEYS:
+            if key not in secret_keys:
+                raise ConfigError(f"{source}: {key}: must be stored as a secret (pulumi config set --secret {key} ...)")
+            if raw not in (None, ""):
+                secrets_present.add(key)
+            continue
+        data[key] = _decode(key, raw)
+    try:
+        return StackConfig.model_validate(
+            data, context={"secrets_present": frozenset(secrets_present), "region": region}
+        )
+    except ValidationError as err:
+        raise ConfigError(_one_line(source, err)) from None

@@ -1,0 +1,239 @@
+"""The capacity plan of a whole stack: pools, replicas, GPUs and prices on top of the fit.
+
+What flows through here: a validated `StackConfig` -> per engine role its pool's hardware,
+replica and node ranges (`infra.model.sizing`), GPU count and on-demand price at desiredSize
+and at maxSize, and, when the model's shape is known, the model figures of `infra.model.fit`
+-> a `Plan`, printed by `format_plan()` for `make plan` and `make render`. Pure arithmetic on
+published figures: no Pulumi, Ray or vLLM import, nothing downloaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from infra.model import sizing
+from infra.model.config import StackConfig
+from infra.model.fit import (
+    GIB,
+    HEADROOM_GIB,
+    ModelFigures,
+    ModelShape,
+    bytes_per_element,
+    max_num_seqs,
+    model_figures,
+    resolve,
+)
+
+
+# --- the plan of a whole stack ------------------------------------------------------------
+@dataclass(frozen=True)
+class RolePlan:
+    """One engine role: its pool's hardware and cost, and (shape known) the model figures."""
+
+    role: str
+    instance_type: str
+    gpu_model: str
+    capacity_type: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    gpus_per_replica: int
+    nodes_per_replica: int
+    min_replicas: int
+    max_replicas: int
+    nodes_desired: int
+    nodes_max: int
+    gpus_desired: int
+    gpus_max: int
+    usd_per_hour_desired: float  # on-demand list price, whatever the capacity type
+    usd_per_hour_max: float
+    gpu_memory_gib: float
+    usable_gib_per_gpu: float
+    hbm_gbps: int
+    network: str  # "EFA" or "ENA"
+    network_gbps: float  # the replica's share of its nodes' line rate
+    figures: ModelFigures | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    environment: str
+    model_id: str
+    model_source: str
+    dtype: str
+    bytes_per_element: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    headroom_gib_per_gpu: float
+    shape: ModelShape | None
+    shape_origin: str  # where the shape came from, or why it is unknown
+    roles: tuple[RolePlan, ...]
+
+    @property
+    def fit_checked(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def problems(self) -> tuple[tuple[str, str], ...]:
+        return tuple(p for r in self.roles if r.figures for p in r.figures.problems)
+
+    @property
+    def gpus_desired(self) -> int:
+        return sum(r.gpus_desired for r in self.roles)
+
+    @property
+    def gpus_max(self) -> int:
+        return sum(r.gpus_max for r in self.roles)
+
+    @property
+    def usd_per_hour_desired(self) -> float:
+        return sum(r.usd_per_hour_desired for r in self.roles)
+
+    @property
+    def usd_per_hour_max(self) -> float:
+        return sum(r.usd_per_hour_max for r in self.roles)
+
+
+def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
+    """The capacity plan of a validated stack.
+
+    GPU counts and prices cover the node pools of the engine roles that run (in aggregated
+    mode, the decode pool only), at the pools' desiredSize and at their maxSize; system
+    (CPU) nodes are left out. `context_len` is the context the decode roofline assumes
+    (default: maxModelLen).
+    """
+    serving = config.serving
+    model = serving.model
+    shape, origin = resolve(model)
+    roles: list[RolePlan] = []
+    for role, spec in serving.engine_roles().items():
+        pool = getattr(config.node_pools, role)
+        inst = pool.instance
+        gpus = spec.gpus_per_replica
+        figures = None
+        if shape is not None:
+            figures = model_figures(
+                shape, model, role, spec, inst, context_len=context_len, max_num_seqs=max_num_seqs(serving)
+            )
+        roles.append(
+            RolePlan(
+                role=role,
+                instance_type=inst.name,
+                gpu_model=inst.gpu_model,
+                capacity_type=pool.capacity_type.value,
+                tensor_parallel_size=spec.tensor_parallel_size,
+                pipeline_parallel_size=spec.pipeline_parallel_size,
+                gpus_per_replica=gpus,
+                nodes_per_replica=sizing.nodes_per_replica(gpus, inst.gpus),
+                min_replicas=spec.min_replicas,
+                max_replicas=spec.max_replicas,
+                nodes_desired=pool.desired_size,
+                nodes_max=pool.max_size,
+                gpus_desired=pool.desired_size * inst.gpus,
+                gpus_max=pool.max_size * inst.gpus,
+                usd_per_hour_desired=pool.desired_size * inst.usd_per_hour,
+                usd_per_hour_max=pool.max_size * inst.usd_per_hour,
+                gpu_memory_gib=inst.gpu_memory_gib,
+                usable_gib_per_gpu=inst.gpu_memory_gib * model.gpu_memory_utilization,
+                hbm_gbps=inst.hbm_gbps,
+                network="EFA" if inst.efa else "ENA",
+                network_gbps=inst.network_gbps * gpus / inst.gpus,
+                figures=figures,
+            )
+        )
+    return Plan(
+        environment=config.environment.value,
+        model_id=model.id,
+        model_source=model.source,
+        dtype=model.dtype.value,
+        bytes_per_element=bytes_per_element(model.dtype),
+        max_model_len=model.max_model_len,
+        gpu_memory_utilization=model.gpu_memory_utilization,
+        headroom_gib_per_gpu=HEADROOM_GIB,
+        shape=shape,
+        shape_origin=origin,
+        roles=tuple(roles),
+    )
+
+
+# --- text ---------------------------------------------------------------------------------
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
+def _rate(tokens_per_s: float | None) -> str:
+    return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f} tok/s"
+
+
+def format_plan(p: Plan) -> str:
+    """The plan as a table, one column per engine role (what `make plan` prints)."""
+    lines = [f"Model    {p.model_id} ({p.model_source})"]
+    if p.shape is not None:
+        s = p.shape
+        lines.append(
+            f"Shape    {s.name} ({p.shape_origin}): {s.parameters_billions:g}B parameters, "
+            f"{s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, "
+            f"{s.num_kv_heads} KV heads, head dim {s.head_dim}"
+        )
+    else:
+        lines.append(f"Shape    unknown: {p.shape_origin}. Fit check skipped.")
+    lines.append(
+        f"Serving  {p.dtype} ({p.bytes_per_element} B/element), maxModelLen {p.max_model_len:,}, "
+        f"gpuMemoryUtilization {p.gpu_memory_utilization:g}, headroom {p.headroom_gib_per_gpu:g} GiB/GPU"
+    )
+
+    def row(label: str, cell) -> tuple[str, list[str]]:
+        return label, [cell(r) for r in p.roles]
+
+    def fig(cell):
+        return lambda r: "-" if r.figures is None else cell(r.figures)
+
+    def decoding(cell):
+        # A prefill engine of a disaggregated pair emits one token per request: no decode rate.
+        return lambda r: "-" if r.figures is None or r.role != "decode" else cell(r.figures)
+
+    ctx = next((r.figures.context_len for r in p.roles if r.figures), p.max_model_len)
+    rows = [
+        row("", lambda r: r.role),
+        row("Instance", lambda r: f"{r.instance_type} ({r.capacity_type})"),
+        row("GPU", lambda r: r.gpu_model),
+        row(
+            "TP x PP (GPUs/replica)",
+            lambda r: f"{r.tensor_parallel_size} x {r.pipeline_parallel_size} ({r.gpus_per_replica})",
+        ),
+        row("Replicas min-max", lambda r: f"{r.min_replicas}-{r.max_replicas}"),
+        row("GPU memory, usable", lambda r: f"{r.gpu_memory_gib:.1f}, {r.usable_gib_per_gpu:.1f} GiB"),
+        row("Weights per GPU", fig(lambda f: f"{f.weights_gib_per_gpu:.1f} GiB")),
+        row("KV cache per GPU", fig(lambda f: f"{f.kv_gib_per_gpu:.1f} GiB")),
+        row("KV per token, per GPU", fig(lambda f: f"{f.kv_bytes_per_token:,} B, {f.kv_bytes_per_token_per_gpu:,} B")),
+        row("KV tokens per replica", fig(lambda f: f"{f.kv_tokens_per_replica:,}")),
+        row("maxModelLen seqs/replica", fig(lambda f: f"{f.max_length_sequences:,}")),
+        row("Network per replica", lambda r: f"{r.network} {r.network_gbps:g} Gbps"),
+        row("Prompt KV at maxModelLen", fig(lambda f: f"{f.prompt_kv_bytes / GIB:.2f} GiB")),
+        row("  transfer at line rate", fig(lambda f: _duration(f.prompt_kv_seconds))),
+        row("HBM per GPU", lambda r: f"{r.hbm_gbps:,} GB/s"),
+        row(f"Decode @ {ctx:,} ctx, batch 1", decoding(lambda f: _rate(f.decode_tokens_per_s_batch1))),
+        row("  max batch (KV-bound)", decoding(lambda f: f"{f.max_batch:,}")),
+        row("  at max batch", decoding(lambda f: _rate(f.decode_tokens_per_s_max_batch))),
+        row("Nodes desired/max", lambda r: f"{r.nodes_desired}/{r.nodes_max}"),
+        row("GPUs desired/max", lambda r: f"{r.gpus_desired}/{r.gpus_max}"),
+        row("On-demand $/h desired/max", lambda r: f"{r.usd_per_hour_desired:,.2f}/{r.usd_per_hour_max:,.2f}"),
+    ]
+    label_w = max(len(label) for label, _ in rows)
+    col_w = [max(len(cells[i]) for _, cells in rows) for i in range(len(p.roles))]
+    lines.append("")
+    for label, cells in rows:
+        text = label.ljust(label_w) + "".join("  " + c.ljust(w) for c, w in zip(cells, col_w, strict=False))
+        lines.append(text.rstrip())
+    lines.append("")
+    lines.append(
+        f"Total    {p.gpus_desired} GPUs ${p.usd_per_hour_desired:,.2f}/h at desiredSize, "
+        f"{p.gpus_max} GPUs ${p.usd_per_hour_max:,.2f}/h at maxSize "
+        "(engine node pools, on-demand list prices)"
+    )
+    if not p.fit_checked:
+        lines.append("Fit      not checked (model shape unknown)")
+    elif p.problems:
+        lines.extend(f"Fit      FAILS {key}: {msg}" for key, msg in p.problems)
+    else:
+        lines.append("Fit      ok: every role holds its weights and at least one maxModelLen sequence")
+    return "\n".join(lines)

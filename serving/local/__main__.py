@@ -1,0 +1,200 @@
+"""`make serve`: the cloud's serving application, run for real on this machine's CPUs.
+
+What flows through here: command-line options -> a CPU `ServingSpec` (tiny local model,
+float32, eager mode) -> `ServingSpec.serve_config(Target(...))`, the SAME function that
+renders the RayService's serveConfigV2 -> a local three-node Ray cluster whose nodes carry
+the cloud's node-group labels (head, prefill, decode) -> the config PUT to the Ray
+dashboard's Serve REST API, which is what KubeRay does with serveConfigV2 -> progress lines
+until the applications run and a test request succeeds -> one ready line -> Ctrl-C stops
+Ray and frees the port.
+
+Local overrides of the rendered config, and nothing else: the HTTP host (127.0.0.1 instead
+of 0.0.0.0), and with `--mode both` a second application (the aggregated one) under its own
+name and route prefix. Everything under `args` is exactly what the spec renders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import secrets
+import signal
+import sys
+import time
+from pathlib import Path
+
+from infra.paths import ROOT
+from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
+from serving.local.config import AGGREGATED_PREFIX, HOST, MODEL_ID, MODES, app_urls, render_local_config
+from serving.local.procs import AlreadyRunning, instance_lock, port_in_use
+from serving.spec import API_KEYS_ENV
+
+
+# --- the command ---------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m serving.local",
+        description="Run the disaggregated prefill/decode OpenAI API locally on CPU with a tiny model.",
+    )
+    p.add_argument("--port", type=int, default=8000, help="HTTP port on 127.0.0.1 (default 8000)")
+    p.add_argument(
+        "--mode",
+        choices=MODES,
+        default="disaggregated",
+        help="disaggregated (prefill+decode, default), aggregated (one engine), "
+        f"or both (disaggregated at /, aggregated at {AGGREGATED_PREFIX})",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help=f"serve without API keys (default: keys from ${API_KEYS_ENV}, or a generated one)",
+    )
+    p.add_argument("--timeout", type=float, default=600, help="seconds to wait for ready (default 600)")
+    p.add_argument(
+        "--state-file",
+        type=Path,
+        default=None,
+        help="write URLs, key and node metrics endpoints as JSON here once ready",
+    )
+    return p.parse_args(argv)
+
+
+def _stop_on_sigterm(signum, frame):
+    # SIGTERM stops the stack the same way Ctrl-C does.
+    raise KeyboardInterrupt
+
+
+def _say(t0: float, msg: str) -> None:
+    print(f"[{time.monotonic() - t0:5.1f}s] {msg}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t0 = time.monotonic()
+    say = lambda msg: _say(t0, msg)  # noqa: E731
+
+    # Refuse a second run before anything heavy is imported or started.
+    if port_in_use(args.port):
+        print(
+            f"error: port {args.port} on {HOST} is already in use (another `make serve`?); "
+            "stop it or choose another port: make serve PORT=8001",
+            file=sys.stderr,
+        )
+        return 1
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(instance_lock(args.port))
+    except AlreadyRunning as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+    auth = not args.no_auth
+    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    if auth and not keys:
+        keys = ["sk-local-" + secrets.token_urlsafe(18)]
+    api_key = keys[0] if auth else None
+
+    # Started in the background by a shell, SIGINT may arrive ignored: Ctrl-C must work.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+
+    cluster = LocalCluster()
+    rc = 0
+    try:
+        from serving.local.tiny_model import ensure_tiny_model
+
+        say("building or loading the tiny model (random weights, local tokenizer)")
+        model_dir = ensure_tiny_model()
+        config = render_local_config(args.mode, model_dir, port=args.port, auth=auth)
+        names = [a["name"] for a in config["applications"]]
+
+        say("starting a local Ray cluster: nodes labelled head, prefill, decode")
+        env = {
+            "RAY_AUTH_MODE": "disabled",  # local-only cluster on 127.0.0.1
+            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+            # Nothing may be downloaded: the model is on disk.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "DO_NOT_TRACK": "1",
+        }
+        if auth:
+            env[API_KEYS_ENV] = ",".join(keys)
+        cluster.start(env)
+        # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        wait_dashboard(cluster.dashboard_url)
+        say(
+            f"cluster up, dashboard {cluster.dashboard_url}; deploying {', '.join(names)} "
+            "(vLLM engines take about a minute on two cores)"
+        )
+        deploy(cluster.dashboard_url, config)
+        wait_running(cluster.dashboard_url, names, timeout=args.timeout, progress=say)
+        urls = app_urls(config, args.port)
+        for mode, url in urls.items():
+            say(f"test request through the {mode} app")
+            smoke_request(url, api_key, MODEL_ID)
+
+        if args.state_file:
+            state = {
+                "pid": os.getpid(),
+                "port": args.port,
+                "model": MODEL_ID,
+                "model_dir": str(model_dir),
+                "api_key": api_key,
+                "urls": urls,
+                "dashboard_url": cluster.dashboard_url,
+                "gcs_address": cluster.gcs_address,
+                "nodes": cluster.nodes(),
+                "config": config,
+            }
+            args.state_file.write_text(json.dumps(state, indent=2))
+
+        base = urls.get("disaggregated") or urls["aggregated"]
+        also = f" (aggregated app at {urls['aggregated']})" if len(urls) > 1 else ""
+        auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+        key_note = f" api key: {api_key} |" if api_key else " auth: off |"
+        body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+        print(
+            f"READY in {time.monotonic() - t0:.0f}s: {'aggregated' if args.mode == 'aggregated' else 'disaggregated'} OpenAI API at {base}{also} | model: "
+            f"{MODEL_ID} |{key_note} try: curl -s {base}/chat/completions{auth_header} "
+            f"-H 'Content-Type: application/json' -d '{body}' | Ctrl-C stops",
+            flush=True,
+        )
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print(flush=True)
+        say("stopping: shutting Ray down")
+    except (DeployFailed, TimeoutError, AlreadyRunning) as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        rc = 1
+    except Exception:
+        import traceback
+
+        traceback.print_exc()
+        rc = 1
+    finally:
+        # A second Ctrl-C during shutdown must not leave Ray behind.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        cluster.shutdown()
+        stack.close()
+        if rc == 0:
+            deadline = time.monotonic() + 30
+            while port_in_use(args.port) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            if port_in_use(args.port):
+                print(f"error: port {args.port} is still in use after shutdown", file=sys.stderr)
+                rc = 1
+            else:
+                say(f"stopped; port {args.port} is free")
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""The rendered Kubernetes objects of every stack, checked against the real schemas.
+
+What flows through here: each stack's `Rendered.manifests()` ->
+- every built-in object against the Kubernetes OpenAPI schema of the stack's version
+  (kubernetes-validate, strict: unknown fields fail);
+- the RayService against the KubeRay v1.7.0 CRD schema (from $KUBERAY_CRD_DIR, default
+  ../shared/schemas/kuberay-1.7.0);
+- its serveConfigV2 against Ray Serve's own schema and Ray Serve LLM's config validators;
+- the arithmetic: devices per pod equal the pool's instance, selectors and tolerations match
+  the pools' labels and taints, TP x PP is consistent with GPUs per node.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from infra.k8s.labels import ROLE_LABEL
+from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE, pods_for
+from infra.model import catalog
+from infra.paths import ROOT
+from tests.conftest import STACKS
+
+CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "schemas" / "kuberay-1.7.0"))
+
+
+def _crd_schema(kind_file: str) -> dict:
+    path = CRD_DIR / kind_file
+    assert path.is_file(), f"KubeRay CRD not found at {path}: set KUBERAY_CRD_DIR (see README)"
+    crd = yaml.safe_load(path.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(params=STACKS)
+def stack(request, rendered_stacks):
+    return rendered_stacks[request.param]
+
+
+def _rayservice(stack) -> dict:
+    found = [o for o in stack.manifests().values() if o.get("kind") == "RayService"]
+    assert len(found) == 1
+    return found[0]
+
+
+def _groups(rs: dict) -> dict:
+    return {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def test_builtin_objects_validate_strictly_against_kubernetes_openapi(stack):
+    objects = [o for o in stack.manifests().values() if "apiVersion" in o and o.get("kind") != "RayService"]
+    kinds = {o["kind"] for o in objects}
+    assert {"Namespace", "Secret", "Service", "ServiceAccount", "NetworkPolicy"} <= kinds
+    for obj in objects:
+        kubernetes_validate.validate(obj, stack.config.kubernetes_version, strict=True)
+
+
+def test_strict_validation_can_fail(stack):
+    svc = next(o for o in stack.manifests().values() if o.get("kind") == "Service")
+    bad = {**svc, "spec": {**svc["spec"], "selectr": {}}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, stack.config.kubernetes_version, strict=True)
+
+
+def test_rayservice_validates_against_kuberay_crd(stack):
+    schema = _crd_schema("ray.io_rayservices.yaml")
+    jsonschema.validate(_rayservice(stack), schema)
+
+
+def test_crd_validation_can_fail(stack):
+    schema = _crd_schema("ray.io_rayservices.yaml")
+    rs = _rayservice(stack)
+    bad = {
+        **rs,
+        "spec": {
+            **rs["spec"],
+            "rayClusterConfig": {**rs["spec"]["rayClusterConfig"], "workerGroupSpecs": [{"groupName": "x"}]},
+        },
+    }
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_worker_groups_ask_for_every_gpu_and_efa_interface_of_their_pool(stack):
+    cfg, rs = stack.config, _rayservice(stack)
+    pools = {"prefill": cfg.node_pools.prefill, "decode": cfg.node_pools.decode}
+    mngs = {r.inputs["labels"][ROLE_LABEL]: r.inputs for r in stack.result.of_type("eks:index:ManagedNodeGroup")}
+    groups = _groups(rs)
+    assert set(groups) == set(cfg.serving.engine_roles())
+    for role, group in groups.items():
+        inst = catalog.lookup(pools[role].instance_type)
+        pod = group["template"]["spec"]
+        res = pod["containers"][0]["resources"]
+        assert res["limits"][GPU_RESOURCE] == str(inst.gpus) == res["requests"][GPU_RESOURCE]
+        if inst.efa:
+            assert res["limits"][EFA_RESOURCE] == str(inst.efa_interfaces)
+            env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+            engine_env = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"][f"{role}_config"][
+                "runtime_env"
+            ]["env_vars"]
+            assert engine_env["FI_PROVIDER"] == "efa" and engine_env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+            assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in env
+        else:
+            assert EFA_RESOURCE not in res["limits"]
+        # The pod lands on its pool: selector = the pool's labels, toleration = its taint.
+        mng = mngs[role]
+        for k, v in mng["labels"].items():
+            assert pod["nodeSelector"][k] == v
+        assert pod["nodeSelector"]["node.kubernetes.io/instance-type"] == inst.name
+        for taint in mng["taints"]:
+            assert any(
+                t["key"] == taint["key"] and t["effect"] == "NoSchedule" and t["operator"] == "Exists"
+                for t in pod["tolerations"]
+            )
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}
+        assert group["labels"] == {cfg.serving.placement.label_key: getattr(cfg.serving.placement, role)}
+
+
+def test_replica_counts_follow_the_spec(stack):
+    cfg = stack.config
+    for role, group in _groups(_rayservice(stack)).items():
+        spec = cfg.serving.engine_roles()[role]
+        inst = catalog.lookup(getattr(cfg.node_pools, role).instance_type)
+        assert spec.gpus_per_replica <= inst.gpus or spec.gpus_per_replica % inst.gpus == 0
+        assert group["minReplicas"] == pods_for(spec, inst, spec.min_replicas)
+        assert group["maxReplicas"] == pods_for(spec, inst, spec.max_replicas)
+        assert group["maxReplicas"] <= getattr(cfg.node_pools, role).max_size
+
+
+def test_pods_for_spans_nodes_and_packs_small_replicas():
+    from serving.spec import RoleSpec
+
+    p5 = catalog.lookup("p5.48xlarge")
+    assert pods_for(RoleSpec(tensor_parallel_size=8, pipeline_parallel_size=2), p5, 3) == 6
+    assert pods_for(RoleSpec(tensor_parallel_size=2), p5, 5) == 2
+    assert pods_for(RoleSpec(tensor_parallel_size=8), p5, 1) == 1
+
+
+def test_head_does_no_model_work_and_sits_on_system_nodes(stack):
+    head = _rayservice(stack)["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    pod = head["template"]["spec"]
+    assert pod["nodeSelector"] == {"pd-inference/role": "system"}
+    assert GPU_RESOURCE not in pod["containers"][0]["resources"]["limits"]
+    assert head["labels"] == {stack.config.serving.placement.label_key: stack.config.serving.placement.head}
+
+
+def test_secrets_reach_pods_only_by_reference(stack):
+    rs = _rayservice(stack)
+    text = yaml.safe_dump(rs)
+    assert "placeholder-secret" not in text, "a secret value leaked into the RayService"
+    head_env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    keys = next(e for e in head_env if e["name"] == "PD_API_KEYS")
+    assert keys["valueFrom"]["secretKeyRef"]["name"] == "llm-api-keys"
+    secret = next(
+        o for o in stack.manifests().values() if o.get("kind") == "Secret" and o["metadata"]["name"] == "llm-api-keys"
+    )
+    assert secret["stringData"] == {"api-keys": "placeholder-secret-apiKeys"}
+
+
+def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
+    from infra.k8s.rayservice import RayServiceInputs, serve_config_yaml
+
+    rs = _rayservice(stack)
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    app = serve["applications"][0]
+    assert app["import_path"] == "serving.app:build_app"
+    assert app["runtime_env"]["working_dir"].startswith("s3://") and app["runtime_env"]["working_dir"].endswith(".zip")
+    # One source of truth: re-rendering the spec gives the same config.
+    cfg = stack.config
+    again = serve_config_yaml(
+        RayServiceInputs(
+            name="llm",
+            namespace=cfg.namespace,
+            image=cfg.ray_image,
+            serving=cfg.serving,
+            instances={r: catalog.lookup(getattr(cfg.node_pools, r).instance_type) for r in cfg.serving.engine_roles()},
+            working_dir=app["runtime_env"]["working_dir"],
+            head_service_account="",
+            worker_service_account="",
+            api_keys=None,
+        )
+    )
+    assert yaml.safe_load(again) == serve
+
+    from ray.serve.llm import LLMConfig
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(serve)
+    args = app["args"]
+    configs = args.get("llm_configs") or [args["prefill_config"], args["decode_config"]]
+    for llm in configs:
+        parsed = LLMConfig.model_validate(llm)
+        inst = catalog.lookup(stack.config.node_pools.decode.instance_type)
+        assert parsed.accelerator_type == inst.ray_accelerator
+    if "prefill_config" in args:
+        from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
+
+        PDServingArgs.model_validate({k: args[k] for k in ("prefill_config", "decode_config")})
+
+
+def test_code_hash_changes_with_serving_code(tmp_path, monkeypatch):
+    from infra import package
+
+    data, sha = package.serving_zip()
+    assert package.serving_zip() == (data, sha), "the zip must be deterministic"
+    copy = tmp_path / "serving"
+    copy.mkdir()
+    for f in package.serving_files():
+        dest = copy / f.relative_to(package.SERVING)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(f.read_bytes())
+    monkeypatch.setattr(package, "SERVING", copy)
+    monkeypatch.setattr(package, "ROOT", tmp_path)
+    assert package.serving_zip()[1] == sha
+    (copy / "spec.py").write_text((copy / "spec.py").read_text() + "\n# changed\n")
+    assert package.serving_zip()[1] != sha
+
+
+def test_the_zip_holds_only_what_the_cluster_runs():
+    """serving/local/ (make serve, the tiny model) is never shipped; spec and app always are."""
+    import io
+    import zipfile
+
+    from infra import package
+
+    names = zipfile.ZipFile(io.BytesIO(package.serving_zip()[0])).namelist()
+    assert "app/serving/spec.py" in names and "app/serving/app.py" in names
+    assert not [n for n in names if n.startswith("app/serving/local/")], names
+    shipped = {n.removeprefix("app/") for n in names}
+    on_disk = {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "serving").rglob("*.py")
+        if "__pycache__" not in p.parts and "local" not in p.relative_to(ROOT / "serving").parts
+    }
+    assert shipped == on_disk
+
+
+def test_working_dir_names_the_current_code(stack):
+    from infra import package
+
+    serve = yaml.safe_load(_rayservice(stack)["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["runtime_env"]["working_dir"].endswith(f"/serving/{package.serving_zip()[1]}.zip")
+    obj = stack.result.one("aws:s3/bucketObjectv2:BucketObjectv2").inputs
+    assert obj["key"] == f"serving/{package.serving_zip()[1]}.zip"
+
+
+def test_pod_identity_role_reads_only_code_and_model(stack):
+    import json
+
+    policy = json.loads(
+        next(r for r in stack.result.of_type("aws:iam/rolePolicy:RolePolicy") if r.name == "llm-pods-read").inputs[
+            "policy"
+        ]
+    )
+    actions = {a for s in policy["Statement"] for a in s["Action"]}
+    assert actions <= {"s3:GetObject", "s3:ListBucket"}
+    resources = [r for s in policy["Statement"] for r in s["Resource"]]
+    assert any(r.endswith("/serving/*") for r in resources)
+    bucket = stack.config.model_bucket
+    assert all(("serving/*" in r) or (bucket and bucket in r) for r in resources)
+    assocs = stack.result.of_type("aws:eks/podIdentityAssociation:PodIdentityAssociation")
+    assert {a.inputs["serviceAccount"] for a in assocs} == {"llm-head", "llm-worker"}
+
+
+@pytest.mark.parametrize("stack_name", STACKS)
+def test_render_cli_writes_resources_and_manifests(stack_name, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.render", "--stack", stack_name, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    resources = json.loads((out / "resources.json").read_text())
+    assert all(set(r) == {"type", "name", "parent", "inputs"} for r in resources)
+    assert any(r["type"] == "kubernetes:ray.io/v1:RayService" for r in resources)
+    files = {p.name for p in (out / "manifests").iterdir()}
+    assert "rayservice-llm-llm.yaml" in files and "helm-kuberay-chart.yaml" in files
+    helm = yaml.safe_load((out / "manifests" / "helm-kuberay-chart.yaml").read_text())
+    assert helm["chart"] == "kuberay-operator" and helm["version"] == "1.7.0"
+    assert "GPU pools" in proc.stdout and "GPUs" in proc.stdout
+
+
+def test_ingress_fits_on_a_head_that_offers_no_cpus(stack):
+    rs = _rayservice(stack)
+    head = rs["spec"]["rayClusterConfig"]["headGroupSpec"]
+    ingress = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["ingress_deployment_config"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+    assert ingress["ray_actor_options"]["num_cpus"] == 0
+    assert ingress["ray_actor_options"]["label_selector"] == {"ray.io/node-group": "head"}
+
+
+def test_s3_model_source_uses_ray_mirror_config(rendered_stacks):
+    serve = yaml.safe_load(_rayservice(rendered_stacks["prod"])["spec"]["serveConfigV2"])
+    source = serve["applications"][0]["args"]["decode_config"]["model_loading_config"]["model_source"]
+    assert source == {"bucket_uri": rendered_stacks["prod"].config.serving.model.source}

@@ -1,0 +1,130 @@
+"""The stack config loader: defaults in one place, one clear line per mistake.
+
+What flows through here: hand-made config values -> `infra.model.config.load` -> a StackConfig, or
+a ConfigError whose text is asserted whole. (The table of hostile stack files, run through
+both `pulumi up` and `make render`, is in test_hostile_configs.py.)
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from infra.model import config, versions
+from tools import stackfile
+
+SOURCE = "stacks/Pulumi.prod.yaml"
+
+
+@pytest.fixture
+def prod():
+    values, secrets, _ = stackfile.read("prod")
+    return values, secrets
+
+
+def _load(values, secrets):
+    return config.load(values, secret_keys=secrets, source=SOURCE)
+
+
+def _error(values, secrets) -> str:
+    with pytest.raises(config.ConfigError) as e:
+        _load(values, secrets)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_minimal_stack_gets_documented_defaults():
+    cfg = config.load(
+        {
+            "environment": "dev",
+            "availabilityZones": ["us-east-2a", "us-east-2b"],
+            "nodePools": {"prefill": {"instanceType": "g5.xlarge"}, "decode": {"instanceType": "g5.xlarge"}},
+            "serving": {"model": {"id": "m", "source": "Qwen/Qwen2.5-0.5B-Instruct"}},
+            "apiKeys": "k",
+        },
+        secret_keys={"apiKeys"},
+        source="stacks/Pulumi.x.yaml",
+    )
+    assert cfg.kubernetes_version == versions.DEFAULT_KUBERNETES_VERSION
+    assert tuple(int(p) for p in cfg.kubernetes_version.split(".")) >= (1, 28)
+    assert cfg.endpoint_access is config.EndpointAccess.PRIVATE
+    assert cfg.efa_zone_name == "us-east-2a"
+    assert cfg.ray_image == versions.RAY_IMAGE
+    assert cfg.node_pools.decode.capacity_type is config.CapacityType.ON_DEMAND
+    assert cfg.serving.mode.value == "disaggregated"
+
+
+def test_structured_values_arrive_as_json_text_like_pulumi_sends_them(prod):
+    import json
+
+    values, secrets = prod
+    as_pulumi = {k: (json.dumps(v) if isinstance(v, (dict, list)) else v) for k, v in values.items()}
+    assert _load(as_pulumi, secrets) == _load(values, secrets)
+
+
+def test_issue_example_message(prod):
+    values, secrets = prod
+    values["nodePools"]["decode"]["instanceType"] = "p5.48xl"
+    assert _error(values, secrets) == (
+        "stacks/Pulumi.prod.yaml: nodePools.decode.instanceType: 'p5.48xl' is not a supported GPU instance type "
+        "(supported: p4d.24xlarge, p4de.24xlarge, p5.48xlarge, p5e.48xlarge, p5en.48xlarge, g5.xlarge, g5.12xlarge, g6e.xlarge)"
+    )
+
+
+@pytest.mark.parametrize(
+    "mutate, expected",
+    [
+        (
+            lambda v: v.update(kubernetesVersion="1.27"),
+            "kubernetesVersion: '1.27' is not a supported Kubernetes version",
+        ),
+        (lambda v: v.update(nodPools={}), "nodPools: unknown key"),
+        (
+            lambda v: v["serving"]["decode"].update(tensorParallelSize=4),
+            "serving: prefill.tensorParallelSize (8) must equal decode.tensorParallelSize (4)",
+        ),
+        (
+            lambda v: v.update(endpointAccess="public-and-private", publicAccessCidrs=["198.51.100.0/24"]),
+            "endpointAccess: prod clusters keep a private API endpoint",
+        ),
+        (lambda v: v.pop("apiKeys"), "apiKeys: serving.auth is api-key but no apiKeys secret is set"),
+        (lambda v: v["nodePools"]["prefill"].update(minSize=3), "nodePools.prefill: sizes must satisfy"),
+        (lambda v: v.update(efaZone="us-east-1d"), "efaZone: 'us-east-1d' is not one of availabilityZones"),
+        (
+            lambda v: v["serving"].update(engineKwargs={"trust_remote_code": True}),
+            "serving.engineKwargs: trust_remote_code runs Python code from the model repository",
+        ),
+    ],
+)
+def test_one_line_names_file_and_key(prod, mutate, expected):
+    values, secrets = prod
+    values = copy.deepcopy(values)
+    mutate(values)
+    msg = _error(values, secrets)
+    assert msg.startswith(f"{SOURCE}: {expected}"), msg
+
+
+def test_secret_in_plain_text_is_refused(prod):
+    values, secrets = prod
+    assert _error(values, secrets - {"apiKeys"}) == (
+        f"{SOURCE}: apiKeys: must be stored as a secret (pulumi config set --secret apiKeys ...)"
+    )
+
+
+def test_secrets_present_cannot_be_faked_through_a_key(prod):
+    values, secrets = prod
+    values.pop("apiKeys")
+    values["secretsPresent"] = ["apiKeys"]
+    assert "secretsPresent: unknown key" in _error(values, secrets)
+
+
+def test_zones_must_belong_to_the_stack_region(prod):
+    values, secrets = prod
+    assert config.load(values, secret_keys=secrets, source=SOURCE, region="us-east-1")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(values, secret_keys=secrets, source=SOURCE, region="us-west-2")
+    assert str(e.value) == (
+        f"{SOURCE}: availabilityZones: ['us-east-1a', 'us-east-1b', 'us-east-1c'] are not all zones of aws:region 'us-west-2'"
+    )

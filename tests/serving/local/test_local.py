@@ -1,0 +1,211 @@
+"""serving/local/: what `make serve` deploys (unit), and the command itself (e2e)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from infra.paths import ROOT
+from serving.local import __main__ as local_main
+from serving.local import config as local_config
+from serving.local import procs as local_procs
+from serving.spec import APP_IMPORT_PATH, Mode
+
+MODEL_DIR = Path("/models/tiny")
+
+
+# --- unit: the rendered config is the spec's, with the stated local overrides ----------------
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_local_config_is_serve_config_with_only_the_host_changed(mode):
+    target = local_config.local_target()
+    rendered = local_config.render_local_config(mode, MODEL_DIR, port=8123, target=target)
+    expected = local_config.local_spec(Mode(mode), MODEL_DIR).serve_config(target, port=8123)
+    assert rendered["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    rendered["http_options"]["host"] = expected["http_options"]["host"]
+    assert rendered == expected
+
+
+def test_both_adds_the_aggregated_app_under_its_own_name_and_prefix():
+    target = local_config.local_target()
+    rendered = local_config.render_local_config("both", MODEL_DIR, port=8000, target=target)
+    pd, agg = rendered["applications"]
+    assert (pd["name"], pd["route_prefix"]) == ("llm", "/")
+    assert (agg["name"], agg["route_prefix"]) == (local_config.AGGREGATED_APP, local_config.AGGREGATED_PREFIX)
+    assert pd["import_path"] == agg["import_path"] == APP_IMPORT_PATH
+    assert agg["args"] == local_config.local_spec(Mode.AGGREGATED, MODEL_DIR).app_args(target)
+    assert local_config.app_urls(rendered, 8000) == {
+        "disaggregated": "http://127.0.0.1:8000/v1",
+        "aggregated": "http://127.0.0.1:8000/aggregated/v1",
+    }
+
+
+def test_local_config_passes_ray_serve_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(local_config.render_local_config("both", MODEL_DIR, port=8000))
+
+
+def test_local_values_are_cpu_friendly():
+    args = local_config.local_spec(Mode.DISAGGREGATED, MODEL_DIR).app_args(local_config.local_target())
+    for cfg in (args["prefill_config"], args["decode_config"]):
+        kw = cfg["engine_kwargs"]
+        assert kw["dtype"] == "float32" and kw["enforce_eager"] is True
+        assert kw["max_model_len"] == local_config.MAX_MODEL_LEN
+        assert kw["kv_transfer_config"]["kv_buffer_device"] == "cpu"
+        assert cfg["accelerator_config"] == {"kind": "cpu"}
+        assert cfg["runtime_env"]["env_vars"] == {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        }
+        assert cfg["model_loading_config"]["model_source"] == str(MODEL_DIR)
+    assert args["auth"]["mode"] == "api-key"
+
+
+def test_no_auth_renders_auth_disabled():
+    args = local_config.local_spec(Mode.DISAGGREGATED, MODEL_DIR, auth=False).app_args(local_config.local_target())
+    assert args["auth"]["mode"] == "disabled"
+
+
+def test_parse_args_defaults_and_choices():
+    a = local_main.parse_args([])
+    assert (a.port, a.mode, a.no_auth) == (8000, "disaggregated", False)
+    assert local_main.parse_args(["--mode", "aggregated", "--no-auth", "--port", "9"]).mode == "aggregated"
+    with pytest.raises(SystemExit):
+        local_main.parse_args(["--mode", "hybrid"])
+
+
+def test_instance_lock_refuses_a_second_holder(tmp_path):
+    with local_procs.instance_lock(8000, tmp_path):
+        # A separate process, as a second `make serve` would be.
+        code = (
+            "import sys; from pathlib import Path; from serving.local import procs as local_procs\n"
+            f"try:\n    local_procs.instance_lock(8000, Path({str(tmp_path)!r})).__enter__()\n"
+            "except local_procs.AlreadyRunning as e:\n    print(e); sys.exit(3)\n"
+        )
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+        assert r.returncode == 3, r.stderr
+        assert "already running on port 8000" in r.stdout and "make serve PORT=8001" in r.stdout
+        # Another port is another instance.
+        with local_procs.instance_lock(8001, tmp_path):
+            pass
+    with local_procs.instance_lock(8000, tmp_path):
+        pass  # released on exit
+
+
+def test_port_in_use_detects_a_listener():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert local_procs.port_in_use(s.getsockname()[1])
+    assert not local_procs.port_in_use(local_procs.free_port())
+
+
+def test_second_run_on_a_busy_port_exits_nonzero_at_once():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        t0 = time.monotonic()
+        r = subprocess.run(
+            [sys.executable, "-m", "serving.local", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=60,
+        )
+    assert r.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
+    assert time.monotonic() - t0 < 30
+
+
+# --- e2e: the running command ----------------------------------------------------------------
+@pytest.mark.e2e
+def test_ready_line_has_url_key_and_a_curl_example(stack):
+    line = stack.ready_line
+    base = stack.urls["disaggregated"]
+    assert line.count("\n") == 1 and line.startswith("READY")
+    assert base in line and stack.api_key in line
+    assert f"curl -s {base}/chat/completions -H 'Authorization: Bearer {stack.api_key}'" in line
+    assert sum(1 for ln in stack.output if ln.startswith("READY")) == 1
+    # Progress was shown before it.
+    assert any("starting a local Ray cluster" in ln for ln in stack.output)
+
+
+@pytest.mark.e2e
+def test_the_printed_curl_example_works(stack):
+    cmd = stack.ready_line.split("try: ", 1)[1].rsplit(" | Ctrl-C", 1)[0]
+    r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and '"chat.completion"' in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.e2e
+def test_second_serve_on_the_same_port_says_so_and_fails(stack):
+    r = subprocess.run(
+        [sys.executable, "-m", "serving.local", "--port", str(stack.port)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert r.returncode != 0
+    assert "already" in r.stderr and str(stack.port) in r.stderr
+
+
+@pytest.mark.e2e
+def test_nodes_carry_the_cloud_labels_and_each_part_runs_on_its_group(stack):
+    labels = sorted(n["label"] for n in stack.nodes)
+    assert labels == ["decode", "head", "prefill"]
+    node_label = {n["node_id"]: n["label"] for n in stack.nodes}
+    apps = httpx.get(f"{stack.state['dashboard_url']}/api/serve/applications/", timeout=10).json()
+    placed = {}
+    for app_name, app in apps["applications"].items():
+        assert app["status"] == "RUNNING"
+        for dep_name, dep in app["deployments"].items():
+            placed[(app_name, dep_name.split(":")[0])] = {node_label[r["node_id"]] for r in dep["replicas"]}
+    assert placed == {
+        ("llm", "Prefill"): {"prefill"},
+        ("llm", "Decode"): {"decode"},
+        ("llm", "AuthenticatedIngress"): {"head"},
+        (local_config.AGGREGATED_APP, "LLMServer"): {"decode"},
+        (local_config.AGGREGATED_APP, "AuthenticatedIngress"): {"head"},
+    }
+    # What Serve runs is what the spec rendered.
+    deployed = apps["applications"]["llm"]["deployed_app_config"]
+    assert deployed["args"] == stack.state["config"]["applications"][0]["args"]
+
+
+@pytest.mark.e2e
+def test_ctrl_c_shuts_everything_down(stack):
+    """Runs last (see conftest): Ctrl-C stops Ray, frees the port, leaves no Ray process."""
+    import psutil
+
+    gcs = stack.state["gcs_address"]
+    rc = stack.stop()
+    out = "".join(stack.output)
+    assert rc == 0, out[-3000:]
+    assert f"stopped; port {stack.port} is free" in out
+    assert not local_procs.port_in_use(stack.port)
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(stack.state["dashboard_url"], timeout=2)
+    deadline = time.monotonic() + 30
+    while True:
+        left = []
+        for p in psutil.process_iter(["cmdline"]):
+            try:
+                if gcs in " ".join(p.info["cmdline"] or []):
+                    left.append(p.pid)
+            except psutil.Error:
+                pass
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not left, f"Ray processes of the stopped cluster still alive: {left}"

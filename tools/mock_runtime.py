@@ -1,0 +1,224 @@
+"""Running the real Pulumi program offline, under Pulumi's mock runtime.
+
+What flows through here: a stack name and its config values -> `__main__.py`, executed as
+`pulumi up` would execute it but against a mock engine -> every resource it registered
+(type, name, parent, inputs) and the stack outputs. `tools.render`, `make bench` and the
+tests use this; nothing here talks to AWS or Kubernetes.
+
+Two facts shape it (see the project's field notes):
+- Pulumi's default mock monitor rebuilds resource references on worker threads, which races
+  ("attached to a different loop") in programs that pass resources as inputs. The monitor
+  here does not advertise the resourceReferences feature, so such inputs arrive as URNs.
+- Remote components (eks.Cluster, eks.ManagedNodeGroup, helm.v4.Chart) register as ONE
+  resource; outputs the program reads from them must come from `new_resource` below.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulumi
+from pulumi.runtime import mocks as _mocks
+from pulumi.runtime import rpc
+from pulumi.runtime.proto import resource_pb2
+from pulumi.runtime.stack import run_pulumi_func
+from pulumi.runtime.sync_await import _sync_await
+
+from infra.model.config import PROJECT
+from infra.paths import ROOT
+
+PROGRAM = ROOT / "__main__.py"
+FAKE_ACCOUNT = "123456789012"
+
+
+@dataclass
+class Registered:
+    type: str
+    name: str
+    parent: str | None
+    inputs: dict[str, Any]
+    provider: str | None = None  # "urn::id" of an explicit provider, if any
+    depends_on: list[str] = field(default_factory=list)  # names of explicit dependencies
+
+    def as_json(self) -> dict[str, Any]:
+        return {"type": self.type, "name": self.name, "parent": self.parent, "inputs": self.inputs}
+
+
+@dataclass
+class RunResult:
+    resources: list[Registered] = field(default_factory=list)
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    def of_type(self, type_: str) -> list[Registered]:
+        return [r for r in self.resources if r.type == type_]
+
+    def one(self, type_: str, name: str | None = None) -> Registered:
+        found = [r for r in self.of_type(type_) if name is None or r.name == name]
+        if len(found) != 1:
+            raise LookupError(f"expected one {type_} {name or ''}, found {[r.name for r in found]}")
+        return found[0]
+
+
+_local = threading.local()
+
+
+def _name_from_urn(urn: str) -> str | None:
+    # Children of the stack itself have no parent worth naming.
+    if not urn or "::pulumi:pulumi:Stack::" in urn:
+        return None
+    return urn.rsplit("::", 1)[-1]
+
+
+def _plain(value: Any) -> Any:
+    """Inputs as JSON-able data (secrets unwrapped: offline they hold placeholders)."""
+    if isinstance(value, dict) and value.get(rpc._special_sig_key) == rpc._special_secret_sig:
+        return _plain(value.get("value"))
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)  # the wire format has one number type; integers read better
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, pulumi.FileAsset):
+        return {"asset": "file", "path": Path(value.path).name}
+    if isinstance(value, pulumi.asset.Asset | pulumi.asset.Archive):
+        return {"asset": type(value).__name__}
+    return str(value)
+
+
+class _Mocks(pulumi.runtime.Mocks):
+    def __init__(self, recorder: list[Registered]):
+        self.recorder = recorder
+
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
+        parent = getattr(_local, "parent", None)
+        deps = [n for n in map(_name_from_urn, getattr(_local, "dependencies", [])) if n]
+        self.recorder.append(
+            Registered(
+                args.typ, args.name, _name_from_urn(parent or ""), _plain(args.inputs), args.provider or None, deps
+            )
+        )
+        name = args.inputs.get("name") or args.name
+        state = dict(args.inputs)
+        state.setdefault("name", name)
+        state.setdefault("arn", f"arn:aws:mock:us-east-1:{FAKE_ACCOUNT}:{args.typ.split(':')[-1].lower()}/{name}")
+        if args.typ == "eks:index:Cluster":
+            kubeconfig = {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [
+                    {
+                        "name": name,
+                        "cluster": {"server": f"https://{name}.eks.mock", "certificate-authority-data": "bW9jaw=="},
+                    }
+                ],
+                "contexts": [{"name": name, "context": {"cluster": name, "user": name}}],
+                "current-context": name,
+                "users": [
+                    {
+                        "name": name,
+                        "user": {
+                            "exec": {
+                                "apiVersion": "client.authentication.k8s.io/v1beta1",
+                                "command": "aws",
+                                "args": ["eks", "get-token", "--cluster-name", name],
+                            }
+                        },
+                    }
+                ],
+            }
+            state.update(
+                kubeconfig=kubeconfig,
+                kubeconfigJson=json.dumps(kubeconfig),
+                oidcIssuer=f"https://oidc.eks.us-east-1.amazonaws.com/id/{name.upper()}",
+                oidcProviderArn=f"arn:aws:iam::{FAKE_ACCOUNT}:oidc-provider/oidc.eks.mock/{name}",
+                clusterSecurityGroupId="sg-0cluster0000000001",
+            )
+        elif args.typ == "aws:s3/bucket:Bucket":
+            bucket = (args.inputs.get("bucketPrefix") or f"{args.name}-") + "mock0001"
+            state.update(bucket=bucket, arn=f"arn:aws:s3:::{bucket}")
+        elif args.typ == "aws:kms/key:Key":
+            state.update(keyId=f"mock-key-{args.name}")
+        elif args.typ == "aws:ec2/launchTemplate:LaunchTemplate":
+            state.update(latestVersion=1)
+        return f"{args.name}-id", state
+
+    def call(self, args: pulumi.runtime.MockCallArgs):
+        if args.token == "aws:eks/getCluster:getCluster":
+            return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
+        return {}
+
+
+class _Monitor(_mocks.MockMonitor):
+    """The mock monitor without resource references (the race fix), recording parents."""
+
+    def SupportsFeature(self, request):
+        has = request.id not in ("outputValues", "resourceReferences")
+        return type("SupportsFeatureResponse", (object,), {"hasSupport": has})
+
+    def GetDeploymentInfo(self, request):
+        info = super().GetDeploymentInfo(request)
+        kept = [f for f in info.supportedFeatures if f != resource_pb2.RESOURCE_MONITOR_FEATURE_RESOURCE_REFERENCES]
+        return resource_pb2.DeploymentInfo(supportedFeatures=kept)
+
+    def RegisterResource(self, request):
+        _local.parent = request.parent
+        _local.dependencies = list(request.dependencies)
+        try:
+            return super().RegisterResource(request)
+        finally:
+            _local.parent = None
+            _local.dependencies = []
+
+
+def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> dict[str, str]:
+    """Config as Pulumi hands it to a program: namespaced keys, structured values as JSON."""
+    out = {f"{PROJECT}:{k}": v if isinstance(v, str) else json.dumps(v) for k, v in values.items()}
+    for k, v in (others or {}).items():
+        out[k] = v if isinstance(v, str) else json.dumps(v)
+    return out
+
+
+def run(
+    stack: str,
+    values: dict[str, Any],
+    secret_keys: set[str] | None = None,
+    others: dict[str, Any] | None = None,
+    program: Path = PROGRAM,
+) -> RunResult:
+    """Run __main__.py for `stack` with these config values.
+
+    Raises what the program raises (a bad stack file: pulumi.RunError with the one-line
+    message), with the resources registered before the error as `err.registered`.
+    """
+    result = RunResult()
+    mocks = _Mocks(result.resources)
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False, monitor=_Monitor(mocks))
+    secret_full = [f"{PROJECT}:{k}" for k in (secret_keys or set())]
+    pulumi.runtime.set_all_config(config_map(values, others), secret_full)
+    settings = pulumi.runtime.settings.SETTINGS
+    settings.rpc_manager.clear()
+    settings.outputs.clear()
+
+    def main() -> None:
+        runpy.run_path(str(program), run_name="__main__")
+
+    try:
+        _sync_await(run_pulumi_func(main))
+    except Exception as err:
+        # Callers check that a rejected stack registered nothing.
+        err.registered = list(result.resources)  # type: ignore[attr-defined]
+        raise
+    root = pulumi.runtime.settings.get_root_resource()
+    exported = dict(getattr(root, "outputs", {}) or {})
+    if exported:
+        resolved = _sync_await(pulumi.Output.from_input(exported).future())
+        result.outputs = dict(resolved or {})
+    return result

@@ -1,0 +1,52 @@
+"""`python -m tools.plan --stack <name>` (`make plan STACK=<name>`): a stack's capacity plan.
+
+What flows through here: `stacks/Pulumi.<name>.yaml` is read offline (tools.stackfile) and
+validated (infra.model.config.load, which already rejects a model that does not fit its GPUs);
+the valid config goes to infra.model.planning.plan and its table to stdout. A bad stack file
+prints its one-line error to stderr and exits 1. `plan` and `format_plan` are re-exported
+here for `make render`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from infra.model.config import ConfigError, load
+from infra.model.planning import Plan, format_plan, plan
+from infra.paths import stack_file
+from tools.stackfile import StackFileError, read
+
+__all__ = ["Plan", "format_plan", "main", "plan"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.plan",
+        description="Capacity plan for a stack: memory per GPU, KV cache, KV transfer time, "
+        "decode roofline, GPU count and on-demand cost.",
+    )
+    parser.add_argument("--stack", required=True, help="stack name: stacks/Pulumi.<stack>.yaml")
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="context length the decode roofline assumes (default: maxModelLen)",
+    )
+    args = parser.parse_args(argv)
+    if args.context is not None and args.context < 1:
+        parser.error("--context must be a positive number of tokens")
+    try:
+        values, secret_keys, others = read(args.stack)
+        config = load(values, secret_keys=secret_keys, source=stack_file(args.stack), region=others.get("aws:region"))
+    except (StackFileError, ConfigError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    print(f"Capacity plan: {stack_file(args.stack)} ({config.environment.value})")
+    print(format_plan(plan(config, context_len=args.context)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

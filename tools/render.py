@@ -1,0 +1,178 @@
+"""Offline render: what a stack would put into AWS and the cluster, without credentials.
+
+What flows through here: `stacks/Pulumi.<stack>.yaml` (secret values replaced by
+placeholders) -> the real program under Pulumi's mock runtime (`tools.mock_runtime`) ->
+`DIR/resources.json` (every registered resource: type, name, parent, inputs),
+`DIR/manifests/` (one YAML file per Kubernetes object the stack declares; each Helm release
+as its chart, version, repository and values) and a summary on stdout (resources by type,
+GPUs and EFA interfaces per pool, cost, the capacity plan).
+
+    python -m tools.render --stack prod [--out DIR]      # default DIR: build/<stack>
+
+A bad stack file exits 1 with the same one line `pulumi up` prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import yaml
+
+from infra.model import catalog
+from infra.model.config import ConfigError, StackConfig, load
+from infra.paths import BUILD_DIR, stack_file
+from tools import mock_runtime, stackfile
+from tools import plan as planner
+
+HELM_CHART = "kubernetes:helm.sh/v4:Chart"
+K8S_PROVIDER = "pulumi:providers:kubernetes"
+MNG = "eks:index:ManagedNodeGroup"
+
+
+class RenderError(Exception):
+    """A user mistake in the stack file: one line, exit 1."""
+
+
+@dataclass
+class Rendered:
+    stack: str
+    config: StackConfig
+    result: mock_runtime.RunResult
+
+    def manifests(self) -> dict[str, dict[str, Any]]:
+        """File name -> object, for every Kubernetes object and Helm release the stack declares."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in self.result.resources:
+            if r.type == HELM_CHART:
+                doc = {
+                    "helmRelease": r.name,
+                    "chart": r.inputs.get("chart"),
+                    "version": r.inputs.get("version"),
+                    "repository": (r.inputs.get("repositoryOpts") or {}).get("repo"),
+                    "namespace": r.inputs.get("namespace"),
+                    "values": r.inputs.get("values") or {},
+                }
+                out[f"helm-{r.name}.yaml"] = doc
+            elif r.type.startswith("kubernetes:") and r.type != K8S_PROVIDER:
+                obj = {k: v for k, v in r.inputs.items() if k not in ("name",)}
+                kind = obj.get("kind") or r.type.rsplit(":", 1)[-1]
+                meta = obj.get("metadata") or {}
+                ns = meta.get("namespace")
+                fname = f"{kind.lower()}-{ns + '-' if ns else ''}{meta.get('name', r.name)}.yaml"
+                out[fname] = obj
+        return out
+
+
+def _load(stack: str) -> tuple[StackConfig, dict, set, dict]:
+    try:
+        values, secrets, others = stackfile.read(stack)
+    except stackfile.StackFileError as e:
+        raise RenderError(str(e)) from None
+    try:
+        cfg = load(values, secret_keys=secrets, source=stack_file(stack), region=others.get("aws:region"))
+    except ConfigError as e:
+        raise RenderError(str(e)) from None
+    return cfg, values, secrets, others
+
+
+def render(stack: str) -> Rendered:
+    """Run the program for `stack` under mocks; RenderError for a bad stack file."""
+    cfg, values, secrets, others = _load(stack)
+    try:
+        result = mock_runtime.run(stack, values, secrets, others)
+    except pulumi.RunError as e:  # the program's own config check (same message as above)
+        raise RenderError(str(e)) from None
+    return Rendered(stack, cfg, result)
+
+
+def write(rendered: Rendered, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    (out / "manifests").mkdir(parents=True)
+    (out / "resources.json").write_text(
+        json.dumps([r.as_json() for r in rendered.result.resources], indent=2, sort_keys=True) + "\n"
+    )
+    for fname, obj in sorted(rendered.manifests().items()):
+        (out / "manifests" / fname).write_text(yaml.safe_dump(obj, sort_keys=False))
+
+
+def pool_summary(rendered: Rendered) -> list[dict[str, Any]]:
+    """Per GPU pool: type, sizes, GPUs/EFA per node and in total at max size, cost per hour."""
+    rows = []
+    for role, pool in (("prefill", rendered.config.node_pools.prefill), ("decode", rendered.config.node_pools.decode)):
+        inst = catalog.lookup(pool.instance_type)
+        rows.append(
+            {
+                "pool": role,
+                "instanceType": inst.name,
+                "capacityType": pool.capacity_type.value,
+                "nodes": f"{pool.min_size}/{pool.desired_size}/{pool.max_size}",
+                "gpusPerNode": inst.gpus,
+                "efaPerNode": inst.efa_interfaces,
+                "gpusAtMax": inst.gpus * pool.max_size,
+                "efaAtMax": inst.efa_interfaces * pool.max_size,
+                "usdPerHourDesired": round(inst.usd_per_hour * pool.desired_size, 2),
+                "usdPerHourMax": round(inst.usd_per_hour * pool.max_size, 2),
+            }
+        )
+    return rows
+
+
+def summary(rendered: Rendered) -> str:
+    counts = Counter(r.type for r in rendered.result.resources)
+    lines = [f"stack {rendered.stack}: {sum(counts.values())} resources"]
+    for type_, n in sorted(counts.items()):
+        lines.append(f"  {n:3d}  {type_}")
+    lines.append("GPU pools (nodes min/desired/max; totals at max size):")
+    total_desired = total_max = 0.0
+    for row in pool_summary(rendered):
+        lines.append(
+            f"  {row['pool']:8s} {row['instanceType']:14s} {row['capacityType']:14s} nodes {row['nodes']:8s} "
+            f"GPUs/node {row['gpusPerNode']}  EFA/node {row['efaPerNode']:2d}  "
+            f"GPUs {row['gpusAtMax']:3d}  EFA {row['efaAtMax']:3d}  ${row['usdPerHourDesired']:.2f}/h desired, "
+            f"${row['usdPerHourMax']:.2f}/h max"
+        )
+    # Totals from unrounded prices: summing the rounded per-pool figures drifts by cents.
+    for pool in (rendered.config.node_pools.prefill, rendered.config.node_pools.decode):
+        price = catalog.lookup(pool.instance_type).usd_per_hour
+        total_desired += price * pool.desired_size
+        total_max += price * pool.max_size
+    lines.append(
+        f"  GPU node cost: ${total_desired:,.2f}/h at desired size, ${total_max:,.2f}/h at max "
+        f"(indicative on-demand list prices; spot and capacity blocks differ)"
+    )
+    return "\n".join(lines)
+
+
+def _plan_text(cfg: StackConfig) -> str:
+    return planner.format_plan(planner.plan(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.render", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--stack", required=True, help="stack name: stacks/Pulumi.<stack>.yaml")
+    ap.add_argument("--out", type=Path, help="output directory (default build/<stack>)")
+    args = ap.parse_args(argv)
+    try:
+        rendered = render(args.stack)
+    except RenderError as e:
+        print(e, file=sys.stderr)
+        return 1
+    out = args.out or BUILD_DIR / args.stack
+    write(rendered, out)
+    print(summary(rendered))
+    print(_plan_text(rendered.config))
+    print(f"wrote {out / 'resources.json'} and {len(rendered.manifests())} manifests in {out / 'manifests'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""Reading a stack file the way Pulumi hands it to the program, for offline tools.
+
+What flows through here: `stacks/Pulumi.<stack>.yaml` -> the project's config values with
+the `pd-inference:` namespace stripped, and the set of keys stored as secrets. Secret values
+are replaced by a placeholder (offline tools never see, or need, the real value). Used by
+`tools.render`, `tools.plan` and the tests; `pulumi up` itself reads the file through Pulumi.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from infra import paths
+from infra.model.config import PROJECT
+
+# PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
+# tests render throwaway files from a temporary folder); messages still say stacks/<file>.
+STACKS_DIR = Path(os.environ["PD_STACKS_DIR"]) if os.environ.get("PD_STACKS_DIR") else paths.STACKS_DIR
+
+
+class StackFileError(Exception):
+    """The stack file is missing or is not YAML; one line."""
+
+
+def secret_placeholder(key: str) -> str:
+    return f"placeholder-secret-{key}"
+
+
+def path_of(stack: str) -> Path:
+    return STACKS_DIR / f"Pulumi.{stack}.yaml"
+
+
+def stacks() -> list[str]:
+    """Every stack with a file in stacks/, sorted."""
+    return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in STACKS_DIR.glob("Pulumi.*.yaml"))
+
+
+def parse(text: str, source: str) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    """(project values, secret keys, other namespaces' values) from a stack file's text."""
+    try:
+        doc = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark else ""
+        raise StackFileError(f"{source}: not valid YAML{where}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("config", {}), dict):
+        raise StackFileError(f"{source}: expected a mapping with a 'config:' mapping")
+    # Anchors and aliases can expand a small file into billions of values (or a cycle): Pulumi
+    # refuses such files, and so do the offline tools, before anything walks the values.
+    budget, todo = 100_000, [doc]
+    while todo:
+        node = todo.pop()
+        budget -= 1
+        if budget < 0:
+            raise StackFileError(f"{source}: expands to more than 100000 values (YAML anchors and aliases?)")
+        todo.extend(
+            [*node.keys(), *node.values()] if isinstance(node, dict) else node if isinstance(node, list) else ()
+        )
+    values: dict[str, Any] = {}
+    secrets: set[str] = set()
+    others: dict[str, Any] = {}
+    for full_key, value in (doc.get("config") or {}).items():
+        ns, sep, key = str(full_key).partition(":")
+        if not sep:
+            ns, key = PROJECT, ns  # Pulumi reads a bare key as the project's
+        if ns != PROJECT:
+            others[str(full_key)] = value
+            continue
+        if isinstance(value, dict) and set(value) == {"secure"}:
+            secrets.add(key)
+            # An empty ciphertext holds no secret: hand on "" so the config check says it is unset.
+            value = secret_placeholder(key) if value["secure"] else ""
+        values[key] = value
+    return values, secrets, others
+
+
+def read(stack: str) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    path = path_of(stack)
+    source = paths.stack_file(stack)
+    if not path.is_file():
+        known = ", ".join(stacks()) or "none"
+        raise StackFileError(f"{source}: no such stack file (stacks: {known})")
+    return parse(path.read_text(), source)
