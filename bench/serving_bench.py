@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summaries = {t: {c: summarize(results[t][c], durations[t][c]) for c in levels} for t in TARGETS}
     kv_delta = {k: kv_after[k] - kv_before[k] for k in kv_after}
-    n_pd = sum(s["completed"] for s in summaries["disaggregated"].values())
+    n_pd = sum(int(s["completed"] or 0) for s in summaries["disaggregated"].values())
     kv = kv_transfer_per_request(kv_delta, n_pd)
     report = {
         "workload": {
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "KV transfer (decode's NIXL counters over the disaggregated requests): "
         f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
-        f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'])} transfers)"
+        f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'] or 0)} transfers)"
     )
     print("Ratios are target / vllm (TTFT, TPOT: lower is better; tok/s, req/s: higher is better).")
     print(

@@ -165,7 +165,8 @@ class Context:
 
     def is_prod(self, props: Mapping[str, Any]) -> bool:
         prod_stacks = self.config.get("prodStacks") or ["prod"]
-        tags = props.get("tags") if isinstance(props.get("tags"), Mapping) else {}
+        raw_tags = props.get("tags")
+        tags: Mapping[str, Any] = raw_tags if isinstance(raw_tags, Mapping) else {}
         return self.stack in prod_stacks or tags.get(ENVIRONMENT_TAG) == "prod"
 
 
@@ -223,7 +224,7 @@ def _ray_clusters(type_: str, spec: Any) -> Iterator[tuple[str, Any]]:
         yield "spec", spec
 
 
-def containers(pod_spec: Any) -> Iterator[dict[str, Any]]:
+def containers(pod_spec: Any) -> Iterator[Mapping[str, Any]]:
     for field in ("initContainers", "containers", "ephemeralContainers"):
         for c in as_list(dig(pod_spec, field)):
             if isinstance(c, Mapping):

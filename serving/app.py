@@ -25,12 +25,13 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from functools import cache
 from typing import Any
 
 from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
+from ray.serve import Application
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.llm import build_openai_app, build_pd_openai_app
 from ray.serve.llm.ingress import OpenAiIngress
@@ -41,7 +42,7 @@ from ray.serve.llm.openai_api_models import (
 )
 from starlette.responses import JSONResponse, Response
 
-from serving.spec import API_KEYS_ENV, AuthMode
+from serving.spec import API_KEYS_ENV, AuthMode, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
 
@@ -87,11 +88,6 @@ def error_response(
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
 
 
-def parse_api_keys(raw: str | None) -> tuple[str, ...]:
-    """Comma-separated keys from the environment; blanks dropped."""
-    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
-
-
 class ApiKeyAuth:
     """Checks `Authorization: Bearer <key>` against a fixed set of keys."""
 
@@ -107,8 +103,8 @@ class ApiKeyAuth:
             return None
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        token = token.strip().encode()
-        if scheme.lower() != "bearer" or not token:
+        presented = token.strip().encode()
+        if scheme.lower() != "bearer" or not presented:
             return error_response(
                 401,
                 "Missing API key: send it as 'Authorization: Bearer <key>'.",
@@ -117,14 +113,14 @@ class ApiKeyAuth:
         # Compare against every key, constant-time, so timing says nothing about which.
         ok = False
         for key in self._keys:
-            ok |= hmac.compare_digest(token, key)
+            ok |= hmac.compare_digest(presented, key)
         if not ok:
             return error_response(401, "Incorrect API key provided.", headers={"WWW-Authenticate": "Bearer"})
         return None
 
 
 def _validation_error(err: ValidationError) -> JSONResponse:
-    first = err.errors()[0] if err.errors() else {}
+    first: dict[str, Any] = dict(err.errors()[0]) if err.errors() else {}
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
     msg = first.get("msg", "invalid request body")
     where = f" (at '{loc}')" if loc else ""
@@ -299,10 +295,11 @@ _PD_KEYS = {"mode", "auth", "ingress_deployment_config", "prefill_config", "deco
 _AGG_KEYS = {"mode", "auth", "ingress_deployment_config", "llm_configs"}
 
 
-def build_app(args: dict) -> Application:  # noqa: F821 - ray.serve.Application
+def build_app(args: dict) -> Application:
     """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
     args = dict(args)
     mode = args.get("mode", "disaggregated")
+    builder: Callable[[dict], Application]
     if mode == "disaggregated":
         allowed, builder = _PD_KEYS, build_pd_openai_app
     elif mode == "aggregated":

@@ -28,6 +28,7 @@ SERVE_PORT = 8000
 # The environment variable that carries the accepted API keys (comma-separated) into the
 # ingress replicas; in the cloud it is fed from a Kubernetes Secret.
 API_KEYS_ENV = "PD_API_KEYS"
+
 DEFAULT_LABEL_KEY = "ray.io/node-group"
 
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -54,6 +55,11 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "distributed_executor_backend",
     }
 )
+
+
+def parse_api_keys(raw: str | None) -> tuple[str, ...]:
+    """Comma-separated keys (the value of $PD_API_KEYS); blanks dropped."""
+    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
 
 
 class SpecModel(BaseModel):

@@ -16,7 +16,9 @@ an EFA security group that allows all traffic to and from itself.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -60,7 +62,7 @@ class GpuNodePoolArgs:
     tags: dict[str, str] = field(default_factory=dict)
 
 
-def efa_network_interfaces(instance: catalog.InstanceType, security_groups: pulumi.Input[list[str]]) -> list:
+def efa_network_interfaces(instance: catalog.InstanceType, security_groups: Sequence[pulumi.Input[str]]) -> list:
     """All EFA interfaces of the type: card 0 is EFA with ENA, every other card EFA-only."""
     return [
         aws.ec2.LaunchTemplateNetworkInterfaceArgs(
@@ -97,7 +99,7 @@ class GpuNodePool(pulumi.ComponentResource):
         self.labels = {ROLE_LABEL: args.role}
         group_name = pulumi.Output.concat(args.cluster_name, f"-{args.role}")
         raid = pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0
-        common = dict(
+        common: dict[str, Any] = dict(
             cluster=args.cluster,
             node_role=args.node_role,
             node_group_name=group_name,
@@ -123,7 +125,7 @@ class GpuNodePool(pulumi.ComponentResource):
                 **common,
             )
         else:
-            extra = dict(disk_size=pool.root_volume_gib, enable_imd_sv2=True)
+            extra: dict[str, Any] = dict(disk_size=pool.root_volume_gib, enable_imd_sv2=True)
             if raid:
                 extra["nodeadm_extra_options"] = [
                     eks.NodeadmOptionsArgs(content=RAID0_NODECONFIG, content_type="application/node.eks.aws")

@@ -169,7 +169,8 @@ class LlmService(pulumi.ComponentResource):
                 f"{name}-{suffix}-secret",
                 metadata={"name": sname, "namespace": ns},
                 type="Opaque",
-                string_data={data_key: pulumi.Output.secret(value)},
+                # Output.secret's generic parameter defeats mypy's inference (pulumi 3.272).
+                string_data={data_key: pulumi.Output.secret(value)},  # type: ignore[arg-type]
                 opts=k8s_opts,
             )
             return SecretRef(sname, data_key)
@@ -216,7 +217,8 @@ class LlmService(pulumi.ComponentResource):
             "ray.io/serve": "true",
         }
         nlb = args.exposure is ServiceExposure.INTERNAL_NLB
-        svc = k8s.core.v1.Service(
+        # pulumi-kubernetes types metadata/spec as TypedDicts, which conditional literals do not match.
+        svc = k8s.core.v1.Service(  # type: ignore[call-overload]
             f"{name}-openai-svc",
             metadata={
                 "name": svc_name,
@@ -244,7 +246,7 @@ class LlmService(pulumi.ComponentResource):
 
         # Only Ray's own pods, the operator, and the API's clients may reach the namespace.
         api_sources = [{"ipBlock": {"cidr": c}} for c in (args.allowed_cidrs or [args.vpc_cidr])]
-        k8s.networking.v1.NetworkPolicy(
+        k8s.networking.v1.NetworkPolicy(  # type: ignore[call-overload]  # TypedDict inputs, as above
             f"{name}-netpol",
             metadata={"name": f"{name}-ingress", "namespace": ns},
             spec={

@@ -29,7 +29,7 @@ from infra.paths import ROOT
 from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
 from serving.local.config import AGGREGATED_PREFIX, HOST, MODEL_ID, MODES, app_urls, render_local_config
 from serving.local.procs import AlreadyRunning, instance_lock, port_in_use
-from serving.spec import API_KEYS_ENV
+from serving.spec import API_KEYS_ENV, parse_api_keys
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     auth = not args.no_auth
-    keys = [k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()]
+    keys = list(parse_api_keys(os.environ.get(API_KEYS_ENV)))
     if auth and not keys:
         keys = ["sk-local-" + secrets.token_urlsafe(18)]
     api_key = keys[0] if auth else None

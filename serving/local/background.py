@@ -114,6 +114,7 @@ def background_stack(
 
     def pump():
         # Keep draining the pipe for the life of the process, or it would block on writes.
+        assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:
             output.append(line)
             log.write(line)

@@ -20,6 +20,7 @@ import random
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from infra.paths import CACHE_DIR
 
@@ -28,7 +29,7 @@ MODEL_NAME = "tiny-llama"
 
 # Shape: ~2 M parameters, fast on two CPU cores; 2 KV heads so KV transfer has real
 # grouped-query layout to move.
-ARCHITECTURE = {
+ARCHITECTURE: dict[str, Any] = {
     "hidden_size": 256,
     "intermediate_size": 512,
     "num_hidden_layers": 2,
@@ -137,17 +138,24 @@ def _build_model(out: Path) -> None:
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(out)
+
+    def token_id(token: str) -> int:
+        found = tok.convert_tokens_to_ids(token)
+        assert isinstance(found, int), token
+        return found
+
     config = LlamaConfig(
         **ARCHITECTURE,
-        bos_token_id=tok.convert_tokens_to_ids(BOS),
+        bos_token_id=token_id(BOS),
         # Chat turns end with <|im_end|>; raw completions with <|end|>.
-        eos_token_id=[tok.convert_tokens_to_ids(EOS), tok.convert_tokens_to_ids(IM_END)],
-        pad_token_id=tok.convert_tokens_to_ids(PAD),
-        torch_dtype="float32",
+        eos_token_id=[token_id(EOS), token_id(IM_END)],
+        pad_token_id=token_id(PAD),
+        # transformers types this as `dtype` now; vLLM 0.32 reads config.json's torch_dtype either way.
+        torch_dtype="float32",  # type: ignore[call-arg]
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
-    model.to(torch.float32)
+    model.to(torch.float32)  # type: ignore[arg-type]  # transformers types .to() through a wrapper mypy misreads
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         bos_token_id=config.bos_token_id,

@@ -17,7 +17,8 @@ import pytest
 from starlette.requests import Request
 
 from serving import app as app_mod
-from serving.app import AuthenticatedIngress, build_app, error_response, parse_api_keys
+from serving.app import AuthenticatedIngress, build_app, error_response
+from serving.spec import parse_api_keys
 
 MODEL = "tiny"
 KEY = "sk-unit-1"
