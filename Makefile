@@ -50,7 +50,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: venv $(CHECKOV_STAMP) $(ACTIONLINT)
+test: venv lint $(CHECKOV_STAMP) $(ACTIONLINT)
 	$(PY) -m pytest
 
 test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT)
