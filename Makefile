@@ -7,12 +7,13 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint test test-fast serve render plan bench stack diff clean
+.PHONY: help venv lint docs test test-fast serve render plan bench stack diff clean
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
 	@echo "make test               install everything, lint, and run every test"
 	@echo "make lint               ruff and mypy"
+	@echo "make docs               regenerate the command outputs shown in the docs"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
 	@echo "make bench              benchmark the local serving path against its baselines"
@@ -76,6 +77,10 @@ stack: venv
 diff: venv
 	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }
 	$(PY) -m tools.diff "$(A)" "$(B)"
+
+# Regenerate the command outputs shown in README.md and docs/ (tests/tools/test_docs.py fails when stale).
+docs: venv
+	$(PY) -m tools.docs
 
 clean:
 	rm -rf build .pytest_cache

@@ -1,1 +1,1 @@
-"""Pulumi components for disaggregated LLM inference on EKS (see README)."""
+"""The Pulumi program's code: components, pure model code, manifests as data (see README, "Repository layout")."""

@@ -21,8 +21,8 @@ from pathlib import Path
 from string import Template
 
 from infra.model import versions
-from infra.model.config import ConfigError, Environment, load
-from infra.paths import ROOT
+from infra.model.config import ConfigError, Environment
+from infra.paths import ROOT, stack_file
 from tools import render, stackfile
 
 TEMPLATE = ROOT / "templates" / "new-stack.yaml"
@@ -84,13 +84,12 @@ def create(name: str, **choices) -> tuple[Path, render.Rendered]:
     """Write stacks/Pulumi.<name>.yaml after validating it; render it. NewStackError on any failure."""
     check_name(name)
     path = stackfile.path_of(name)
-    source = f"stacks/{path.name}"
+    source = stack_file(name)
     if path.exists():
         raise NewStackError(f"{source} already exists; edit it, or choose another NAME")
     text = text_for(name, **choices)
-    values, secrets, others = stackfile.parse(text, source)
     try:
-        load(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
+        stackfile.config_from_text(text, source)
     except ConfigError as e:
         raise NewStackError(str(e)) from None
     path.parent.mkdir(parents=True, exist_ok=True)

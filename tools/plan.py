@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infra.model.config import ConfigError, load
+from infra.model.config import ConfigError
 from infra.model.planning import Plan, format_plan, plan
 from infra.paths import stack_file
-from tools.stackfile import StackFileError, read
+from tools.stackfile import StackFileError, load_config
 
 __all__ = ["Plan", "format_plan", "main", "plan"]
 
@@ -38,8 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.context is not None and args.context < 1:
         parser.error("--context must be a positive number of tokens")
     try:
-        values, secret_keys, others = read(args.stack)
-        config = load(values, secret_keys=secret_keys, source=stack_file(args.stack), region=others.get("aws:region"))
+        config = load_config(args.stack)
     except (StackFileError, ConfigError) as e:
         print(e, file=sys.stderr)
         return 1

@@ -26,11 +26,10 @@ from typing import Any
 import pulumi
 import yaml
 
-from infra.model import catalog
-from infra.model.config import ConfigError, StackConfig, load
+from infra.model import planning as planner
+from infra.model.config import ConfigError, StackConfig
 from infra.paths import BUILD_DIR, stack_file
 from tools import mock_runtime, stackfile
-from tools import plan as planner
 
 HELM_CHART = "kubernetes:helm.sh/v4:Chart"
 K8S_PROVIDER = "pulumi:providers:kubernetes"
@@ -71,21 +70,14 @@ class Rendered:
         return out
 
 
-def _load(stack: str) -> tuple[StackConfig, dict, set, dict]:
-    try:
-        values, secrets, others = stackfile.read(stack)
-    except stackfile.StackFileError as e:
-        raise RenderError(str(e)) from None
-    try:
-        cfg = load(values, secret_keys=secrets, source=stack_file(stack), region=others.get("aws:region"))
-    except ConfigError as e:
-        raise RenderError(str(e)) from None
-    return cfg, values, secrets, others
-
-
 def render(stack: str) -> Rendered:
     """Run the program for `stack` under mocks; RenderError for a bad stack file."""
-    cfg, values, secrets, others = _load(stack)
+    try:
+        parsed = stackfile.read(stack)
+        cfg = stackfile.validate(parsed, stack_file(stack))
+    except (stackfile.StackFileError, ConfigError) as e:
+        raise RenderError(str(e)) from None
+    values, secrets, others = parsed
     try:
         result = mock_runtime.run(stack, values, secrets, others)
     except pulumi.RunError as e:  # the program's own config check (same message as above)
@@ -108,19 +100,19 @@ def pool_summary(rendered: Rendered) -> list[dict[str, Any]]:
     """Per GPU pool: type, sizes, GPUs/EFA per node and in total at max size, cost per hour."""
     rows = []
     for role, pool in (("prefill", rendered.config.node_pools.prefill), ("decode", rendered.config.node_pools.decode)):
-        inst = catalog.lookup(pool.instance_type)
+        f = planner.pool_figures(pool)
         rows.append(
             {
                 "pool": role,
-                "instanceType": inst.name,
-                "capacityType": pool.capacity_type.value,
-                "nodes": f"{pool.min_size}/{pool.desired_size}/{pool.max_size}",
-                "gpusPerNode": inst.gpus,
-                "efaPerNode": inst.efa_interfaces,
-                "gpusAtMax": inst.gpus * pool.max_size,
-                "efaAtMax": inst.efa_interfaces * pool.max_size,
-                "usdPerHourDesired": round(inst.usd_per_hour * pool.desired_size, 2),
-                "usdPerHourMax": round(inst.usd_per_hour * pool.max_size, 2),
+                "instanceType": f.instance_type,
+                "capacityType": f.capacity_type,
+                "nodes": f"{f.min_size}/{f.desired_size}/{f.max_size}",
+                "gpusPerNode": f.gpus_per_node,
+                "efaPerNode": f.efa_per_node,
+                "gpusAtMax": f.gpus_max,
+                "efaAtMax": f.efa_max,
+                "usdPerHourDesired": round(f.usd_per_hour_desired, 2),
+                "usdPerHourMax": round(f.usd_per_hour_max, 2),
             }
         )
     return rows
@@ -132,7 +124,6 @@ def summary(rendered: Rendered) -> str:
     for type_, n in sorted(counts.items()):
         lines.append(f"  {n:3d}  {type_}")
     lines.append("GPU pools (nodes min/desired/max; totals at max size):")
-    total_desired = total_max = 0.0
     for row in pool_summary(rendered):
         lines.append(
             f"  {row['pool']:8s} {row['instanceType']:14s} {row['capacityType']:14s} nodes {row['nodes']:8s} "
@@ -141,10 +132,9 @@ def summary(rendered: Rendered) -> str:
             f"${row['usdPerHourMax']:.2f}/h max"
         )
     # Totals from unrounded prices: summing the rounded per-pool figures drifts by cents.
-    for pool in (rendered.config.node_pools.prefill, rendered.config.node_pools.decode):
-        price = catalog.lookup(pool.instance_type).usd_per_hour
-        total_desired += price * pool.desired_size
-        total_max += price * pool.max_size
+    pools = [planner.pool_figures(p) for p in (rendered.config.node_pools.prefill, rendered.config.node_pools.decode)]
+    total_desired = sum(p.usd_per_hour_desired for p in pools)
+    total_max = sum(p.usd_per_hour_max for p in pools)
     lines.append(
         f"  GPU node cost: ${total_desired:,.2f}/h at desired size, ${total_max:,.2f}/h at max "
         f"(indicative on-demand list prices; spot and capacity blocks differ)"

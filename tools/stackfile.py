@@ -3,7 +3,7 @@
 What flows through here: `stacks/Pulumi.<stack>.yaml` -> the project's config values with
 the `pd-inference:` namespace stripped, and the set of keys stored as secrets. Secret values
 are replaced by a placeholder (offline tools never see, or need, the real value). Used by
-`tools.render`, `tools.plan` and the tests; `pulumi up` itself reads the file through Pulumi.
+`tools.render`, `tools.plan`, `tools.newstack` and the tests (`load_config` validates too); `pulumi up` itself reads the file through Pulumi.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from infra import paths
-from infra.model.config import PROJECT
+from infra.model.config import PROJECT, StackConfig, load
 
 # PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
 # tests render throwaway files from a temporary folder); messages still say stacks/<file>.
@@ -85,3 +85,19 @@ def read(stack: str) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
         known = ", ".join(stacks()) or "none"
         raise StackFileError(f"{source}: no such stack file (stacks: {known})")
     return parse(path.read_text(), source)
+
+
+def validate(parsed: tuple[dict[str, Any], set[str], dict[str, Any]], source: str) -> StackConfig:
+    """What `parse`/`read` returned -> validated StackConfig (ConfigError: one line naming the key)."""
+    values, secrets, others = parsed
+    return load(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
+
+
+def config_from_text(text: str, source: str) -> StackConfig:
+    """A stack file's text -> validated StackConfig; StackFileError or ConfigError, one line each."""
+    return validate(parse(text, source), source)
+
+
+def load_config(stack: str) -> StackConfig:
+    """stacks/Pulumi.<stack>.yaml -> validated StackConfig, as `pulumi up` would validate it."""
+    return validate(read(stack), paths.stack_file(stack))

@@ -499,7 +499,7 @@ def _one_line(source: str, err: ValidationError) -> str:
         return line
     key = _loc(loc) or "(top level)"
     if e["type"] == "extra_forbidden":
-        return f"{source}: {key}: unknown key (check the spelling against README 'Configuration')"
+        return f"{source}: {key}: unknown key (check the spelling against docs/configuration.md)"
     if e["type"] == "missing":
         return f"{source}: {key}: required key is missing"
     if e["type"] == "enum":

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infra.model import sizing
-from infra.model.config import StackConfig
+from infra.model.config import NodePool, StackConfig
 from infra.model.fit import (
     GIB,
     HEADROOM_GIB,
@@ -23,6 +23,43 @@ from infra.model.fit import (
     model_figures,
     resolve,
 )
+
+
+# --- one node pool: nodes, GPUs, EFA and price -----------------------------------------------
+@dataclass(frozen=True)
+class PoolFigures:
+    """A GPU pool's size and on-demand price: what `make render` and the plan both print."""
+
+    instance_type: str
+    capacity_type: str
+    min_size: int
+    desired_size: int
+    max_size: int
+    gpus_per_node: int
+    efa_per_node: int
+    gpus_desired: int
+    gpus_max: int
+    efa_max: int
+    usd_per_hour_desired: float  # on-demand list price, whatever the capacity type
+    usd_per_hour_max: float
+
+
+def pool_figures(pool: NodePool) -> PoolFigures:
+    inst = pool.instance
+    return PoolFigures(
+        instance_type=inst.name,
+        capacity_type=pool.capacity_type.value,
+        min_size=pool.min_size,
+        desired_size=pool.desired_size,
+        max_size=pool.max_size,
+        gpus_per_node=inst.gpus,
+        efa_per_node=inst.efa_interfaces,
+        gpus_desired=pool.desired_size * inst.gpus,
+        gpus_max=pool.max_size * inst.gpus,
+        efa_max=pool.max_size * inst.efa_interfaces,
+        usd_per_hour_desired=pool.desired_size * inst.usd_per_hour,
+        usd_per_hour_max=pool.max_size * inst.usd_per_hour,
+    )
 
 
 # --- the plan of a whole stack ------------------------------------------------------------
@@ -109,6 +146,7 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
         pool = getattr(config.node_pools, role)
         inst = pool.instance
         gpus = spec.gpus_per_replica
+        sized = pool_figures(pool)
         figures = None
         if shape is not None:
             figures = model_figures(
@@ -126,12 +164,12 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
                 nodes_per_replica=sizing.nodes_per_replica(gpus, inst.gpus),
                 min_replicas=spec.min_replicas,
                 max_replicas=spec.max_replicas,
-                nodes_desired=pool.desired_size,
-                nodes_max=pool.max_size,
-                gpus_desired=pool.desired_size * inst.gpus,
-                gpus_max=pool.max_size * inst.gpus,
-                usd_per_hour_desired=pool.desired_size * inst.usd_per_hour,
-                usd_per_hour_max=pool.max_size * inst.usd_per_hour,
+                nodes_desired=sized.desired_size,
+                nodes_max=sized.max_size,
+                gpus_desired=sized.gpus_desired,
+                gpus_max=sized.gpus_max,
+                usd_per_hour_desired=sized.usd_per_hour_desired,
+                usd_per_hour_max=sized.usd_per_hour_max,
                 gpu_memory_gib=inst.gpu_memory_gib,
                 usable_gib_per_gpu=inst.gpu_memory_gib * model.gpu_memory_utilization,
                 hbm_gbps=inst.hbm_gbps,

@@ -34,7 +34,7 @@ KUBERAY_OPERATOR = HelmChart(
 )
 
 # Ray's own LLM image: Ray 2.60 (the version serving/ is written and tested against), the
-# vLLM that Ray 2.60 pins, NIXL built with UCX, CUDA 12.8. See README "The Ray image".
+# vLLM that Ray 2.60 pins, NIXL built with UCX, CUDA 12.8. See docs/architecture.md, "The Ray image".
 RAY_VERSION = "2.60.0"
 RAY_IMAGE = f"rayproject/ray-llm:{RAY_VERSION}-py311-cu128"
 
