@@ -24,7 +24,6 @@ import json
 import os
 import platform
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -167,6 +166,7 @@ def settled_kv_counters(metrics_url: str, quiet_s: float = 12, limit_s: float = 
 @contextlib.contextmanager
 def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, str], log_path: Path):
     from serving.local.config import HOST, MAX_MODEL_LEN
+    from serving.local.procs import interrupt_and_wait
 
     env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
     cmd = [
@@ -193,13 +193,7 @@ def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, s
         try:
             yield proc
         finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            interrupt_and_wait(proc, 60)
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:

@@ -11,14 +11,16 @@ Definitions follow vLLM's benchmark client (vllm/benchmarks/serve.py):
   TPOT   per request, (latency - TTFT) / (output tokens - 1);
   output tokens/s   sum of output tokens of successful requests / duration;
   requests/s        successful requests / duration.
-Percentiles interpolate linearly between order statistics, as numpy.percentile does.
+Percentiles are numpy.percentile's (linear interpolation), as in vLLM's client; what is ours
+here is the pooling per target and concurrency, the ratios and the table.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass
@@ -33,16 +35,10 @@ class RequestResult:
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation; None for no values."""
+    """numpy's q-th percentile (0..100, linear interpolation), or None for no values."""
     if not 0 <= q <= 100:
         raise ValueError(f"percentile {q} is outside 0..100")
-    data = sorted(values)
-    if not data:
-        return None
-    pos = (len(data) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(data) - 1)
-    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+    return float(np.percentile(values, q)) if len(values) else None
 
 
 def _ms(v: float | None) -> float | None:

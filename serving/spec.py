@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import pairwise
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -60,6 +61,19 @@ RESERVED_ENGINE_KWARGS = frozenset(
 def parse_api_keys(raw: str | None) -> tuple[str, ...]:
     """Comma-separated keys (the value of $PD_API_KEYS); blanks dropped."""
     return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
+
+
+def check_order(*named: tuple[str, int | None]) -> None:
+    """ValueError unless the named values (None: not set, skipped) never decrease, in order.
+
+    One rule for every size range in a stack file: node pools' minSize <= desiredSize <=
+    maxSize, replicas' minReplicas <= initialReplicas <= maxReplicas.
+    """
+    present = [(n, v) for n, v in named if v is not None]
+    if any(a > b for (_, a), (_, b) in pairwise(present)):
+        rule = " <= ".join(n for n, _ in named)
+        got = ", ".join(f"{n} {v}" for n, v in present)
+        raise ValueError(f"sizes must satisfy {rule} (got {got})")
 
 
 class SpecModel(BaseModel):
@@ -169,10 +183,11 @@ class RoleSpec(SpecModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> RoleSpec:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})")
-        if self.initial_replicas is not None and not (self.min_replicas <= self.initial_replicas <= self.max_replicas):
-            raise ValueError("initialReplicas must lie between minReplicas and maxReplicas")
+        check_order(
+            ("minReplicas", self.min_replicas),
+            ("initialReplicas", self.initial_replicas),
+            ("maxReplicas", self.max_replicas),
+        )
         return self
 
     @property
@@ -186,8 +201,7 @@ class IngressSpec(SpecModel):
 
     @model_validator(mode="after")
     def _bounds(self) -> IngressSpec:
-        if self.max_replicas < self.min_replicas:
-            raise ValueError(f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})")
+        check_order(("minReplicas", self.min_replicas), ("maxReplicas", self.max_replicas))
         return self
 
 

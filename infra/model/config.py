@@ -24,7 +24,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from infra.k8s import labels
 from infra.model import catalog, sizing, versions
 from infra.model.fit import fit_errors
-from serving.spec import AuthMode, Mode, ServingSpec, SpecModel
+from serving.spec import AuthMode, Mode, ServingSpec, SpecModel, check_order
 
 PROJECT = "pd-inference"
 
@@ -153,11 +153,7 @@ class SystemNodes(SpecModel):
 
     @model_validator(mode="after")
     def _sizes(self) -> SystemNodes:
-        if not self.min_size <= self.desired_size <= self.max_size:
-            raise ValueError(
-                f"sizes must satisfy minSize <= desiredSize <= maxSize "
-                f"(got {self.min_size}, {self.desired_size}, {self.max_size})"
-            )
+        check_order(("minSize", self.min_size), ("desiredSize", self.desired_size), ("maxSize", self.max_size))
         return self
 
 
@@ -182,11 +178,7 @@ class NodePool(SpecModel):
 
     @model_validator(mode="after")
     def _check(self) -> NodePool:
-        if not self.min_size <= self.desired_size <= self.max_size:
-            raise ValueError(
-                f"sizes must satisfy minSize <= desiredSize <= maxSize "
-                f"(got {self.min_size}, {self.desired_size}, {self.max_size})"
-            )
+        check_order(("minSize", self.min_size), ("desiredSize", self.desired_size), ("maxSize", self.max_size))
         if self.capacity_type is CapacityType.CAPACITY_BLOCK:
             if not self.capacity_reservation_id:
                 raise ValueError("capacityType capacity-block needs capacityReservationId (cr-...)")

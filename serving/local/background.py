@@ -10,14 +10,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from infra.paths import ROOT
-from serving.local.procs import free_port
+from serving.local.procs import free_port, interrupt_and_wait
 from serving.spec import API_KEYS_ENV
 
 
@@ -50,16 +49,7 @@ class RunningStack:
 
     def stop(self, timeout: float = 120) -> int:
         """Ctrl-C, as a person would; wait for Ray to go down. Returns the exit status."""
-        import subprocess
-
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return interrupt_and_wait(self.proc, timeout)
 
 
 @contextlib.contextmanager

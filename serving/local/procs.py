@@ -10,7 +10,9 @@ import contextlib
 import errno
 import fcntl
 import os
+import signal
 import socket
+import subprocess
 from pathlib import Path
 
 from serving.local.config import HOST
@@ -70,3 +72,15 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def interrupt_and_wait(proc: subprocess.Popen, timeout: float = 60) -> int:
+    """Stop a child as Ctrl-C would (SIGINT), then SIGKILL after `timeout`; its exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
