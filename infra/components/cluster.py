@@ -34,16 +34,27 @@ NODE_POLICIES = {
 @dataclass
 class ClusterArgs:
     cluster_name: str
+    """EKS cluster name (`pd-inference-<stack>`); also names the node groups and roles."""
     kubernetes_version: str
+    """EKS control-plane version, e.g. "1.35"."""
     vpc_id: pulumi.Input[str]
+    """VPC of the cluster and its nodes."""
     private_subnet_ids: pulumi.Input[list[str]]
+    """Subnets of the control-plane ENIs and the system nodes."""
     public_subnet_ids: pulumi.Input[list[str]]
+    """Public subnets (tagged for internet-facing load balancers only)."""
     endpoint_access: EndpointAccess
+    """Private only, or public and private with `public_access_cidrs`."""
     public_access_cidrs: list[str]
+    """CIDRs allowed to a public API endpoint."""
     admin_role_arns: list[str]
+    """IAM roles given cluster-admin access entries."""
     system_nodes: SystemNodes
+    """The CPU node group of the Ray head and the operators."""
     deletion_protection: bool = False
+    """EKS deletion protection (on for prod)."""
     tags: dict[str, str] = field(default_factory=dict)
+    """Tags for every AWS resource of the component."""
 
 
 class Cluster(pulumi.ComponentResource):

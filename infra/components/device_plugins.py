@@ -25,6 +25,7 @@ EFA_TYPES = sorted(t.name for t in catalog.CATALOG.values() if t.efa)
 @dataclass
 class DevicePluginArgs:
     provider: k8s.Provider
+    """Kubernetes provider of the cluster the plugins are installed in."""
 
 
 class NvidiaDevicePlugin(pulumi.ComponentResource):

@@ -51,15 +51,25 @@ spec:
 @dataclass
 class GpuNodePoolArgs:
     role: str
+    """Engine role of the pool: `prefill` or `decode` (node label and names)."""
     pool: NodePool
+    """The pool's validated config: instance type, capacity type, sizes, storage."""
     cluster: eks.Cluster
+    """The cluster the managed node group joins."""
     cluster_name: pulumi.Input[str]
+    """Name of that cluster (looked up for its security group)."""
     node_role: aws.iam.Role
+    """IAM role the nodes run as (shared with the system nodes)."""
     vpc_id: pulumi.Input[str]
-    subnet_ids: pulumi.Input[list[str]]  # all private subnets (non-EFA types)
-    efa_subnet_id: pulumi.Input[str]  # the private subnet in the EFA zone
+    """VPC of the EFA security group."""
+    subnet_ids: pulumi.Input[list[str]]
+    """All private subnets (used by non-EFA instance types)."""
+    efa_subnet_id: pulumi.Input[str]
+    """The private subnet in the EFA zone: EFA pools live in this one subnet."""
     efa_zone: str
+    """Availability zone of the EFA placement group."""
     tags: dict[str, str] = field(default_factory=dict)
+    """Tags for every AWS resource of the component."""
 
 
 def efa_network_interfaces(instance: catalog.InstanceType, security_groups: Sequence[pulumi.Input[str]]) -> list:

@@ -23,7 +23,9 @@ from infra.model import versions
 @dataclass
 class KubeRayOperatorArgs:
     provider: k8s.Provider
+    """Kubernetes provider of the cluster."""
     watch_namespaces: list[str]
+    """Namespaces the operator watches (its RBAC is limited to them)."""
 
 
 class KubeRayOperator(pulumi.ComponentResource):

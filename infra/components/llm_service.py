@@ -37,22 +37,39 @@ API_KEYS_SECRET_KEY = "api-keys"
 @dataclass
 class LlmServiceArgs:
     cluster_name: pulumi.Input[str]
+    """EKS cluster name (the Pod Identity association's cluster)."""
     namespace: str
+    """Namespace of the RayService, its Secrets and Services."""
     provider: k8s.Provider
-    operator: pulumi.Resource  # the RayService CRD must exist first
+    """Kubernetes provider of the cluster."""
+    operator: pulumi.Resource
+    """The KubeRay operator: the RayService CRD must exist first."""
     serving: ServingSpec
+    """The serving spec: renders serveConfigV2 and sizes the worker groups."""
     instances: dict[str, catalog.InstanceType]
+    """Engine role -> its node pool's instance type (GPUs and EFA per pod)."""
     image: str
+    """Ray image of the head and workers, pinned by tag or digest."""
     exposure: ServiceExposure
+    """How the OpenAI API is exposed: ClusterIP or an internal NLB."""
     allowed_cidrs: list[str]
+    """Client CIDRs allowed to the API (NLB source ranges, NetworkPolicy)."""
     vpc_cidr: str
+    """The VPC range (NetworkPolicy fallback when no client CIDRs are given)."""
     upgrade_strategy: str
+    """RayService upgrade strategy (KubeRay's `upgradeStrategy.type`)."""
     api_keys: pulumi.Output[str] | None = None
+    """Secret: comma-separated API keys, delivered as a Kubernetes Secret."""
     hf_token: pulumi.Output[str] | None = None
+    """Secret: Hugging Face token for gated models."""
     redis_password: pulumi.Output[str] | None = None
+    """Secret: password of the GCS fault-tolerance Redis."""
     gcs_redis_address: str | None = None
+    """`host:port` of that Redis; None keeps GCS fault tolerance off."""
     model_bucket: str | None = None
+    """S3 bucket the pods may read model weights from."""
     tags: dict[str, str] = field(default_factory=dict)
+    """Tags for every AWS resource of the component."""
 
 
 class LlmService(pulumi.ComponentResource):

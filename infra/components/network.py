@@ -23,11 +23,17 @@ from infra.model.config import ExistingVpc, NatGateways
 @dataclass
 class NetworkArgs:
     cidr: str
+    """Range of a new VPC (private, /16 to /20)."""
     availability_zones: list[str]
+    """Zones of the node subnets (a private and a public subnet each)."""
     efa_zone: str
+    """The zone of the EFA pools (its private subnet is `efa_subnet_id`)."""
     nat_gateways: NatGateways = NatGateways.SINGLE
+    """One NAT gateway, or one per zone."""
     existing: ExistingVpc | None = None
+    """Use this existing VPC and its subnets instead of creating one."""
     tags: dict[str, str] = field(default_factory=dict)
+    """Tags for every AWS resource of the component."""
 
 
 def subnet_cidrs(cidr: str, zones: int) -> tuple[list[str], list[str]]:
