@@ -31,6 +31,16 @@ SERVE_PORT = 8000
 API_KEYS_ENV = "PD_API_KEYS"
 
 DEFAULT_LABEL_KEY = "ray.io/node-group"
+# Ray Serve LLM's prefix-cache affinity router (public API: ray.serve.llm.request_router).
+PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+# The engine server class that sends the first streamed chunk at once (serving/streaming.py).
+EAGER_SERVER_CLS = "serving.streaming:EagerLLMServer"
+# Environment of every Serve replica the spec renders (engines and ingress).
+SERVING_ENV = {
+    # Ray Serve LLM 2.60 defines this switch (constants.py, default on) and reads it nowhere;
+    # off, so that a release that starts reading it does not log prompts.
+    "RAYLLM_ENABLE_REQUEST_PROMPT_LOGS": "0",
+}
 
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Hugging Face repo id (org/name), an S3 prefix, or an absolute local path (local runs).
@@ -116,6 +126,26 @@ class KvLoadFailurePolicy(str, Enum):
     RECOMPUTE = "recompute"
 
 
+class Router(str, Enum):
+    """How Serve picks a replica of a role when it has several.
+
+    power-of-two: Serve's default (two random replicas, the less loaded one).
+    prefix-cache-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (public API,
+    `ray.serve.llm.request_router`): the replica that served the same prompt prefix, so
+    vLLM's prefix cache hits; power-of-two when the load is uneven.
+    """
+
+    POWER_OF_TWO = "power-of-two"
+    PREFIX_CACHE_AFFINITY = "prefix-cache-affinity"
+
+
+class FirstChunk(str, Enum):
+    # eager: the first streamed chunk leaves the engine replica at once (serving/streaming.py);
+    # batched: Ray Serve LLM's own batcher, which holds it back for a whole interval.
+    EAGER = "eager"
+    BATCHED = "batched"
+
+
 class AuthMode(str, Enum):
     API_KEY = "api-key"
     DISABLED = "disabled"
@@ -173,6 +203,7 @@ class RoleSpec(SpecModel):
     max_replicas: int = Field(default=1, ge=1)
     initial_replicas: int | None = Field(default=None, ge=1)
     max_ongoing_requests: int = Field(default=64, ge=1)
+    router: Router = Router.POWER_OF_TWO
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -211,6 +242,16 @@ class KvTransferSpec(SpecModel):
     load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.RECOMPUTE
     # Passed through as kv_connector_extra_config (e.g. {"backends": ["UCX"]}).
     extra_config: dict[str, Any] = Field(default_factory=dict)
+
+
+class StreamingSpec(SpecModel):
+    """How engine replicas stream tokens back through Serve."""
+
+    # LLMConfig.experimental_configs.stream_batching_interval_ms (Ray's default 50): several
+    # tokens per Ray object. 0 sends every token alone, which cost a third of the output
+    # throughput at 16 streams on the local stack (docs/performance.md).
+    batch_interval_ms: int = Field(default=50, ge=0, le=1000)
+    first_chunk: FirstChunk = FirstChunk.EAGER
 
 
 class PlacementSpec(SpecModel):
@@ -265,6 +306,7 @@ class ServingSpec(SpecModel):
     kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     auth: AuthMode = AuthMode.API_KEY
+    streaming: StreamingSpec = Field(default_factory=StreamingSpec)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("engine_kwargs")
@@ -274,6 +316,11 @@ class ServingSpec(SpecModel):
             raise ValueError(
                 "trust_remote_code runs Python code from the model repository inside the engines; "
                 "it is refused (use a model that transformers supports natively)"
+            )
+        if v.get("enable_log_requests"):
+            raise ValueError(
+                "enable_log_requests writes every prompt into the engine logs (a privacy leak into "
+                "the cluster's log pipeline); it is refused"
             )
         clash = sorted(RESERVED_ENGINE_KWARGS & set(v))
         if clash:
@@ -324,6 +371,9 @@ class ServingSpec(SpecModel):
             "max_model_len": self.model.max_model_len,
             "tensor_parallel_size": spec.tensor_parallel_size,
             "pipeline_parallel_size": spec.pipeline_parallel_size,
+            # Prompts stay out of the logs (Ray 2.60 defaults this to False in
+            # engines/vllm/vllm_models.py; stated here so that no default can flip it).
+            "enable_log_requests": False,
         }
         if not target.cpu:
             engine_kwargs["gpu_memory_utilization"] = self.model.gpu_memory_utilization
@@ -356,12 +406,18 @@ class ServingSpec(SpecModel):
                 "placement_group_bundle_label_selector": [{self.placement.label_key: label} for _ in range(bundles)],
             },
         }
+        if spec.router is Router.PREFIX_CACHE_AFFINITY:
+            config["deployment_config"]["request_router_config"] = {"request_router_class": PREFIX_ROUTER_CLS}
+        config["experimental_configs"] = {"stream_batching_interval_ms": self.streaming.batch_interval_ms}
+        if self.streaming.first_chunk is FirstChunk.EAGER and self.mode is Mode.AGGREGATED:
+            # Ray's P/D builder fixes the decode class (PDDecodeServer): server_cls counts for
+            # the aggregated engine only.
+            config["server_cls"] = EAGER_SERVER_CLS
         if target.cpu:
             config["accelerator_config"] = {"kind": "cpu"}
         else:
             config["accelerator_type"] = target.accelerator_type
-        if target.engine_env:
-            config["runtime_env"] = {"env_vars": dict(target.engine_env)}
+        config["runtime_env"] = {"env_vars": {**dict(target.engine_env), **SERVING_ENV}}
         return config
 
     def app_args(self, target: Target) -> dict[str, Any]:
@@ -378,8 +434,7 @@ class ServingSpec(SpecModel):
                 "num_cpus": 0,
             },
         }
-        if target.ingress_env:
-            ingress["ray_actor_options"]["runtime_env"] = {"env_vars": dict(target.ingress_env)}
+        ingress["ray_actor_options"]["runtime_env"] = {"env_vars": {**dict(target.ingress_env), **SERVING_ENV}}
         args: dict[str, Any] = {
             "mode": self.mode.value,
             "auth": {"mode": self.auth.value, "api_keys_env": API_KEYS_ENV},

@@ -16,6 +16,7 @@ from serving.spec import (
     APP_IMPORT_PATH,
     DEFAULT_LABEL_KEY,
     SERVE_PORT,
+    SERVING_ENV,
     Mode,
     ServingSpec,
     Target,
@@ -99,7 +100,7 @@ def test_each_engine_config_is_a_valid_ray_llm_config(case):
             assert cfg.accelerator_type is None
         else:
             assert cfg.accelerator_type == target.accelerator_type
-        assert cfg.runtime_env["env_vars"] == dict(target.engine_env)
+        assert cfg.runtime_env["env_vars"] == {**dict(target.engine_env), **SERVING_ENV}
 
 
 @pytest.mark.parametrize("case", ["gpu-disaggregated", "gpu-s3-disaggregated", "cpu-disaggregated"])
@@ -210,7 +211,9 @@ def test_engines_pinned_to_their_node_group_one_selector_per_bundle():
         selectors = args[f"{role}_config"]["deployment_config"]["placement_group_bundle_label_selector"]
         assert selectors == [{DEFAULT_LABEL_KEY: role}] * 2  # TP 2 -> two bundles
     assert args["ingress_deployment_config"]["ray_actor_options"]["label_selector"] == {DEFAULT_LABEL_KEY: "head"}
-    assert args["ingress_deployment_config"]["ray_actor_options"]["runtime_env"] == {"env_vars": {"LOG_LEVEL": "info"}}
+    assert args["ingress_deployment_config"]["ray_actor_options"]["runtime_env"] == {
+        "env_vars": {"LOG_LEVEL": "info", **SERVING_ENV}
+    }
 
 
 def test_aggregated_engine_runs_on_the_decode_group():

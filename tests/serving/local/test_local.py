@@ -14,7 +14,7 @@ from infra.paths import ROOT
 from serving.local import __main__ as local_main
 from serving.local import config as local_config
 from serving.local import procs as local_procs
-from serving.spec import APP_IMPORT_PATH, Mode
+from serving.spec import APP_IMPORT_PATH, SERVING_ENV, Mode
 
 MODEL_DIR = Path("/models/tiny")
 
@@ -61,6 +61,7 @@ def test_local_values_are_cpu_friendly():
         assert cfg["runtime_env"]["env_vars"] == {
             "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            **SERVING_ENV,
         }
         assert cfg["model_loading_config"]["model_source"] == str(MODEL_DIR)
     assert args["auth"]["mode"] == "api-key"

@@ -1,0 +1,310 @@
+"""Where the time to first token goes: a per-hop breakdown from Ray's and vLLM's own records.
+
+What flows through here: Ray Serve's request spans (OpenTelemetry, written by Serve's
+file exporter when `RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH` is set: one
+`proxy_http_request` span in the proxy, one `replica_handle_request <deployment> <method>`
+span per replica the request passes), vLLM's engine histograms (Prometheus text: Ray
+re-exports them as `ray_vllm_*` labelled by `ReplicaId`; plain vLLM serves `vllm:*`), the
+NIXL transfer histogram, and the client's TTFTs -> mean milliseconds per request for each
+hop of one target at one concurrency:
+
+  proxy -> ingress       proxy span start -> ingress replica span start (Serve routing)
+  ingress -> engine      ingress span start -> engine (decode) replica span start
+                         (our ingress: auth, parse, validation; then Serve routing)
+  decode -> prefill      decode span start -> prefill span start (P/D only)
+  prefill leg            prefill replica span duration (P/D only), of which the prefill
+                         engine's queue wait and prefill compute (vLLM)
+  engine to first token  vLLM's own TTFT in the engine that streams (arrival -> first
+                         token), of which queue wait (for P/D decode: includes waiting for
+                         the KV), KV transfer (NIXL), first-token compute
+  delivery and the rest  client TTFT - all of the above: HTTP in, the streamed chunk's way
+                         back (stream batching, ingress, proxy) and anything unaccounted
+
+Means, not medians: histograms give sums and counts. Nothing here starts anything.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+Sample = tuple[str, dict[str, str], float]
+
+
+def parse_prometheus(text: str) -> list[Sample]:
+    """Prometheus text exposition -> (name, labels, value) per sample line."""
+    out: list[Sample] = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        try:
+            value = float(m.group(3))
+        except ValueError:
+            continue
+        out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), value))
+    return out
+
+
+def metric_total(
+    samples: Iterable[Sample], name: str, where: Callable[[dict[str, str]], bool] = lambda _: True
+) -> float:
+    return sum(v for n, labels, v in samples if n == name and where(labels))
+
+
+# The engine histograms the breakdown reads, by their vLLM names (vllm/v1/metrics/loggers.py).
+ENGINE_HISTOGRAMS = {
+    "ttft": "vllm:time_to_first_token_seconds",
+    "queue": "vllm:request_queue_time_seconds",
+    "prefill": "vllm:request_prefill_time_seconds",
+}
+NIXL_XFER = "vllm:nixl_xfer_time_seconds"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
+
+
+def exported_name(vllm_name: str, via_ray: bool) -> str:
+    """`vllm:x` as plain vLLM serves it, or as Ray's metrics agent re-exports it (`ray_vllm_x`)."""
+    return "ray_" + vllm_name.replace(":", "_") if via_ray else vllm_name
+
+
+@dataclass(frozen=True)
+class EngineDelta:
+    """Histogram (sum, count) deltas of one engine's metrics over a window."""
+
+    sums: Mapping[str, float]
+    counts: Mapping[str, float]
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+
+    def mean_ms(self, key: str) -> float | None:
+        c = self.counts.get(key, 0.0)
+        return self.sums.get(key, 0.0) * 1000 / c if c else None
+
+    def per_request_ms(self, key: str, requests: float) -> float | None:
+        return self.sums.get(key, 0.0) * 1000 / requests if requests else None
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        return self.prefix_hits / self.prefix_queries if self.prefix_queries else None
+
+
+def engine_delta(
+    before: Sequence[Sample], after: Sequence[Sample], *, via_ray: bool, replica_ids: Iterable[str] | None = None
+) -> EngineDelta:
+    """The change in one engine's histograms between two scrapes.
+
+    replica_ids: the Serve replicas whose engines count (Ray labels vLLM's metrics with
+    `ReplicaId`); None counts every engine in the scrape (plain vLLM).
+    """
+    ids = set(replica_ids) if replica_ids is not None else None
+
+    def where(labels: dict[str, str]) -> bool:
+        return ids is None or labels.get("ReplicaId") in ids
+
+    def delta(name: str) -> float:
+        return metric_total(after, name, where) - metric_total(before, name, where)
+
+    names = dict(ENGINE_HISTOGRAMS, nixl=NIXL_XFER)
+    sums = {k: delta(exported_name(v, via_ray) + "_sum") for k, v in names.items()}
+    counts = {k: delta(exported_name(v, via_ray) + "_count") for k, v in names.items()}
+    return EngineDelta(
+        sums=sums,
+        counts=counts,
+        prefix_queries=delta(exported_name(PREFIX_QUERIES, via_ray)),
+        prefix_hits=delta(exported_name(PREFIX_HITS, via_ray)),
+    )
+
+
+# --- Serve's spans --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Span:
+    name: str
+    trace_id: str
+    start: float  # epoch seconds
+    end: float
+    attributes: Mapping[str, object] = field(default_factory=dict)
+
+
+def _epoch(ts: str) -> float:
+    # OpenTelemetry's console exporter writes ISO 8601 with a Z suffix and microseconds.
+    return datetime.fromisoformat(ts.replace("Z", "+00:00")).timestamp()
+
+
+def parse_spans(text: str) -> list[Span]:
+    """Concatenated JSON objects as OpenTelemetry's ConsoleSpanExporter writes them."""
+    dec = json.JSONDecoder()
+    spans, i, n = [], 0, len(text)
+    while i < n:
+        while i < n and text[i] in " \t\r\n":
+            i += 1
+        if i >= n:
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            # A span half-written when the file was read: stop at it.
+            break
+        try:
+            spans.append(
+                Span(
+                    name=obj["name"],
+                    trace_id=obj["context"]["trace_id"],
+                    start=_epoch(obj["start_time"]),
+                    end=_epoch(obj["end_time"]),
+                    attributes=obj.get("attributes") or {},
+                )
+            )
+        except (KeyError, TypeError, ValueError):
+            continue
+    return spans
+
+
+REPLICA_SPAN = "replica_handle_request"
+PROXY_SPAN = "proxy_http_request"
+
+
+def _deployment(span: Span) -> str | None:
+    if not span.name.startswith(REPLICA_SPAN):
+        return None
+    dep = span.attributes.get("deployment")
+    return str(dep) if dep is not None else None
+
+
+@dataclass(frozen=True)
+class SpanHops:
+    requests: int
+    proxy_to_ingress_ms: float | None
+    ingress_to_engine_ms: float | None
+    decode_to_prefill_ms: float | None
+    prefill_leg_ms: float | None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) * 1000 / len(xs) if xs else None
+
+
+def span_hops(
+    spans: Iterable[Span],
+    *,
+    app: str,
+    ingress: str,
+    engine: str,
+    prefill: str | None = None,
+    window: tuple[float, float] | None = None,
+) -> SpanHops:
+    """Mean hop times (ms) over the traces of one application's requests.
+
+    ingress/engine/prefill: deployment names (engine: the one that streams, decode in P/D).
+    Only traces with a proxy span and the ingress and engine spans count; `window` keeps
+    those whose proxy span started inside it.
+    """
+    by_trace: dict[str, list[Span]] = {}
+    for s in spans:
+        by_trace.setdefault(s.trace_id, []).append(s)
+    p2i, i2e, d2p, leg = [], [], [], []
+    for trace in by_trace.values():
+        proxy = min((s for s in trace if s.name == PROXY_SPAN), key=lambda s: s.start, default=None)
+        if proxy is None or (window and not window[0] <= proxy.start <= window[1]):
+            continue
+        mine = [s for s in trace if _deployment(s) and s.attributes.get("app") == app]
+        first = {}
+        for s in sorted(mine, key=lambda s: s.start):
+            first.setdefault(_deployment(s), s)
+        ing, eng = first.get(ingress), first.get(engine)
+        if ing is None or eng is None:
+            continue
+        p2i.append(ing.start - proxy.start)
+        i2e.append(eng.start - ing.start)
+        pre = first.get(prefill) if prefill else None
+        if pre is not None:
+            d2p.append(pre.start - eng.start)
+            leg.append(pre.end - pre.start)
+    return SpanHops(
+        requests=len(p2i),
+        proxy_to_ingress_ms=_mean(p2i),
+        ingress_to_engine_ms=_mean(i2e),
+        decode_to_prefill_ms=_mean(d2p),
+        prefill_leg_ms=_mean(leg),
+    )
+
+
+# --- the table --------------------------------------------------------------------------------
+HOP_ROWS = (
+    ("client_ttft", "client TTFT (vLLM's benchmark client)"),
+    ("proxy_to_ingress", "proxy -> ingress replica (Serve tracing)"),
+    ("ingress_to_engine", "ingress -> engine replica: auth, parsing, routing (Serve tracing)"),
+    ("decode_to_prefill", "decode replica -> prefill replica (Serve tracing)"),
+    ("prefill_leg", "prefill call, whole (Serve tracing)"),
+    ("prefill_queue", "  of which prefill engine queue wait (vLLM)"),
+    ("prefill_compute", "  of which prefill compute (vLLM)"),
+    ("engine_ttft", "streaming engine: arrival -> first token (vLLM)"),
+    ("engine_queue", "  of which queue wait, incl. waiting for the KV (vLLM)"),
+    ("kv_transfer", "  of which KV transfer (NIXL)"),
+    ("engine_compute", "  of which first-token compute (vLLM)"),
+    ("delivery_rest", "HTTP in, stream delivery back, the rest (difference)"),
+)
+
+
+def _sub(a: float | None, *bs: float | None) -> float | None:
+    if a is None:
+        return None
+    return a - sum(b for b in bs if b is not None)
+
+
+def breakdown(
+    client_ttft_ms: float | None,
+    engine: EngineDelta,
+    *,
+    requests: int,
+    hops: SpanHops | None = None,
+    prefill: EngineDelta | None = None,
+) -> dict[str, float | None]:
+    """One target at one concurrency: mean ms per hop (keys of HOP_ROWS; None = not on this path)."""
+    row: dict[str, float | None] = {k: None for k, _ in HOP_ROWS}
+    row["client_ttft"] = client_ttft_ms
+    if hops is not None:
+        row["proxy_to_ingress"] = hops.proxy_to_ingress_ms
+        row["ingress_to_engine"] = hops.ingress_to_engine_ms
+        row["decode_to_prefill"] = hops.decode_to_prefill_ms
+        row["prefill_leg"] = hops.prefill_leg_ms
+    if prefill is not None:
+        row["prefill_queue"] = prefill.mean_ms("queue")
+        row["prefill_compute"] = prefill.mean_ms("prefill")
+    row["engine_ttft"] = engine.mean_ms("ttft")
+    row["engine_queue"] = engine.mean_ms("queue")
+    if engine.counts.get("nixl"):
+        row["kv_transfer"] = engine.per_request_ms("nixl", requests)
+    row["engine_compute"] = engine.mean_ms("prefill")
+    row["delivery_rest"] = _sub(
+        client_ttft_ms,
+        row["proxy_to_ingress"],
+        row["ingress_to_engine"],
+        row["decode_to_prefill"],
+        row["prefill_leg"],
+        row["engine_ttft"],
+    )
+    return row
+
+
+def format_breakdown(table: Mapping[str, Mapping[int, Mapping[str, float | None]]]) -> str:
+    """Rows: hops; columns: target x concurrency. `table[target][conc][hop]` in ms."""
+    cols = [(t, c) for t, by in table.items() for c in sorted(by)]
+    width = max(len(label) for _, label in HOP_ROWS) + 2
+    head = f"{'mean ms per request':<{width}}" + "".join(f"{t[:13]:>14}" for t, _ in cols)
+    sub = f"{'':<{width}}" + "".join(f"{'conc ' + str(c):>14}" for _, c in cols)
+    lines = [head, sub, "-" * len(head)]
+    for key, label in HOP_ROWS:
+        vals = [table[t][c].get(key) for t, c in cols]
+        if all(v is None for v in vals):
+            continue
+        lines.append(f"{label:<{width}}" + "".join(f"{'-' if v is None else f'{v:.1f}':>14}" for v in vals))
+    return "\n".join(lines)

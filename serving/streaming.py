@@ -1,0 +1,49 @@
+"""Stream batching that does not hold back the first token.
+
+What flows through here: the engine's async stream of OpenAI chunks inside an engine
+replica -> the first chunk at once, then the rest in batches every
+`experimental_configs.stream_batching_interval_ms` -> Ray Serve's streaming handle -> the
+ingress -> the client.
+
+Why: Ray Serve LLM 2.60 batches streamed chunks so each Ray object carries several tokens
+(`LLMServer._batch_output_stream`, `ray/llm/_internal/serve/utils/batcher.py`), and its
+batcher waits a whole interval before it yields anything, the first token included. With
+the default 50 ms that is up to 50 ms of extra time to first token on every request;
+with batching off (0 ms) every token becomes its own Ray object and output throughput fell
+by a third at 16 concurrent streams on this project's CPU stack (docs/performance.md).
+Sending the first chunk alone and batching the rest keeps both.
+
+The mixin overrides one method of Ray's server class (`_batch_output_stream`, Ray 2.60);
+tests/serving/test_streaming.py pins that the method still exists with that signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from ray.llm._internal.serve.utils.batcher import Batcher
+from ray.serve.llm.deployment import LLMServer
+
+
+async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -> AsyncGenerator[list[Any], None]:
+    """[first chunk] as soon as it exists, then lists of chunks every `interval_ms`."""
+    it = stream.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return
+    yield [first]
+    async for batch in Batcher(it, interval_ms=interval_ms).stream():
+        yield list(batch)
+
+
+class EagerFirstChunkMixin:
+    """Put first in the bases of an LLMServer subclass (aggregated or P/D decode)."""
+
+    def _batch_output_stream(self, generator):
+        return eager_batches(generator, self._get_batch_interval_ms())
+
+
+class EagerLLMServer(EagerFirstChunkMixin, LLMServer):
+    """Ray Serve LLM's server with the first streamed chunk sent at once (aggregated mode)."""
