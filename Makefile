@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint docs test test-fast serve render plan bench stack diff clean
+.PHONY: help venv lint docs test test-fast serve render plan bench bench-prefix stack diff clean
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -17,6 +17,7 @@ help:
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
 	@echo "make bench              benchmark the local serving path against its baselines"
+	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
 
@@ -63,6 +64,9 @@ serve: venv
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json
 	$(PY) -m bench.program --json build/bench/program.json
+
+bench-prefix: venv
+	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
 
 render: venv
 	$(PY) -m tools.render --stack $(STACK)

@@ -1,37 +1,43 @@
 """`make bench`: the disaggregated app vs the aggregated app vs vLLM's own server, on CPU.
 
-What flows through here: a seeded workload (prompt and output lengths drawn from the
-distributions below, prompts as token ids of the tiny model) -> streamed /v1/completions
-requests at several concurrency levels to three targets in the same run:
+What flows through here: a seeded workload (vLLM's `random` dataset: prompt and output
+lengths uniform in the ranges below, random token ids of the tiny model) -> vLLM's own
+benchmark client (`vllm.benchmarks.serve`, bench/vllm_load.py) sending streamed
+/v1/completions requests at several concurrency levels to three targets in the same run:
   (a) disaggregated  the P/D app `make serve` runs (Ray Serve LLM, prefill -> NIXL -> decode)
   (b) aggregated     the single-engine app with the same model, in the same Ray cluster
   (c) vllm           `python -m vllm.entrypoints.openai.api_server`, same model, no Ray Serve
 -> per-request timings -> bench.stats figures per target and concurrency, ratios a/c and
-b/c, and decode's NIXL counters per request -> a table on screen and build/bench/serving.json.
+b/c; Ray Serve's request spans and the engines' vLLM metrics around each level -> the
+per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
+request; the cold and warm start of `make serve` -> tables on screen and
+build/bench/serving.json.
 
 Each concurrency level runs in rounds; each round sends the same requests to every target,
 and the order of targets rotates from round to round, so drift in the machine (thermal,
-background work) hits all three alike. All three share this machine's cores.
+background work, other jobs) hits all three alike. All three share this machine's cores.
 A benchmark prints figures; it does not pass or fail.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import glob
 import json
 import os
 import platform
-import random
+import re
 import subprocess
 import sys
+import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
+from bench import hops, vllm_load
 from bench.stats import RequestResult, format_table, kv_transfer_per_request, ratios, summarize
 from infra.paths import ROOT as REPO_ROOT
 
@@ -40,126 +46,64 @@ TARGETS = ("disaggregated", "aggregated", "vllm")
 BASELINE = "vllm"
 
 # The workload: stated here so the report can quote it.
-INPUT_LEN = (32, 384)  # prompt tokens, uniform integer
-OUTPUT_LEN = (16, 96)  # output tokens, uniform integer (ignore_eos: exactly this many)
+INPUT_LEN = (32, 384)  # prompt tokens, uniform
+OUTPUT_LEN = (16, 96)  # output tokens, uniform (ignore_eos: exactly this many)
 LEVELS = {1: 32, 4: 64, 16: 128}  # concurrency -> requests per target
+HOP_LEVELS = (1, 16)  # the breakdown's columns
 ROUNDS = 4
 WARMUP = 4
 
-
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    max_tokens: int
-
-
-def make_workload(seed: int, n: int, vocab: int, first_id: int) -> list[Request]:
-    """n requests; prompts are random token ids above the special tokens."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        n_in = rng.randint(*INPUT_LEN)
-        out.append(Request([rng.randrange(first_id, vocab) for _ in range(n_in)], rng.randint(*OUTPUT_LEN)))
-    return out
+# Serve's request tracing for the hop breakdown: Ray's own file exporter
+# (ray/serve/_private/constants.py DEFAULT_TRACING_EXPORTER_IMPORT_PATH), every request
+# sampled; engine metrics exported every second instead of every 10 s so that the counters
+# settle quickly between levels.
+BENCH_ENV = {
+    "RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": "ray.serve._private.tracing_utils:default_tracing_exporter",
+    "RAY_SERVE_TRACING_SAMPLING_RATIO": "1",
+    "RAY_metrics_report_interval_ms": "1000",
+}
 
 
-# --- the client ---------------------------------------------------------------------------
-async def one_request(client: httpx.AsyncClient, url: str, key: str | None, model: str, req: Request) -> RequestResult:
-    body = {
-        "model": model,
-        "prompt": req.prompt,
-        "max_tokens": req.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    res = RequestResult(ok=False, prompt_tokens=len(req.prompt))
-    t0 = time.perf_counter()
-    last = t0
-    chunks = 0
-    try:
-        async with client.stream("POST", f"{url}/completions", json=body, headers=headers) as r:
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return res
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    break
-                msg = json.loads(data)
-                if msg.get("usage"):
-                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
-                    res.prompt_tokens = msg["usage"].get("prompt_tokens", res.prompt_tokens)
-                if not msg.get("choices") or not msg["choices"][0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    res.ttft_s = now - t0
-                else:
-                    res.itl_s.append(now - last)
-                last = now
-                chunks += 1
-        res.latency_s = time.perf_counter() - t0
-        res.output_tokens = res.output_tokens or chunks
-        res.ok = chunks > 0
-        if not res.ok:
-            res.error = "no tokens streamed"
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return res
+def length_shape(lo: int, hi: int) -> tuple[int, float]:
+    """vLLM's random dataset draws lengths uniformly in len * (1 - r) .. len * (1 + r)."""
+    center = (lo + hi) / 2
+    return round(center), (hi - lo) / (hi + lo)
 
 
-async def run_batch(
-    url: str, key: str | None, model: str, reqs: list[Request], concurrency: int
-) -> tuple[list[RequestResult], float]:
-    """All of `reqs`, at most `concurrency` in flight; returns results and wall time."""
-    sem = asyncio.Semaphore(concurrency)
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=30), limits=limits) as client:
-
-        async def guarded(r: Request):
-            async with sem:
-                return await one_request(client, url, key, model, r)
-
-        t0 = time.perf_counter()
-        results = await asyncio.gather(*(guarded(r) for r in reqs))
-        return list(results), time.perf_counter() - t0
-
-
-# --- decode's metrics ------------------------------------------------------------------------
-def _metric_sum(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+def load_for(url: str, key: str | None, model: str, tokenizer: str, n: int, conc: int, seed: int) -> vllm_load.Load:
+    """One batch of the main workload against one target (url: its OpenAI base, ending in /v1)."""
+    in_len, in_r = length_shape(*INPUT_LEN)
+    out_len, out_r = length_shape(*OUTPUT_LEN)
+    return vllm_load.Load(
+        base_url=url.removesuffix("/v1"),
+        model=model,
+        tokenizer=tokenizer,
+        num_prompts=n,
+        concurrency=conc,
+        seed=seed,
+        input_len=in_len,
+        output_len=out_len,
+        input_range_ratio=in_r,
+        output_range_ratio=out_r,
+        api_key=key,
+    )
 
 
-def kv_counters(metrics_url: str) -> dict[str, float]:
-    text = httpx.get(metrics_url, timeout=10).text
+# --- decode's NIXL counters ---------------------------------------------------------------------
+KV_KEYS = ("nixl_bytes", "nixl_transfers", "nixl_xfer_s", "external_kv_tokens")
+
+
+def kv_totals(samples: list[hops.Sample]) -> dict[str, float]:
     return {
-        "nixl_bytes": _metric_sum(text, "ray_vllm_nixl_bytes_transferred_sum"),
-        "nixl_transfers": _metric_sum(text, "ray_vllm_nixl_xfer_time_seconds_count"),
-        "nixl_xfer_s": _metric_sum(text, "ray_vllm_nixl_xfer_time_seconds_sum"),
-        "external_kv_tokens": _metric_sum(
-            text, "ray_vllm_prompt_tokens_by_source_total", source="external_kv_transfer"
+        "nixl_bytes": hops.metric_total(samples, "ray_vllm_nixl_bytes_transferred_sum"),
+        "nixl_transfers": hops.metric_total(samples, "ray_vllm_nixl_xfer_time_seconds_count"),
+        "nixl_xfer_s": hops.metric_total(samples, "ray_vllm_nixl_xfer_time_seconds_sum"),
+        "external_kv_tokens": hops.metric_total(
+            samples,
+            "ray_vllm_prompt_tokens_by_source_total",
+            lambda labels: labels.get("source") == "external_kv_transfer",
         ),
     }
-
-
-def settled_kv_counters(metrics_url: str, quiet_s: float = 12, limit_s: float = 90) -> dict[str, float]:
-    """Counters once they stop moving: Ray exports engine metrics every few seconds."""
-    now, since, t0 = kv_counters(metrics_url), time.monotonic(), time.monotonic()
-    while time.monotonic() - since < quiet_s and time.monotonic() - t0 < limit_s:
-        time.sleep(3)
-        nxt = kv_counters(metrics_url)
-        if nxt != now:
-            now, since = nxt, time.monotonic()
-    return now
 
 
 # --- vLLM's own server (target c) --------------------------------------------------------------
@@ -208,6 +152,87 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise TimeoutError(f"vLLM server at {url} not healthy after {timeout:.0f}s")
 
 
+# --- metrics and spans around each level ------------------------------------------------------
+def scrape(url: str) -> list[hops.Sample]:
+    return hops.parse_prometheus(httpx.get(url, timeout=10).text)
+
+
+def settled(urls: list[str], quiet_s: float = 4, limit_s: float = 60) -> dict[str, list[hops.Sample]]:
+    """A scrape of every URL once the engines' counters stop moving (Ray exports them periodically)."""
+
+    def counts(scrapes: dict[str, list[hops.Sample]]) -> list[float]:
+        return [v for ss in scrapes.values() for n, _, v in ss if n.endswith("_count") and "vllm" in n]
+
+    now = {u: scrape(u) for u in urls}
+    since = t0 = time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() - t0 < limit_s:
+        time.sleep(1)
+        nxt = {u: scrape(u) for u in urls}
+        if counts(nxt) != counts(now):
+            since = time.monotonic()
+        now = nxt
+    return now
+
+
+def serve_apps(dashboard_url: str) -> dict[str, dict[str, Any]]:
+    """app -> {"ingress": deployment name, "replicas": deployment -> Serve replica ids}.
+
+    The replica ids are the `ReplicaId` label Ray puts on the engines' vLLM metrics.
+    """
+    apps = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()["applications"]
+    return {
+        app: {
+            "ingress": a.get("ingress_deployment"),
+            "replicas": {
+                dep: [r["replica_id"] for r in d.get("replicas") or []]
+                for dep, d in (a.get("deployments") or {}).items()
+            },
+        }
+        for app, a in apps.items()
+    }
+
+
+def read_spans(since: float) -> list[hops.Span]:
+    """Serve's span files written since `since` (Ray's file exporter: <session>/logs/serve/spans/)."""
+    spans: list[hops.Span] = []
+    for path in glob.glob("/tmp/ray/session_*/logs/serve/spans/*"):
+        with contextlib.suppress(OSError):
+            if os.path.getmtime(path) >= since:
+                spans.extend(hops.parse_spans(Path(path).read_text(errors="replace")))
+    return spans
+
+
+def roles(app: dict[str, Any]) -> tuple[str, str, str | None]:
+    """(ingress, streaming engine, prefill or None) deployment names of one application."""
+    ingress, deployments = app["ingress"], app["replicas"]
+    prefill = next((d for d in deployments if d.startswith("Prefill")), None)
+    engine = next(d for d in deployments if d not in (ingress, prefill))
+    return ingress, engine, prefill
+
+
+# --- start times ---------------------------------------------------------------------------
+_READY = re.compile(r"^READY in (\d+(?:\.\d+)?)s")
+_STEP = re.compile(r"^\[\s*(\d+(?:\.\d+)?)s\] (.*)$")
+
+
+def start_time(cold: bool, log_dir: Path) -> dict[str, Any]:
+    """`make serve` (disaggregated) once, timed by its own READY line; cold: an empty model cache."""
+    from serving.local.background import background_stack
+
+    env: dict[str, str] = {}
+    with contextlib.ExitStack() as stack:
+        if cold:
+            env["PD_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-cold-"))
+        log = log_dir / f"serve-{'cold' if cold else 'warm'}.log"
+        with background_stack(mode="disaggregated", api_key="sk-bench", log_path=log, extra_env=env) as running:
+            ready = _READY.match(running.ready_line)
+            steps = [m.groups() for line in running.output if (m := _STEP.match(line.strip()))]
+    return {
+        "ready_s": float(ready.group(1)) if ready else None,
+        "steps": [{"at_s": float(at), "step": what} for at, what in steps],
+    }
+
+
 # --- the run ---------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.serving_bench", description=__doc__.split("\n")[0])
@@ -219,6 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--no-start-times", action="store_true", help="skip timing a cold and a warm `make serve`")
     return p.parse_args(argv)
 
 
@@ -238,61 +264,127 @@ def main(argv: list[str] | None = None) -> int:
     from serving.local.procs import free_port
 
     model_dir = str(tiny_model.ensure_tiny_model())
-    first_id = len(tiny_model.SPECIAL_TOKENS)
-    vocab = tiny_model.ARCHITECTURE["vocab_size"]
-    workload = {c: make_workload(args.seed + c, n, vocab, first_id) for c, n in levels.items()}
-    warm = make_workload(args.seed - 1, WARMUP, vocab, first_id)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent
+    client_log = open(logs / "vllm-bench-client.log", "w")  # noqa: SIM115 - closed below
+
+    starts: dict[str, Any] = {}
+    if not args.no_start_times:
+        for kind in ("cold", "warm"):
+            say(f"timing a {kind} `make serve` (disaggregated)")
+            starts[kind] = start_time(kind == "cold", logs)
+            say(f"{kind} start: READY in {starts[kind]['ready_s']}s")
 
     vport = free_port()
-    vurl = f"http://{HOST}:{vport}/v1"
-    say(f"starting vLLM's OpenAI server (target c) on {vurl} and the local Ray stack (targets a, b)")
+    vroot = f"http://{HOST}:{vport}"
+    say(f"starting vLLM's OpenAI server (target c) on {vroot} and the local Ray stack (targets a, b)")
+    spans_since = time.time()
     with (
         vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc,
-        background_stack(mode="both", api_key="sk-bench", log_path=logs / "serve.log") as stack,
+        background_stack(mode="both", api_key="sk-bench", log_path=logs / "serve.log", extra_env=BENCH_ENV) as stack,
     ):
-        wait_healthy(f"http://{HOST}:{vport}", vproc)
-        urls = {"disaggregated": stack.urls["disaggregated"], "aggregated": stack.urls["aggregated"], "vllm": vurl}
+        wait_healthy(vroot, vproc)
+        urls = {
+            "disaggregated": stack.urls["disaggregated"],
+            "aggregated": stack.urls["aggregated"],
+            "vllm": f"{vroot}/v1",
+        }
         keys = {"disaggregated": stack.api_key, "aggregated": stack.api_key, "vllm": None}
-        decode_metrics = next(n["metrics_url"] for n in stack.nodes if n["label"] == "decode")
+        node_metrics = {n["label"]: n["metrics_url"] for n in stack.nodes}
+        metric_urls = [node_metrics["decode"], node_metrics["prefill"], f"{vroot}/metrics"]
+        apps = {c["args"]["mode"]: c["name"] for c in stack.state["config"]["applications"]}
+
+        def batch(t: str, n: int, conc: int, seed: int) -> tuple[list[RequestResult], float]:
+            return vllm_load.run(load_for(urls[t], keys[t], MODEL_ID, model_dir, n, conc, seed), log=client_log)
+
         say("all three targets up; warming up")
         for t in TARGETS:
-            res, _ = asyncio.run(run_batch(urls[t], keys[t], MODEL_ID, warm, 2))
+            res, _ = batch(t, WARMUP, 2, args.seed - 1)
             bad = [r.error for r in res if not r.ok]
             if bad:
                 raise RuntimeError(f"warm-up against {t} failed: {bad[0]}")
 
-        kv_before = settled_kv_counters(decode_metrics)
+        served = serve_apps(stack.state["dashboard_url"])
+        snaps = [settled(metric_urls)]
+        windows: dict[int, tuple[float, float]] = {}
         results: dict[str, dict[int, list[RequestResult]]] = {t: {} for t in TARGETS}
         durations: dict[str, dict[int, float]] = {t: {} for t in TARGETS}
-        for li, (conc, reqs) in enumerate(workload.items()):
-            per_round = [reqs[i :: args.rounds] for i in range(args.rounds)]
-            for r, batch in enumerate(per_round):
+        for li, (conc, n) in enumerate(levels.items()):
+            start = time.time()
+            for r in range(args.rounds):
                 shift = (r + li) % len(TARGETS)
                 order = TARGETS[shift:] + TARGETS[:shift]
+                per_round = n // args.rounds + (1 if r < n % args.rounds else 0)
                 for t in order:
-                    res, dur = asyncio.run(run_batch(urls[t], keys[t], MODEL_ID, batch, conc))
+                    # Same seed for every target in a round: the same prompts.
+                    res, dur = batch(t, per_round, conc, args.seed + 1000 * conc + r)
                     results[t].setdefault(conc, []).extend(res)
                     durations[t][conc] = durations[t].get(conc, 0.0) + dur
                 say(f"concurrency {conc}: round {r + 1}/{args.rounds} done ({' -> '.join(order)})")
-        kv_after = settled_kv_counters(decode_metrics)
+            windows[conc] = (start, time.time())
+            snaps.append(settled(metric_urls))
+        spans = read_spans(spans_since)
+    client_log.close()
 
     summaries = {t: {c: summarize(results[t][c], durations[t][c]) for c in levels} for t in TARGETS}
-    kv_delta = {k: kv_after[k] - kv_before[k] for k in kv_after}
+
+    # --- the hop breakdown, per target and level -------------------------------------------
+    breakdown: dict[str, dict[int, dict[str, float | None]]] = {t: {} for t in TARGETS}
+    prefix_hits: dict[str, dict[int, float | None]] = {t: {} for t in TARGETS}
+    decode_url, prefill_url, vllm_url = metric_urls
+    for li, conc in enumerate(levels):
+        before, after = snaps[li], snaps[li + 1]
+        for t in TARGETS:
+            ok = [r for r in results[t][conc] if r.ok]
+            ttft = sum(r.ttft_s for r in ok) * 1000 / len(ok) if ok else None
+            if t == BASELINE:
+                eng = hops.engine_delta(before[vllm_url], after[vllm_url], via_ray=False)
+                row = hops.breakdown(ttft, eng, requests=len(ok))
+            else:
+                app = apps[t]
+                ing, engine_dep, prefill_dep = roles(served[app])
+                ids = served[app]["replicas"]
+                eng = hops.engine_delta(
+                    before[decode_url], after[decode_url], via_ray=True, replica_ids=ids[engine_dep]
+                )
+                pre = (
+                    hops.engine_delta(
+                        before[prefill_url], after[prefill_url], via_ray=True, replica_ids=ids[prefill_dep]
+                    )
+                    if prefill_dep
+                    else None
+                )
+                sh = hops.span_hops(
+                    spans, app=app, ingress=ing, engine=engine_dep, prefill=prefill_dep, window=windows[conc]
+                )
+                row = hops.breakdown(ttft, eng, requests=len(ok), hops=sh if sh.requests else None, prefill=pre)
+            breakdown[t][conc] = row
+            prefix_hits[t][conc] = eng.prefix_hit_rate
+
+    kv_delta = {k: kv_totals(snaps[-1][decode_url])[k] - kv_totals(snaps[0][decode_url])[k] for k in KV_KEYS}
     n_pd = sum(int(s["completed"] or 0) for s in summaries["disaggregated"].values())
     kv = kv_transfer_per_request(kv_delta, n_pd)
     report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": {
             "seed": args.seed,
+            "client": "vllm.benchmarks.serve (vLLM's `vllm bench serve`), backend openai, streamed",
+            "client_args_example": vllm_load.cli_args(
+                load_for("http://HOST:PORT/v1", None, MODEL_ID, "<model dir>", 8, 1, args.seed)
+            ),
             "endpoint": "/v1/completions (streamed, temperature 0, ignore_eos)",
-            "prompt_tokens": f"uniform integer {INPUT_LEN[0]}..{INPUT_LEN[1]} (random token ids)",
-            "output_tokens": f"uniform integer {OUTPUT_LEN[0]}..{OUTPUT_LEN[1]}",
+            "prompt_tokens": f"uniform {INPUT_LEN[0]}..{INPUT_LEN[1]} (vLLM random dataset)",
+            "output_tokens": f"uniform {OUTPUT_LEN[0]}..{OUTPUT_LEN[1]}",
             "levels": {str(c): n for c, n in levels.items()},
             "rounds": args.rounds,
             "requests_total": sum(levels.values()) * len(TARGETS),
         },
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "load_average_at_end": list(os.getloadavg()),
+        },
         "model": {"id": MODEL_ID, "dir": Path(model_dir).name, "dtype": "float32"},
         "targets": {t: {str(c): s for c, s in by.items()} for t, by in summaries.items()},
         "ratios_vs_vllm": {
@@ -300,13 +392,16 @@ def main(argv: list[str] | None = None) -> int:
             for t in TARGETS
             if t != BASELINE
         },
+        "hops_ms": {t: {str(c): breakdown[t][c] for c in levels} for t in TARGETS},
+        "hop_rows": dict(hops.HOP_ROWS),
+        "prefix_cache_hit_rate": {t: {str(c): v for c, v in by.items()} for t, by in prefix_hits.items()},
         "kv_transfer": {"decode_counters_delta": kv_delta, **kv},
-        "notes": [
-            "ITL follows vLLM's client: one value per streamed chunk. Ray Serve LLM batches "
-            "streamed tokens (RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS, 50 ms by default), so "
-            "its ITL median is ~0 and TPOT is the comparable per-token figure.",
-            "All three targets share this machine's cores; the NIXL workers of the "
-            "disaggregated app keep UCX progress threads polling even when idle.",
+        "start_times": starts,
+        "conditions": [
+            "Serve request tracing on for the Ray targets (every request sampled, Ray's file "
+            "exporter): a small cost the vLLM baseline does not pay.",
+            "All three targets share this machine's cores with each other and with other jobs "
+            "on the machine (load average above).",
         ],
         "errors_sample": {t: [r.error for c in levels for r in results[t][c] if not r.ok][:5] for t in TARGETS},
         "wall_s": time.monotonic() - t0,
@@ -316,16 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(summaries, BASELINE))
     print()
+    print("Where the time to first token goes (mean ms per request; Serve spans, vLLM and NIXL metrics):")
+    print(hops.format_breakdown({t: {c: breakdown[t][c] for c in HOP_LEVELS if c in levels} for t in TARGETS}))
+    print()
     print(
         "KV transfer (decode's NIXL counters over the disaggregated requests): "
         f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
         f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'] or 0)} transfers)"
     )
+    for kind, st in starts.items():
+        print(f"{kind} `make serve` (disaggregated): READY in {st['ready_s']}s")
     print("Ratios are target / vllm (TTFT, TPOT: lower is better; tok/s, req/s: higher is better).")
-    print(
-        "ITL is measured per streamed chunk as vLLM's client does; Ray Serve LLM sends tokens in "
-        "batches (every 50 ms by default), so most gaps it shows are 0 and TPOT is the per-token pace."
-    )
     print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
     return 0
 

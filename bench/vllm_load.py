@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ class Load:
     """One batch: what `vllm bench serve` is asked to send.
 
     base_url: the server root, without /v1 (e.g. http://127.0.0.1:8000/aggregated).
-    dataset: "random" (uniform lengths around input_len/output_len, ratio range_ratio)
+    dataset: "random" (lengths uniform in len * (1 -/+ range ratio), random token ids)
         or "prefix_repetition" (num_prefixes shared prefixes of prefix_len tokens, each
         followed by a random suffix_len-token tail: many requests sharing system prompts).
     """
@@ -43,7 +44,8 @@ class Load:
     dataset: str = "random"
     input_len: int = 208
     output_len: int = 56
-    range_ratio: float = 0.0
+    input_range_ratio: float = 0.0
+    output_range_ratio: float = 0.0
     prefix_len: int = 0
     suffix_len: int = 0
     num_prefixes: int = 1
@@ -87,7 +89,7 @@ def cli_args(load: Load) -> list[str]:
             "--random-output-len",
             str(load.output_len),
             "--random-range-ratio",
-            str(load.range_ratio),
+            json.dumps({"input": load.input_range_ratio, "output": load.output_range_ratio}),
         ]
     elif load.dataset == "prefix_repetition":
         args += [

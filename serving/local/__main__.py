@@ -25,9 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from infra.paths import ROOT
 from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
-from serving.local.config import AGGREGATED_PREFIX, HOST, MODEL_ID, MODES, app_urls, render_local_config
+from serving.local.config import AGGREGATED_PREFIX, HOST, MODEL_ID, MODES, app_urls, cluster_env, render_local_config
 from serving.local.procs import AlreadyRunning, instance_lock, port_in_use
 from serving.spec import API_KEYS_ENV, parse_api_keys
 
@@ -111,16 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [a["name"] for a in config["applications"]]
 
         say("starting a local Ray cluster: nodes labelled head, prefill, decode")
-        env = {
-            "RAY_AUTH_MODE": "disabled",  # local-only cluster on 127.0.0.1
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
-            # Nothing may be downloaded: the model is on disk.
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "RAY_USAGE_STATS_ENABLED": "0",
-            "DO_NOT_TRACK": "1",
-        }
+        env = cluster_env()
         if auth:
             env[API_KEYS_ENV] = ",".join(keys)
         cluster.start(env)

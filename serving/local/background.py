@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,12 @@ def background_stack(
     api_key: str | None = "sk-local-test",
     log_path: Path | None = None,
     timeout: float = 600,
+    extra_env: Mapping[str, str] | None = None,
 ):
-    """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after."""
+    """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after.
+
+    extra_env: added to the command's environment (Ray and its workers inherit it).
+    """
     import subprocess
     import tempfile
     import threading
@@ -69,7 +74,7 @@ def background_stack(
     port = port or free_port()
     tmp = Path(tempfile.mkdtemp(prefix="pd-serve-"))
     state_file = tmp / "state.json"
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     cmd = [
         sys.executable,
         "-m",

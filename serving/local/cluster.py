@@ -26,6 +26,8 @@ class LocalCluster:
 
     label_key: str = DEFAULT_LABEL_KEY
     dashboard_port: int = field(default_factory=free_port)
+    # Logical CPUs of the decode node: two per engine replica (the prefix-routing bench runs four).
+    decode_cpus: int = DECODE_CPUS
     _cluster: Any = None
 
     def start(self, env: dict[str, str]) -> None:
@@ -48,7 +50,7 @@ class LocalCluster:
             },
         )
         self._cluster.add_node(num_cpus=PREFILL_CPUS, labels={self.label_key: "prefill"})
-        self._cluster.add_node(num_cpus=DECODE_CPUS, labels={self.label_key: "decode"})
+        self._cluster.add_node(num_cpus=self.decode_cpus, labels={self.label_key: "decode"})
         self._cluster.wait_for_nodes()
 
     @property

@@ -10,9 +10,11 @@ under its own name and route prefix. Everything under `args` is exactly what the
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
+from infra.paths import ROOT
 from serving.spec import APP_NAME, Mode, ServingSpec, Target
 
 MODEL_ID = "tiny-llama"
@@ -28,6 +30,20 @@ MODES = ("disaggregated", "aggregated", "both")
 HEAD_CPUS = 0
 PREFILL_CPUS = 2
 DECODE_CPUS = 4
+
+
+def cluster_env() -> dict[str, str]:
+    """Environment of the local Ray cluster (its raylets and workers inherit it)."""
+    return {
+        "RAY_AUTH_MODE": "disabled",  # local-only cluster on 127.0.0.1
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        # Nothing may be downloaded: the model is on disk.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "DO_NOT_TRACK": "1",
+    }
 
 
 # --- what gets deployed ------------------------------------------------------------------
