@@ -1,0 +1,155 @@
+"""docs/performance.md, generated from the benchmarks' JSON (build/bench/*.json).
+
+What flows through here: build/bench/serving.json (`make bench`) and build/bench/prefix.json
+(`make bench-prefix`), when present -> the figures' tables (targets, ratios against the
+issue's bars, the per-hop breakdown, start times, prefix routing) between the page's
+hand-written explanations -> docs/performance.md. Figures are never typed by hand: rerun
+the benchmarks, then `python -m bench.report`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from infra.paths import ROOT
+
+BUILD = ROOT / "build" / "bench"
+DOC = ROOT / "docs" / "performance.md"
+
+# The bars of issue 17 (ratio to plain vLLM at the same concurrency; "<=" for TTFT, ">=" for tok/s).
+BARS = (
+    ("disaggregated", 1, "ttft_p50_ms", "<=", 2.0),
+    ("disaggregated", 16, "ttft_p50_ms", "<=", 2.5),
+    ("disaggregated", 16, "output_tok_s", ">=", 0.8),
+    ("aggregated", 1, "ttft_p50_ms", "<=", 1.5),
+    ("aggregated", 16, "output_tok_s", ">=", 0.9),
+)
+WARM_START_BAR_S = 45
+
+
+def _f(v: Any, digits: int = 1) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def targets_table(rep: dict[str, Any]) -> str:
+    rows = [
+        "| target | conc | requests | errors | TTFT p50 | TTFT p99 | TPOT p50 | ITL p50 | out tok/s | req/s |"
+        " TTFT p50 ÷ vLLM | tok/s ÷ vLLM |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for t, by in rep["targets"].items():
+        for c, s in by.items():
+            r = rep.get("ratios_vs_vllm", {}).get(t, {}).get(c, {})
+            rows.append(
+                f"| {t} | {c} | {s['requests']} | {s['errors']} | {_f(s['ttft_p50_ms'])} | {_f(s['ttft_p99_ms'])} | "
+                f"{_f(s['tpot_p50_ms'])} | {_f(s['itl_p50_ms'])} | {_f(s['output_tok_s'])} | {_f(s['req_s'], 2)} | "
+                f"{_f(r.get('ttft_p50_ms'), 2)} | {_f(r.get('output_tok_s'), 2)} |"
+            )
+    return "\n".join(rows)
+
+
+def bars_table(rep: dict[str, Any]) -> str:
+    rows = ["| bar | measured | met |", "|---|---|---|"]
+    for target, conc, key, op, bar in BARS:
+        v = rep.get("ratios_vs_vllm", {}).get(target, {}).get(str(conc), {}).get(key)
+        name = "TTFT p50" if key == "ttft_p50_ms" else "output tok/s"
+        met = "-" if v is None else ("yes" if (v <= bar if op == "<=" else v >= bar) else "no")
+        rows.append(f"| {target} {name} ÷ vLLM at conc {conc} {op} {bar} | {_f(v, 2)} | {met} |")
+    warm = (rep.get("start_times") or {}).get("warm", {}).get("ready_s")
+    met = "-" if warm is None else ("yes" if warm <= WARM_START_BAR_S else "no")
+    rows.append(f"| warm `make serve` READY <= {WARM_START_BAR_S} s | {_f(warm, 0)} s | {met} |")
+    return "\n".join(rows)
+
+
+def hops_table(rep: dict[str, Any], levels: tuple[str, ...] = ("1", "16")) -> str:
+    labels: dict[str, str] = rep.get("hop_rows") or {}
+    hops: dict[str, dict[str, dict[str, Any]]] = rep.get("hops_ms") or {}
+    cols = [(t, c) for t in hops for c in levels if c in hops[t]]
+    head = "| mean ms per request | " + " | ".join(f"{t} c{c}" for t, c in cols) + " |"
+    rows = [head, "|---|" + "---|" * len(cols)]
+    for key, label in labels.items():
+        vals = [hops[t][c].get(key) for t, c in cols]
+        if all(v is None for v in vals):
+            continue
+        rows.append(f"| {label} | " + " | ".join(_f(v) for v in vals) + " |")
+    return "\n".join(rows)
+
+
+def starts_table(rep: dict[str, Any]) -> str:
+    starts = rep.get("start_times") or {}
+    if not starts:
+        return "(not measured in this run)"
+    rows = ["| start | READY after | steps (seconds since start) |", "|---|---|---|"]
+    for kind, st in starts.items():
+        steps = "; ".join(f"{s['at_s']:.0f}: {s['step'][:60]}" for s in st.get("steps", []))
+        rows.append(f"| {kind} | {_f(st.get('ready_s'), 0)} s | {steps} |")
+    return "\n".join(rows)
+
+
+def prefix_table(pre: dict[str, Any]) -> str:
+    rows = [
+        "| router | requests | errors | TTFT p50 | TTFT p99 | prefix-cache hit rate | requests per replica |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for _, a in pre["apps"].items():
+        hit = a.get("prefix_cache_hit_rate")
+        per = sorted(int(v) for v in (a.get("requests_per_replica") or {}).values())
+        rows.append(
+            f"| {a['router']} | {a['requests']} | {a['errors']} | {_f(a['ttft_p50_ms'])} | {_f(a['ttft_p99_ms'])} | "
+            f"{'-' if hit is None else f'{hit:.1%}'} | {per} |"
+        )
+    return "\n".join(rows)
+
+
+def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, template: str) -> str:
+    parts = {
+        "SERVING_DATE": serving["date"] if serving else "(no run)",
+        "SERVING_CONDITIONS": (
+            f"{serving['machine']['cpus']} CPUs, load average at the end {serving['machine'].get('load_average_at_end')}; "
+            f"{serving['workload']['requests_total']} requests in {serving['wall_s']:.0f} s"
+            if serving
+            else ""
+        ),
+        "TARGETS": targets_table(serving) if serving else "(run `make bench`)",
+        "BARS": bars_table(serving) if serving else "",
+        "HOPS": hops_table(serving) if serving else "",
+        "STARTS": starts_table(serving) if serving else "",
+        "KV": (
+            f"{_f(serving['kv_transfer'].get('bytes_per_request'), 0)} bytes and "
+            f"{_f(serving['kv_transfer'].get('kv_tokens_per_request'))} prompt tokens per request, "
+            f"{_f(serving['kv_transfer'].get('xfer_ms_per_transfer'), 2)} ms per NIXL transfer"
+            if serving
+            else ""
+        ),
+        "PREFIX_DATE": prefix["date"] if prefix else "(no run)",
+        "PREFIX": prefix_table(prefix) if prefix else "(run `make bench-prefix`)",
+        "PREFIX_WORKLOAD": json.dumps(prefix["workload"]) if prefix else "",
+    }
+    out = template
+    for k, v in parts.items():
+        out = out.replace("{{" + k + "}}", v)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=DOC)
+    args = p.parse_args(argv)
+    load = lambda name: json.loads((BUILD / name).read_text()) if (BUILD / name).is_file() else None  # noqa: E731
+    template = (Path(__file__).parent / "performance.md.in").read_text()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(render(load("serving.json"), load("prefix.json"), template))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""docs/performance.md is rendered from the benchmarks' JSON, not typed by hand."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench import report
+
+TEMPLATE = (Path(report.__file__).parent / "performance.md.in").read_text()
+
+
+def _summary(ttft: float, tok_s: float) -> dict:
+    return {
+        "requests": 8,
+        "errors": 0,
+        "ttft_p50_ms": ttft,
+        "ttft_p99_ms": ttft * 2,
+        "tpot_p50_ms": 5.0,
+        "itl_p50_ms": 1.0,
+        "output_tok_s": tok_s,
+        "req_s": 2.0,
+    }
+
+
+SERVING = {
+    "date": "2026-11-30 05:40 UTC",
+    "machine": {"cpus": 2, "load_average_at_end": [3.0, 3.0, 3.0]},
+    "workload": {"requests_total": 24},
+    "wall_s": 300.0,
+    "targets": {
+        "disaggregated": {"1": _summary(50.0, 90.0), "16": _summary(200.0, 700.0)},
+        "aggregated": {"1": _summary(40.0, 100.0), "16": _summary(150.0, 950.0)},
+        "vllm": {"1": _summary(30.0, 100.0), "16": _summary(100.0, 1000.0)},
+    },
+    "ratios_vs_vllm": {
+        "disaggregated": {
+            "1": {"ttft_p50_ms": 50 / 30, "output_tok_s": 0.9},
+            "16": {"ttft_p50_ms": 2.0, "output_tok_s": 0.7},
+        },
+        "aggregated": {
+            "1": {"ttft_p50_ms": 40 / 30, "output_tok_s": 1.0},
+            "16": {"ttft_p50_ms": 1.5, "output_tok_s": 0.95},
+        },
+    },
+    "hop_rows": {"client_ttft": "client TTFT", "kv_transfer": "KV transfer"},
+    "hops_ms": {
+        "disaggregated": {
+            "1": {"client_ttft": 50.0, "kv_transfer": 3.0},
+            "16": {"client_ttft": 200.0, "kv_transfer": None},
+        }
+    },
+    "kv_transfer": {"bytes_per_request": 1000.0, "kv_tokens_per_request": 200.0, "xfer_ms_per_transfer": 10.0},
+    "start_times": {"warm": {"ready_s": 44.0, "steps": [{"at_s": 0.0, "step": "building"}]}},
+}
+
+
+def test_page_carries_the_run_and_marks_each_bar():
+    page = report.render(SERVING, None, TEMPLATE)
+    assert "{{" not in page
+    assert "2026-11-30 05:40 UTC" in page
+    assert "| disaggregated output tok/s ÷ vLLM at conc 16 >= 0.8 | 0.70 | no |" in page
+    assert "| aggregated TTFT p50 ÷ vLLM at conc 1 <= 1.5 | 1.33 | yes |" in page
+    assert "| warm `make serve` READY <= 45 s | 44 s | yes |" in page
+    assert "| KV transfer | 3.0 | - |" in page
+    assert "run `make bench-prefix`" in page
+
+
+def test_prefix_section():
+    prefix = {
+        "date": "d",
+        "workload": {"prefix_tokens": 512},
+        "apps": {
+            "p2c": {
+                "router": "power-of-two",
+                "requests": 10,
+                "errors": 0,
+                "ttft_p50_ms": 20.0,
+                "ttft_p99_ms": 40.0,
+                "prefix_cache_hit_rate": 0.5,
+                "requests_per_replica": {"a": 4, "b": 6},
+            }
+        },
+    }
+    page = report.render(None, prefix, TEMPLATE)
+    assert "| power-of-two | 10 | 0 | 20.0 | 40.0 | 50.0% | [4, 6] |" in page
