@@ -210,6 +210,34 @@ def roles(app: dict[str, Any]) -> tuple[str, str, str | None]:
     return ingress, engine, prefill
 
 
+def idle_cpu(root_pid: int, seconds: float = 5) -> dict[str, float]:
+    """CPU use (% of one core) of the stack's processes while no request is in flight, by title.
+
+    The processes under `root_pid` (the `make serve` command: raylets, Serve replicas, vLLM
+    engine cores and workers) grouped by their process title's first word, e.g.
+    `ray::ServeReplica:llm:Decode:tiny-llama` or `VLLM::EngineCore`.
+    """
+    import psutil
+
+    try:
+        procs = psutil.Process(root_pid).children(recursive=True)
+    except psutil.Error:
+        return {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.cpu_percent(None)
+    time.sleep(seconds)
+    use: dict[str, float] = {}
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            cmd = p.cmdline()
+            title = (cmd[0] if cmd else p.name()).split(" ")[0]
+            if title.endswith("python") or title.endswith("python3"):
+                title = " ".join(cmd[1:3])[:60]
+            use[title] = use.get(title, 0.0) + p.cpu_percent(None)
+    return {k: round(v, 1) for k, v in sorted(use.items(), key=lambda kv: -kv[1]) if v >= 1.0}
+
+
 # --- start times ---------------------------------------------------------------------------
 _READY = re.compile(r"^READY in (\d+(?:\.\d+)?)s")
 _STEP = re.compile(r"^\[\s*(\d+(?:\.\d+)?)s\] (.*)$")
@@ -305,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"warm-up against {t} failed: {bad[0]}")
 
         served = serve_apps(stack.state["dashboard_url"])
+        idle = {"stack": idle_cpu(stack.proc.pid), "vllm": idle_cpu(vproc.pid)}
+        say(f"idle CPU (% of a core) of the Ray stack's processes: {idle['stack']}")
         snaps = [settled(metric_urls)]
         windows: dict[int, tuple[float, float]] = {}
         results: dict[str, dict[int, list[RequestResult]]] = {t: {} for t in TARGETS}
@@ -397,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "prefix_cache_hit_rate": {t: {str(c): v for c, v in by.items()} for t, by in prefix_hits.items()},
         "kv_transfer": {"decode_counters_delta": kv_delta, **kv},
         "start_times": starts,
+        "idle_cpu_percent": idle,
         "conditions": [
             "Serve request tracing on for the Ray targets (every request sampled, Ray's file "
             "exporter): a small cost the vLLM baseline does not pay.",

@@ -35,6 +35,8 @@ DEFAULT_LABEL_KEY = "ray.io/node-group"
 PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
 # The engine server class that sends the first streamed chunk at once (serving/streaming.py).
 EAGER_SERVER_CLS = "serving.streaming:EagerLLMServer"
+# The LLMConfig.experimental_configs key that carries streaming.firstChunk to the engines.
+FIRST_CHUNK_KEY = "pd_first_chunk"
 # Environment of every Serve replica the spec renders (engines and ingress).
 SERVING_ENV = {
     # Ray Serve LLM 2.60 defines this switch (constants.py, default on) and reads it nowhere;
@@ -408,7 +410,11 @@ class ServingSpec(SpecModel):
         }
         if spec.router is Router.PREFIX_CACHE_AFFINITY:
             config["deployment_config"]["request_router_config"] = {"request_router_class": PREFIX_ROUTER_CLS}
-        config["experimental_configs"] = {"stream_batching_interval_ms": self.streaming.batch_interval_ms}
+        config["experimental_configs"] = {
+            "stream_batching_interval_ms": self.streaming.batch_interval_ms,
+            # Read by serving.streaming's mixin, wherever a server class carries it.
+            FIRST_CHUNK_KEY: self.streaming.first_chunk.value,
+        }
         if self.streaming.first_chunk is FirstChunk.EAGER and self.mode is Mode.AGGREGATED:
             # Ray's P/D builder fixes the decode class (PDDecodeServer): server_cls counts for
             # the aggregated engine only.

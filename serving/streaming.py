@@ -25,6 +25,8 @@ from typing import Any
 from ray.llm._internal.serve.utils.batcher import Batcher
 from ray.serve.llm.deployment import LLMServer
 
+from serving.spec import FIRST_CHUNK_KEY, FirstChunk
+
 
 async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -> AsyncGenerator[list[Any], None]:
     """[first chunk] as soon as it exists, then lists of chunks every `interval_ms`."""
@@ -39,9 +41,15 @@ async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -
 
 
 class EagerFirstChunkMixin:
-    """Put first in the bases of an LLMServer subclass (aggregated or P/D decode)."""
+    """Put first in the bases of an LLMServer subclass (aggregated or P/D decode).
+
+    The spec's `streaming.firstChunk` arrives in the LLMConfig's experimental_configs;
+    `batched` hands the stream back to Ray's own batcher.
+    """
 
     def _batch_output_stream(self, generator):
+        if self._llm_config.experimental_configs.get(FIRST_CHUNK_KEY) == FirstChunk.BATCHED.value:
+            return super()._batch_output_stream(generator)
         return eager_batches(generator, self._get_batch_interval_ms())
 
 

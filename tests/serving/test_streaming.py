@@ -8,6 +8,7 @@ import inspect
 from ray.llm._internal.serve.core.server import llm_server as ray_llm_server
 from ray.serve.llm.deployment import LLMServer
 
+from serving.spec import FIRST_CHUNK_KEY
 from serving.streaming import EagerFirstChunkMixin, EagerLLMServer, eager_batches
 
 
@@ -99,3 +100,36 @@ def test_the_hook_the_mixin_overrides_exists_in_ray():
     assert "stream" in inspect.signature(internal._get_batch_interval_ms).parameters
     assert issubclass(EagerLLMServer, LLMServer)
     assert EagerLLMServer._batch_output_stream is EagerFirstChunkMixin._batch_output_stream
+
+
+class _FakeRayServer:
+    """Stands in for Ray's LLMServer: records that its own batcher was used."""
+
+    def __init__(self, first_chunk: str):
+        self._llm_config = type("Cfg", (), {"experimental_configs": {FIRST_CHUNK_KEY: first_chunk}})()
+
+    def _get_batch_interval_ms(self, stream: bool = True):
+        return 10_000
+
+    def _batch_output_stream(self, generator):
+        return "ray's batcher"
+
+
+class _Server(EagerFirstChunkMixin, _FakeRayServer):
+    pass
+
+
+def test_spec_chooses_eager_or_rays_batcher():
+    async def engine():
+        yield "a"
+
+    assert _Server("batched")._batch_output_stream(engine()) == "ray's batcher"
+    eager = _Server("eager")._batch_output_stream(engine())
+    assert _run(eager.__anext__()) == ["a"]
+
+
+def test_the_config_attribute_the_mixin_reads_exists_in_ray():
+    """Ray 2.60 LLMServer keeps its LLMConfig as `self._llm_config` (read by
+    `_get_batch_interval_ms` for experimental_configs)."""
+    src = inspect.getsource(ray_llm_server.LLMServer._get_batch_interval_ms)
+    assert "self._llm_config.experimental_configs" in src
