@@ -182,7 +182,9 @@ def serve_apps(dashboard_url: str) -> dict[str, dict[str, Any]]:
     apps = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()["applications"]
     return {
         app: {
-            "ingress": a.get("ingress_deployment"),
+            # Serve's schema: ApplicationDetails.deployment_topology.ingress_deployment.
+            "ingress": (a.get("deployment_topology") or {}).get("ingress_deployment")
+            or next((d for d in a.get("deployments") or {} if "Ingress" in d), None),
             "replicas": {
                 dep: [r["replica_id"] for r in d.get("replicas") or []]
                 for dep, d in (a.get("deployments") or {}).items()
@@ -361,33 +363,38 @@ def main(argv: list[str] | None = None) -> int:
     # --- the hop breakdown, per target and level -------------------------------------------
     breakdown: dict[str, dict[int, dict[str, float | None]]] = {t: {} for t in TARGETS}
     prefix_hits: dict[str, dict[int, float | None]] = {t: {} for t in TARGETS}
+    analysis_errors: list[str] = []
     decode_url, prefill_url, vllm_url = metric_urls
     for li, conc in enumerate(levels):
         before, after = snaps[li], snaps[li + 1]
         for t in TARGETS:
             ok = [r for r in results[t][conc] if r.ok]
             ttft = sum(r.ttft_s for r in ok) * 1000 / len(ok) if ok else None
-            if t == BASELINE:
-                eng = hops.engine_delta(before[vllm_url], after[vllm_url], via_ray=False)
-                row = hops.breakdown(ttft, eng, requests=len(ok))
-            else:
-                app = apps[t]
-                ing, engine_dep, prefill_dep = roles(served[app])
-                ids = served[app]["replicas"]
-                eng = hops.engine_delta(
-                    before[decode_url], after[decode_url], via_ray=True, replica_ids=ids[engine_dep]
-                )
-                pre = (
-                    hops.engine_delta(
-                        before[prefill_url], after[prefill_url], via_ray=True, replica_ids=ids[prefill_dep]
+            try:
+                if t == BASELINE:
+                    eng = hops.engine_delta(before[vllm_url], after[vllm_url], via_ray=False)
+                    row = hops.breakdown(ttft, eng, requests=len(ok))
+                else:
+                    app = apps[t]
+                    ing, engine_dep, prefill_dep = roles(served[app])
+                    ids = served[app]["replicas"]
+                    eng = hops.engine_delta(
+                        before[decode_url], after[decode_url], via_ray=True, replica_ids=ids[engine_dep]
                     )
-                    if prefill_dep
-                    else None
-                )
-                sh = hops.span_hops(
-                    spans, app=app, ingress=ing, engine=engine_dep, prefill=prefill_dep, window=windows[conc]
-                )
-                row = hops.breakdown(ttft, eng, requests=len(ok), hops=sh if sh.requests else None, prefill=pre)
+                    pre = (
+                        hops.engine_delta(
+                            before[prefill_url], after[prefill_url], via_ray=True, replica_ids=ids[prefill_dep]
+                        )
+                        if prefill_dep
+                        else None
+                    )
+                    sh = hops.span_hops(
+                        spans, app=app, ingress=ing, engine=engine_dep, prefill=prefill_dep, window=windows[conc]
+                    )
+                    row = hops.breakdown(ttft, eng, requests=len(ok), hops=sh if sh.requests else None, prefill=pre)
+            except Exception as exc:
+                analysis_errors.append(f"{t} conc {conc}: {type(exc).__name__}: {exc}")
+                continue
             breakdown[t][conc] = row
             prefix_hits[t][conc] = eng.prefix_hit_rate
 
@@ -422,12 +429,13 @@ def main(argv: list[str] | None = None) -> int:
             for t in TARGETS
             if t != BASELINE
         },
-        "hops_ms": {t: {str(c): breakdown[t][c] for c in levels} for t in TARGETS},
+        "hops_ms": {t: {str(c): row for c, row in by.items()} for t, by in breakdown.items()},
         "hop_rows": dict(hops.HOP_ROWS),
         "prefix_cache_hit_rate": {t: {str(c): v for c, v in by.items()} for t, by in prefix_hits.items()},
         "kv_transfer": {"decode_counters_delta": kv_delta, **kv},
         "start_times": starts,
         "idle_cpu_percent": idle,
+        "analysis_errors": analysis_errors,
         "conditions": [
             "Serve request tracing on for the Ray targets (every request sampled, Ray's file "
             "exporter): a small cost the vLLM baseline does not pay.",
@@ -443,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summaries, BASELINE))
     print()
     print("Where the time to first token goes (mean ms per request; Serve spans, vLLM and NIXL metrics):")
-    print(hops.format_breakdown({t: {c: breakdown[t][c] for c in HOP_LEVELS if c in levels} for t in TARGETS}))
+    print(hops.format_breakdown({t: {c: breakdown[t][c] for c in HOP_LEVELS if c in breakdown[t]} for t in TARGETS}))
     print()
     print(
         "KV transfer (decode's NIXL counters over the disaggregated requests): "
