@@ -216,7 +216,7 @@ def span_hops(
         if proxy is None or (window and not window[0] <= proxy.start <= window[1]):
             continue
         mine = [s for s in trace if _deployment(s) and s.attributes.get("app") == app]
-        first = {}
+        first: dict[str | None, Span] = {}
         for s in sorted(mine, key=lambda s: s.start):
             first.setdefault(_deployment(s), s)
         ing, eng = first.get(ingress), first.get(engine)
