@@ -275,6 +275,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--no-start-times", action="store_true", help="skip timing a cold and a warm `make serve`")
+    p.add_argument(
+        "--start-times-only",
+        action="store_true",
+        help="only time a cold and a warm `make serve`, and add the figures to an existing --out file",
+    )
     return p.parse_args(argv)
 
 
@@ -304,6 +309,15 @@ def main(argv: list[str] | None = None) -> int:
             say(f"timing a {kind} `make serve` (disaggregated)")
             starts[kind] = start_time(kind == "cold", logs)
             say(f"{kind} start: READY in {starts[kind]['ready_s']}s")
+    if args.start_times_only:
+        report = json.loads(args.out.read_text()) if args.out.is_file() else {}
+        report["start_times"] = {
+            **starts,
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "load_average": list(os.getloadavg()),
+        }
+        args.out.write_text(json.dumps(report, indent=2))
+        return 0
 
     vport = free_port()
     vroot = f"http://{HOST}:{vport}"
