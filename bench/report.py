@@ -87,8 +87,11 @@ def starts_table(rep: dict[str, Any]) -> str:
     starts = rep.get("start_times") or {}
     if not starts:
         return "(not measured in this run)"
-    rows = ["| start | READY after | steps (seconds since start) |", "|---|---|---|"]
+    when = f"Measured {starts['date']}, load average {starts.get('load_average')}.\n\n" if "date" in starts else ""
+    rows = [when + "| start | READY after | steps (seconds since start) |", "|---|---|---|"]
     for kind, st in starts.items():
+        if not isinstance(st, dict):
+            continue
         steps = "; ".join(f"{s['at_s']:.0f}: {s['step'][:60]}" for s in st.get("steps", []))
         rows.append(f"| {kind} | {_f(st.get('ready_s'), 0)} s | {steps} |")
     return "\n".join(rows)
