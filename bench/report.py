@@ -19,6 +19,9 @@ from infra.paths import ROOT
 
 BUILD = ROOT / "build" / "bench"
 DOC = ROOT / "docs" / "performance.md"
+README = ROOT / "README.md"
+# The README's headline figures live between these markers and are rewritten from the JSON.
+BEGIN, END = "<!-- perf-headline:begin -->", "<!-- perf-headline:end -->"
 
 # The bars of issue 17 (ratio to plain vLLM at the same concurrency; "<=" for TTFT, ">=" for tok/s).
 BARS = (
@@ -142,15 +145,36 @@ def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, templa
     return out
 
 
+def headline(serving: dict[str, Any] | None) -> str:
+    """A few lines for the README: the run's date and the issue's bars."""
+    if not serving:
+        return "No `make bench` run recorded yet."
+    return (
+        f"Latest `make bench` ({serving['date']}, 2-core CPU machine shared with other jobs; "
+        "ratios to plain vLLM in the same interleaved run; details in docs/performance.md):\n\n" + bars_table(serving)
+    )
+
+
+def replace_block(text: str, block: str) -> str:
+    """`text` with the part between the headline markers replaced by `block`."""
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[:start] + "\n" + block + "\n" + text[end:]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=DOC)
+    p.add_argument("--readme", type=Path, default=README)
     args = p.parse_args(argv)
     load = lambda name: json.loads((BUILD / name).read_text()) if (BUILD / name).is_file() else None  # noqa: E731
     template = (Path(__file__).parent / "performance.md.in").read_text()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(load("serving.json"), load("prefix.json"), template))
+    serving = load("serving.json")
+    args.out.write_text(render(serving, load("prefix.json"), template))
     print(f"wrote {args.out}")
+    if args.readme.is_file() and BEGIN in args.readme.read_text():
+        args.readme.write_text(replace_block(args.readme.read_text(), headline(serving)))
+        print(f"updated the headline in {args.readme}")
     return 0
 
 

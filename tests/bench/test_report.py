@@ -83,3 +83,10 @@ def test_prefix_section():
     }
     page = report.render(None, prefix, TEMPLATE)
     assert "| power-of-two | 10 | 0 | 20.0 | 40.0 | 50.0% | [4, 6] |" in page
+
+
+def test_readme_block_is_replaced_between_the_markers_only():
+    text = f"intro\n{report.BEGIN}\nold figures\n{report.END}\noutro\n"
+    out = report.replace_block(text, report.headline(SERVING))
+    assert out.startswith("intro\n") and out.endswith(f"{report.END}\noutro\n")
+    assert "old figures" not in out and "2026-11-30 05:40 UTC" in out
