@@ -323,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     vroot = f"http://{HOST}:{vport}"
     say(f"starting vLLM's OpenAI server (target c) on {vroot} and the local Ray stack (targets a, b)")
     spans_since = time.time()
+    # The Ray stack first: its nodes time out at start when vLLM's server imports alongside them.
     with (
-        vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc,
         background_stack(mode="both", api_key="sk-bench", log_path=logs / "serve.log", extra_env=BENCH_ENV) as stack,
+        vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc,
     ):
         wait_healthy(vroot, vproc)
         urls = {
