@@ -62,6 +62,16 @@ def render(model_dir: Path, port: int) -> dict[str, Any]:
     return config
 
 
+def _served_by(before: list[hops.Sample], after: list[hops.Sample], replica_id: str) -> float:
+    """Requests one engine replica finished between two scrapes (vLLM's request_success counter)."""
+
+    def mine(labels: dict[str, str]) -> bool:
+        return labels.get("ReplicaId") == replica_id
+
+    name = "ray_vllm_request_success_total"
+    return hops.metric_total(after, name, mine) - hops.metric_total(before, name, mine)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.prefix_bench", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=20261130)
@@ -160,15 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         _, engine, _ = roles(served[name])
         engine_ids = served[name]["replicas"][engine]
         delta = hops.engine_delta(before, after, via_ray=True, replica_ids=engine_ids)
-        per_replica = {
-            rid: hops.metric_total(
-                after, "ray_vllm_request_success_total", lambda lb, rid=rid: lb.get("ReplicaId") == rid
-            )
-            - hops.metric_total(
-                before, "ray_vllm_request_success_total", lambda lb, rid=rid: lb.get("ReplicaId") == rid
-            )
-            for rid in engine_ids
-        }
+        per_replica = {rid: _served_by(before, after, rid) for rid in engine_ids}
         report["apps"][name] = {
             "router": router,
             **s,

@@ -20,7 +20,7 @@ import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TextIO
 
 from bench.stats import RequestResult
 
@@ -135,7 +135,7 @@ def to_results(raw: dict[str, Any]) -> list[RequestResult]:
     return results
 
 
-def run(load: Load, log: io.TextIOBase | None = None) -> tuple[list[RequestResult], float]:
+def run(load: Load, log: TextIO | None = None) -> tuple[list[RequestResult], float]:
     """Send `load` with vLLM's benchmark; returns per-request results and its duration (s)."""
     from vllm.benchmarks import serve as vllm_serve
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -144,7 +144,7 @@ def run(load: Load, log: io.TextIOBase | None = None) -> tuple[list[RequestResul
     vllm_serve.add_cli_args(parser)
     args = parser.parse_args(cli_args(load))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    sink = log if log is not None else io.StringIO()
+    sink: TextIO = log if log is not None else io.StringIO()
     # vLLM prints its own report per batch; the bench pools batches and prints once.
     with contextlib.redirect_stdout(sink):
         raw = vllm_serve.main(args)

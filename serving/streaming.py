@@ -36,7 +36,8 @@ async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -
     except StopAsyncIteration:
         return
     yield [first]
-    async for batch in Batcher(it, interval_ms=interval_ms).stream():
+    rest: Batcher[Any] = Batcher(it, interval_ms=interval_ms)  # type: ignore[arg-type]  # any async iterator
+    async for batch in rest.stream():
         yield list(batch)
 
 
@@ -47,9 +48,13 @@ class EagerFirstChunkMixin:
     `batched` hands the stream back to Ray's own batcher.
     """
 
+    # Provided by Ray's LLMServer, which the mixin is combined with.
+    _llm_config: Any
+    _get_batch_interval_ms: Any
+
     def _batch_output_stream(self, generator):
         if self._llm_config.experimental_configs.get(FIRST_CHUNK_KEY) == FirstChunk.BATCHED.value:
-            return super()._batch_output_stream(generator)
+            return super()._batch_output_stream(generator)  # type: ignore[misc]
         return eager_batches(generator, self._get_batch_interval_ms())
 
 
