@@ -295,6 +295,33 @@ _PD_KEYS = {"mode", "auth", "ingress_deployment_config", "prefill_config", "deco
 _AGG_KEYS = {"mode", "auth", "ingress_deployment_config", "llm_configs"}
 
 
+# Ray 2.60 registers its NIXL connector backend (per-replica side-channel port, a unique engine id,
+# VLLM_NIXL_SIDE_CHANNEL_HOST) under the name "NixlConnector" only
+# (ray/llm/_internal/serve/engines/vllm/kv_transfer/factory.py BUILTIN_BACKENDS); any other name
+# falls back to a no-op backend, and two engines on one host would then bind the same side-channel
+# port. vLLM's push connector runs the same NIXL handshake, so it gets the same backend. No public
+# ray.serve.llm API registers a backend, hence the internal module path.
+PUSH_CONNECTOR = "NixlPushConnector"
+RAY_NIXL_BACKEND = "ray.llm._internal.serve.engines.vllm.kv_transfer.nixl:NixlConnectorBackend"
+
+
+def _kv_connectors(args: dict) -> set[str]:
+    configs = [args.get("prefill_config"), args.get("decode_config"), *(args.get("llm_configs") or [])]
+    return {
+        ((c.get("engine_kwargs") or {}).get("kv_transfer_config") or {}).get("kv_connector", "")
+        for c in configs
+        if isinstance(c, dict)
+    }
+
+
+def register_push_connector_backend() -> None:
+    """Give vLLM's NixlPushConnector the NIXL backend Ray 2.60 gives NixlConnector (cluster-wide)."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.factory import KVConnectorBackendFactory
+
+    if not KVConnectorBackendFactory.is_registered(PUSH_CONNECTOR):
+        KVConnectorBackendFactory.register_backend(PUSH_CONNECTOR, RAY_NIXL_BACKEND)
+
+
 def build_app(args: dict) -> Application:
     """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
     args = dict(args)
@@ -310,6 +337,8 @@ def build_app(args: dict) -> Application:
     if unknown:
         raise ValueError(f"unknown keys in args for mode {mode!r}: {', '.join(unknown)}")
 
+    if PUSH_CONNECTOR in _kv_connectors(args):
+        register_push_connector_backend()
     builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth")}
     builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {})
     return builder(builder_args)

@@ -66,6 +66,8 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "max_model_len",
         "gpu_memory_utilization",
         "distributed_executor_backend",
+        "data_parallel_size",
+        "enable_expert_parallel",
     }
 )
 
@@ -113,7 +115,21 @@ class Dtype(str, Enum):
 
 
 class KvConnector(str, Enum):
+    # vLLM's NIXL connectors (vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py,
+    # 0.29 and 0.32): "NixlConnector" is the pull connector (decode READs prefill's blocks);
+    # "NixlPushConnector" has prefill WRITE into blocks decode registered, which is the mode in
+    # which a pipeline-parallel prefill sends each stage's layer slice (base_worker.py,
+    # "PP>1 (push mode)").
     NIXL = "NixlConnector"
+    NIXL_PUSH = "NixlPushConnector"
+
+
+class MoeParallelism(str, Enum):
+    # How a mixture-of-experts model's expert layers are split. "tensor": vLLM's default, every
+    # expert's matrices sharded over the TP ranks. "expert": enable_expert_parallel, whole
+    # experts spread over the DP x TP ranks of an engine (EP), with all-to-all traffic between them.
+    TENSOR = "tensor"
+    EXPERT = "expert"
 
 
 class KvBufferDevice(str, Enum):
@@ -201,6 +217,10 @@ class RoleSpec(SpecModel):
 
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     pipeline_parallel_size: int = Field(default=1, ge=1, le=16)
+    # Data-parallel ranks of one engine (Ray Serve LLM's DP deployment: one Serve replica per
+    # rank, gang-scheduled; the autoscaling bounds below count whole DP groups).
+    data_parallel_size: int = Field(default=1, ge=1, le=64)
+    moe_parallelism: MoeParallelism = MoeParallelism.TENSOR
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=1, ge=1)
     initial_replicas: int | None = Field(default=None, ge=1)
@@ -224,8 +244,14 @@ class RoleSpec(SpecModel):
         return self
 
     @property
-    def gpus_per_replica(self) -> int:
+    def gpus_per_rank(self) -> int:
+        """GPUs of one Serve replica: TP x PP (one placement-group bundle each)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def gpus_per_replica(self) -> int:
+        """GPUs of one engine replica (a whole DP group): TP x PP x DP."""
+        return self.gpus_per_rank * self.data_parallel_size
 
 
 class IngressSpec(SpecModel):
@@ -335,23 +361,40 @@ class ServingSpec(SpecModel):
     @model_validator(mode="after")
     def _cross(self) -> ServingSpec:
         if self.mode is Mode.DISAGGREGATED:
-            p, d = self.prefill, self.decode
-            if p.tensor_parallel_size != d.tensor_parallel_size:
-                raise ValueError(
-                    f"prefill.tensorParallelSize ({p.tensor_parallel_size}) must equal "
-                    f"decode.tensorParallelSize ({d.tensor_parallel_size}): NIXL KV transfer "
-                    "needs the same KV layout on both sides"
-                )
-            if p.pipeline_parallel_size > 1 or d.pipeline_parallel_size > 1:
-                raise ValueError(
-                    "pipelineParallelSize > 1 is not supported in disaggregated mode "
-                    "(P/D with pipeline parallelism fails to launch on Ray, ray#55775); "
-                    "use tensorParallelSize, or mode: aggregated"
-                )
+            problem = self._pd_layout_problem()
+            if problem:
+                raise ValueError(problem)
         labels = [self.placement.head, self.placement.prefill, self.placement.decode]
         if len(set(labels)) != 3:
             raise ValueError("placement.head, placement.prefill and placement.decode must differ")
         return self
+
+    def _pd_layout_problem(self) -> str | None:
+        """Why the prefill/decode layouts cannot run together, in one line; None when they can.
+
+        Each rule is the upstream one, read in vLLM 0.32 (local) and 0.29 (the cloud image's, for
+        Ray 2.60) under vllm/distributed/kv_transfer/kv_connector/: what neither refuses is allowed.
+        Rules that need the model's shape (KV heads) are in infra.model.fit.
+        """
+        p, d = self.prefill, self.decode
+        if d.pipeline_parallel_size > 1:
+            return (
+                f"decode.pipelineParallelSize = {d.pipeline_parallel_size} is refused: vLLM cannot receive KV into "
+                "a pipeline-parallel decode ('NixlPushConnector consumer (decode) does not support "
+                "pipeline_parallel_size > 1', v1/nixl/base_worker.py, vLLM 0.29 and 0.32); keep decode at PP 1 "
+                "and span nodes with decode.dataParallelSize (MoE models) or a larger GPU"
+            )
+        if p.pipeline_parallel_size > 1 and self.kv_transfer.connector is not KvConnector.NIXL_PUSH:
+            return (
+                f"prefill.pipelineParallelSize = {p.pipeline_parallel_size} needs kvTransfer.connector: "
+                f"{KvConnector.NIXL_PUSH.value}: vLLM moves a pipeline-parallel prefill's KV only by push, each "
+                "stage writing its layer slice into a PP 1 decode (v1/nixl/base_worker.py 'PP>1 (push mode)', "
+                "vLLM 0.29 and 0.32)"
+            )
+        # Different TP sizes are read head-sharded (P_TP > D_TP) or head-split (D_TP > P_TP); vLLM
+        # only asserts that one divides the other (kv_connector/utils.py TransferTopology.tp_ratio),
+        # which powers of two always do.
+        return None
 
     # --- what the stack needs to know -------------------------------------------------
     def engine_roles(self) -> dict[str, RoleSpec]:
@@ -377,12 +420,18 @@ class ServingSpec(SpecModel):
             # engines/vllm/vllm_models.py; stated here so that no default can flip it).
             "enable_log_requests": False,
         }
+        if spec.data_parallel_size > 1:
+            # Ray Serve LLM's P/D builder switches to its DP servers on this key
+            # (serving_patterns/prefill_decode/builder.py: DPPDPrefillServer / DPPDDecodeServer).
+            engine_kwargs["data_parallel_size"] = spec.data_parallel_size
+        if spec.moe_parallelism is MoeParallelism.EXPERT:
+            engine_kwargs["enable_expert_parallel"] = True
         if not target.cpu:
             engine_kwargs["gpu_memory_utilization"] = self.model.gpu_memory_utilization
         if self.mode is Mode.DISAGGREGATED:
             kv: dict[str, Any] = {
                 "kv_connector": self.kv_transfer.connector.value,
-                "kv_role": "kv_both",
+                "kv_role": self._kv_role(role),
                 "kv_buffer_device": "cpu" if target.cpu else self.kv_transfer.buffer_device.value,
                 "kv_load_failure_policy": self.kv_transfer.load_failure_policy.value,
             }
@@ -397,7 +446,10 @@ class ServingSpec(SpecModel):
         }
         if spec.initial_replicas is not None:
             autoscaling["initial_replicas"] = spec.initial_replicas
-        bundles = spec.gpus_per_replica
+        # One bundle per GPU worker of one Serve replica (a DP rank): vLLM's Ray executor starts
+        # one worker per GPU bundle (vllm/v1/executor/ray_executor.py), so bundles are never
+        # per node.
+        bundles = spec.gpus_per_rank
         config: dict[str, Any] = {
             "model_loading_config": {"model_id": self.model.id, "model_source": self._model_source()},
             "engine_kwargs": engine_kwargs,
@@ -425,6 +477,13 @@ class ServingSpec(SpecModel):
             config["accelerator_type"] = target.accelerator_type
         config["runtime_env"] = {"env_vars": {**dict(target.engine_env), **SERVING_ENV}}
         return config
+
+    def _kv_role(self, role: str) -> str:
+        # The push connector keys decode's checks on kv_consumer (a PP decode is refused there),
+        # and vLLM asks for producer/consumer roles over kv_both (deprecated, nixl/connector.py).
+        if self.kv_transfer.connector is KvConnector.NIXL_PUSH:
+            return "kv_producer" if role == "prefill" else "kv_consumer"
+        return "kv_both"
 
     def app_args(self, target: Target) -> dict[str, Any]:
         """The `args` of the application: what serving.app:build_app receives."""

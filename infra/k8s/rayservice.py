@@ -37,6 +37,16 @@ EFA_ENV = {
     "NCCL_SOCKET_IFNAME": "^lo,docker",
 }
 
+# NCCL between the nodes of one engine replica (TP x PP across nodes, the DP + EP all-to-all)
+# goes over EFA through aws-ofi-nccl. The image carries it as libnccl-net-ofi.so
+# (aws/aws-ofi-nccl src/Makefile.am builds that name; the libnccl-net.so link NCCL would load
+# by default exists only with --enable-nccl-net-symlink), and NCCL loads
+# libnccl-net-${NCCL_NET_PLUGIN}.so (NCCL user guide, Environment Variables, NCCL_NET_PLUGIN).
+# Without it NCCL falls back to TCP sockets without an error. NCCL needs no FI_* setting with
+# libfabric >= 1.18 and aws-ofi-nccl >= 1.7 (aws-ofi-nccl doc/efa-env-var.md); the FI_* above
+# are NIXL's and harmless to NCCL. NCCL_SOCKET_IFNAME above only picks the bootstrap interface.
+NCCL_EFA_ENV = {"NCCL_NET_PLUGIN": "ofi"}
+
 
 @dataclass(frozen=True)
 class SecretRef:
@@ -91,6 +101,7 @@ def _target(inp: RayServiceInputs) -> Target:
     engine_env = dict(inp.extra_env)
     if any(i.efa for i in inp.instances.values()):
         engine_env.update(EFA_ENV)
+        engine_env.update(NCCL_EFA_ENV)
     return Target(accelerator_type=accel.pop(), working_dir=inp.working_dir, engine_env=engine_env)
 
 

@@ -36,8 +36,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from infra.model import sizing
 from infra.model.catalog import InstanceType
-from serving.spec import Dtype, ModelSpec, RoleSpec, ServingSpec
+from serving.spec import Dtype, Mode, ModelSpec, MoeParallelism, RoleSpec, ServingSpec
 
 GIB = 1024**3
 
@@ -69,6 +70,42 @@ class ModelShape:
     num_attention_heads: int
     num_kv_heads: int
     head_dim: int
+    # Bytes per parameter of the checkpoint as published, when it is not the serving dtype's
+    # (a natively FP8 checkpoint keeps its FP8 weights under dtype bfloat16). None: dtype's.
+    weight_bytes_per_param: float | None = None
+    # Multi-head latent attention (MLA): the elements cached per token and layer
+    # (kv_lora_rank + qk_rope_head_dim); one latent vector, replicated on every TP rank.
+    mla_kv_dim: int | None = None
+    # Mixture of experts: routed experts, experts each token goes to, the layers that have
+    # experts, and the routed experts' parameters (the rest is dense: attention, shared
+    # experts, dense layers, embeddings).
+    routed_experts: int = 0
+    experts_per_token: int = 0
+    moe_layers: int = 0
+    expert_parameters_billions: float = 0.0
+    active_parameters_billions: float | None = None
+
+    @property
+    def moe(self) -> bool:
+        return self.routed_experts > 0
+
+    @property
+    def dense_parameters_billions(self) -> float:
+        return self.parameters_billions - self.expert_parameters_billions
+
+    def kv_bytes_per_token(self, bpe: int) -> int:
+        """K and V (or MLA's latent) of one token across all layers."""
+        if self.mla_kv_dim is not None:
+            return self.num_layers * self.mla_kv_dim * bpe
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bpe
+
+    def kv_bytes_per_token_per_gpu(self, bpe: int, tp: int, pp: int) -> int:
+        """One GPU's share: its stage's layers; its KV heads (GQA), or the whole latent (MLA)."""
+        layers = math.ceil(self.num_layers / pp)
+        if self.mla_kv_dim is not None:
+            return layers * self.mla_kv_dim * bpe
+        # vLLM replicates KV heads when TP exceeds them: at least one per GPU.
+        return 2 * layers * max(1, self.num_kv_heads // tp) * self.head_dim * bpe
 
 
 def _shape(
@@ -95,6 +132,44 @@ BUILTIN_MODELS: dict[str, ModelShape] = dict(
     + _shape(("qwen2.5-72b",), 72.7, 80, 8192, 64, 8, 128)
     + _shape(("mistral-7b",), 7.25, 32, 4096, 32, 8, 128)
 )
+
+
+def _deepseek_v3(name: str) -> ModelShape:
+    """DeepSeek-V3 (and R1, the same architecture), from its published config.json.
+
+    huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: num_hidden_layers 61,
+    hidden_size 7168, num_attention_heads 128 (num_key_value_heads 128, unused by MLA),
+    kv_lora_rank 512, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 256,
+    num_experts_per_tok 8, n_shared_experts 1, first_k_dense_replace 3, moe_intermediate_size
+    2048, quantization_config fp8 e4m3 with 128x128 blocks. The same figures are the defaults of
+    transformers' DeepseekV3Config (models/deepseek_v3/configuration_deepseek_v3.py, 5.19), and
+    deepseek-ai/DeepSeek-V3 README_WEIGHTS.md gives 671B parameters, 36.7B activated, for the
+    main model (the MTP module's 11.5B are loaded only for speculative decoding).
+    """
+    layers, hidden, dense_layers = 61, 7168, 3
+    moe_layers = layers - dense_layers
+    routed, moe_intermediate = 256, 2048
+    # gate, up and down projections of every routed expert of every MoE layer
+    expert_params = moe_layers * routed * 3 * hidden * moe_intermediate / 1e9
+    return ModelShape(
+        name,
+        parameters_billions=671.0,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=128,
+        num_kv_heads=128,
+        head_dim=128,
+        weight_bytes_per_param=1.0,  # FP8 weights; block scales and BF16 norms/embeddings ignored (<1%)
+        mla_kv_dim=512 + 64,
+        routed_experts=routed,
+        experts_per_token=8,
+        moe_layers=moe_layers,
+        expert_parameters_billions=expert_params,
+        active_parameters_billions=36.7,
+    )
+
+
+BUILTIN_MODELS.update({n: _deepseek_v3(n) for n in ("deepseek-v3", "deepseek-r1")})
 
 # Names that say the checkpoint is quantized: its weights are not parameters x dtype bytes,
 # so a catalog shape would mislead.
@@ -182,6 +257,24 @@ class ModelFigures:
     max_batch: int  # sequences of context_len the KV cache holds (capped by max_num_seqs)
     decode_tokens_per_s_max_batch: float | None  # None when not even one sequence fits
     problems: tuple[tuple[str, str], ...]  # (config key, message): why it cannot start
+    # Multi-node layouts (None where the layout has none of it):
+    pp_bubble_fraction: float | None = None  # GPU time idle with one batch in the pipeline
+    pp_hop_bytes: int | None = None  # activations one maxModelLen prompt sends across stages
+    pp_hop_seconds: float | None = None  # ... at the replica's share of the line rate
+    ep_nodes: int | None = None  # nodes one expert-parallel group spans
+    ep_bytes_per_token: int | None = None  # all-to-all bytes per token that leave a node
+    ep_tokens_per_s_per_node: float | None = None  # the line rate's ceiling on that traffic
+
+
+def expert_fraction_read(tokens: float, experts: int, per_token: int) -> float:
+    """Share of the routed experts a decode step touches, routing taken as uniform.
+
+    Each token picks `per_token` of `experts`: an expert is missed by all `tokens` tokens
+    with probability (1 - k/E)^tokens.
+    """
+    if experts == 0 or tokens <= 0:
+        return 0.0
+    return 1.0 - (1.0 - per_token / experts) ** tokens
 
 
 def model_figures(
@@ -194,52 +287,87 @@ def model_figures(
     context_len: int | None = None,
     max_num_seqs: int | None = None,
 ) -> ModelFigures:
-    """The figures of `shape` served by one `role` replica (`spec`) on `inst` GPUs."""
+    """The figures of `shape` served by one `role` replica (`spec`) on `inst` GPUs.
+
+    A replica is TP x PP GPUs per data-parallel rank, times DP ranks. Weights: the dense part
+    is split by TP x PP on every rank; the routed experts likewise, and further over the DP
+    ranks under expert parallelism (moeParallelism: expert).
+    """
     bpe = bytes_per_element(model.dtype)
-    tp, pp = spec.tensor_parallel_size, spec.pipeline_parallel_size
-    gpus = tp * pp
+    wbpe = shape.weight_bytes_per_param or bpe
+    tp, pp, dp = spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.data_parallel_size
+    ep = spec.moe_parallelism is MoeParallelism.EXPERT and shape.moe
+    rank_gpus = tp * pp  # one DP rank (one Serve replica)
     util = model.gpu_memory_utilization
     usable_gib = inst.gpu_memory_gib * util
 
-    weights_bytes = shape.parameters_billions * 1e9 * bpe
+    dense_bytes = shape.dense_parameters_billions * 1e9 * wbpe
+    expert_bytes = shape.expert_parameters_billions * 1e9 * wbpe
+    expert_split = rank_gpus * (dp if ep else 1)
     # Sharded evenly: TP splits every matrix, PP the layers (vLLM's uneven last stage, with
-    # the LM head, is ignored).
-    weights_gib = weights_bytes / gpus / GIB
+    # the LM head, is ignored), EP the experts.
+    weights_gib = (dense_bytes / rank_gpus + expert_bytes / expert_split) / GIB
     kv_gib = usable_gib - weights_gib - HEADROOM_GIB
 
-    kv_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * bpe
-    layers_per_stage = math.ceil(shape.num_layers / pp)
-    kv_heads_per_gpu = max(1, shape.num_kv_heads // tp)
-    kv_per_token_gpu = 2 * layers_per_stage * kv_heads_per_gpu * shape.head_dim * bpe
-    kv_tokens = max(0, int(kv_gib * GIB // kv_per_token_gpu))
+    kv_per_token = shape.kv_bytes_per_token(bpe)
+    kv_per_token_gpu = shape.kv_bytes_per_token_per_gpu(bpe, tp, pp)
+    # Every GPU of a rank holds the same number of tokens; each DP rank its own sequences.
+    kv_tokens_rank = max(0, int(kv_gib * GIB // kv_per_token_gpu))
+    kv_tokens = kv_tokens_rank * dp
     max_len = model.max_model_len
 
     # The prompt's KV crosses the network once, prefill node -> decode node. NIXL moves each
     # GPU's slice over the NICs next to it (on p4d/p5 the EFA interfaces are split evenly
-    # across the GPUs), so a replica gets its GPUs' share of the node's line rate.
+    # across the GPUs), so a prompt gets its rank's GPUs' share of the node's line rate.
     # Non-EFA types (g5, g6e) use their ENA figure, shared the same way.
     prompt_bytes = kv_per_token * max_len
-    link_bytes_per_s = inst.network_gbps * 1e9 / 8 * gpus / inst.gpus
+    node_bytes_per_s = inst.network_gbps * 1e9 / 8
+    link_bytes_per_s = node_bytes_per_s * min(rank_gpus, inst.gpus) / inst.gpus
     prompt_seconds = prompt_bytes / link_bytes_per_s
 
-    # Decode roofline: each step reads every weight once and the KV of every sequence in the
-    # batch, from the HBM of the replica's TP GPUs at once. Pipeline stages are taken to run
-    # one after another, so PP adds memory, not bandwidth (a lower bound for PP > 1).
+    # Decode roofline: each step reads the weights it needs once and the KV of every sequence
+    # in the batch. GPUs of a stage read in parallel; stages run one after another (a lower
+    # bound for PP > 1), so a step takes pp x (bytes per GPU) / HBM bandwidth. A batch of B
+    # spreads over the DP ranks; the experts touched follow B (EP: every rank's tokens reach
+    # every rank's experts) or a rank's own B / DP (no EP).
     ctx = context_len or max_len
-    hbm_bytes_per_s = tp * inst.hbm_gbps * 1e9
-    kv_read_per_seq = ctx * kv_per_token_gpu * gpus  # what the replica's GPUs hold for it
+    hbm = inst.hbm_gbps * 1e9
 
     def tokens_per_s(batch: int) -> float:
-        return batch / ((weights_bytes + batch * kv_read_per_seq) / hbm_bytes_per_s)
+        per_rank = batch / dp
+        touched = expert_fraction_read(batch if ep else per_rank, shape.routed_experts, shape.experts_per_token)
+        per_gpu = dense_bytes / rank_gpus + expert_bytes * touched / expert_split + per_rank * ctx * kv_per_token_gpu
+        return batch / (pp * per_gpu / hbm)
 
     max_batch = kv_tokens // ctx
     if max_num_seqs:
-        max_batch = min(max_batch, max_num_seqs)
+        max_batch = min(max_batch, max_num_seqs * dp)
+
+    # Pipeline bubble: vLLM keeps PP batches in flight to fill the pipeline
+    # (vllm/config/vllm.py max_concurrent_batches); with one batch, PP - 1 of PP stages idle.
+    # Each prompt crosses PP - 1 stage boundaries as hidden-size activations per token.
+    bubble = hop_bytes = hop_seconds = None
+    if pp > 1:
+        bubble = (pp - 1) / pp
+        hop_bytes = (pp - 1) * max_len * shape.hidden_size * bpe
+        hop_seconds = hop_bytes / link_bytes_per_s
+
+    # Expert-parallel traffic over EFA, for vLLM's default all2all backend
+    # (allgather_reducescatter, vllm/config/parallel.py): per MoE layer each token's hidden
+    # state reaches every other node of the EP group (all-gather) and its partial sums come
+    # back (reduce-scatter). Within one node it stays on NVLink.
+    ep_nodes = ep_bytes = ep_rate = None
+    if ep:
+        ep_nodes = sizing.nodes_per_replica(tp * dp, inst.gpus)
+        if ep_nodes > 1:
+            ep_bytes = shape.moe_layers * 2 * (ep_nodes - 1) * shape.hidden_size * bpe
+            ep_rate = node_bytes_per_s / ep_bytes
 
     problems: list[tuple[str, str]] = []
     key = f"serving.{role}"
     dtype = _dtype_label(model.dtype)
     gpu = f"{_article(inst.gpu_model)} {inst.gpu_model}"
+    layout = f"TP {tp} x PP {pp}" + (f" x DP {dp}" if dp > 1 else "") + (" (EP)" if ep else "")
     if shape.num_attention_heads % tp:
         problems.append(
             (
@@ -248,23 +376,34 @@ def model_figures(
                 "divide (vLLM refuses to start); pick a tensorParallelSize that divides them",
             )
         )
+    if spec.moe_parallelism is MoeParallelism.EXPERT and not shape.moe:
+        problems.append(
+            (f"{key}.moeParallelism", f"{shape.name} is not a mixture-of-experts model; use moeParallelism: tensor")
+        )
     if weights_gib > usable_gib:
+        weights_what = f"{shape.name} in {dtype}" if shape.weight_bytes_per_param is None else shape.name
         problems.append(
             (
                 f"{key}.tensorParallelSize",
-                f"{shape.name} in {dtype} needs {weights_gib:.1f} GiB of weights per GPU at TP {tp} x "
-                f"PP {pp}; {gpu} offers {usable_gib:.1f} GiB at gpuMemoryUtilization {util:g} "
-                "(raise tensorParallelSize or use a larger GPU)",
+                f"{weights_what} needs {weights_gib:.1f} GiB of weights per GPU at {layout}; "
+                f"{gpu} offers {usable_gib:.1f} GiB at gpuMemoryUtilization {util:g} "
+                + (
+                    "(raise tensorParallelSize or pipelineParallelSize, spread the experts with "
+                    "dataParallelSize and moeParallelism: expert, or use a larger GPU)"
+                    if shape.moe
+                    else "(raise tensorParallelSize or use a larger GPU)"
+                ),
             )
         )
-    elif kv_tokens < max_len:
+    elif kv_tokens_rank < max_len:
         problems.append(
             (
                 "serving.model.maxModelLen",
-                f"{shape.name} in {dtype} at TP {tp} x PP {pp} on {inst.gpu_model} leaves "
+                f"{shape.name} in {dtype} at {layout} on {inst.gpu_model} leaves "
                 f"{max(kv_gib, 0):.1f} GiB per GPU for KV cache ({usable_gib:.1f} GiB usable at "
                 f"gpuMemoryUtilization {util:g} - {weights_gib:.1f} GiB weights - {HEADROOM_GIB:g} GiB "
-                f"headroom): {kv_tokens:,} tokens per {role} replica, less than one maxModelLen "
+                f"headroom): {kv_tokens_rank:,} tokens per {role} {'replica' if dp == 1 else 'DP rank'}, "
+                f"less than one maxModelLen "
                 f"({max_len:,}) sequence (lower maxModelLen, raise tensorParallelSize or use a larger GPU)",
             )
         )
@@ -284,6 +423,12 @@ def model_figures(
         max_batch=max_batch,
         decode_tokens_per_s_max_batch=tokens_per_s(max_batch) if max_batch > 0 else None,
         problems=tuple(problems),
+        pp_bubble_fraction=bubble,
+        pp_hop_bytes=hop_bytes,
+        pp_hop_seconds=hop_seconds,
+        ep_nodes=ep_nodes,
+        ep_bytes_per_token=ep_bytes,
+        ep_tokens_per_s_per_node=ep_rate,
     )
 
 
@@ -305,4 +450,125 @@ def fit_errors(serving: ServingSpec, instances: Mapping[str, InstanceType]) -> l
     for role, spec in serving.engine_roles().items():
         figs = model_figures(shape, serving.model, role, spec, instances[role], max_num_seqs=max_num_seqs(serving))
         errors.extend(figs.problems)
+    errors.extend(_transfer_errors(shape, serving))
     return errors
+
+
+def _transfer_errors(shape: ModelShape, serving: ServingSpec) -> list[tuple[str, str]]:
+    """P/D layouts that the KV transfer of this model refuses (needs the model's KV heads)."""
+    if serving.mode is not Mode.DISAGGREGATED:
+        return []
+    p_tp, d_tp = serving.prefill.tensor_parallel_size, serving.decode.tensor_parallel_size
+    if p_tp > d_tp and shape.mla_kv_dim is None and p_tp > shape.num_kv_heads:
+        # nixl/base_worker.py _validate_remote_agent_handshake (0.29 and 0.32):
+        # assert not (tp_ratio < 0 and is_kv_replicated) for non-MLA, non-Mamba models.
+        return [
+            (
+                "serving.prefill.tensorParallelSize",
+                f"prefill TP {p_tp} > decode TP {d_tp} with {shape.name}'s {shape.num_kv_heads} KV heads: prefill "
+                "replicates KV heads (TP > KV heads) and vLLM cannot read replicated heads into a smaller decode TP "
+                "(v1/nixl/base_worker.py asserts not (tp_ratio < 0 and is_kv_replicated), vLLM 0.29 and 0.32); "
+                f"keep prefill TP <= {shape.num_kv_heads} or equal to decode's",
+            )
+        ]
+    return []
+
+
+# --- layouts for models larger than one node -------------------------------------------------
+@dataclass(frozen=True)
+class LayoutOption:
+    """One way to lay an engine replica of `role` over a pool's nodes, with its figures."""
+
+    role: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    expert_parallel: bool
+    gpus: int
+    nodes: int
+    usd_per_hour: float  # on-demand list price of the replica's nodes
+    figures: ModelFigures
+
+    @property
+    def label(self) -> str:
+        text = f"TP {self.tensor_parallel_size} x PP {self.pipeline_parallel_size}"
+        if self.data_parallel_size > 1:
+            text += f" x DP {self.data_parallel_size}"
+        return text + (" + EP" if self.expert_parallel else "")
+
+    def stack_keys(self) -> dict[str, object]:
+        """The serving.<role> keys that select this layout in a stack file."""
+        keys: dict[str, object] = {"tensorParallelSize": self.tensor_parallel_size}
+        if self.pipeline_parallel_size > 1:
+            keys["pipelineParallelSize"] = self.pipeline_parallel_size
+        if self.data_parallel_size > 1:
+            keys["dataParallelSize"] = self.data_parallel_size
+        if self.expert_parallel:
+            keys["moeParallelism"] = MoeParallelism.EXPERT.value
+        return keys
+
+
+def weights_gib(shape: ModelShape, model: ModelSpec) -> float:
+    """The whole model's weights, as served."""
+    return shape.parameters_billions * 1e9 * (shape.weight_bytes_per_param or bytes_per_element(model.dtype)) / GIB
+
+
+def exceeds_one_node(shape: ModelShape, model: ModelSpec, inst: InstanceType) -> bool:
+    """True when the weights alone exceed the usable memory of all of one node's GPUs."""
+    return weights_gib(shape, model) > inst.gpus * inst.gpu_memory_gib * model.gpu_memory_utilization
+
+
+def candidate_layouts(shape: ModelShape, inst: InstanceType, role: str, max_nodes: int = 4) -> list[RoleSpec]:
+    """Layouts of whole nodes: TP = a node's GPUs with PP across nodes (prefill only: decode PP
+    stays 1), and for MoE models data-parallel attention with the experts spread (EP) over
+    1..max_nodes nodes, one GPU or one node per DP rank (the wide-EP pattern of llm-d and Dynamo)."""
+    g = inst.gpus
+    seen: list[tuple[int, int, int, bool]] = []
+    for n in range(1, max_nodes + 1):
+        if role == "prefill" or n == 1:
+            seen.append((g, n, 1, False))
+        if shape.moe:
+            seen.append((1, 1, n * g, True))
+            if n > 1:
+                seen.append((g, 1, n, True))
+    return [
+        RoleSpec(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            data_parallel_size=dp,
+            moe_parallelism=MoeParallelism.EXPERT if ep else MoeParallelism.TENSOR,
+        )
+        for tp, pp, dp, ep in dict.fromkeys(seen)
+    ]
+
+
+def propose_layouts(
+    shape: ModelShape,
+    model: ModelSpec,
+    inst: InstanceType,
+    role: str,
+    *,
+    context_len: int | None = None,
+    max_num_seqs: int | None = None,
+) -> list[LayoutOption]:
+    """The candidate layouts on `inst` that hold the weights and one maxModelLen sequence."""
+    out = []
+    for spec in candidate_layouts(shape, inst, role):
+        figs = model_figures(shape, model, role, spec, inst, context_len=context_len, max_num_seqs=max_num_seqs)
+        if figs.problems:
+            continue
+        nodes = sizing.nodes_per_replica(spec.gpus_per_replica, inst.gpus)
+        out.append(
+            LayoutOption(
+                role=role,
+                tensor_parallel_size=spec.tensor_parallel_size,
+                pipeline_parallel_size=spec.pipeline_parallel_size,
+                data_parallel_size=spec.data_parallel_size,
+                expert_parallel=spec.moe_parallelism is MoeParallelism.EXPERT,
+                gpus=spec.gpus_per_replica,
+                nodes=nodes,
+                usd_per_hour=nodes * inst.usd_per_hour,
+                figures=figs,
+            )
+        )
+    return out

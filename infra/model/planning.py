@@ -16,11 +16,14 @@ from infra.model.config import NodePool, StackConfig
 from infra.model.fit import (
     GIB,
     HEADROOM_GIB,
+    LayoutOption,
     ModelFigures,
     ModelShape,
     bytes_per_element,
+    exceeds_one_node,
     max_num_seqs,
     model_figures,
+    propose_layouts,
     resolve,
 )
 
@@ -73,6 +76,8 @@ class RolePlan:
     capacity_type: str
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    data_parallel_size: int
+    expert_parallel: bool
     gpus_per_replica: int
     nodes_per_replica: int
     min_replicas: int
@@ -104,6 +109,9 @@ class Plan:
     shape: ModelShape | None
     shape_origin: str  # where the shape came from, or why it is unknown
     roles: tuple[RolePlan, ...]
+    # Layouts that fit, per engine role whose pool's one node cannot hold the weights.
+    layouts: tuple[LayoutOption, ...] = ()
+    layout_roles: tuple[str, ...] = ()  # the roles whose pools were searched for layouts
 
     @property
     def fit_checked(self) -> bool:
@@ -160,6 +168,8 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
                 capacity_type=pool.capacity_type.value,
                 tensor_parallel_size=spec.tensor_parallel_size,
                 pipeline_parallel_size=spec.pipeline_parallel_size,
+                data_parallel_size=spec.data_parallel_size,
+                expert_parallel=spec.moe_parallelism.value == "expert",
                 gpus_per_replica=gpus,
                 nodes_per_replica=sizing.nodes_per_replica(gpus, inst.gpus),
                 min_replicas=spec.min_replicas,
@@ -178,6 +188,16 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
                 figures=figures,
             )
         )
+    layouts: list[LayoutOption] = []
+    layout_roles: list[str] = []
+    if shape is not None:
+        for role in serving.engine_roles():
+            inst = getattr(config.node_pools, role).instance
+            if exceeds_one_node(shape, model, inst):
+                layout_roles.append(role)
+                layouts += propose_layouts(
+                    shape, model, inst, role, context_len=context_len, max_num_seqs=max_num_seqs(serving)
+                )
     return Plan(
         environment=config.environment.value,
         model_id=model.id,
@@ -190,6 +210,8 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
         shape=shape,
         shape_origin=origin,
         roles=tuple(roles),
+        layouts=tuple(layouts),
+        layout_roles=tuple(layout_roles),
     )
 
 
@@ -202,6 +224,53 @@ def _rate(tokens_per_s: float | None) -> str:
     return "-" if tokens_per_s is None else f"{tokens_per_s:,.0f} tok/s"
 
 
+def _share(fraction: float | None) -> str:
+    return "-" if fraction is None else f"{fraction:.0%} idle"
+
+
+def _hops(nbytes: int | None, seconds: float | None) -> str:
+    if nbytes is None or seconds is None:
+        return "-"
+    return f"{nbytes / 2**20:,.0f} MiB, {_duration(seconds)}"
+
+
+def _ep(f: ModelFigures) -> str:
+    if f.ep_nodes is None:
+        return "-"
+    if f.ep_bytes_per_token is None or f.ep_tokens_per_s_per_node is None:
+        return "none (one node, NVLink)"
+    return f"{f.ep_bytes_per_token / 1e6:.2f} MB/token, <= {f.ep_tokens_per_s_per_node:,.0f} tok/s/node"
+
+
+def format_layouts(p: Plan) -> list[str]:
+    """The layouts that fit, one line each (what `make plan` adds for models beyond one node)."""
+    if not p.layout_roles:
+        return []
+    missing = [r.role for r in p.roles if r.role in p.layout_roles and not any(o.role == r.role for o in p.layouts)]
+    gone = [
+        f"Layouts  no {r.role} layout of up to 4 nodes fits {r.instance_type}" for r in p.roles if r.role in missing
+    ]
+    if not p.layouts:
+        return ["", *gone]
+    ctx = p.layouts[0].figures.context_len
+    head = (
+        f"{'role':<8} {'layout':<24} {'GPUs':>4} {'nodes':>5} {'$/h':>8} {'weights/GPU':>11} "
+        f"{'KV tokens':>11} {'decode b=1':>11} {'max batch':>10} {'PP bubble':>9} {'EP MB/tok':>9}"
+    )
+    lines = ["", f"Layouts that fit (the model's weights exceed one node; decode roofline @ {ctx:,} ctx):", head]
+    for o in p.layouts:
+        f = o.figures
+        lines.append(
+            f"{o.role:<8} {o.label:<24} {o.gpus:>4} {o.nodes:>5} {o.usd_per_hour:>8,.2f} "
+            f"{f.weights_gib_per_gpu:>7.1f} GiB {f.kv_tokens_per_replica:>11,} "
+            f"{_rate(f.decode_tokens_per_s_batch1) if o.role == 'decode' else '-':>11} "
+            f"{_rate(f.decode_tokens_per_s_max_batch) if o.role == 'decode' else '-':>10} "
+            f"{'-' if f.pp_bubble_fraction is None else f'{f.pp_bubble_fraction:.0%}':>9} "
+            f"{'-' if f.ep_bytes_per_token is None else f'{f.ep_bytes_per_token / 1e6:.2f}':>9}"
+        )
+    return lines + gone
+
+
 def format_plan(p: Plan) -> str:
     """The plan as a table, one column per engine role (what `make plan` prints)."""
     lines = [f"Model    {p.model_id} ({p.model_source})"]
@@ -212,6 +281,16 @@ def format_plan(p: Plan) -> str:
             f"{s.num_layers} layers, hidden {s.hidden_size}, {s.num_attention_heads} heads, "
             f"{s.num_kv_heads} KV heads, head dim {s.head_dim}"
         )
+        if s.moe:
+            lines.append(
+                f"         mixture of experts: {s.active_parameters_billions:g}B active, {s.routed_experts} routed "
+                f"experts ({s.experts_per_token} per token) in {s.moe_layers} layers, "
+                f"{s.expert_parameters_billions:.1f}B expert parameters"
+            )
+        if s.mla_kv_dim is not None:
+            lines.append(f"         MLA: {s.mla_kv_dim} cached elements per token and layer, on every TP rank")
+        if s.weight_bytes_per_param is not None:
+            lines.append(f"         weights {s.weight_bytes_per_param:g} B/parameter as published (not the dtype's)")
     else:
         lines.append(f"Shape    unknown: {p.shape_origin}. Fit check skipped.")
     lines.append(
@@ -235,9 +314,11 @@ def format_plan(p: Plan) -> str:
         row("Instance", lambda r: f"{r.instance_type} ({r.capacity_type})"),
         row("GPU", lambda r: r.gpu_model),
         row(
-            "TP x PP (GPUs/replica)",
-            lambda r: f"{r.tensor_parallel_size} x {r.pipeline_parallel_size} ({r.gpus_per_replica})",
+            "TP x PP x DP (GPUs/replica)",
+            lambda r: f"{r.tensor_parallel_size} x {r.pipeline_parallel_size} x {r.data_parallel_size}"
+            f"{' +EP' if r.expert_parallel else ''} ({r.gpus_per_replica})",
         ),
+        row("Nodes per replica", lambda r: f"{r.nodes_per_replica}"),
         row("Replicas min-max", lambda r: f"{r.min_replicas}-{r.max_replicas}"),
         row("GPU memory, usable", lambda r: f"{r.gpu_memory_gib:.1f}, {r.usable_gib_per_gpu:.1f} GiB"),
         row("Weights per GPU", fig(lambda f: f"{f.weights_gib_per_gpu:.1f} GiB")),
@@ -248,6 +329,9 @@ def format_plan(p: Plan) -> str:
         row("Network per replica", lambda r: f"{r.network} {r.network_gbps:g} Gbps"),
         row("Prompt KV at maxModelLen", fig(lambda f: f"{f.prompt_kv_bytes / GIB:.2f} GiB")),
         row("  transfer at line rate", fig(lambda f: _duration(f.prompt_kv_seconds))),
+        row("PP bubble, 1 batch in flight", fig(lambda f: _share(f.pp_bubble_fraction))),
+        row("  stage hops per prompt", fig(lambda f: _hops(f.pp_hop_bytes, f.pp_hop_seconds))),
+        row("EP all-to-all over EFA", fig(lambda f: _ep(f))),
         row("HBM per GPU", lambda r: f"{r.hbm_gbps:,} GB/s"),
         row(f"Decode @ {ctx:,} ctx, batch 1", decoding(lambda f: _rate(f.decode_tokens_per_s_batch1))),
         row("  max batch (KV-bound)", decoding(lambda f: f"{f.max_batch:,}")),
@@ -274,4 +358,5 @@ def format_plan(p: Plan) -> str:
         lines.extend(f"Fit      FAILS {key}: {msg}" for key, msg in p.problems)
     else:
         lines.append("Fit      ok: every role holds its weights and at least one maxModelLen sequence")
+    lines.extend(format_layouts(p))
     return "\n".join(lines)

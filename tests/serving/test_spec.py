@@ -58,7 +58,26 @@ CASES = {
     "gpu-s3-disaggregated": (make_spec(model={"id": "llama-3-8b", "source": "s3://models-bucket/llama-3-8b"}), GPU),
     "cpu-disaggregated": (cpu_spec(), CPU),
     "cpu-aggregated": (cpu_spec("aggregated"), CPU),
+    # Multi-node layouts (issue 18): prefill TP 8 x PP 2 pushing KV into a TP 8 decode, and a
+    # DP 16 + EP decode behind it (prefill TP 8 > decode TP 1).
+    "gpu-prefill-pp": (
+        make_spec(
+            prefill={"tensorParallelSize": 8, "pipelineParallelSize": 2},
+            decode={"tensorParallelSize": 8},
+            kvTransfer={"connector": "NixlPushConnector"},
+        ),
+        GPU,
+    ),
+    "gpu-dp-ep": (
+        make_spec(
+            prefill={"tensorParallelSize": 8, "pipelineParallelSize": 2},
+            decode={"tensorParallelSize": 1, "dataParallelSize": 16, "moeParallelism": "expert"},
+            kvTransfer={"connector": "NixlPushConnector"},
+        ),
+        GPU,
+    ),
 }
+MULTINODE = ["gpu-prefill-pp", "gpu-dp-ep"]
 
 
 def engine_configs(args: dict) -> dict[str, dict]:
@@ -103,7 +122,7 @@ def test_each_engine_config_is_a_valid_ray_llm_config(case):
         assert cfg.runtime_env["env_vars"] == {**dict(target.engine_env), **SERVING_ENV}
 
 
-@pytest.mark.parametrize("case", ["gpu-disaggregated", "gpu-s3-disaggregated", "cpu-disaggregated"])
+@pytest.mark.parametrize("case", ["gpu-disaggregated", "gpu-s3-disaggregated", "cpu-disaggregated", *MULTINODE])
 def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
     from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
 
@@ -188,8 +207,49 @@ def test_engine_kwargs_are_valid_vllm_engine_args(case):
         role_spec = spec.engine_roles()[role]
         assert args.tensor_parallel_size == role_spec.tensor_parallel_size
         assert args.pipeline_parallel_size == role_spec.pipeline_parallel_size
+        assert args.data_parallel_size == role_spec.data_parallel_size
+        assert args.enable_expert_parallel is (role_spec.moe_parallelism.value == "expert")
         if target.cpu:
             assert args.enforce_eager is True
+
+
+@pytest.mark.parametrize("case", MULTINODE)
+def test_push_kv_transfer_config_is_valid_for_vllm(case):
+    from vllm.config import KVTransferConfig
+
+    spec, target = CASES[case]
+    roles = engine_configs(spec.app_args(target))
+    for role, raw in roles.items():
+        kv = KVTransferConfig(**raw["engine_kwargs"]["kv_transfer_config"])
+        assert kv.kv_connector == "NixlPushConnector"
+        assert kv.kv_role == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
+        assert kv.is_kv_transfer_instance
+
+
+def test_the_connectors_are_vllms_registered_names():
+    """The names the spec renders are the ones vLLM's connector factory knows (0.32 here)."""
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from serving.spec import KvConnector
+
+    for c in KvConnector:
+        assert c.value in KVConnectorFactory._registry, c
+
+
+def test_refusals_quote_the_installed_vllm():
+    """The decode-PP refusal quotes vLLM's own error, guarded by kv_consumer, and the push-mode
+    PP path exists (vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    source = Path(spec.origin).read_text()
+    with pytest.raises(ValidationError) as e:
+        make_spec(decode={"pipelineParallelSize": 2})
+    quoted = str(e.value).split("'")[1]
+    assert quoted.replace(" ", "") in source.replace('"\n', "").replace(" ", "").replace('"', "")
+    assert 'kv_role == "kv_consumer"' in source
+    assert "PP>1 (push mode)" in source
 
 
 def test_vllm_rejects_an_unknown_engine_kwarg_that_the_spec_lets_through():
@@ -259,11 +319,12 @@ def test_cloud_and_local_differ_only_in_target():
 
 
 # --- cross-field validation ------------------------------------------------------------------
-def test_tensor_parallel_mismatch_is_rejected():
-    with pytest.raises(
-        ValidationError, match=r"prefill.tensorParallelSize \(2\) must equal decode.tensorParallelSize \(4\)"
-    ):
-        make_spec(decode={"tensorParallelSize": 4})
+def test_prefill_tp_larger_than_decode_tp_is_accepted():
+    """vLLM reads KV across TP sizes that divide one another (nixl/base_worker.py, heterogeneous TP)."""
+    spec = make_spec(prefill={"tensorParallelSize": 8}, decode={"tensorParallelSize": 2})
+    args = spec.app_args(GPU)
+    assert args["prefill_config"]["engine_kwargs"]["tensor_parallel_size"] == 8
+    assert args["decode_config"]["engine_kwargs"]["tensor_parallel_size"] == 2
 
 
 def test_tensor_parallel_mismatch_is_fine_in_aggregated_mode():
@@ -271,14 +332,62 @@ def test_tensor_parallel_mismatch_is_fine_in_aggregated_mode():
     assert spec.engine_roles() == {"decode": spec.decode}
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_pipeline_parallel_in_disaggregated_mode_is_rejected(role):
-    overrides = {role: {"tensorParallelSize": 2, "pipelineParallelSize": 2}}
-    with pytest.raises(ValidationError, match=r"pipelineParallelSize > 1 is not supported in disaggregated mode"):
-        make_spec(**overrides)
+@pytest.mark.parametrize("connector", ["NixlConnector", "NixlPushConnector"])
+def test_decode_pipeline_parallel_is_refused_with_vllms_reason(connector):
+    with pytest.raises(ValidationError) as e:
+        make_spec(decode={"pipelineParallelSize": 2}, kvTransfer={"connector": connector})
+    msg = str(e.value)
+    assert "decode.pipelineParallelSize = 2 is refused" in msg
+    # vLLM's own words (nixl/base_worker.py, 0.29 and 0.32)
+    assert "NixlPushConnector consumer (decode) does not support pipeline_parallel_size > 1" in msg
 
 
-@pytest.mark.parametrize("key", ["tensor_parallel_size", "kv_transfer_config", "model", "dtype"])
+def test_prefill_pipeline_parallel_needs_the_push_connector():
+    with pytest.raises(
+        ValidationError, match=r"prefill.pipelineParallelSize = 2 needs kvTransfer.connector: NixlPushConnector"
+    ):
+        make_spec(prefill={"tensorParallelSize": 2, "pipelineParallelSize": 2})
+
+
+def test_prefill_pipeline_parallel_with_push_renders_the_layout():
+    spec = make_spec(
+        prefill={"tensorParallelSize": 8, "pipelineParallelSize": 2},
+        decode={"tensorParallelSize": 8},
+        kvTransfer={"connector": "NixlPushConnector"},
+    )
+    args = spec.app_args(GPU)
+    p, d = args["prefill_config"], args["decode_config"]
+    assert p["engine_kwargs"]["pipeline_parallel_size"] == 2 and p["engine_kwargs"]["tensor_parallel_size"] == 8
+    assert d["engine_kwargs"]["pipeline_parallel_size"] == 1
+    # producer/consumer roles: vLLM keys its decode-side PP refusal on kv_consumer
+    assert p["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert d["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_consumer"
+    assert {c["engine_kwargs"]["kv_transfer_config"]["kv_connector"] for c in (p, d)} == {"NixlPushConnector"}
+    # one bundle per GPU worker: vLLM's Ray executor starts one worker per GPU bundle
+    assert len(p["deployment_config"]["placement_group_bundle_label_selector"]) == 16
+
+
+def test_pull_connector_keeps_kv_both():
+    args = make_spec().app_args(GPU)
+    assert args["prefill_config"]["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_both"
+
+
+def test_data_and_expert_parallel_render_per_rank_bundles():
+    spec = make_spec(decode={"dataParallelSize": 16, "moeParallelism": "expert"})
+    d = spec.app_args(GPU)["decode_config"]
+    assert d["engine_kwargs"]["data_parallel_size"] == 16
+    assert d["engine_kwargs"]["enable_expert_parallel"] is True
+    # a Serve replica is one DP rank of TP x PP GPUs; Ray multiplies the replica bounds by DP
+    assert len(d["deployment_config"]["placement_group_bundle_label_selector"]) == 1
+    assert spec.decode.gpus_per_replica == 16 and spec.decode.gpus_per_rank == 1
+    p = spec.app_args(GPU)["prefill_config"]
+    assert "data_parallel_size" not in p["engine_kwargs"] and "enable_expert_parallel" not in p["engine_kwargs"]
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["tensor_parallel_size", "kv_transfer_config", "model", "dtype", "data_parallel_size", "enable_expert_parallel"],
+)
 def test_reserved_engine_kwargs_are_rejected(key):
     with pytest.raises(ValidationError, match=rf"{key} set by the spec itself .* remove from engineKwargs"):
         make_spec(engineKwargs={key: 1})

@@ -82,8 +82,8 @@ def test_issue_example_message(prod):
         ),
         (lambda v: v.update(nodPools={}), "nodPools: unknown key"),
         (
-            lambda v: v["serving"]["decode"].update(tensorParallelSize=4),
-            "serving: prefill.tensorParallelSize (8) must equal decode.tensorParallelSize (4)",
+            lambda v: v["serving"]["decode"].update(pipelineParallelSize=2),
+            "serving: decode.pipelineParallelSize = 2 is refused: vLLM cannot receive KV into a pipeline-parallel decode",
         ),
         (
             lambda v: v.update(endpointAccess="public-and-private", publicAccessCidrs=["198.51.100.0/24"]),
