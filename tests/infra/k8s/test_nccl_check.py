@@ -10,6 +10,7 @@ Indexed Job's pods get JOB_COMPLETION_INDEX and, with `subdomain`, DNS names
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -92,24 +93,28 @@ def test_net_check_reads_nccls_own_log(tmp_path):
 def test_script_runs_an_all_reduce_across_two_processes_on_cpu(tmp_path):
     """The same script, torchrun'd with 2 CPU processes (gloo): it sums correctly and reports."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node=2",
-            str(SCRIPT),
-            "--backend=gloo",
-            "--sizes-mib=1,4",
-            "--iters=3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=tmp_path,
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(SCRIPT),
+        "--backend=gloo",
+        "--sizes-mib=1,4",
+        "--iters=3",
+    ]
+    # its own process group: on a timeout the workers go too, not only torchrun
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path, start_new_session=True
     )
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    r = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "busbw_GB/s" in r.stdout and "(world 2)" in r.stdout
     rows = [line.split() for line in r.stdout.splitlines() if line.strip().endswith(tuple("0123456789"))]
