@@ -477,3 +477,35 @@ def test_unknown_model_gets_a_json_404(stack):
 def test_health_route_stays_open(stack):
     base = stack.urls["disaggregated"].rsplit("/v1", 1)[0]
     assert httpx.get(f"{base}/-/healthz").status_code == 200
+
+
+# --- vLLM's push connector gets Ray's NIXL backend ---------------------------------------------
+def test_ray_registers_its_nixl_backend_for_the_pull_connector_only():
+    """Ray 2.60 (engines/vllm/kv_transfer/factory.py BUILTIN_BACKENDS) maps only "NixlConnector"
+    to its NIXL backend; the path serving.app registers for "NixlPushConnector" is that class."""
+    import importlib
+
+    from ray.llm._internal.serve.engines.vllm.kv_transfer import factory
+
+    from serving.app import PUSH_CONNECTOR, RAY_NIXL_BACKEND
+
+    assert factory.BUILTIN_BACKENDS["NixlConnector"] == RAY_NIXL_BACKEND
+    assert PUSH_CONNECTOR not in factory.BUILTIN_BACKENDS
+    module, cls = RAY_NIXL_BACKEND.split(":")
+    assert getattr(importlib.import_module(module), cls).__name__ == "NixlConnectorBackend"
+
+
+def test_push_connector_is_found_in_rendered_args():
+    from serving.app import PUSH_CONNECTOR, _kv_connectors
+    from serving.spec import ServingSpec, Target
+
+    spec = ServingSpec.model_validate(
+        {
+            "model": {"id": "m", "source": "a/b"},
+            "prefill": {"tensorParallelSize": 2, "pipelineParallelSize": 2},
+            "kvTransfer": {"connector": PUSH_CONNECTOR},
+        }
+    )
+    assert _kv_connectors(spec.app_args(Target(accelerator_type="H100"))) == {PUSH_CONNECTOR}
+    pull = ServingSpec.model_validate({"model": {"id": "m", "source": "a/b"}})
+    assert PUSH_CONNECTOR not in _kv_connectors(pull.app_args(Target(accelerator_type="H100")))
