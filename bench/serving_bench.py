@@ -37,8 +37,8 @@ from typing import Any
 
 import httpx
 
-from bench import hops, vllm_load
-from bench.stats import RequestResult, format_table, kv_transfer_per_request, ratios, summarize
+from bench import hops, plots, vllm_load
+from bench.stats import RequestResult, format_table, kv_transfer_per_request, ratios, samples, summarize
 from infra.paths import ROOT as REPO_ROOT
 
 DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "serving.json"
@@ -458,9 +458,12 @@ def main(argv: list[str] | None = None) -> int:
             "on the machine (load average above).",
         ],
         "errors_sample": {t: [r.error for c in levels for r in results[t][c] if not r.ok][:5] for t in TARGETS},
+        # Per-request figures for the distribution plots (bench/plots.py).
+        "samples": {t: {str(c): samples(results[t][c]) for c in levels} for t in TARGETS},
         "wall_s": time.monotonic() - t0,
     }
     args.out.write_text(json.dumps(report, indent=2))
+    png = plots.serving_png(report, args.out.with_suffix(".png"))
 
     print()
     print(format_table(summaries, BASELINE))
@@ -476,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     for kind, st in starts.items():
         print(f"{kind} `make serve` (disaggregated): READY in {st['ready_s']}s")
     print("Ratios are target / vllm (TTFT, TPOT: lower is better; tok/s, req/s: higher is better).")
-    print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
+    print(f"JSON: {args.out}  PNG: {png}  wall {report['wall_s']:.0f}s")
     return 0
 
 

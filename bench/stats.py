@@ -45,13 +45,24 @@ def _ms(v: float | None) -> float | None:
     return None if v is None else v * 1000
 
 
+def tpot_values(ok: Iterable[RequestResult]) -> list[float]:
+    """Time per output token after the first, per request that produced more than one token."""
+    return [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+
+
+def samples(results: Iterable[RequestResult]) -> dict[str, list[float]]:
+    """Per-request TTFT and TPOT (seconds) of the successful requests: what the plots draw."""
+    ok = [r for r in results if r.ok]
+    return {"ttft_s": [r.ttft_s for r in ok], "tpot_s": tpot_values(ok)}
+
+
 def summarize(results: Iterable[RequestResult], duration_s: float) -> dict[str, float | int | None]:
     """One target at one concurrency: the figures in the report."""
     results = list(results)
     ok = [r for r in results if r.ok]
     ttft = [r.ttft_s for r in ok]
     itl = [g for r in ok for g in r.itl_s]
-    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    tpot = tpot_values(ok)
     out_tokens = sum(r.output_tokens for r in ok)
     return {
         "requests": len(results),

@@ -305,6 +305,81 @@ class PlacementSpec(SpecModel):
         return v
 
 
+# vLLM's default histogram bounds (vllm/v1/metrics/buckets.py, vLLM 0.32; the same values
+# since vLLM 0.4). An SLO burn rate reads the share of requests under the threshold from the
+# bucket whose upper bound IS the threshold, so a threshold must be one of these.
+TTFT_BUCKETS_S = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS_S = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+
+
+class SloSpec(SpecModel):
+    """Latency objectives the alerts burn against: `objective` of requests (30 days) have a
+    time to first token under `ttftSeconds`, and tokens arrive under `itlSeconds` apart."""
+
+    ttft_seconds: float = 2.5
+    itl_seconds: float = 0.1
+    objective: float = Field(default=0.99, ge=0.9, le=0.9999)
+
+    @field_validator("ttft_seconds")
+    @classmethod
+    def _ttft(cls, v: float) -> float:
+        if v not in TTFT_BUCKETS_S:
+            raise ValueError(f"{v} is not a bucket bound of vLLM's TTFT histogram (one of {list(TTFT_BUCKETS_S)})")
+        return v
+
+    @field_validator("itl_seconds")
+    @classmethod
+    def _itl(cls, v: float) -> float:
+        if v not in ITL_BUCKETS_S:
+            raise ValueError(
+                f"{v} is not a bucket bound of vLLM's inter-token latency histogram (one of {list(ITL_BUCKETS_S)})"
+            )
+        return v
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a rendered application runs: the only thing the cloud and local runs differ in.
@@ -336,6 +411,7 @@ class ServingSpec(SpecModel):
     auth: AuthMode = AuthMode.API_KEY
     streaming: StreamingSpec = Field(default_factory=StreamingSpec)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    slo: SloSpec = Field(default_factory=SloSpec)
 
     @field_validator("engine_kwargs")
     @classmethod

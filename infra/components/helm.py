@@ -23,9 +23,12 @@ def release(
     values: dict,
     provider: k8s.Provider,
     depends_on: Sequence[pulumi.Resource] = (),
+    release_name: str | None = None,
 ) -> k8s.helm.v4.Chart:
+    """release_name: the Helm release's name when other objects select on it (default: `name`)."""
     return k8s.helm.v4.Chart(
         name,
+        name=release_name,
         chart=chart.chart,
         version=chart.version,
         repository_opts=k8s.helm.v4.RepositoryOptsArgs(repo=chart.repo),

@@ -33,6 +33,23 @@ KUBERAY_OPERATOR = HelmChart(
     repo="https://ray-project.github.io/kuberay-helm/",
 )
 
+# The metrics pipeline: Prometheus Operator v0.93.1, Prometheus, Alertmanager, Grafana,
+# kube-state-metrics 2.20.0 and node-exporter (prometheus-community/helm-charts,
+# charts/kube-prometheus-stack/Chart.yaml, 88.5.3).
+KUBE_PROMETHEUS_STACK = HelmChart(
+    chart="kube-prometheus-stack",
+    version="88.5.3",
+    repo="https://prometheus-community.github.io/helm-charts",
+)
+# NVIDIA's GPU metrics (DCGM 4.5.3, exporter 4.8.2; NVIDIA/dcgm-exporter deployment/Chart.yaml).
+# 4.9.0 renames the default metrics and changes units: moving there means replacing the
+# vendored counter list (infra/k8s/data/) and the names the rules and dashboards use.
+DCGM_EXPORTER = HelmChart(
+    chart="dcgm-exporter",
+    version="4.8.2",
+    repo="https://nvidia.github.io/dcgm-exporter/helm-charts",
+)
+
 # Ray's own LLM image: Ray 2.60 (the version serving/ is written and tested against), the
 # vLLM that Ray 2.60 pins, NIXL built with UCX, CUDA 12.8. See docs/architecture.md, "The Ray image".
 RAY_VERSION = "2.60.0"

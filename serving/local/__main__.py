@@ -144,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             }
             args.state_file.write_text(json.dumps(state, indent=2))
 
+        # Ray's metrics export port on each node: Ray's, Serve's and vLLM's metrics (ray_vllm_*),
+        # what Prometheus scrapes in the cloud (infra/k8s/monitoring.py).
+        metrics = ", ".join(f"{n['label']} {n['metrics_url']}" for n in cluster.nodes())
+        say(f"metrics (Prometheus text format): {metrics}")
         base = urls.get("disaggregated") or urls["aggregated"]
         also = f" (aggregated app at {urls['aggregated']})" if len(urls) > 1 else ""
         auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""

@@ -1,0 +1,178 @@
+"""Alerts as a PrometheusRule: SLO burn, P/D failure signatures, capacity, GPUs, errors.
+
+What flows through here: the serving spec's SLOs (`serving.slo`), the stack's
+`observability` block (how long replicas may stay Pending), and the KV-transfer alert groups
+of `infra.k8s.kv_alerts` -> one `monitoring.coreos.com/v1` PrometheusRule whose alerts each
+carry a `runbook_url` into docs/runbooks.md (one section per alert, same anchor).
+
+SLO burn follows the multi-window, multi-burn-rate recipe of Google's SRE workbook
+("Alerting on SLOs"): the share of requests slower than the SLO threshold, read from the
+histogram bucket whose upper bound IS the threshold (serving.spec only accepts thresholds that
+are bucket bounds of vLLM's histograms), divided by the error budget (1 - objective); page
+when 2% of a 30-day budget burns in an hour (14.4x, also over 5 minutes so it stops soon after
+recovery), open a ticket when 5% burns in six hours (6x, also over 30 minutes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from infra.k8s.monitoring import MONITORING_LABEL, ROLE
+from infra.model.config import Observability
+from serving.spec import SloSpec
+
+RUNBOOK_BASE = "https://github.com/pd-inference/pd-inference/blob/main/docs/runbooks.md"
+# (severity, burn rate, long window, short window): Google SRE workbook, table 5-8.
+BURN_WINDOWS = (("critical", 14.4, "1h", "5m"), ("warning", 6.0, "6h", "30m"))
+ERROR_RATE_THRESHOLD = 0.05
+
+
+@dataclass(frozen=True)
+class SloTarget:
+    """One latency SLO: a vLLM histogram, the roles it is read on, and its threshold."""
+
+    alert: str
+    metric: str  # histogram base name
+    roles: tuple[str, ...]
+    threshold_s: float
+    objective: float
+    what: str
+
+
+def runbook(alert: str) -> str:
+    return f"{RUNBOOK_BASE}#{alert.lower()}"
+
+
+def _le(v: float) -> str:
+    # Prometheus client libraries print bucket bounds with Go's/Python's float formatting.
+    return repr(float(v))
+
+
+def slo_targets(slo: SloSpec) -> list[SloTarget]:
+    return [
+        SloTarget(
+            "PDTTFTBudgetBurn",
+            "ray_vllm_time_to_first_token_seconds",
+            ("prefill", "decode"),
+            slo.ttft_seconds,
+            slo.objective,
+            "time to first token",
+        ),
+        SloTarget(
+            "PDITLBudgetBurn",
+            "ray_vllm_inter_token_latency_seconds",
+            ("decode",),
+            slo.itl_seconds,
+            slo.objective,
+            "inter-token latency",
+        ),
+    ]
+
+
+def _bad_ratio(t: SloTarget, window: str) -> str:
+    roles = "|".join(t.roles)
+    sel = f'{ROLE}=~"{roles}"'
+    return (
+        f'(1 - sum by ({ROLE}) (rate({t.metric}_bucket{{{sel}, le="{_le(t.threshold_s)}"}}[{window}]))'
+        f" / sum by ({ROLE}) (rate({t.metric}_count{{{sel}}}[{window}])))"
+    )
+
+
+def slo_rules(slo: SloSpec) -> list[dict[str, Any]]:
+    rules = []
+    for t in slo_targets(slo):
+        budget = round(1 - t.objective, 6)
+        for severity, burn, long_w, short_w in BURN_WINDOWS:
+            limit = round(burn * budget, 6)
+            rules.append(
+                {
+                    "alert": t.alert,
+                    "expr": f"{_bad_ratio(t, long_w)} > {limit}\nand\n{_bad_ratio(t, short_w)} > {limit}",
+                    "labels": {
+                        "severity": severity,
+                        "slo": t.alert.removeprefix("PD").removesuffix("BudgetBurn").lower(),
+                    },
+                    "annotations": {
+                        "summary": (
+                            f"{{{{ $labels.{ROLE} }}}}: {t.what} above {t.threshold_s}s for more than "
+                            f"{burn}x the error budget of a {t.objective:.2%} SLO (window {long_w})"
+                        ),
+                        "runbook_url": runbook(t.alert),
+                    },
+                }
+            )
+    return rules
+
+
+def _alert(name: str, expr: str, for_: str, severity: str, summary: str) -> dict[str, Any]:
+    return {
+        "alert": name,
+        "expr": expr,
+        "for": for_,
+        "labels": {"severity": severity},
+        "annotations": {"summary": summary, "runbook_url": runbook(name)},
+    }
+
+
+def service_rules(namespace: str, obs: Observability) -> list[dict[str, Any]]:
+    return [
+        _alert(
+            "PDReplicasPending",
+            f'sum by (namespace, pod) (kube_pod_status_phase{{namespace="{namespace}", phase="Pending"}}) > 0',
+            f"{obs.pending_alert_minutes}m",
+            "warning",
+            "Ray pod {{ $labels.pod }} has been Pending for more than "
+            f"{obs.pending_alert_minutes} minutes (no GPU capacity, quota, or an unschedulable spec)",
+        ),
+        _alert(
+            "PDGpuXidErrors",
+            "max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS) > 0",
+            "0m",
+            "critical",
+            "GPU {{ $labels.gpu }} on {{ $labels.Hostname }} reported XID {{ $value }}",
+        ),
+        _alert(
+            "PDHighErrorRate",
+            'sum(rate(ray_serve_num_http_error_requests_total{error_code=~"5.."}[5m]))'
+            " / sum(rate(ray_serve_num_http_requests_total[5m])) > "
+            f"{ERROR_RATE_THRESHOLD}",
+            "5m",
+            "critical",
+            f"More than {ERROR_RATE_THRESHOLD:.0%} of API requests fail with 5xx ({{{{ $value | humanizePercentage }}}})",
+        ),
+        _alert(
+            "PDEngineRestarts",
+            # More Serve replicas lived in the last 30 minutes than the autoscaler ever asked
+            # for: some replaced dead ones (each start is a new series of its own). Or a Ray
+            # container restarted.
+            "count by (application, deployment) (count_over_time(ray_serve_deployment_replica_starts_total[30m]))"
+            "\n  > on (application, deployment)\n"
+            "max by (application, deployment) (max_over_time(ray_serve_autoscaling_target_replicas[30m]))"
+            "\nor\n"
+            f'sum by (namespace, pod) (increase(kube_pod_container_status_restarts_total{{namespace="{namespace}"}}[15m])) > 0',
+            "0m",
+            "warning",
+            "Replicas restarted in the last 30 minutes: {{ $labels.deployment }}{{ $labels.pod }}",
+        ),
+    ]
+
+
+def prometheus_rule(
+    name: str, namespace: str, slo: SloSpec, obs: Observability, extra_groups: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    groups = [
+        {"name": "pd-slo", "rules": slo_rules(slo)},
+        {"name": "pd-service", "rules": service_rules(namespace, obs)},
+        *(extra_groups or []),
+    ]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": name, "namespace": namespace, "labels": dict(MONITORING_LABEL)},
+        "spec": {"groups": groups},
+    }
+
+
+def rule_exprs(rule: dict[str, Any]) -> list[str]:
+    return [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]

@@ -1,0 +1,309 @@
+"""The alert rules, evaluated by Prometheus's own rule engine: `promtool test rules`.
+
+What flows through here: the PrometheusRule that a stack renders (its `spec.groups` is a
+Prometheus rule file) -> `promtool check rules` (syntax, as Prometheus loads it) and
+`promtool test rules` with synthetic series for each alert: it fires on the failure it names,
+after its `for`, with its labels and annotations, and stays quiet on healthy series.
+
+promtool comes from Debian's `prometheus` package (`make test` extracts the binary into
+.cache/ when it is not on PATH; see the Makefile). Runbook sections: docs/runbooks.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.k8s import alerts
+from infra.model.config import Observability
+from infra.paths import ROOT
+from serving.spec import SloSpec
+
+NS = "llm"
+
+
+def promtool() -> str:
+    found = os.environ.get("PROMTOOL") or shutil.which("promtool")
+    cached = ROOT / ".cache" / "prometheus" / "usr" / "bin" / "promtool"
+    if not found and not cached.exists():
+        # The same step as `make test`: promtool from Debian's prometheus package, no service.
+        subprocess.run(["make", "-s", str(cached.relative_to(ROOT))], cwd=ROOT, check=True)
+    return found or str(cached)
+
+
+@pytest.fixture(scope="module")
+def rule_file(tmp_path_factory) -> Path:
+    rule = alerts.prometheus_rule("pd-inference", NS, SloSpec(), Observability())
+    d = tmp_path_factory.mktemp("rules")
+    path = d / "rules.yaml"
+    path.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}, sort_keys=False))
+    return path
+
+
+def _run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def _series(name: str, values: str, **labels: str) -> dict:
+    inner = ", ".join(f'{k}="{v}"' for k, v in labels.items())
+    return {"series": f"{name}{{{inner}}}", "values": values}
+
+
+def _annotations(alert: str, summary: str) -> dict:
+    return {"summary": summary, "runbook_url": alerts.runbook(alert)}
+
+
+def _ttft_burn(role: str, bad_per_min: int) -> list[dict]:
+    # 100 requests a minute; `bad_per_min` of them slower than the 2.5 s threshold.
+    good = 100 - bad_per_min
+    return [
+        _series("ray_vllm_time_to_first_token_seconds_bucket", f"0+{good}x120", role=role, le="2.5"),
+        _series("ray_vllm_time_to_first_token_seconds_count", "0+100x120", role=role),
+    ]
+
+
+def _tests() -> list[dict]:
+    burn = "decode: time to first token above 2.5s for more than {b}x the error budget of a 99.00% SLO (window {w})"
+    return [
+        {  # Half the requests miss the TTFT SLO: both burn windows fire, on the role that burns.
+            "interval": "1m",
+            "input_series": _ttft_burn("decode", 50) + _ttft_burn("prefill", 0),
+            "alert_rule_test": [
+                {
+                    "eval_time": "30m",
+                    "alertname": "PDTTFTBudgetBurn",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "critical", "slo": "ttft", "role": "decode"},
+                            "exp_annotations": _annotations("PDTTFTBudgetBurn", burn.format(b=14.4, w="1h")),
+                        },
+                        {
+                            "exp_labels": {"severity": "warning", "slo": "ttft", "role": "decode"},
+                            "exp_annotations": _annotations("PDTTFTBudgetBurn", burn.format(b=6.0, w="6h")),
+                        },
+                    ],
+                }
+            ],
+        },
+        {  # 0.5% slow requests is within a 99% SLO's budget: silence.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_vllm_time_to_first_token_seconds_bucket", "0+995x120", role="decode", le="2.5"),
+                _series("ray_vllm_time_to_first_token_seconds_count", "0+1000x120", role="decode"),
+                _series("ray_vllm_inter_token_latency_seconds_bucket", "0+1000x120", role="decode", le="0.1"),
+                _series("ray_vllm_inter_token_latency_seconds_count", "0+1000x120", role="decode"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "60m", "alertname": "PDTTFTBudgetBurn", "exp_alerts": []},
+                {"eval_time": "60m", "alertname": "PDITLBudgetBurn", "exp_alerts": []},
+            ],
+        },
+        {  # Every token slower than the ITL SLO on decode.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_vllm_inter_token_latency_seconds_bucket", "0+0x120", role="decode", le="0.1"),
+                _series("ray_vllm_inter_token_latency_seconds_count", "0+500x120", role="decode"),
+            ],
+            "alert_rule_test": [
+                {
+                    "eval_time": "10m",
+                    "alertname": "PDITLBudgetBurn",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": sev, "slo": "itl", "role": "decode"},
+                            "exp_annotations": _annotations(
+                                "PDITLBudgetBurn",
+                                f"decode: inter-token latency above 0.1s for more than {b}x the error budget "
+                                f"of a 99.00% SLO (window {w})",
+                            ),
+                        }
+                        for sev, b, w in (("critical", 14.4, "1h"), ("warning", 6.0, "6h"))
+                    ],
+                }
+            ],
+        },
+        {  # A Ray pod Pending longer than the stack's limit (default 15 min), not before.
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "kube_pod_status_phase", "1x40", namespace=NS, pod="llm-raycluster-decode-abc", phase="Pending"
+                ),
+                _series("kube_pod_status_phase", "1x40", namespace="other", pod="x", phase="Pending"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "10m", "alertname": "PDReplicasPending", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "PDReplicasPending",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "namespace": NS, "pod": "llm-raycluster-decode-abc"},
+                            "exp_annotations": _annotations(
+                                "PDReplicasPending",
+                                "Ray pod llm-raycluster-decode-abc has been Pending for more than 15 minutes "
+                                "(no GPU capacity, quota, or an unschedulable spec)",
+                            ),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # A GPU reports XID 79 (fallen off the bus).
+            "interval": "1m",
+            "input_series": [
+                _series("DCGM_FI_DEV_XID_ERRORS", "0 0 79 79 79", Hostname="ip-10-0-1-2", gpu="3"),
+                _series("DCGM_FI_DEV_XID_ERRORS", "0 0 0 0 0", Hostname="ip-10-0-1-2", gpu="4"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "1m", "alertname": "PDGpuXidErrors", "exp_alerts": []},
+                {
+                    "eval_time": "3m",
+                    "alertname": "PDGpuXidErrors",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "critical", "Hostname": "ip-10-0-1-2", "gpu": "3"},
+                            "exp_annotations": _annotations("PDGpuXidErrors", "GPU 3 on ip-10-0-1-2 reported XID 79"),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # 10% of requests answered 500 for 10 minutes; 4xx alone never counts.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_serve_num_http_requests_total", "0+90x20", application="llm", status_code="200"),
+                _series("ray_serve_num_http_requests_total", "0+10x20", application="llm", status_code="500"),
+                _series("ray_serve_num_http_requests_total", "0+50x20", application="llm", status_code="401"),
+                _series("ray_serve_num_http_error_requests_total", "0+10x20", application="llm", error_code="500"),
+                _series("ray_serve_num_http_error_requests_total", "0+50x20", application="llm", error_code="401"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "PDHighErrorRate", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "PDHighErrorRate",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "critical"},
+                            "exp_annotations": _annotations(
+                                "PDHighErrorRate", "More than 5% of API requests fail with 5xx (6.667%)"
+                            ),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # Decode's replica died and Serve started a new one (a new series); target stayed 1.
+            # Then a Ray container restarts. Prefill, steady, stays quiet.
+            "interval": "1m",
+            "input_series": [
+                _series(
+                    "ray_serve_deployment_replica_starts_total",
+                    "1 1 1 1 _ _ _ _ _ _ _ _",
+                    application="llm",
+                    deployment="Decode:m",
+                    replica="a",
+                ),
+                _series(
+                    "ray_serve_deployment_replica_starts_total",
+                    "_ _ _ _ _ 1 1 1 1 1 1 1",
+                    application="llm",
+                    deployment="Decode:m",
+                    replica="b",
+                ),
+                _series(
+                    "ray_serve_deployment_replica_starts_total",
+                    "1x12",
+                    application="llm",
+                    deployment="Prefill:m",
+                    replica="c",
+                ),
+                _series("ray_serve_autoscaling_target_replicas", "1x12", application="llm", deployment="Decode:m"),
+                _series("ray_serve_autoscaling_target_replicas", "1x12", application="llm", deployment="Prefill:m"),
+                _series(
+                    "kube_pod_container_status_restarts_total",
+                    "0 0 0 0 0 0 0 0 0 1 1 1",
+                    namespace=NS,
+                    pod="llm-decode-x",
+                    container="ray-decode",
+                ),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "3m", "alertname": "PDEngineRestarts", "exp_alerts": []},
+                {
+                    "eval_time": "6m",
+                    "alertname": "PDEngineRestarts",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "application": "llm", "deployment": "Decode:m"},
+                            "exp_annotations": _annotations(
+                                "PDEngineRestarts", "Replicas restarted in the last 30 minutes: Decode:m"
+                            ),
+                        }
+                    ],
+                },
+                {
+                    "eval_time": "11m",
+                    "alertname": "PDEngineRestarts",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "application": "llm", "deployment": "Decode:m"},
+                            "exp_annotations": _annotations(
+                                "PDEngineRestarts", "Replicas restarted in the last 30 minutes: Decode:m"
+                            ),
+                        },
+                        {
+                            "exp_labels": {"severity": "warning", "namespace": NS, "pod": "llm-decode-x"},
+                            "exp_annotations": _annotations(
+                                "PDEngineRestarts", "Replicas restarted in the last 30 minutes: llm-decode-x"
+                            ),
+                        },
+                    ],
+                },
+            ],
+        },
+    ]
+
+
+def test_rules_load_in_prometheus(rule_file):
+    r = _run("check", "rules", str(rule_file), cwd=rule_file.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_alert_behaves_under_prometheus_rule_engine(rule_file):
+    tests = rule_file.parent / "alerts_test.yaml"
+    tests.write_text(
+        yaml.safe_dump(
+            {"rule_files": [rule_file.name], "evaluation_interval": "1m", "tests": _tests()}, sort_keys=False
+        )
+    )
+    r = _run("test", "rules", tests.name, cwd=rule_file.parent)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_alert_has_a_test_and_a_runbook_section(rule_file):
+    groups = yaml.safe_load(rule_file.read_text())["groups"]
+    names = {r["alert"] for g in groups for r in g["rules"]}
+    tested = {t["alertname"] for case in _tests() for t in case["alert_rule_test"]}
+    assert names <= tested, f"alerts without a promtool test: {sorted(names - tested)}"
+    runbooks = (ROOT / "docs" / "runbooks.md").read_text()
+    for name in names:
+        assert f"## {name}" in runbooks, f"docs/runbooks.md has no section for {name}"
+
+
+def test_promtool_catches_a_renamed_metric(rule_file, tmp_path):
+    """A rule whose metric was renamed no longer fires on the series the stack exports."""
+    broken = rule_file.read_text().replace("DCGM_FI_DEV_XID_ERRORS", "DCGM_FI_DEV_XID_ERROR")
+    (tmp_path / "rules.yaml").write_text(broken)
+    (tmp_path / "t.yaml").write_text(
+        yaml.safe_dump(
+            {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [_tests()[4]]}, sort_keys=False
+        )
+    )
+    r = _run("test", "rules", "t.yaml", cwd=tmp_path)
+    assert r.returncode != 0

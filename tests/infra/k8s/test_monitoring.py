@@ -1,0 +1,212 @@
+"""The observability objects every stack renders, checked against what really consumes them.
+
+What flows through here: each shipped stack's rendered manifests (Pulumi mocks) ->
+- the PodMonitor, ServiceMonitors and PrometheusRule against the Prometheus Operator CRDs
+  that the pinned kube-prometheus-stack installs (vendored, jsonschema);
+- the Helm releases: kube-prometheus-stack and the DCGM exporter pinned, DCGM on GPU nodes
+  only, tolerating the GPU taint; Prometheus on the system nodes with retention and encrypted
+  storage from the stack file;
+- every PromQL expression of every rule and dashboard panel parsed by promql-parser, and
+  every metric name traced to its exporter (see tests/infra/k8s/metric_sources.py).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import yaml
+
+from infra.k8s import monitoring
+from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
+from infra.model import catalog, versions
+from tests.conftest import STACKS
+from tests.infra.k8s import metric_sources as ms
+
+CRD_FILES = {
+    "PodMonitor": "crd-podmonitors.yaml",
+    "ServiceMonitor": "crd-servicemonitors.yaml",
+    "PrometheusRule": "crd-prometheusrules.yaml",
+}
+
+
+def _schema(kind: str) -> dict:
+    path = ms.CRD_DIR / CRD_FILES[kind]
+    assert path.is_file(), f"Prometheus Operator CRD not found at {path}: set PROMETHEUS_OPERATOR_CRD_DIR"
+    crd = next(d for d in yaml.safe_load_all(path.read_text()) if d)
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def _validate(obj: dict, schema: dict) -> None:
+    # Not jsonschema.validate(): that first checks the schema itself, and the CRDs hold Go
+    # regexes (e.g. "^(?i)(abort|warn)?$") that Python's re does not accept; patterns are only
+    # compiled here for fields an object sets.
+    jsonschema.Draft202012Validator(schema).validate(obj)
+
+
+@pytest.fixture(params=STACKS)
+def stack(request, rendered_stacks):
+    return rendered_stacks[request.param]
+
+
+def _objects(stack, kind: str) -> list[dict]:
+    return [o for o in stack.manifests().values() if o.get("kind") == kind]
+
+
+def _helm(stack, chart: str) -> dict:
+    (doc,) = [o for o in stack.manifests().values() if o.get("chart") == chart]
+    return doc
+
+
+def test_monitors_and_rules_validate_against_the_prometheus_operator_crds(stack):
+    seen = set()
+    for kind in CRD_FILES:
+        schema = _schema(kind)
+        for obj in _objects(stack, kind):
+            _validate(obj, schema)
+            seen.add(kind)
+    assert seen == set(CRD_FILES)
+
+
+def test_the_crd_schema_rejects_a_broken_monitor(stack):
+    """The validation can fail: a string where the CRD wants a list of endpoints."""
+    (pm,) = [o for o in _objects(stack, "PodMonitor") if o["metadata"]["name"] == "ray"]
+    bad = json.loads(json.dumps(pm))
+    bad["spec"]["podMetricsEndpoints"] = "metrics"
+    with pytest.raises(jsonschema.ValidationError):
+        _validate(bad, _schema("PodMonitor"))
+
+
+def test_ray_pods_are_scraped_on_kuberays_metrics_port_with_their_role(stack):
+    """KubeRay v1.7.0 (ray-operator/controllers/ray/common/pod.go): the Ray container gets a
+    port named `metrics` (8080) unless it has one, Ray starts with --metrics-export-port=8080,
+    and `labelPod` sets ray.io/is-ray-node=yes, ray.io/node-type and ray.io/group (= groupName)."""
+    (pm,) = [o for o in _objects(stack, "PodMonitor") if o["metadata"]["name"] == "ray"]
+    ns = stack.config.namespace
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": [ns]}
+    assert pm["spec"]["selector"] == {"matchLabels": {"ray.io/is-ray-node": "yes"}}
+    (ep,) = pm["spec"]["podMetricsEndpoints"]
+    assert ep["port"] == "metrics"
+    role_rules = [r for r in ep["relabelings"] if r["targetLabel"] == monitoring.ROLE]
+    # The group name first (prefill, decode), then the head's own value.
+    assert [r["sourceLabels"] for r in role_rules] == [
+        ["__meta_kubernetes_pod_label_ray_io_group"],
+        ["__meta_kubernetes_pod_label_ray_io_node_type"],
+    ]
+    assert role_rules[1]["regex"] == "head" and role_rules[1]["replacement"] == "head"
+    # The worker groups are named after the roles the dashboards and rules group by.
+    rs = next(o for o in stack.manifests().values() if o.get("kind") == "RayService")
+    groups = {g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    assert groups == set(stack.config.serving.engine_roles())
+    for c in [rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]]:
+        # No port of ours may take the name or number KubeRay's metrics port needs.
+        assert all(p.get("name") != "metrics" and p["containerPort"] != 8080 for p in c.get("ports", []))
+    # Prometheus may reach that port from the monitoring namespace.
+    (np_,) = [o for o in _objects(stack, "NetworkPolicy") if o["metadata"]["name"] == "allow-prometheus-scrape"]
+    assert np_["metadata"]["namespace"] == ns
+    assert np_["spec"]["ingress"][0]["ports"] == [{"port": 8080, "protocol": "TCP"}]
+
+
+def test_kuberay_operator_is_scraped_on_its_service_port(stack):
+    """helm-chart/kuberay-operator/templates/service.yaml (v1.7.0): port `http` (8080, /metrics),
+    selector app.kubernetes.io/name = the chart name."""
+    (sm,) = [o for o in _objects(stack, "ServiceMonitor") if o["metadata"]["name"] == "kuberay-operator"]
+    assert sm["spec"]["selector"] == {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+    assert sm["spec"]["endpoints"][0]["port"] == "http"
+    assert sm["metadata"]["namespace"] == "kuberay-system"
+
+
+def test_every_monitor_and_rule_is_selected_by_prometheus(stack):
+    values = _helm(stack, "kube-prometheus-stack")["values"]["prometheus"]["prometheusSpec"]
+    for kind, sel in (
+        ("PodMonitor", "podMonitorSelector"),
+        ("ServiceMonitor", "serviceMonitorSelector"),
+        ("PrometheusRule", "ruleSelector"),
+    ):
+        want = values[sel]["matchLabels"]
+        for obj in _objects(stack, kind):
+            assert want.items() <= obj["metadata"]["labels"].items(), obj["metadata"]["name"]
+    dcgm = _helm(stack, "dcgm-exporter")["values"]["serviceMonitor"]
+    assert (
+        dcgm["enabled"] and values["serviceMonitorSelector"]["matchLabels"].items() <= dcgm["additionalLabels"].items()
+    )
+
+
+def test_metrics_stack_runs_on_system_nodes_with_sized_encrypted_storage(stack):
+    doc = _helm(stack, "kube-prometheus-stack")
+    assert doc["version"] == versions.KUBE_PROMETHEUS_STACK.version
+    assert doc["repository"] == versions.KUBE_PROMETHEUS_STACK.repo
+    spec = doc["values"]["prometheus"]["prometheusSpec"]
+    obs = stack.config.observability
+    assert spec["nodeSelector"] == {ROLE_LABEL: SYSTEM_ROLE}
+    assert spec["retention"] == f"{obs.retention_days}d"
+    claim = spec["storageSpec"]["volumeClaimTemplate"]["spec"]
+    assert claim["resources"]["requests"]["storage"] == f"{obs.storage_gib}Gi"
+    assert claim["storageClassName"] == monitoring.STORAGE_CLASS
+    # The size cap leaves room on the volume for the WAL and compaction.
+    assert int(spec["retentionSize"].removesuffix("GB")) * 1e9 < obs.storage_gib * 2**30
+    (sc,) = [o for o in _objects(stack, "StorageClass") if o["metadata"]["name"] == monitoring.STORAGE_CLASS]
+    assert sc["parameters"]["encrypted"] == "true" and sc["provisioner"] == "ebs.csi.aws.com"
+
+
+def test_dcgm_exporter_runs_only_on_gpu_nodes_and_tolerates_their_taint(stack):
+    doc = _helm(stack, "dcgm-exporter")
+    assert doc["version"] == versions.DCGM_EXPORTER.version
+    values = doc["values"]
+    (term,) = values["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    (expr,) = term["matchExpressions"]
+    assert expr["key"] == "node.kubernetes.io/instance-type" and expr["operator"] == "In"
+    assert set(expr["values"]) == set(catalog.CATALOG)  # every GPU type, nothing else
+    assert {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"} in values["tolerations"]
+    # The deployed counters are the vendored list the metric-name check reads.
+    assert values["customMetrics"] == monitoring.dcgm_counters_csv()
+
+
+def test_dashboards_are_provisioned_configmaps_built_by_the_sdk(stack):
+    maps = [o for o in _objects(stack, "ConfigMap") if o["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    assert maps, "no dashboard ConfigMap"
+    (board,) = [json.loads(v) for v in maps[0]["data"].values()]
+    titles = {p["title"] for p in board["panels"]}
+    for needle in (
+        "Time to first token",
+        "Inter-token latency",
+        "Time per output token",
+        "Waiting requests",
+        "KV-cache usage",
+        "Prefix-cache hit rate",
+        "KV bytes per request",
+        "KV transfer time",
+        "GPU utilisation",
+        "HBM used",
+        "Power",
+        "XID errors (last XID per GPU)",
+        "Requests by status (ingress)",
+    ):
+        assert needle in titles, needle
+
+
+def test_every_expression_parses_and_every_metric_has_an_exporter(rendered_stacks):
+    exprs = ms.shipped_expressions(rendered_stacks)
+    assert len(exprs) > 20
+    problems = ms.unknown_names(exprs, ms.live_snapshot())
+    assert not problems, "\n".join(problems)
+
+
+def test_a_renamed_metric_is_caught(rendered_stacks):
+    """The check can fail: rename one metric in one rule, as a careless edit would."""
+    exprs = ms.shipped_expressions(rendered_stacks)
+    where = next(k for k, v in exprs.items() if ": rule " in k and "ray_vllm_time_to_first_token_seconds" in v)
+    broken = {**exprs, where: exprs[where].replace("ray_vllm_time_to_first_token_seconds", "ray_vllm_ttft_seconds")}
+    assert any("ray_vllm_ttft_seconds_bucket" in p for p in ms.unknown_names(broken, ms.live_snapshot()))
+    with pytest.raises(ValueError):
+        ms.parse("sum(rate(ray_vllm_num_requests_running[5m])")
+
+
+def test_slo_thresholds_are_bucket_bounds_in_the_rules(stack):
+    slo = stack.config.serving.slo
+    rule = _objects(stack, "PrometheusRule")[0]
+    exprs = "\n".join(r["expr"] for g in rule["spec"]["groups"] for r in g["rules"])
+    assert f'le="{float(slo.ttft_seconds)!r}"' in exprs
+    assert f'le="{float(slo.itl_seconds)!r}"' in exprs

@@ -1,0 +1,96 @@
+"""Every Ray, Serve and vLLM metric that the rules and dashboards use, found in a live scrape.
+
+What flows through here: the shared e2e stack (`make serve` with both apps) gets the
+traffic whose metrics the rules read (P/D and aggregated completions, a 401 and a 404) ->
+every Ray node's metrics endpoint (Ray's metrics export port: the one KubeRay exposes as the
+pod's `metrics` port) is scraped -> the metric names of every shipped rule and dashboard
+expression (parsed by promql-parser) must all be there; so must every name in the offline
+snapshot (tests/infra/k8s/data/ray-live-metric-names.txt) and the SLO thresholds as `le`
+bucket bounds of vLLM's histograms. `PD_UPDATE_METRIC_SNAPSHOT=1` rewrites the snapshot
+from this scrape (only names the expressions use).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from tests.infra.k8s import metric_sources as ms
+
+SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s")
+
+
+def _scrape(stack) -> str:
+    return "\n".join(httpx.get(n["metrics_url"], timeout=20).text for n in stack.nodes)
+
+
+def _names(text: str) -> set[str]:
+    return {m.group(1) for line in text.splitlines() if (m := SERIES.match(line))}
+
+
+def _drive(stack) -> None:
+    key = {"Authorization": f"Bearer {stack.api_key}"}
+    body = {"model": stack.model, "prompt": "Metrics for the dashboards. " * 8, "max_tokens": 8, "temperature": 0}
+    for url in stack.urls.values():
+        for _ in range(3):
+            assert httpx.post(f"{url}/completions", json=body, headers=key, timeout=120).status_code == 200
+        assert httpx.post(f"{url}/completions", json=body, timeout=60).status_code == 401
+        assert (
+            httpx.post(
+                f"{url}/completions", json={**body, "model": "no-such-model"}, headers=key, timeout=60
+            ).status_code
+            == 404
+        )
+
+
+@pytest.mark.e2e
+def test_every_metric_the_rules_and_dashboards_use_is_exported_by_the_live_stack(stack, rendered_stacks):
+    exprs = ms.shipped_expressions(rendered_stacks)
+    used = {n for e in exprs.values() for n in ms.metric_names(e) if n.startswith("ray_")}
+    assert used, "no Ray metric used: the expressions were not found"
+    _drive(stack)
+    # Ray exports engine metrics every few seconds: wait until everything used has arrived.
+    deadline, text = time.monotonic() + 90, ""
+    while True:
+        text = _scrape(stack)
+        live = _names(text)
+        if used <= live or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    if os.environ.get("PD_UPDATE_METRIC_SNAPSHOT") == "1":
+        ms.LIVE_SNAPSHOT.write_text(
+            "# Ray/Serve/vLLM metric names the rules and dashboards use, seen in a live scrape of the local\n"
+            "# stack (tests/serving/test_metrics_live.py; PD_UPDATE_METRIC_SNAPSHOT=1 rewrites this file).\n"
+            + "".join(f"{n}\n" for n in sorted(used & live))
+        )
+    problems = ms.unknown_names(exprs, live)
+    assert not problems, "\n".join(problems)
+    stale = ms.live_snapshot() - live
+    assert not stale, f"the offline snapshot names metrics the live stack does not export: {sorted(stale)}"
+
+
+@pytest.mark.e2e
+def test_make_serve_says_where_its_metrics_are(stack):
+    (line,) = [line for line in stack.output if "metrics (Prometheus text format):" in line]
+    for node in stack.nodes:
+        assert f"{node['label']} {node['metrics_url']}" in line
+        assert "ray_vllm_" in httpx.get(node["metrics_url"], timeout=20).text or node["label"] == "head"
+
+
+@pytest.mark.e2e
+def test_slo_thresholds_are_bucket_bounds_of_the_live_histograms(stack):
+    """An SLO burn rule reads the bucket whose `le` IS the threshold (infra/k8s/alerts.py)."""
+    from serving.spec import ITL_BUCKETS_S, TTFT_BUCKETS_S
+
+    text = _scrape(stack)
+    for metric, bounds in (
+        ("ray_vllm_time_to_first_token_seconds_bucket", TTFT_BUCKETS_S),
+        ("ray_vllm_inter_token_latency_seconds_bucket", ITL_BUCKETS_S),
+    ):
+        les = set(re.findall(rf'^{metric}\{{[^}}]*le="([^"]+)"', text, flags=re.M))
+        assert les, f"{metric} not exported"
+        assert {repr(float(b)) for b in bounds} <= les, (metric, sorted(les))
