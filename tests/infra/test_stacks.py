@@ -43,7 +43,13 @@ def test_registers_cluster_system_group_gpu_pools_plugins_and_operator(stack):
     assert len(system) == 1 and system[0].inputs["labels"] == {ROLE_LABEL: "system"}
     assert set(_gpu_groups(stack)) == {"prefill", "decode"}
     charts = {r.inputs["chart"] for r in res.of_type(CHART)}
-    assert charts == {"nvidia-device-plugin", "aws-efa-k8s-device-plugin", "kuberay-operator"}
+    assert charts == {
+        "nvidia-device-plugin",
+        "aws-efa-k8s-device-plugin",
+        "kuberay-operator",
+        "kube-prometheus-stack",
+        "dcgm-exporter",
+    }
 
 
 def test_gpu_pools_efa_taint_label_ami(stack):
@@ -86,7 +92,14 @@ def test_p5_and_p4de_pools_have_efa(rendered_stacks):
 
 def test_charts_pinned_to_versions_module(stack):
     pinned = {
-        c.chart: c for c in (versions.NVIDIA_DEVICE_PLUGIN, versions.EFA_DEVICE_PLUGIN, versions.KUBERAY_OPERATOR)
+        c.chart: c
+        for c in (
+            versions.NVIDIA_DEVICE_PLUGIN,
+            versions.EFA_DEVICE_PLUGIN,
+            versions.KUBERAY_OPERATOR,
+            versions.KUBE_PROMETHEUS_STACK,
+            versions.DCGM_EXPORTER,
+        )
     }
     for chart in stack.result.of_type(CHART):
         want = pinned[chart.inputs["chart"]]
@@ -125,7 +138,7 @@ def test_cluster_encryption_logging_auth_and_endpoint(stack):
         assert "publicAccessCidrs" not in cluster
     if cluster["endpointPublicAccess"]:
         assert cluster["publicAccessCidrs"] and "0.0.0.0/0" not in cluster["publicAccessCidrs"]
-    addon = stack.result.one("aws:eks/addon:Addon").inputs
+    addon = stack.result.one("aws:eks/addon:Addon", "eks-pod-identity-agent").inputs
     assert addon["addonName"] == "eks-pod-identity-agent"
 
 

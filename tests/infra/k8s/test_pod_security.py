@@ -27,6 +27,10 @@ from tests.conftest import STACKS
 PRIVILEGED_EXCEPTIONS = {
     "nvidia-device-plugin": "registers nvidia.com/gpu with the kubelet over a hostPath socket",
     "aws-efa-k8s-device-plugin": "registers vpc.amazonaws.com/efa with the kubelet over a hostPath socket",
+    # Monitoring (infra/components/observability.py), outside the workload namespace.
+    "kube-prometheus-stack": "its node-exporter reads host metrics with hostNetwork, hostPID and read-only hostPath mounts",
+    "dcgm-exporter": "reads GPU telemetry through the driver as root with CAP_SYS_ADMIN (DCGM profiling counters) "
+    "and the kubelet's pod-resources socket (hostPath)",
 }
 UNPRIVILEGED_CHARTS = {"kuberay-operator"}
 
