@@ -39,23 +39,26 @@ GPU_METRICS_NAMESPACE = "gpu-monitoring"
 
 @dataclass
 class ObservabilityArgs:
-    """provider: the cluster's Kubernetes provider. cluster_name: for the EKS add-on and Pod
-    Identity. settings: the stack's `observability` block. slo: the serving spec's SLOs.
-    llm_namespace: where the RayService runs. gpu_instance_types: where DCGM runs.
-    targets: extra ServiceMonitors (KubeRay operator, node autoscaler, ...).
-    extra_rule_groups: more PrometheusRule groups (the KV-transfer alerts).
-    depends_on: what must exist first (the node groups the charts run on)."""
-
     provider: k8s.Provider
+    """Kubernetes provider of the cluster."""
     cluster_name: pulumi.Input[str]
+    """EKS cluster name: the EBS CSI add-on and the Pod Identity associations attach to it."""
     settings: Observability
+    """The stack's `observability` block: which pipeline, retention, volume size, intervals."""
     slo: SloSpec
+    """The serving spec's SLOs, for the burn-rate alerts."""
     llm_namespace: str
+    """Namespace of the RayService: its pods are scraped and its rules live there."""
     gpu_instance_types: list[str]
+    """Instance types the DCGM exporter may run on (GPU nodes only)."""
     targets: list[monitoring.ScrapeTarget] = field(default_factory=list)
+    """Services to scrape besides the Ray pods (KubeRay operator, node autoscaler, ...)."""
     extra_rule_groups: list[dict[str, Any]] = field(default_factory=list)
+    """More PrometheusRule groups (the KV-transfer alerts)."""
     region: str | None = None
+    """AWS region, for SigV4 remote write to Amazon Managed Prometheus."""
     tags: dict[str, str] = field(default_factory=dict)
+    """AWS tags of every AWS resource this component creates."""
 
 
 class ObservabilityStack(pulumi.ComponentResource):
