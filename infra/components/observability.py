@@ -63,7 +63,6 @@ class ObservabilityArgs:
 
 class ObservabilityStack(pulumi.ComponentResource):
     prometheus_url: pulumi.Output[str]
-    grafana_url: pulumi.Output[str | None]
     workspace_id: pulumi.Output[str | None]
 
     def __init__(self, name: str, args: ObservabilityArgs, opts: pulumi.ResourceOptions | None = None):
