@@ -13,6 +13,9 @@ builders' `ingress_cls_config`:
     and no key configured, every request is refused (401) rather than served open.
   * One error shape for every failure the ingress answers itself:
     {"error": {"message", "type", "param", "code"}} with 400 / 401 / 404 / 503 / 500.
+  * Hybrid routing for chat and completions (serving/hybrid.py): per-key limits, the
+    cluster or the external fallback, `x-served-by`, usage per key; configured through the
+    deployment's user_config (`reconfigure`), so it changes without restarting engines.
 Ray Serve's own `/-/healthz` and `/-/routes` are answered by the proxy and stay open.
 
 Only public `ray.serve.llm` APIs are used here.
@@ -42,7 +45,9 @@ from ray.serve.llm.openai_api_models import (
 )
 from starlette.responses import JSONResponse, Response
 
-from serving.spec import API_KEYS_ENV, AuthMode, parse_api_keys
+from serving.fallback import SERVED_BY
+from serving.hybrid import HybridRouting
+from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
 
@@ -185,12 +190,53 @@ class AuthenticatedIngress(OpenAiIngress):
         super().__init__(llm_deployments, model_cards, **kwargs)
         keys = parse_api_keys(os.environ.get(api_keys_env))
         self._auth = ApiKeyAuth(auth_mode, keys)
+        self._hybrid = self._make_hybrid()
         if self._auth.enabled and not keys:
             logger.warning(
                 "auth is %r but %s holds no keys: every request will get 401",
                 auth_mode,
                 api_keys_env,
             )
+
+    # --- hybrid routing (serving/hybrid.py): limits, cluster or fallback, usage ----------
+    def _make_hybrid(self) -> HybridRouting:
+        try:
+            from ray import serve
+
+            ctx = serve.get_replica_context()
+            app_name, own = ctx.app_name, ctx.deployment
+        except Exception:  # outside a Serve replica (unit tests)
+            app_name, own = APP_NAME, INGRESS_DEPLOYMENT
+
+        def engine(model: str) -> str | None:
+            return getattr(self._default_serve_handles.get(model), "deployment_name", None)
+
+        def default_model() -> str | None:
+            return next(iter(self._model_cards)) if len(self._model_cards) == 1 else None
+
+        return HybridRouting(
+            auth_enabled=self._auth.enabled,
+            app_name=app_name,
+            own_deployment=own,
+            engine_deployment=engine,
+            default_model=default_model,
+            error_response=error_response,
+        )
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's lightweight update: the fallback and limits from the Serve config's
+        `deployments[].user_config` (ServingSpec.ingress_user_config), no restart."""
+        await self._hybrid.reconfigure(user_config)
+
+    async def on_unservable(self, body: Any, raw_request: Request, failure: Any) -> Response | None:
+        """The resilience layer's hook: the cluster cannot serve `body` (before any byte was
+        sent). The external fallback answers when it is configured for that reason."""
+        reason = _UNSERVABLE.get(str(getattr(failure.reason, "value", failure.reason)))
+        if reason is None:
+            return None
+        data = body.model_dump(exclude_unset=True) if hasattr(body, "model_dump") else dict(body)
+        endpoint = "chat" if "messages" in data else "completions"
+        return await self._hybrid.unservable(endpoint, data, raw_request, reason, str(getattr(failure, "message", "")))
 
     async def _typed_call(self, request: Request, model_cls, parent_method) -> Response:
         denied = self._auth.check(request)
@@ -203,17 +249,23 @@ class AuthenticatedIngress(OpenAiIngress):
             typed = _adapter(model_cls).validate_python(body)
         except ValidationError as err:
             return _validation_error(err)
+        endpoint = _HYBRID_ENDPOINTS.get(model_cls)
         try:
-            return await parent_method(typed, request)
+            if endpoint is None:
+                return await parent_method(typed, request)
+            # The body may gain stream_options.include_usage (usage is metered): parse again.
+            return await self._hybrid.handle(
+                request, body, endpoint, lambda b: parent_method(_adapter(model_cls).validate_python(b), request)
+            )
         except Exception as exc:
             return _from_exception(exc)
 
     # --- the OpenAI endpoints (route table: Ray's DEFAULT_ENDPOINTS) -----------------
     async def chat(self, request: Request) -> Response:
-        return await self._typed_call(request, ChatCompletionRequest, super().chat)
+        return _served_by(await self._typed_call(request, ChatCompletionRequest, super().chat))
 
     async def completions(self, request: Request) -> Response:
-        return await self._typed_call(request, CompletionRequest, super().completions)
+        return _served_by(await self._typed_call(request, CompletionRequest, super().completions))
 
     async def models(self, request: Request):
         denied = self._auth.check(request)
@@ -267,6 +319,23 @@ class AuthenticatedIngress(OpenAiIngress):
 @cache
 def _adapter(model_cls) -> TypeAdapter:
     return TypeAdapter(model_cls)
+
+
+# The endpoints hybrid routing handles, and faults13's unservable reasons in `fallback.when` terms.
+_HYBRID_ENDPOINTS = {ChatCompletionRequest: "chat", CompletionRequest: "completions"}
+_UNSERVABLE = {
+    "decode_unavailable": "unavailable",
+    "engine_error": "unavailable",
+    "overloaded": "overloaded",
+    "deadline": "deadline",
+}
+
+
+def _served_by(resp: Response) -> Response:
+    """Every chat/completion answer says where it came from; the ingress's own are the cluster's."""
+    if SERVED_BY not in resp.headers:
+        resp.headers[SERVED_BY] = "cluster"
+    return resp
 
 
 def _body_type(endpoint: str) -> type:

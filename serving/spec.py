@@ -12,12 +12,14 @@ and the Pulumi program must not need Ray or vLLM.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import pairwise
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
@@ -380,6 +382,119 @@ class SloSpec(SpecModel):
         return v
 
 
+# --- hybrid routing: the external fallback and per-key limits (issue 14) ----------------------
+# The environment variable holding the fallback provider's API key in the ingress replicas; in
+# the cloud it is fed from a Kubernetes Secret (the stack's fallbackApiKey Pulumi secret).
+FALLBACK_API_KEY_ENV = "PD_FALLBACK_API_KEY"
+# Ray's builders name the ingress deployment after its class (serving.app.AuthenticatedIngress);
+# the Serve config addresses it by this name to hand it its user_config.
+INGRESS_DEPLOYMENT = "AuthenticatedIngress"
+# An API key's id in metric labels and in `limits.keys`: never the key itself.
+KEY_ID_RE = re.compile(r"^k-[0-9a-f]{12}$")
+
+
+def key_id(api_key: str) -> str:
+    """`k-` + the first 12 hex digits of the key's SHA-256 (what labels and limits use)."""
+    return "k-" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
+
+
+class FallbackWhen(str, Enum):
+    UNAVAILABLE = "unavailable"  # an engine deployment has no running replica, or failed before its first byte
+    OVERLOADED = "overloaded"  # ongoing requests per decode replica at overflowAt, or Serve's queue is full
+    DEADLINE = "deadline"  # a stream's first token did not come within firstTokenTimeoutS
+
+
+class FallbackSpec(SpecModel):
+    """An external OpenAI-compatible API that takes requests the cluster cannot serve."""
+
+    base_url: str = Field(description="The provider's OpenAI-compatible /v1 root, e.g. https://api.example.com/v1.")
+    model: str | dict[str, str] = Field(
+        description="The provider's model name for serving.model.id, or a map {our model id: theirs}."
+    )
+    when: list[FallbackWhen] = Field(default_factory=lambda: list(FallbackWhen))
+    overflow_at: int | None = Field(
+        default=None,
+        ge=1,
+        description="Ongoing requests per running decode replica at which new requests overflow "
+        "to the fallback (default: the decode role's maxOngoingRequests).",
+    )
+    first_token_timeout_s: float = Field(default=30.0, gt=0, le=600)
+    timeout_s: float = Field(default=120.0, gt=0, le=3600)
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    retries: int = Field(default=2, ge=0, le=5, description="Retries of failed connections (never of answers).")
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url(cls, v: str) -> str:
+        u = urlsplit(v)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise ValueError(f"{v!r} is not an http(s) URL (an OpenAI-compatible /v1 root)")
+        if u.username or u.password:
+            raise ValueError("the URL carries credentials: put the key in the fallback API key secret instead")
+        if u.query or u.fragment:
+            raise ValueError(f"{v!r} has a query or fragment: give the /v1 root only")
+        return v.rstrip("/")
+
+    @field_validator("model")
+    @classmethod
+    def _model(cls, v: str | dict[str, str]) -> str | dict[str, str]:
+        names = [v] if isinstance(v, str) else [*v.keys(), *v.values()]
+        if not names or any(not n.strip() for n in names):
+            raise ValueError("model names must not be empty")
+        return v
+
+    @field_validator("when")
+    @classmethod
+    def _when(cls, v: list[FallbackWhen]) -> list[FallbackWhen]:
+        if not v:
+            raise ValueError("list at least one of unavailable, overloaded, deadline (or drop the fallback section)")
+        if len(set(v)) != len(v):
+            raise ValueError("an entry is listed twice")
+        return v
+
+    @property
+    def plain_http(self) -> bool:
+        return urlsplit(self.base_url).scheme == "http"
+
+    @property
+    def host(self) -> str:
+        return urlsplit(self.base_url).hostname or ""
+
+    @property
+    def port(self) -> int:
+        u = urlsplit(self.base_url)
+        return u.port or (80 if u.scheme == "http" else 443)
+
+    def models_for(self, model_id: str) -> dict[str, str]:
+        return {model_id: self.model} if isinstance(self.model, str) else dict(self.model)
+
+
+class KeyLimitSpec(SpecModel):
+    """Requests and tokens (prompt + completion) per sliding minute; 0 means no limit."""
+
+    requests_per_minute: int = Field(default=0, ge=0)
+    tokens_per_minute: int = Field(default=0, ge=0)
+
+
+class LimitsSpec(KeyLimitSpec):
+    """Per-API-key limits: the defaults above for every key, `keys` overriding them by key id
+    (`k-` + 12 hex of the key's SHA-256, as in the usage metrics; `python -m serving.limits`
+    prints a key's id)."""
+
+    keys: dict[str, KeyLimitSpec] = Field(default_factory=dict)
+
+    @field_validator("keys")
+    @classmethod
+    def _ids(cls, v: dict[str, KeyLimitSpec]) -> dict[str, KeyLimitSpec]:
+        bad = [k for k in v if not KEY_ID_RE.match(k)]
+        if bad:
+            raise ValueError(
+                f"{bad[0]!r} is not a key id (k- and 12 hex digits): never put an API key itself in a "
+                "stack; get its id with `python -m serving.limits`"
+            )
+        return v
+
+
 @dataclass(frozen=True)
 class Target:
     """Where a rendered application runs: the only thing the cloud and local runs differ in.
@@ -412,6 +527,10 @@ class ServingSpec(SpecModel):
     streaming: StreamingSpec = Field(default_factory=StreamingSpec)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     slo: SloSpec = Field(default_factory=SloSpec)
+    # Hybrid routing (serving/hybrid.py): an external provider for what the cluster cannot
+    # serve, and per-API-key limits. See docs/hybrid-routing.md.
+    fallback: FallbackSpec | None = None
+    limits: LimitsSpec = Field(default_factory=LimitsSpec)
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -440,6 +559,11 @@ class ServingSpec(SpecModel):
             problem = self._pd_layout_problem()
             if problem:
                 raise ValueError(problem)
+        if self.fallback is not None and self.model.id not in self.fallback.models_for(self.model.id):
+            raise ValueError(
+                f"fallback.model maps no external model to serving.model.id {self.model.id!r}: "
+                "give one name, or a map with that id as a key"
+            )
         labels = [self.placement.head, self.placement.prefill, self.placement.decode]
         if len(set(labels)) != 3:
             raise ValueError("placement.head, placement.prefill and placement.decode must differ")
@@ -589,6 +713,43 @@ class ServingSpec(SpecModel):
             args["decode_config"] = self._llm_config("decode", roles["decode"], target)
         return args
 
+    def ingress_user_config(self) -> dict[str, Any]:
+        """The ingress deployment's user_config: the fallback and the per-key limits.
+
+        A user_config change reaches the running ingress through `reconfigure` (Serve's
+        lightweight update); application `args` changes rebuild every deployment, engines
+        included. So what operators tune (limits, provider) lives here, not in args.
+        """
+        fb = self.fallback
+        fallback = None
+        if fb is not None:
+            fallback = {
+                "base_url": fb.base_url,
+                "models": fb.models_for(self.model.id),
+                "when": [w.value for w in fb.when],
+                # The engine deployment the ingress calls: decode (or the aggregated engine).
+                "overflow_at": fb.overflow_at or self.decode.max_ongoing_requests,
+                "first_token_timeout_s": fb.first_token_timeout_s,
+                "timeout_s": fb.timeout_s,
+                "connect_timeout_s": fb.connect_timeout_s,
+                "retries": fb.retries,
+                "api_key_env": FALLBACK_API_KEY_ENV,
+            }
+        limits = self.limits
+        return {
+            "fallback": fallback,
+            "limits": {
+                "requests_per_minute": limits.requests_per_minute,
+                "tokens_per_minute": limits.tokens_per_minute,
+                "keys": {
+                    k: {"requests_per_minute": v.requests_per_minute, "tokens_per_minute": v.tokens_per_minute}
+                    for k, v in sorted(limits.keys.items())
+                },
+                # Where the shared limits actor lives: with the ingress, on the head.
+                "label_selector": {self.placement.label_key: self.placement.head},
+            },
+        }
+
     def serve_config(self, target: Target, *, port: int = SERVE_PORT) -> dict[str, Any]:
         """The Serve config (RayService serveConfigV2 / `serve deploy` file) for `target`."""
         app: dict[str, Any] = {
@@ -596,6 +757,7 @@ class ServingSpec(SpecModel):
             "route_prefix": "/",
             "import_path": APP_IMPORT_PATH,
             "args": self.app_args(target),
+            "deployments": [{"name": INGRESS_DEPLOYMENT, "user_config": self.ingress_user_config()}],
         }
         if target.working_dir:
             app["runtime_env"] = {"working_dir": target.working_dir}

@@ -26,9 +26,20 @@ import time
 from pathlib import Path
 
 from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
-from serving.local.config import AGGREGATED_PREFIX, HOST, MODEL_ID, MODES, app_urls, cluster_env, render_local_config
+from serving.local.config import (
+    AGGREGATED_PREFIX,
+    HOST,
+    MODEL_ID,
+    MODES,
+    LocalConfigError,
+    app_urls,
+    cluster_env,
+    hybrid_from_env,
+    local_spec,
+    render_local_config,
+)
 from serving.local.procs import AlreadyRunning, instance_lock, port_in_use
-from serving.spec import API_KEYS_ENV, parse_api_keys
+from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, Mode, parse_api_keys
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -89,6 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
+    # Hybrid routing from the environment: refuse bad values before anything starts.
+    try:
+        hybrid = hybrid_from_env(dict(os.environ))
+        local_spec(Mode.DISAGGREGATED, Path("/models/check"), hybrid=hybrid)
+    except LocalConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
     auth = not args.no_auth
     keys = list(parse_api_keys(os.environ.get(API_KEYS_ENV)))
     if auth and not keys:
@@ -106,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
 
         say("building or loading the tiny model (random weights, local tokenizer)")
         model_dir = ensure_tiny_model()
-        config = render_local_config(args.mode, model_dir, port=args.port, auth=auth)
+        config = render_local_config(args.mode, model_dir, port=args.port, auth=auth, hybrid=hybrid)
+        if "fallback" in hybrid:
+            fb = hybrid["fallback"]
+            say(f"fallback: {fb['baseUrl']} (model {fb['model']}); key from ${FALLBACK_API_KEY_ENV}")
         names = [a["name"] for a in config["applications"]]
 
         say("starting a local Ray cluster: nodes labelled head, prefill, decode")

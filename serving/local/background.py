@@ -62,10 +62,12 @@ def background_stack(
     log_path: Path | None = None,
     timeout: float = 600,
     extra_env: Mapping[str, str] | None = None,
+    extra_keys: tuple[str, ...] = (),
 ):
     """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after.
 
     extra_env: added to the command's environment (Ray and its workers inherit it).
+    extra_keys: accepted besides `api_key` (the stack's own key stays the first).
     """
     import subprocess
     import tempfile
@@ -89,7 +91,7 @@ def background_stack(
         str(timeout),
     ]
     if api_key:
-        env[API_KEYS_ENV] = api_key
+        env[API_KEYS_ENV] = ",".join([api_key, *extra_keys])
     else:
         env.pop(API_KEYS_ENV, None)
         cmd.append("--no-auth")

@@ -14,7 +14,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from infra.paths import ROOT
+
 from serving.spec import APP_NAME, Mode, ServingSpec, Target
 
 MODEL_ID = "tiny-llama"
@@ -46,11 +49,67 @@ def cluster_env() -> dict[str, str]:
     }
 
 
+# make serve's environment for hybrid routing (docs/hybrid-routing.md). The provider's key,
+# PD_FALLBACK_API_KEY, is read by the ingress replicas themselves and never rendered.
+FALLBACK_ENV = {
+    "PD_FALLBACK_BASE_URL": "baseUrl",
+    "PD_FALLBACK_MODEL": "model",
+    "PD_FALLBACK_OVERFLOW_AT": "overflowAt",
+}
+LIMITS_ENV = {"PD_LIMIT_RPM": "requestsPerMinute", "PD_LIMIT_TPM": "tokensPerMinute"}
+_WHOLE_NUMBER_FIELDS = {"overflowAt", "requestsPerMinute", "tokensPerMinute"}
+
+
+class LocalConfigError(ValueError):
+    """A bad make-serve setting; the message is one line naming the variable."""
+
+
+def hybrid_from_env(environ: dict[str, str]) -> dict[str, Any]:
+    """The spec's `fallback` and `limits` sections from PD_FALLBACK_* and PD_LIMIT_* (unset or
+    empty variables are left out; without PD_FALLBACK_BASE_URL there is no fallback)."""
+
+    def section(names: dict[str, str]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for var, field in names.items():
+            raw = environ.get(var, "").strip()
+            if not raw:
+                continue
+            if field in _WHOLE_NUMBER_FIELDS:
+                try:
+                    out[field] = int(raw)
+                except ValueError:
+                    raise LocalConfigError(f"{var}={raw!r} is not a whole number") from None
+            else:
+                out[field] = raw
+        return out
+
+    hybrid: dict[str, Any] = {}
+    fallback = section(FALLBACK_ENV)
+    if fallback:
+        if "baseUrl" not in fallback:
+            raise LocalConfigError("PD_FALLBACK_MODEL/PD_FALLBACK_OVERFLOW_AT are set but PD_FALLBACK_BASE_URL is not")
+        fallback.setdefault("model", MODEL_ID)
+        hybrid["fallback"] = fallback
+    limits = section(LIMITS_ENV)
+    if limits:
+        hybrid["limits"] = limits
+    return hybrid
+
+
 # --- what gets deployed ------------------------------------------------------------------
-def local_spec(mode: Mode, model_dir: Path, *, auth: bool = True) -> ServingSpec:
-    """The spec a stack file would hold, with CPU-friendly values."""
+def local_spec(mode: Mode, model_dir: Path, *, auth: bool = True, hybrid: dict[str, Any] | None = None) -> ServingSpec:
+    """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`)."""
+    try:
+        return _local_spec(mode, model_dir, auth=auth, hybrid=hybrid or {})
+    except ValidationError as err:
+        where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
+        raise LocalConfigError(f"the PD_FALLBACK_*/PD_LIMIT_* settings are not valid: {where}") from None
+
+
+def _local_spec(mode: Mode, model_dir: Path, *, auth: bool, hybrid: dict[str, Any]) -> ServingSpec:
     return ServingSpec.model_validate(
         {
+            **hybrid,
             "model": {
                 "id": MODEL_ID,
                 "source": str(model_dir),
@@ -83,12 +142,18 @@ def local_target() -> Target:
 
 
 def render_local_config(
-    mode: str, model_dir: Path, *, port: int, auth: bool = True, target: Target | None = None
+    mode: str,
+    model_dir: Path,
+    *,
+    port: int,
+    auth: bool = True,
+    target: Target | None = None,
+    hybrid: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target()
     modes = [Mode.DISAGGREGATED, Mode.AGGREGATED] if mode == "both" else [Mode(mode)]
-    configs = [local_spec(m, model_dir, auth=auth).serve_config(target, port=port) for m in modes]
+    configs = [local_spec(m, model_dir, auth=auth, hybrid=hybrid).serve_config(target, port=port) for m in modes]
     config = copy.deepcopy(configs[0])
     config["http_options"]["host"] = HOST
     if mode == "both":

@@ -12,14 +12,18 @@ import pytest
 from infra.paths import BUILD_DIR
 
 E2E_KEY = "sk-e2e-test-key"
+# A second client key (per-key limits), and the key the hybrid tests' stand-in provider accepts.
+E2E_KEY_2 = "sk-e2e-second-key"
 LOG_DIR = BUILD_DIR / "test-logs"
 # Runs last: it stops the shared stack.
 LAST = "test_ctrl_c_shuts_everything_down"
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests that kill parts of the stack run after the others (they restore health first).
     last = [i for i in items if i.originalname == LAST]
-    items[:] = [i for i in items if i.originalname != LAST] + last
+    disruptive = [i for i in items if i.get_closest_marker("disruptive") and i not in last]
+    items[:] = [i for i in items if i not in last and i not in disruptive] + disruptive + last
 
 
 @pytest.fixture(scope="session")
@@ -29,5 +33,15 @@ def stack():
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / "serve-e2e.log"
     log.write_text("")
-    with background_stack(mode="both", api_key=E2E_KEY, log_path=log, timeout=480) as running:
+    from serving.local.aggregator import PROVIDER_KEY
+    from serving.spec import FALLBACK_API_KEY_ENV
+
+    with background_stack(
+        mode="both",
+        api_key=E2E_KEY,
+        log_path=log,
+        timeout=480,
+        extra_keys=(E2E_KEY_2,),
+        env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
+    ) as running:
         yield running

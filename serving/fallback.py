@@ -1,0 +1,416 @@
+"""The external fallback: an OpenAI-compatible API that answers when the cluster cannot.
+
+What flows through here: a client's chat or completion body (a dict, already authenticated
+and admitted by the ingress) plus the reason the cluster is skipped -> `FallbackClient.forward`
+sends it to `<baseUrl>/chat/completions` or `<baseUrl>/completions` with `model` replaced by
+the external model name and NOTHING of the client's request but its body: the headers are
+built from scratch (the fallback's own key, content type, a user agent), so neither the
+client's API key nor any internal header can leave -> the answer comes back, streamed
+event by event when the client streams, with `model` rewritten to our model id and usage
+read off for metering -> a starlette Response marked `x-served-by: fallback`.
+
+Failures never pass the provider's body through: they become `FallbackError` (our status,
+our message, the reason the cluster was skipped), which the ingress turns into an
+OpenAI-style error. The HTTP client is httpx: pooled keep-alive connections, connect and
+read timeouts, and transport-level retries of failed connections (never of a request the
+provider has started to answer, so nothing is generated twice).
+
+Also here: `ClusterWatch`, which keeps the running-replica counts of the application's
+deployments fresh (Serve's own status, polled in the background) for the routing rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.spec import FALLBACK_API_KEY_ENV, FallbackWhen
+
+logger = logging.getLogger("ray.serve")
+
+SERVED_BY = "x-served-by"
+USER_AGENT = "pd-inference-fallback/1"
+ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
+
+
+@dataclass(frozen=True)
+class FallbackConfig:
+    """The `fallback` part of the ingress's user_config (rendered by ServingSpec)."""
+
+    base_url: str
+    models: Mapping[str, str]
+    when: frozenset[str]
+    overflow_at: int | None
+    first_token_timeout_s: float
+    timeout_s: float
+    connect_timeout_s: float
+    retries: int
+    api_key_env: str = FALLBACK_API_KEY_ENV
+
+    @classmethod
+    def from_user_config(cls, cfg: Mapping[str, Any] | None) -> FallbackConfig | None:
+        if not cfg:
+            return None
+        return cls(
+            base_url=str(cfg["base_url"]).rstrip("/"),
+            models=dict(cfg["models"]),
+            when=frozenset(cfg.get("when") or ()),
+            overflow_at=cfg.get("overflow_at"),
+            first_token_timeout_s=float(cfg["first_token_timeout_s"]),
+            timeout_s=float(cfg["timeout_s"]),
+            connect_timeout_s=float(cfg["connect_timeout_s"]),
+            retries=int(cfg["retries"]),
+            api_key_env=str(cfg.get("api_key_env") or FALLBACK_API_KEY_ENV),
+        )
+
+    def wants(self, reason: FallbackWhen | str) -> bool:
+        return (reason.value if isinstance(reason, FallbackWhen) else reason) in self.when
+
+
+class FallbackError(Exception):
+    """The fallback could not answer either; our error, with why the cluster was skipped."""
+
+    def __init__(self, status: int, message: str, *, code: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seen: bool = False
+
+    def take(self, usage: Any) -> None:
+        if isinstance(usage, Mapping):
+            self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            self.seen = True
+
+
+# --- server-sent events ---------------------------------------------------------------------
+@dataclass
+class SseRewriter:
+    """Re-emits an OpenAI event stream: `model` set to ours, usage read, usage-only event
+    dropped when the client did not ask for it (we ask upstream so we can count)."""
+
+    model: str | None
+    keep_usage_event: bool
+    usage: Usage = field(default_factory=Usage)
+    _buf: str = ""
+    done: bool = False
+
+    def feed(self, text: str) -> list[str]:
+        self._buf += text.replace("\r\n", "\n")
+        out = []
+        while "\n\n" in self._buf:
+            event, self._buf = self._buf.split("\n\n", 1)
+            rewritten = self._event(event)
+            if rewritten is not None:
+                out.append(rewritten)
+        return out
+
+    def flush(self) -> list[str]:
+        rest, self._buf = self._buf, ""
+        if rest.strip():
+            r = self._event(rest)
+            return [r] if r is not None else []
+        return []
+
+    def _event(self, event: str) -> str | None:
+        data_lines = [ln[5:].lstrip() for ln in event.split("\n") if ln.startswith("data:")]
+        if not data_lines:
+            return None  # comments / keep-alives: nothing the client needs
+        data = "\n".join(data_lines)
+        if data.strip() == "[DONE]":
+            self.done = True
+            return "data: [DONE]\n\n"
+        try:
+            msg = json.loads(data)
+        except json.JSONDecodeError:
+            return f"data: {data}\n\n"
+        if isinstance(msg, dict):
+            if msg.get("usage"):
+                self.usage.take(msg["usage"])
+                if not self.keep_usage_event and not msg.get("choices"):
+                    return None
+                if not self.keep_usage_event:
+                    msg["usage"] = None
+            if self.model is not None and "model" in msg:
+                msg["model"] = self.model
+            return f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
+        return f"data: {data}\n\n"
+
+
+def ask_for_usage(body: dict[str, Any]) -> bool:
+    """Make a streamed body ask for the final usage event; True if the client had asked."""
+    if not body.get("stream"):
+        return True
+    opts = body.get("stream_options")
+    asked = bool(isinstance(opts, dict) and opts.get("include_usage"))
+    if not asked:
+        body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    return asked
+
+
+# --- the external call ------------------------------------------------------------------------
+def _retry_after(resp: httpx.Response, default: int = 5) -> int:
+    try:
+        return max(1, min(60, int(float(resp.headers.get("retry-after", default)))))
+    except ValueError:
+        return default
+
+
+def _upstream_message(resp_body: bytes) -> str:
+    try:
+        err = json.loads(resp_body).get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+        return str(msg)[:300] if msg else ""
+    except (ValueError, AttributeError):
+        return ""
+
+
+class FallbackClient:
+    """One per ingress replica: a pooled httpx client to the fallback's /v1 root."""
+
+    def __init__(self, config: FallbackConfig, transport: httpx.AsyncBaseTransport | None = None):
+        self.config = config
+        key = os.environ.get(config.api_key_env, "")
+        if not key:
+            logger.warning("fallback configured but %s is empty: the provider will likely refuse", config.api_key_env)
+        headers = {"user-agent": USER_AGENT, "accept": "application/json, text/event-stream"}
+        if key:
+            headers["authorization"] = f"Bearer {key}"
+        self._client = httpx.AsyncClient(
+            base_url=config.base_url + "/",
+            headers=headers,
+            timeout=httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=32, keepalive_expiry=30),
+            transport=transport or httpx.AsyncHTTPTransport(retries=config.retries),
+            follow_redirects=False,
+            # Proxy settings from the pod's environment would route the fallback key elsewhere.
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def external_model(self, model: str) -> str | None:
+        return self.config.models.get(model)
+
+    async def forward(
+        self,
+        endpoint: str,
+        body: Mapping[str, Any],
+        *,
+        model: str,
+        reason: str,
+        client_asked_usage: bool,
+        on_done,
+    ) -> Response:
+        """Send `body` upstream; `on_done(usage: Usage, ok: bool)` runs when the answer ends."""
+        external = self.external_model(model)
+        if external is None:
+            raise FallbackError(
+                503,
+                f"The cluster cannot serve this request ({reason}) and no fallback model is configured for '{model}'.",
+                code="fallback_unavailable",
+                retry_after_s=5,
+            )
+        payload = dict(body)
+        payload["model"] = external
+        stream = bool(payload.get("stream"))
+        t0 = time.monotonic()
+        req = self._client.build_request("POST", ENDPOINTS[endpoint], json=payload)
+        try:
+            resp = await self._client.send(req, stream=True)
+        except httpx.TimeoutException as exc:
+            raise self._failed(reason, f"the fallback did not answer in time ({type(exc).__name__})", 504) from exc
+        except httpx.HTTPError as exc:
+            raise self._failed(reason, f"the fallback could not be reached ({type(exc).__name__})", 503) from exc
+
+        if resp.status_code != 200:
+            raw = await resp.aread()
+            await resp.aclose()
+            raise self._from_status(resp, raw, reason)
+
+        if not stream:
+            try:
+                raw = await resp.aread()
+            except httpx.HTTPError as exc:
+                raise self._failed(reason, f"the fallback's answer broke off ({type(exc).__name__})", 502) from exc
+            finally:
+                await resp.aclose()
+            try:
+                doc = json.loads(raw)
+            except ValueError as exc:
+                raise self._failed(reason, "the fallback answered with something that is not JSON", 502) from exc
+            if isinstance(doc, dict) and "model" in doc:
+                doc["model"] = model
+            usage = Usage()
+            usage.take(doc.get("usage") if isinstance(doc, dict) else None)
+            on_done(usage, True)
+            logger.info("fallback (%s) answered in %.2fs", reason, time.monotonic() - t0)
+            return JSONResponse(doc, headers={SERVED_BY: "fallback"})
+
+        rewriter = SseRewriter(model=model, keep_usage_event=client_asked_usage)
+        lines = resp.aiter_text()
+        # Read until the first event, so a provider that fails before it is still an HTTP error.
+        first: list[str] = []
+        try:
+            while not first and not rewriter.done:
+                chunk = await lines.__anext__()
+                first = rewriter.feed(chunk)
+        except StopAsyncIteration:
+            first = rewriter.flush()
+        except httpx.HTTPError as exc:
+            await resp.aclose()
+            raise self._failed(reason, f"the fallback's stream broke off ({type(exc).__name__})", 502) from exc
+        if not first:
+            await resp.aclose()
+            raise self._failed(reason, "the fallback's stream ended without an event", 502)
+
+        async def events() -> AsyncIterator[str]:
+            ok = True
+            try:
+                for e in first:
+                    yield e
+                async for chunk in lines:
+                    for e in rewriter.feed(chunk):
+                        yield e
+                for e in rewriter.flush():
+                    yield e
+            except httpx.HTTPError as exc:
+                ok = False
+                logger.warning("fallback stream broke off after the first event: %s", exc)
+                err = {
+                    "error": {
+                        "message": "The fallback's stream broke off.",
+                        "type": "server_error",
+                        "param": None,
+                        "code": "fallback_failed",
+                    }
+                }
+                yield f"data: {json.dumps(err)}\n\n"
+                if not rewriter.done:
+                    yield "data: [DONE]\n\n"
+            finally:
+                await resp.aclose()
+                on_done(rewriter.usage, ok)
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={SERVED_BY: "fallback"})
+
+    def _failed(self, reason: str, what: str, status: int) -> FallbackError:
+        logger.warning("fallback failed (%s): %s", reason, what)
+        status = 504 if reason == FallbackWhen.DEADLINE.value and status == 503 else status
+        return FallbackError(
+            status,
+            f"The cluster cannot serve this request ({reason}) and {what}.",
+            code="fallback_failed",
+            retry_after_s=5,
+        )
+
+    def _from_status(self, resp: httpx.Response, raw: bytes, reason: str) -> FallbackError:
+        status = resp.status_code
+        detail = _upstream_message(raw)
+        logger.warning("fallback answered HTTP %s (%s): %s", status, reason, detail)
+        if status in (400, 404, 413, 422):
+            # The body itself was refused: the client can fix it; say what was wrong.
+            return FallbackError(
+                400,
+                f"The cluster cannot serve this request ({reason}) and the fallback refused it "
+                f"(HTTP {status}){': ' + detail if detail else ''}.",
+                code="fallback_rejected",
+            )
+        if status in (401, 403):
+            # Our fallback key: the operator's problem, never the client's; say nothing about it.
+            return self._failed(reason, "the fallback is misconfigured", 503)
+        if status == 429:
+            return FallbackError(
+                503,
+                f"The cluster cannot serve this request ({reason}) and the fallback is rate limited.",
+                code="fallback_failed",
+                retry_after_s=_retry_after(resp),
+            )
+        return self._failed(reason, f"the fallback failed (HTTP {status})", 502 if status < 500 else 503)
+
+
+# --- what Serve says about the application ------------------------------------------------------
+@dataclass
+class ClusterState:
+    """Running replicas per deployment of this application, as Serve's controller last said."""
+
+    running: dict[str, int] = field(default_factory=dict)
+    updated: float = 0.0
+    error: str | None = None
+
+
+class ClusterWatch:
+    """Polls `serve.status()` every `period_s` in a thread (it blocks on the controller)."""
+
+    def __init__(self, app_name: str, own_deployment: str, period_s: float = 1.0):
+        self.app_name = app_name
+        self.own = own_deployment
+        self.period_s = period_s
+        self.state = ClusterState()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_event_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def _poll(self) -> dict[str, int]:
+        from ray import serve
+
+        app = serve.status().applications.get(self.app_name)
+        if app is None:
+            return {}
+        return {
+            name: sum(n for state, n in d.replica_states.items() if state == "RUNNING")
+            for name, d in app.deployments.items()
+        }
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                running = await asyncio.to_thread(self._poll)
+                self.state = ClusterState(running=running, updated=time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.state.error = repr(exc)
+            await asyncio.sleep(self.period_s)
+
+    def fresh(self, max_age_s: float = 10.0) -> bool:
+        return bool(self.state.running) and time.monotonic() - self.state.updated < max_age_s
+
+    def engines(self) -> dict[str, int]:
+        return {k: v for k, v in self.state.running.items() if k != self.own}
+
+    def unavailable(self) -> list[str]:
+        """Engine deployments with no running replica (empty when unknown: do not guess)."""
+        if not self.fresh():
+            return []
+        return sorted(k for k, v in self.engines().items() if v == 0)
+
+    def replicas(self, deployment: str) -> int | None:
+        if not self.fresh():
+            return None
+        return self.state.running.get(deployment)

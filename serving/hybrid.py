@@ -1,0 +1,347 @@
+"""Hybrid routing in the ingress: limits, then the cluster or the external fallback, then usage.
+
+What flows through here, per chat or completion request that passed auth and parsed as JSON:
+  1. the key id (hash of the API key) is checked against its requests- and tokens-per-minute
+     limits in the application's shared ledger (serving.limits) -> 429 + Retry-After when over;
+  2. the routing rules pick a destination:
+       unavailable  an engine deployment of the app has no running replica (Serve's status)
+       overloaded   ongoing cluster requests per running decode replica >= fallback.overflowAt
+     -> the external fallback (serving.fallback) when the rule's name is in `fallback.when`;
+  3. otherwise the cluster (Ray Serve LLM's own path); if it fails BEFORE its first byte
+     (Serve's back-pressure, no replica, a dead replica, an engine 5xx, or no first token
+     within fallback.firstTokenTimeoutS for a stream) the request goes to the fallback with
+     that reason, when configured for it; after the first byte nothing is re-sent anywhere;
+  4. the response is marked `x-served-by: cluster|fallback`; its usage (prompt and completion
+     tokens, read from the answer itself) is counted per key id, model and destination, and
+     replaces the token reservation in the ledger.
+
+Configuration arrives as the ingress deployment's `user_config` (`reconfigure`), so changing
+limits or the fallback in a stack updates the ingress in place without restarting engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.fallback import (
+    SERVED_BY,
+    ClusterWatch,
+    FallbackClient,
+    FallbackConfig,
+    FallbackError,
+    SseRewriter,
+    Usage,
+    ask_for_usage,
+)
+from serving.limits import Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
+from serving.spec import FallbackWhen
+
+logger = logging.getLogger("ray.serve")
+
+UNAVAILABLE = FallbackWhen.UNAVAILABLE.value
+OVERLOADED = FallbackWhen.OVERLOADED.value
+DEADLINE = FallbackWhen.DEADLINE.value
+ErrorFn = Callable[..., JSONResponse]
+# How often a request waiting for the cluster's first byte looks at the routing rules again.
+WATCH_TICK_S = 0.5
+
+
+def reason_for(exc: BaseException) -> str | None:
+    """Which `fallback.when` case a failure of the cluster call before its first byte is."""
+    from ray.exceptions import RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return DEADLINE
+    if isinstance(exc, BackPressureError):
+        return OVERLOADED
+    if isinstance(exc, (DeploymentUnavailableError, RayActorError)):
+        return UNAVAILABLE
+    status = getattr(exc, "status_code", None)
+    if isinstance(status, int):
+        if status == 408:
+            return DEADLINE
+        if status == 503:
+            return OVERLOADED
+        if status >= 500:
+            return UNAVAILABLE
+    return None
+
+
+@dataclass(frozen=True)
+class _Current:
+    """The request `handle` is working on, for `unservable` called from deeper in the stack."""
+
+    kid: str
+    decision: Decision
+    asked_usage: bool
+    model: str
+
+
+_CURRENT: contextvars.ContextVar[_Current] = contextvars.ContextVar("pd_hybrid_request")
+
+
+class _SkipCluster(Exception):
+    """The request leaves the cluster for the fallback (only raised for a reason in `when`)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class Inflight:
+    """Open cluster requests of this replica. An entry older than `max_age_s` is dropped
+    when counting: a stream whose generator never ran (client gone at once) must not
+    count forever."""
+
+    def __init__(self, max_age_s: float = 900.0):
+        self.max_age_s = max_age_s
+        self._open: dict[int, float] = {}
+        self._next = 0
+
+    def open(self) -> int:
+        self._next += 1
+        self._open[self._next] = time.monotonic()
+        return self._next
+
+    def close(self, ticket: int) -> None:
+        self._open.pop(ticket, None)
+
+    def count(self) -> int:
+        cutoff = time.monotonic() - self.max_age_s
+        for t in [t for t, at in self._open.items() if at < cutoff]:
+            del self._open[t]
+        return len(self._open)
+
+
+class HybridRouting:
+    """One per ingress replica."""
+
+    def __init__(
+        self,
+        *,
+        auth_enabled: bool,
+        app_name: str,
+        own_deployment: str,
+        engine_deployment: Callable[[str], str | None],
+        default_model: Callable[[], str | None],
+        error_response: ErrorFn,
+        ledger_label_selector: Mapping[str, str] | None = None,
+    ):
+        self.auth_enabled = auth_enabled
+        self.app_name = app_name
+        self.own_deployment = own_deployment
+        self._engine_deployment = engine_deployment
+        self._default_model = default_model
+        self._error = error_response
+        self._selector = dict(ledger_label_selector or {})
+        self.meter = UsageMeter()
+        self.limiter = Limiter(LimitsConfig.from_user_config(None), self._ledger, self.meter)
+        self.fallback: FallbackClient | None = None
+        self.watch: ClusterWatch | None = None
+        self.inflight = Inflight()  # cluster requests this replica has open (streams until their end)
+
+    def _ledger(self):
+        return get_ledger(self.app_name, self._selector)
+
+    # --- configuration (Serve calls the ingress's reconfigure with its user_config) ---------
+    async def reconfigure(self, user_config: Mapping[str, Any] | None) -> None:
+        user_config = user_config or {}
+        self.limiter.config = LimitsConfig.from_user_config(user_config.get("limits"))
+        self._selector = dict((user_config.get("limits") or {}).get("label_selector") or {})
+        cfg = FallbackConfig.from_user_config(user_config.get("fallback"))
+        old = self.fallback
+        self.fallback = FallbackClient(cfg) if cfg else None
+        if old is not None:
+            await old.aclose()
+        if cfg and (cfg.wants(UNAVAILABLE) or cfg.wants(OVERLOADED)):
+            if self.watch is None:
+                self.watch = ClusterWatch(self.app_name, self.own_deployment)
+                self.watch.start()
+        elif self.watch is not None:
+            self.watch.stop()
+            self.watch = None
+        logger.info(
+            "hybrid routing: fallback %s; limits default rpm=%s tpm=%s, %d per-key",
+            f"to {cfg.base_url} when {sorted(cfg.when)}" if cfg else "off",
+            self.limiter.config.default.requests_per_minute,
+            self.limiter.config.default.tokens_per_minute,
+            len(self.limiter.config.keys),
+        )
+
+    # --- the routing rules ------------------------------------------------------------------
+    def pre_route(self, model: str) -> tuple[str, str] | None:
+        """(reason, detail) when the request should skip the cluster, else None."""
+        cfg = self.fallback.config if self.fallback else None
+        if cfg is None or self.watch is None:
+            return None
+        if cfg.wants(UNAVAILABLE):
+            down = self.watch.unavailable()
+            if down:
+                return UNAVAILABLE, f"no running replica of {', '.join(down)}"
+        if cfg.wants(OVERLOADED) and cfg.overflow_at:
+            decode = self._engine_deployment(model)
+            replicas = self.watch.replicas(decode) if decode else None
+            ingresses = self.watch.replicas(self.own_deployment) or 1
+            if replicas:
+                # This replica's share of the decode capacity: Serve's proxy spreads requests
+                # evenly over the ingress replicas.
+                limit = cfg.overflow_at * replicas / ingresses
+                ongoing = self.inflight.count()
+                if ongoing >= limit:
+                    return OVERLOADED, f"{ongoing} ongoing requests >= {limit:g} for {replicas} decode replica(s)"
+        return None
+
+    # --- one request --------------------------------------------------------------------------
+    async def handle(
+        self,
+        request: Any,
+        body: dict[str, Any],
+        endpoint: str,
+        call_cluster: Callable[[dict[str, Any]], Awaitable[Response]],
+    ) -> Response:
+        kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
+        decision = await self.limiter.admit(kid, body)
+        if not decision.ok:
+            return self._error(
+                429,
+                decision.message,
+                code="rate_limit_exceeded",
+                headers={"Retry-After": str(decision.retry_after_s), SERVED_BY: "cluster"},
+            )
+        model = body.get("model") or self._default_model() or ""
+        asked_usage = ask_for_usage(body)
+
+        skip = self.pre_route(model)
+        if skip is not None:
+            return await self._to_fallback(endpoint, body, model, kid, decision, asked_usage, *skip)
+
+        cfg = self.fallback.config if self.fallback else None
+        _CURRENT.set(_Current(kid, decision, asked_usage, model))
+        ticket = self.inflight.open()
+        handed_off = False
+        try:
+            resp = await self._cluster(call_cluster(body), cfg, bool(body.get("stream")))
+            handed_off = True
+        except Exception as exc:
+            reason = exc.reason if isinstance(exc, _SkipCluster) else reason_for(exc)
+            if reason is None or cfg is None or not cfg.wants(reason):
+                raise
+            detail = exc.detail if isinstance(exc, _SkipCluster) else type(exc).__name__
+            logger.warning("cluster cannot serve (%s: %s); using the fallback", reason, detail)
+            return await self._to_fallback(endpoint, body, model, kid, decision, asked_usage, reason, detail)
+        finally:
+            if not handed_off:
+                self.inflight.close(ticket)
+        return self._metered(resp, model, kid, decision, asked_usage, ticket)
+
+    async def _cluster(self, call: Awaitable[Response], cfg: FallbackConfig | None, stream: bool) -> Response:
+        """Await Ray's ingress path (it returns once the first chunk exists), but give up
+        when the fallback would take the request: the engines went away while it waited
+        (e.g. queued for a replica that is restarting), or a stream's first token is late."""
+        if cfg is None or (self.watch is None and not cfg.wants(DEADLINE)):
+            return await call
+        task = asyncio.ensure_future(call)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + cfg.first_token_timeout_s if stream and cfg.wants(DEADLINE) else None
+        try:
+            while True:
+                wait = WATCH_TICK_S if deadline is None else max(0.0, min(WATCH_TICK_S, deadline - loop.time()))
+                done, _ = await asyncio.wait({task}, timeout=wait)
+                if done:
+                    return task.result()
+                if self.watch is not None and cfg.wants(UNAVAILABLE):
+                    down = self.watch.unavailable()
+                    if down:
+                        raise _SkipCluster(UNAVAILABLE, f"no running replica of {', '.join(down)}")
+                if deadline is not None and loop.time() >= deadline:
+                    raise _SkipCluster(DEADLINE, f"no first token within {cfg.first_token_timeout_s:g}s")
+        finally:
+            if not task.done():
+                task.cancel()  # Serve cancels the request in the engines too
+
+    async def unservable(
+        self, endpoint: str, body: dict[str, Any], request: Any, reason: str, detail: str
+    ) -> Response | None:
+        """For a layer below that decided itself that the cluster cannot serve a request
+        (the resilience mixin's `on_unservable` hook): the fallback's answer, or None when
+        the fallback is not configured for `reason`."""
+        cfg = self.fallback.config if self.fallback else None
+        if cfg is None or not cfg.wants(reason):
+            return None
+        cur = _CURRENT.get(None)
+        if cur is None:  # not under handle(): no admission happened
+            kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
+            cur = _Current(kid, Decision(True), ask_for_usage(body), body.get("model") or self._default_model() or "")
+        else:
+            ask_for_usage(body)
+        return await self._to_fallback(
+            endpoint, body, cur.model, cur.kid, cur.decision, cur.asked_usage, reason, detail
+        )
+
+    async def _to_fallback(self, endpoint, body, model, kid, decision, asked_usage, reason, detail) -> Response:
+        assert self.fallback is not None
+
+        def done(usage: Usage, ok: bool) -> None:
+            self._count(kid, model, "fallback", decision, usage)
+            self.meter.fallback(reason, "ok" if ok else "failed")
+
+        try:
+            return await self.fallback.forward(
+                endpoint, body, model=model, reason=reason, client_asked_usage=asked_usage, on_done=done
+            )
+        except FallbackError as err:
+            self.meter.fallback(reason, "failed")
+            self.limiter.settle(kid, decision, 0)
+            headers = {SERVED_BY: "fallback"}
+            if err.retry_after_s:
+                headers["Retry-After"] = str(err.retry_after_s)
+            return self._error(err.status, f"{err.message} (cluster: {detail})", code=err.code, headers=headers)
+
+    def _count(self, kid: str, model: str, destination: str, decision: Decision, usage: Usage) -> None:
+        self.meter.served(kid, model, destination, usage.prompt_tokens, usage.completion_tokens)
+        self.limiter.settle(kid, decision, usage.prompt_tokens + usage.completion_tokens)
+
+    def _metered(
+        self, resp: Response, model: str, kid: str, decision: Decision, asked_usage: bool, ticket: int
+    ) -> Response:
+        if resp.headers.get(SERVED_BY) == "fallback":
+            self.inflight.close(ticket)  # a layer below handed it to the fallback (metered there)
+            return resp
+        resp.headers[SERVED_BY] = "cluster"
+        if isinstance(resp, StreamingResponse):
+            inner = resp.body_iterator
+            rewriter = SseRewriter(model=None, keep_usage_event=asked_usage)
+
+            async def metered():
+                try:
+                    async for chunk in inner:
+                        text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
+                        for e in rewriter.feed(text):
+                            yield e
+                    for e in rewriter.flush():
+                        yield e
+                finally:
+                    self.inflight.close(ticket)
+                    self._count(kid, model, "cluster", decision, rewriter.usage)
+
+            resp.body_iterator = metered()
+            return resp
+        self.inflight.close(ticket)
+        usage = Usage()
+        try:
+            doc = json.loads(bytes(resp.body))
+            usage.take(doc.get("usage") if isinstance(doc, dict) else None)
+        except (ValueError, AttributeError):
+            pass
+        self._count(kid, model, "cluster", decision, usage)
+        return resp

@@ -1,0 +1,357 @@
+"""Per-key request and token limits, and per-key usage, for the ingress.
+
+What flows through here: each authenticated request's API key -> its key id (`k-` + 12 hex
+of its SHA-256; the raw key never leaves the ingress) and an estimate of its tokens ->
+`Limiter.admit` asks ONE named Ray actor (`LimitsLedger`, shared by every ingress replica
+of the application, so the counts hold across replicas) whether the key is still under its
+requests-per-minute and tokens-per-minute limits -> a 429 with Retry-After, or a ticket ->
+when the answer is complete, `Limiter.settle` replaces the estimate with the tokens really
+used, and `UsageMeter` counts requests, prompt and completion tokens per key id, model and
+destination (cluster or fallback) as Ray metrics (Prometheus, through Ray's metrics port).
+
+Windows are sliding minutes in one-second buckets. Tokens are reserved at admission
+(prompt estimate + max_tokens) and corrected when the request ends, so a burst of
+concurrent requests cannot spend a minute's budget many times over before any finishes.
+If the ledger cannot be reached within `LEDGER_TIMEOUT_S`, requests pass (fail open): a
+limiter outage must not become a serving outage; `pd_limiter_errors` counts those.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, cast
+
+from serving.spec import key_id
+
+logger = logging.getLogger("ray.serve")
+
+WINDOW_S = 60
+LEDGER_TIMEOUT_S = 1.0
+ANONYMOUS = "anonymous"  # the key id when auth is disabled
+# Rough prompt-size guess before the engine tokenizes: ~4 characters per token in English;
+# only used for the reservation, corrected by the real count when the request ends.
+CHARS_PER_TOKEN = 4
+
+
+@dataclass(frozen=True)
+class KeyLimit:
+    requests_per_minute: int = 0  # 0: no limit
+    tokens_per_minute: int = 0
+
+    @property
+    def unlimited(self) -> bool:
+        return self.requests_per_minute <= 0 and self.tokens_per_minute <= 0
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    default: KeyLimit
+    keys: Mapping[str, KeyLimit]
+
+    @classmethod
+    def from_user_config(cls, cfg: Mapping[str, Any] | None) -> LimitsConfig:
+        cfg = cfg or {}
+        keys = {
+            k: KeyLimit(int(v.get("requests_per_minute", 0)), int(v.get("tokens_per_minute", 0)))
+            for k, v in (cfg.get("keys") or {}).items()
+        }
+        default = KeyLimit(int(cfg.get("requests_per_minute", 0)), int(cfg.get("tokens_per_minute", 0)))
+        return cls(default, keys)
+
+    def for_key(self, kid: str) -> KeyLimit:
+        return self.keys.get(kid, self.default)
+
+    @property
+    def any(self) -> bool:
+        return not self.default.unlimited or any(not v.unlimited for v in self.keys.values())
+
+
+@dataclass(frozen=True)
+class Decision:
+    ok: bool
+    retry_after_s: int = 0
+    limit: str | None = None  # "rpm" or "tpm" when refused
+    message: str = ""
+    ticket: tuple[int, int] | None = None  # (second of admission, tokens reserved)
+
+
+# --- the window arithmetic (pure; the actor only holds it) ------------------------------------
+class Windows:
+    """Sliding one-minute windows of (requests, tokens) per key, in one-second buckets."""
+
+    def __init__(self, window_s: int = WINDOW_S):
+        self.window_s = window_s
+        # key -> deque of [second, requests, tokens], oldest first
+        self._buckets: dict[str, deque[list[int]]] = {}
+
+    def _trim(self, key: str, now_s: int) -> deque[list[int]]:
+        q = self._buckets.setdefault(key, deque())
+        while q and q[0][0] <= now_s - self.window_s:
+            q.popleft()
+        return q
+
+    def _bucket(self, q: deque[list[int]], now_s: int) -> list[int]:
+        if not q or q[-1][0] != now_s:
+            q.append([now_s, 0, 0])
+        return q[-1]
+
+    def totals(self, key: str, now_s: int) -> tuple[int, int]:
+        q = self._trim(key, now_s)
+        return sum(b[1] for b in q), sum(b[2] for b in q)
+
+    def _seconds_until(self, q: deque[list[int]], idx: int, most: int, now_s: int) -> int:
+        """Seconds until the window's sum of column `idx` is at most `most`, as buckets leave."""
+        total = sum(b[idx] for b in q)
+        for b in q:
+            if total <= most:
+                break
+            total -= b[idx]
+            if total <= most:
+                return max(1, b[0] + self.window_s - now_s)
+        return 1 if total <= most else self.window_s
+
+    def admit(self, key: str, now: float, limit: KeyLimit, tokens: int) -> Decision:
+        now_s = int(now)
+        q = self._trim(key, now_s)
+        reqs, toks = sum(b[1] for b in q), sum(b[2] for b in q)
+        rpm, tpm = limit.requests_per_minute, limit.tokens_per_minute
+        if rpm > 0 and reqs + 1 > rpm:
+            wait = self._seconds_until(q, 1, rpm - 1, now_s)
+            return Decision(False, wait, "rpm", f"Rate limit reached: {rpm} requests per minute for this API key.")
+        if tpm > 0 and toks >= tpm:
+            # The budget is spent (reservations included): wait until some of it leaves.
+            wait = self._seconds_until(q, 2, tpm - 1, now_s)
+            return Decision(False, wait, "tpm", f"Rate limit reached: {tpm} tokens per minute for this API key.")
+        b = self._bucket(q, now_s)
+        b[1] += 1
+        b[2] += tokens
+        return Decision(True, ticket=(now_s, tokens))
+
+    def settle(self, key: str, now: float, ticket: tuple[int, int], used: int) -> None:
+        """Replace a reservation by the tokens really used."""
+        now_s = int(now)
+        q = self._trim(key, now_s)
+        admitted_s, reserved = ticket
+        for b in q:
+            if b[0] == admitted_s:
+                b[2] += used - reserved
+                return
+        # The reservation already left the window (a request longer than a minute): the
+        # tokens were spent now.
+        self._bucket(q, now_s)[2] += used
+
+    def forget_idle(self, now: float) -> None:
+        now_s = int(now)
+        for key in [k for k, q in self._buckets.items() if not q or q[-1][0] <= now_s - self.window_s]:
+            del self._buckets[key]
+
+
+def estimate_tokens(body: Mapping[str, Any]) -> int:
+    """Tokens to reserve for a chat or completion body: prompt guess + the output cap."""
+    chars = 0
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        chars += len(prompt)
+    elif isinstance(prompt, list):
+        for p in prompt:
+            if isinstance(p, str):
+                chars += len(p)
+            elif isinstance(p, int):
+                chars += CHARS_PER_TOKEN  # already a token id
+            elif isinstance(p, list):
+                chars += CHARS_PER_TOKEN * len(p)
+    for m in body.get("messages") or []:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if isinstance(content, str):
+            chars += len(content)
+        elif isinstance(content, list):
+            chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    n = body.get("n") or 1
+    try:
+        out = int(out) * max(1, int(n))
+    except (TypeError, ValueError):
+        out = 0
+    return math.ceil(chars / CHARS_PER_TOKEN) + max(0, out)
+
+
+# --- the shared ledger --------------------------------------------------------------------------
+class LimitsLedger:
+    """The Ray actor every ingress replica asks; one per application (a named actor)."""
+
+    def __init__(self) -> None:
+        self._w = Windows()
+        self._calls = 0
+
+    def admit(self, kid: str, rpm: int, tpm: int, tokens: int) -> Decision:
+        self._calls += 1
+        if self._calls % 10_000 == 0:
+            self._w.forget_idle(time.time())
+        return self._w.admit(kid, time.time(), KeyLimit(rpm, tpm), tokens)
+
+    def settle(self, kid: str, ticket: tuple[int, int], used: int) -> None:
+        self._w.settle(kid, time.time(), ticket, used)
+
+    def totals(self, kid: str) -> tuple[int, int]:
+        return self._w.totals(kid, int(time.time()))
+
+
+def ledger_name(app_name: str) -> str:
+    return f"pd-limits-{app_name}"
+
+
+def get_ledger(app_name: str, label_selector: Mapping[str, str] | None = None):
+    """The application's ledger actor, created by whichever ingress replica asks first.
+
+    Detached, so it outlives the replica that created it (replicas come and go; the
+    counts must not); named per application, so two apps in one cluster do not share.
+    """
+    import ray
+
+    opts: dict[str, Any] = {
+        "name": ledger_name(app_name),
+        "namespace": "serve",
+        "lifetime": "detached",
+        "get_if_exists": True,
+        "num_cpus": 0,
+        "max_restarts": -1,
+    }
+    if label_selector:
+        opts["label_selector"] = dict(label_selector)
+    return ray.remote(LimitsLedger).options(**opts).remote()
+
+
+async def _awaited(ref: Any) -> Any:
+    return await ref
+
+
+class Limiter:
+    """The ingress side: one per replica; asks the ledger only for keys that have limits."""
+
+    def __init__(self, config: LimitsConfig, ledger_factory, metrics: UsageMeter):
+        self.config = config
+        self._factory = ledger_factory
+        self._ledger = None
+        self._metrics = metrics
+
+    def _handle(self):
+        if self._ledger is None:
+            self._ledger = self._factory()
+        return self._ledger
+
+    async def admit(self, kid: str, body: Mapping[str, Any]) -> Decision:
+        limit = self.config.for_key(kid)
+        if limit.unlimited:
+            return Decision(True)
+        tokens = estimate_tokens(body) if limit.tokens_per_minute > 0 else 0
+        try:
+            ref = self._handle().admit.remote(kid, limit.requests_per_minute, limit.tokens_per_minute, tokens)
+            decision = await asyncio.wait_for(_awaited(ref), LEDGER_TIMEOUT_S)
+        except Exception as exc:
+            logger.warning("limits ledger unreachable (%s); letting the request through", exc)
+            self._metrics.limiter_error()
+            self._ledger = None  # look it up again next time (it may have restarted)
+            return Decision(True)
+        if not decision.ok:
+            self._metrics.rate_limited(kid, decision.limit or "")
+        return decision
+
+    def settle(self, kid: str, decision: Decision, used: int) -> None:
+        """Fire and forget: the answer has been sent already."""
+        if decision.ticket is None:
+            return
+        try:
+            self._handle().settle.remote(kid, decision.ticket, used)
+        except Exception as exc:
+            logger.warning("limits ledger settle failed: %s", exc)
+
+
+# --- usage metrics --------------------------------------------------------------------------------
+METRIC_REQUESTS = "pd_usage_requests"
+METRIC_PROMPT_TOKENS = "pd_usage_prompt_tokens"
+METRIC_COMPLETION_TOKENS = "pd_usage_completion_tokens"
+METRIC_RATE_LIMITED = "pd_rate_limited_requests"
+METRIC_FALLBACK = "pd_fallback_requests"
+METRIC_LIMITER_ERRORS = "pd_limiter_errors"
+
+
+class UsageMeter:
+    """Counters per key id, model and destination, exported on Ray's metrics port."""
+
+    def __init__(self) -> None:
+        from ray.serve import metrics
+
+        # Ray annotates tag_keys as Tuple[str] (one element); any tuple of names is accepted.
+        tags: Any = ("key", "model", "destination")
+        self._requests = metrics.Counter(
+            METRIC_REQUESTS, description="Requests answered, per API key id, model and destination.", tag_keys=tags
+        )
+        self._prompt = metrics.Counter(
+            METRIC_PROMPT_TOKENS, description="Prompt tokens, per API key id, model and destination.", tag_keys=tags
+        )
+        self._completion = metrics.Counter(
+            METRIC_COMPLETION_TOKENS,
+            description="Completion tokens, per API key id, model and destination.",
+            tag_keys=tags,
+        )
+        self._limited = metrics.Counter(
+            METRIC_RATE_LIMITED,
+            description="Requests refused with 429, per API key id and limit (rpm or tpm).",
+            tag_keys=cast(Any, ("key", "limit")),
+        )
+        self._fallback = metrics.Counter(
+            METRIC_FALLBACK,
+            description="Requests sent to the external fallback, per reason and outcome.",
+            tag_keys=cast(Any, ("reason", "outcome")),
+        )
+        self._limiter_errors = metrics.Counter(
+            METRIC_LIMITER_ERRORS, description="Limit checks skipped because the limits ledger did not answer."
+        )
+
+    def served(self, kid: str, model: str, destination: str, prompt: int, completion: int) -> None:
+        tags = {"key": kid, "model": model, "destination": destination}
+        self._requests.inc(1, tags)
+        if prompt:
+            self._prompt.inc(prompt, tags)
+        if completion:
+            self._completion.inc(completion, tags)
+
+    def rate_limited(self, kid: str, limit: str) -> None:
+        self._limited.inc(1, {"key": kid, "limit": limit})
+
+    def fallback(self, reason: str, outcome: str) -> None:
+        self._fallback.inc(1, {"reason": reason, "outcome": outcome})
+
+    def limiter_error(self) -> None:
+        self._limiter_errors.inc(1)
+
+
+def request_key_id(authorization: str | None, auth_enabled: bool) -> str:
+    """The key id of an (already authenticated) request."""
+    if not auth_enabled:
+        return ANONYMOUS
+    _, _, token = (authorization or "").partition(" ")
+    token = token.strip()
+    return key_id(token) if token else ANONYMOUS
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m serving.limits < keys.txt`: the key id of each API key (one per line) on
+    stdin, for `serving.limits.keys` in a stack and for reading the usage metrics. Keys are
+    read from stdin so they stay out of shell history and process lists."""
+    import sys
+
+    for line in sys.stdin:
+        if line.strip():
+            print(key_id(line.strip()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""serving/fallback.py: what goes upstream, what comes back, and how failures read."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from serving.fallback import (
+    SERVED_BY,
+    FallbackClient,
+    FallbackConfig,
+    FallbackError,
+    SseRewriter,
+    ask_for_usage,
+)
+
+FALLBACK_KEY = "sk-provider-key"
+
+
+def _config(**over) -> FallbackConfig:
+    cfg = {
+        "base_url": "https://llm.example.com/api/v1/",
+        "models": {"ours": "their/model"},
+        "when": ["unavailable", "overloaded", "deadline"],
+        "overflow_at": 4,
+        "first_token_timeout_s": 5,
+        "timeout_s": 10,
+        "connect_timeout_s": 1,
+        "retries": 0,
+        **over,
+    }
+    return FallbackConfig.from_user_config(cfg)
+
+
+def _client(handler, monkeypatch, **over) -> tuple[FallbackClient, list[httpx.Request]]:
+    monkeypatch.setenv("PD_FALLBACK_API_KEY", FALLBACK_KEY)
+    seen: list[httpx.Request] = []
+
+    def record(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return handler(request)
+
+    return FallbackClient(_config(**over), transport=httpx.MockTransport(record)), seen
+
+
+def _forward(client, endpoint, body, asked_usage=True):
+    done = []
+
+    async def go():
+        resp = await client.forward(
+            endpoint,
+            body,
+            model="ours",
+            reason="unavailable",
+            client_asked_usage=asked_usage,
+            on_done=lambda u, ok: done.append((u, ok)),
+        )
+        chunks = []
+        if hasattr(resp, "body_iterator"):
+            async for c in resp.body_iterator:
+                chunks.append(c)
+        return resp, chunks
+
+    resp, chunks = asyncio.run(go())
+    return resp, chunks, done
+
+
+def test_only_the_body_and_our_key_go_upstream(monkeypatch):
+    client, seen = _client(
+        lambda r: httpx.Response(
+            200,
+            json={
+                "id": "x",
+                "object": "chat.completion",
+                "model": "their/model",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7},
+            },
+        ),
+        monkeypatch,
+    )
+    body = {"model": "ours", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "top_k": 2}
+    resp, _, done = _forward(client, "chat", body)
+    (req,) = seen
+    assert str(req.url) == "https://llm.example.com/api/v1/chat/completions"
+    assert req.headers["authorization"] == f"Bearer {FALLBACK_KEY}"
+    # Nothing but what we set ourselves (httpx adds host, length, encoding, connection).
+    assert set(req.headers) <= {
+        "authorization",
+        "user-agent",
+        "accept",
+        "content-type",
+        "content-length",
+        "host",
+        "accept-encoding",
+        "connection",
+    }
+    assert json.loads(req.content) == {**body, "model": "their/model"}
+    assert body["model"] == "ours"  # the caller's dict is not changed
+    assert resp.status_code == 200 and resp.headers[SERVED_BY] == "fallback"
+    assert json.loads(resp.body)["model"] == "ours"
+    ((usage, ok),) = done
+    assert ok and (usage.prompt_tokens, usage.completion_tokens) == (5, 2)
+
+
+def _sse(*events: dict | str) -> bytes:
+    return "".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n" for e in events).encode()
+
+
+def test_stream_is_relayed_event_by_event_with_our_model_and_usage_read(monkeypatch):
+    stream = _sse(
+        {"object": "chat.completion.chunk", "model": "their/model", "choices": [{"delta": {"content": "a"}}]},
+        {"object": "chat.completion.chunk", "model": "their/model", "choices": [{"delta": {"content": "b"}}]},
+        {
+            "object": "chat.completion.chunk",
+            "model": "their/model",
+            "choices": [],
+            "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+        },
+        "[DONE]",
+    )
+    client, seen = _client(
+        lambda r: httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"}), monkeypatch
+    )
+    body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    asked = ask_for_usage(body)
+    assert asked is False and body["stream_options"] == {"include_usage": True}
+    _, chunks, done = _forward(client, "chat", body, asked_usage=asked)
+    assert json.loads(seen[0].content)["stream_options"] == {"include_usage": True}
+    events = [c[len("data: ") :].strip() for c in chunks]
+    assert events[-1] == "[DONE]"
+    payloads = [json.loads(e) for e in events[:-1]]
+    # The usage-only event we asked for is not shown to a client that did not ask.
+    assert [p["choices"][0]["delta"]["content"] for p in payloads] == ["a", "b"]
+    assert {p["model"] for p in payloads} == {"ours"}
+    ((usage, ok),) = done
+    assert ok and (usage.prompt_tokens, usage.completion_tokens) == (9, 2)
+
+
+def test_a_client_that_asked_for_usage_gets_it():
+    r = SseRewriter(model="ours", keep_usage_event=True)
+    out = r.feed('data: {"model":"m","choices":[],"usage":{"prompt_tokens":1,"completion_tokens":3}}\n\ndata: [DO')
+    out += r.feed("NE]\n\n")
+    assert json.loads(out[0][6:])["usage"]["completion_tokens"] == 3 and out[1] == "data: [DONE]\n\n"
+    assert r.usage.completion_tokens == 3 and r.done
+
+
+@pytest.mark.parametrize(
+    "status,ours,code",
+    [
+        (400, 400, "fallback_rejected"),
+        (401, 503, "fallback_failed"),
+        (429, 503, "fallback_failed"),
+        (500, 503, "fallback_failed"),
+        (404, 400, "fallback_rejected"),
+    ],
+)
+def test_provider_errors_become_ours(monkeypatch, status, ours, code):
+    client, _ = _client(
+        lambda r: httpx.Response(
+            status, json={"error": {"message": "their words", "type": "x"}}, headers={"retry-after": "3"}
+        ),
+        monkeypatch,
+    )
+    with pytest.raises(FallbackError) as err:
+        _forward(client, "completions", {"model": "ours", "prompt": "x"})
+    e = err.value
+    assert (e.status, e.code) == (ours, code)
+    assert "unavailable" in e.message  # why the cluster was skipped
+    if status in (401, 429, 500):
+        assert "their words" not in e.message
+    if status == 429:
+        assert e.retry_after_s == 3
+
+
+def test_unreachable_and_slow_providers(monkeypatch):
+    def refuse(r):
+        raise httpx.ConnectError("refused")
+
+    client, _ = _client(refuse, monkeypatch)
+    with pytest.raises(FallbackError) as err:
+        _forward(client, "completions", {"model": "ours", "prompt": "x"})
+    assert err.value.status == 503 and "could not be reached" in err.value.message
+
+    def slow(r):
+        raise httpx.ReadTimeout("slow")
+
+    client, _ = _client(slow, monkeypatch)
+    with pytest.raises(FallbackError) as err:
+        _forward(client, "completions", {"model": "ours", "prompt": "x"})
+    assert err.value.status == 504
+
+
+def test_a_model_without_a_mapping_is_not_sent(monkeypatch):
+    client, seen = _client(lambda r: httpx.Response(200, json={}), monkeypatch, models={"other": "x"})
+    with pytest.raises(FallbackError) as err:
+        _forward(client, "completions", {"model": "ours", "prompt": "x"})
+    assert seen == [] and "no fallback model" in err.value.message
+
+
+def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event(monkeypatch):
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield _sse({"model": "their/model", "choices": [{"text": "a"}]})
+            raise httpx.RemoteProtocolError("peer closed")
+
+    client, _ = _client(
+        lambda r: httpx.Response(200, stream=Broken(), headers={"content-type": "text/event-stream"}), monkeypatch
+    )
+    _, chunks, done = _forward(client, "completions", {"model": "ours", "prompt": "x", "stream": True})
+    assert json.loads(chunks[0][6:])["model"] == "ours"
+    assert '"fallback_failed"' in chunks[1] and chunks[-1] == "data: [DONE]\n\n"
+    assert done[0][1] is False

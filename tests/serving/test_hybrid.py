@@ -1,0 +1,326 @@
+"""serving/hybrid.py: the routing rules and the metering, with the cluster and the provider faked.
+
+The real thing (Ray Serve LLM engines, a vLLM server as the provider) runs in
+test_hybrid_e2e.py; here each rule is driven directly and quickly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from starlette.responses import JSONResponse, StreamingResponse
+
+from serving import hybrid
+from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig
+from serving.limits import Decision
+
+
+def _error(status, message, *, code=None, headers=None, **_):
+    return JSONResponse({"error": {"message": message, "code": code}}, status_code=status, headers=headers)
+
+
+class _Meter:
+    """Records what UsageMeter would count."""
+
+    def __init__(self):
+        self.calls, self.fallbacks, self.limited = [], [], []
+
+    def served(self, *a):
+        self.calls.append(a)
+
+    def fallback(self, reason, outcome):
+        self.fallbacks.append((reason, outcome))
+
+    def rate_limited(self, kid, limit):
+        self.limited.append((kid, limit))
+
+    def limiter_error(self):
+        pass
+
+
+class _Request:
+    def __init__(self, key="sk-client"):
+        self.headers = {"authorization": f"Bearer {key}"}
+
+
+class _Watch:
+    def __init__(self, running):
+        self.running = running
+
+    def unavailable(self):
+        return sorted(k for k, v in self.running.items() if v == 0 and k != "Ingress")
+
+    def replicas(self, name):
+        return self.running.get(name)
+
+
+PROVIDER_ANSWER = {
+    "id": "p",
+    "object": "text_completion",
+    "model": "their/model",
+    "choices": [{"index": 0, "text": "from the provider"}],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+}
+
+
+def _routing(
+    monkeypatch,
+    *,
+    fallback=True,
+    when=("unavailable", "overloaded", "deadline"),
+    provider=None,
+    watch=None,
+    overflow_at=2,
+):
+    monkeypatch.setenv("PD_FALLBACK_API_KEY", "sk-provider")
+    r = hybrid.HybridRouting(
+        auth_enabled=True,
+        app_name="llm",
+        own_deployment="Ingress",
+        engine_deployment=lambda m: "Decode",
+        default_model=lambda: "ours",
+        error_response=_error,
+    )
+    meter = _Meter()
+    r.meter = meter
+    r.limiter._metrics = meter
+    calls = []
+    if fallback:
+        cfg = FallbackConfig.from_user_config(
+            {
+                "base_url": "https://provider.example/v1",
+                "models": {"ours": "their/model"},
+                "when": list(when),
+                "overflow_at": overflow_at,
+                "first_token_timeout_s": 0.3,
+                "timeout_s": 5,
+                "connect_timeout_s": 1,
+                "retries": 0,
+            }
+        )
+
+        def handler(req):
+            calls.append(req)
+            return provider(req) if provider else httpx.Response(200, json=PROVIDER_ANSWER)
+
+        r.fallback = FallbackClient(cfg, transport=httpx.MockTransport(handler))
+        r.watch = watch
+    return r, meter, calls
+
+
+def _run(r, body, call_cluster, endpoint="completions", key="sk-client"):
+    async def go():
+        resp = await r.handle(_Request(key), body, endpoint, call_cluster)
+        chunks = []
+        if isinstance(resp, StreamingResponse):
+            async for c in resp.body_iterator:
+                chunks.append(c)
+        return resp, chunks
+
+    return asyncio.run(go())
+
+
+def _cluster_json(usage=(2, 5)):
+    async def call(body):
+        return JSONResponse(
+            {
+                "model": "ours",
+                "choices": [{"text": "from the cluster"}],
+                "usage": {"prompt_tokens": usage[0], "completion_tokens": usage[1]},
+            }
+        )
+
+    return call
+
+
+def test_cluster_answer_is_marked_and_metered(monkeypatch):
+    r, meter, calls = _routing(monkeypatch)
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, _cluster_json())
+    assert resp.headers[SERVED_BY] == "cluster" and calls == []
+    from serving.spec import key_id
+
+    assert meter.calls == [(key_id("sk-client"), "ours", "cluster", 2, 5)]
+    assert r.inflight.count() == 0
+
+
+def test_cluster_stream_hides_the_usage_event_it_asked_for_and_counts_it(monkeypatch):
+    r, meter, _ = _routing(monkeypatch)
+    seen = {}
+
+    async def call(body):
+        seen.update(body)
+
+        async def gen():
+            yield 'data: {"model":"ours","choices":[{"text":"a"}],"usage":null}\n\n'
+            yield 'data: {"model":"ours","choices":[],"usage":{"prompt_tokens":4,"completion_tokens":1}}\n\ndata: [DONE]\n\n'
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    resp, chunks = _run(r, {"model": "ours", "prompt": "x", "stream": True}, call)
+    assert seen["stream_options"] == {"include_usage": True}
+    assert resp.headers[SERVED_BY] == "cluster"
+    assert (
+        len(chunks) == 2 and chunks[-1] == "data: [DONE]\n\n" and '"usage"' not in chunks[0].replace('"usage":null', "")
+    )
+    assert meter.calls[0][2:] == ("cluster", 4, 1)
+    assert r.inflight.count() == 0
+
+
+def test_back_pressure_goes_to_the_fallback_when_configured_for_overload(monkeypatch):
+    from ray.serve.exceptions import BackPressureError
+
+    r, meter, calls = _routing(monkeypatch)
+
+    async def call(body):
+        raise BackPressureError(num_queued_requests=3, max_queued_requests=2)
+
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.status_code == 200 and resp.headers[SERVED_BY] == "fallback"
+    assert json.loads(resp.body)["model"] == "ours"
+    assert meter.fallbacks == [("overloaded", "ok")] and meter.calls[0][2:] == ("fallback", 3, 4)
+    assert "authorization" in calls[0].headers and "sk-client" not in str(calls[0].headers)
+
+
+def test_without_the_reason_in_when_the_cluster_error_stands(monkeypatch):
+    from ray.serve.exceptions import BackPressureError
+
+    r, _, calls = _routing(monkeypatch, when=("unavailable",))
+
+    async def call(body):
+        raise BackPressureError(num_queued_requests=3, max_queued_requests=2)
+
+    with pytest.raises(BackPressureError):
+        _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert calls == []
+
+
+def test_no_fallback_configured_changes_nothing(monkeypatch):
+    r, _, _ = _routing(monkeypatch, fallback=False)
+
+    async def call(body):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError):
+        _run(r, {"model": "ours", "prompt": "x"}, call)
+
+
+def test_a_late_first_token_goes_to_the_fallback_and_the_cluster_request_is_cancelled(monkeypatch):
+    r, meter, _ = _routing(
+        monkeypatch,
+        provider=lambda req: httpx.Response(
+            200,
+            content=b'data: {"model":"their/model","choices":[{"text":"p"}]}\n\ndata: [DONE]\n\n',
+            headers={"content-type": "text/event-stream"},
+        ),
+    )
+    cancelled = []
+
+    async def call(body):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    resp, chunks = _run(r, {"model": "ours", "prompt": "x", "stream": True}, call)
+    assert resp.headers[SERVED_BY] == "fallback" and cancelled == [True]
+    assert json.loads(chunks[0][6:])["model"] == "ours"
+    assert meter.fallbacks == [("deadline", "ok")]
+
+
+def test_no_running_engine_skips_the_cluster(monkeypatch):
+    r, meter, _ = _routing(monkeypatch, watch=_Watch({"Decode": 0, "Prefill": 0, "Ingress": 1}))
+
+    async def call(body):
+        raise AssertionError("the cluster must not be called")
+
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.headers[SERVED_BY] == "fallback" and meter.fallbacks == [("unavailable", "ok")]
+
+
+def test_engines_that_go_away_while_a_request_waits_release_it_to_the_fallback(monkeypatch):
+    watch = _Watch({"Decode": 1, "Prefill": 1, "Ingress": 1})
+    r, meter, _ = _routing(monkeypatch, watch=watch, when=("unavailable",))
+
+    async def call(body):
+        watch.running["Decode"] = 0  # killed while this request is queued for it
+        await asyncio.sleep(30)
+
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.headers[SERVED_BY] == "fallback" and meter.fallbacks == [("unavailable", "ok")]
+
+
+def test_overflow_at_the_threshold_per_decode_replica(monkeypatch):
+    r, _, _ = _routing(monkeypatch, watch=_Watch({"Decode": 2, "Prefill": 1, "Ingress": 1}), overflow_at=2)
+    for _ in range(3):
+        r.inflight.open()
+    assert r.pre_route("ours") is None  # 3 < 2 x 2
+    r.inflight.open()
+    reason, detail = r.pre_route("ours")
+    assert reason == "overloaded" and "2 decode replica" in detail
+    # Two ingress replicas share the decode replicas: each takes half.
+    r.watch.running["Ingress"] = 2
+    r2, _, _ = _routing(monkeypatch, watch=r.watch, overflow_at=2)
+    r2.inflight.open(), r2.inflight.open()
+    assert r2.pre_route("ours")[0] == "overloaded"
+
+
+def test_rate_limited_key_gets_429_with_retry_after(monkeypatch):
+    r, _, calls = _routing(monkeypatch)
+
+    async def refuse(kid, body):
+        return Decision(False, 12, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
+
+    r.limiter.admit = refuse
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, _cluster_json())
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "12"
+    assert calls == []
+
+
+def test_a_failing_fallback_returns_our_error_with_the_reason(monkeypatch):
+    r, meter, _ = _routing(
+        monkeypatch,
+        watch=_Watch({"Decode": 0, "Ingress": 1}),
+        provider=lambda req: httpx.Response(500, json={"error": {"message": "their secret"}}),
+    )
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, _cluster_json())
+    body = json.loads(resp.body)
+    assert resp.status_code == 503 and resp.headers[SERVED_BY] == "fallback"
+    assert "unavailable" in body["error"]["message"] and "no running replica of Decode" in body["error"]["message"]
+    assert "their secret" not in body["error"]["message"]
+    assert meter.fallbacks == [("unavailable", "failed")]
+
+
+@pytest.mark.parametrize(
+    "exc,reason",
+    [
+        ("BackPressureError", "overloaded"),
+        ("DeploymentUnavailableError", "unavailable"),
+        ("ActorDiedError", "unavailable"),
+        ("TimeoutError", "deadline"),
+    ],
+)
+def test_reason_for_ray_failures(exc, reason):
+    import ray.exceptions
+    import ray.serve.exceptions
+
+    cls = getattr(ray.serve.exceptions, exc, None) or getattr(ray.exceptions, exc, None) or TimeoutError
+    e = cls.__new__(cls)
+    assert hybrid.reason_for(e) == reason
+
+
+def test_reason_for_http_statuses():
+    class E(Exception):
+        def __init__(self, s):
+            self.status_code = s
+
+    assert [hybrid.reason_for(E(s)) for s in (400, 404, 408, 500, 503)] == [
+        None,
+        None,
+        "deadline",
+        "unavailable",
+        "overloaded",
+    ]

@@ -1,0 +1,164 @@
+"""serving/limits.py: the sliding-minute arithmetic, token estimates, the limiter's client side."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving import limits
+from serving.limits import Decision, KeyLimit, LimitsConfig, Windows, estimate_tokens
+from serving.spec import KEY_ID_RE, key_id
+
+
+def test_key_id_is_a_short_hash_never_the_key():
+    kid = key_id("sk-secret-123")
+    assert KEY_ID_RE.match(kid) and "secret" not in kid
+    assert kid == key_id("sk-secret-123") != key_id("sk-secret-124")
+
+
+def test_rpm_refuses_the_request_over_the_limit_with_the_seconds_until_room():
+    w = Windows()
+    lim = KeyLimit(requests_per_minute=3)
+    assert [w.admit("k", 1000.2, lim, 0).ok for _ in range(3)] == [True, True, True]
+    d = w.admit("k", 1010.0, lim, 0)
+    assert not d.ok and d.limit == "rpm" and "3 requests per minute" in d.message
+    # The three requests of second 1000 leave the window at 1060: 50 s from 1010.
+    assert d.retry_after_s == 50
+    assert w.admit("k", 1059.9, lim, 0).ok is False
+    assert w.admit("k", 1060.0, lim, 0).ok is True
+
+
+def test_keys_are_counted_apart():
+    w = Windows()
+    lim = KeyLimit(requests_per_minute=1)
+    assert w.admit("a", 0, lim, 0).ok
+    assert not w.admit("a", 1, lim, 0).ok
+    assert w.admit("b", 1, lim, 0).ok
+
+
+def test_retry_after_counts_only_the_buckets_that_must_leave():
+    w = Windows()
+    lim = KeyLimit(requests_per_minute=2)
+    assert w.admit("k", 100, lim, 0).ok
+    assert w.admit("k", 130, lim, 0).ok
+    d = w.admit("k", 140, lim, 0)
+    assert not d.ok and d.retry_after_s == 20  # the request of second 100 leaves at 160
+
+
+def test_tpm_reserves_then_settles_to_what_was_used():
+    w = Windows()
+    lim = KeyLimit(tokens_per_minute=100)
+    d1 = w.admit("k", 10, lim, 80)
+    assert d1.ok
+    # Reserved 80 of 100: the next one still fits (the budget is not yet spent) ...
+    d2 = w.admit("k", 11, lim, 80)
+    assert d2.ok
+    # ... and now 160 reserved: refused until the window moves.
+    d3 = w.admit("k", 12, lim, 1)
+    assert not d3.ok and d3.limit == "tpm"
+    # Both used far less than reserved: room again at once.
+    w.settle("k", 13, d1.ticket, 10)
+    w.settle("k", 13, d2.ticket, 10)
+    assert w.totals("k", 13) == (2, 20)
+    assert w.admit("k", 13, lim, 1).ok
+
+
+def test_settle_after_the_reservation_left_the_window_counts_the_tokens_now():
+    w = Windows()
+    lim = KeyLimit(tokens_per_minute=1000)
+    d = w.admit("k", 0, lim, 50)
+    w.settle("k", 90, d.ticket, 70)
+    assert w.totals("k", 90) == (0, 70)
+
+
+def test_unlimited_keys_and_per_key_overrides():
+    cfg = LimitsConfig.from_user_config(
+        {
+            "requests_per_minute": 10,
+            "tokens_per_minute": 0,
+            "keys": {"k-000000000000": {"requests_per_minute": 0, "tokens_per_minute": 0}},
+        }
+    )
+    assert cfg.for_key("k-000000000000").unlimited
+    assert cfg.for_key("k-111111111111") == KeyLimit(10, 0)
+    assert LimitsConfig.from_user_config(None).default.unlimited
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ({"prompt": "abcdefgh", "max_tokens": 10}, 2 + 10),
+        ({"prompt": [1, 2, 3], "max_tokens": 5}, 3 + 5),
+        ({"messages": [{"role": "user", "content": "abcd" * 10}], "max_completion_tokens": 7, "n": 2}, 10 + 14),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}]}]}, 1),
+    ],
+)
+def test_estimate_tokens(body, expected):
+    assert estimate_tokens(body) == expected
+
+
+class _Meter:
+    def __init__(self):
+        self.limited, self.errors = [], 0
+
+    def rate_limited(self, kid, limit):
+        self.limited.append((kid, limit))
+
+    def limiter_error(self):
+        self.errors += 1
+
+
+class _Ref:
+    def __init__(self, value=None, delay=0.0):
+        self.value, self.delay = value, delay
+
+    def __await__(self):
+        async def get():
+            await asyncio.sleep(self.delay)
+            return self.value
+
+        return get().__await__()
+
+
+class _Ledger:
+    def __init__(self, decision=None, delay=0.0):
+        self.calls = []
+        outer = self
+
+        class _M:
+            def remote(self, *a):
+                outer.calls.append(a)
+                return _Ref(decision, delay)
+
+        self.admit = _M()
+        self.settle = _M()
+
+
+def test_limiter_skips_the_ledger_for_unlimited_keys_and_fails_open_when_it_is_slow(monkeypatch):
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    meter = _Meter()
+    ledger = _Ledger(Decision(True), delay=1.0)
+    lim = limits.Limiter(LimitsConfig.from_user_config(None), lambda: ledger, meter)
+    assert asyncio.run(lim.admit("k-1", {})).ok and ledger.calls == []
+    lim.config = LimitsConfig.from_user_config({"requests_per_minute": 1})
+    assert asyncio.run(lim.admit("k-1", {})).ok  # slow ledger: let through, counted
+    assert meter.errors == 1 and len(ledger.calls) == 1
+
+
+def test_limiter_refusal_is_counted_per_key_and_limit():
+    meter = _Meter()
+    ledger = _Ledger(Decision(False, 7, "rpm", "no"))
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 1}), lambda: ledger, meter)
+    d = asyncio.run(lim.admit("k-abc", {"prompt": "x"}))
+    assert not d.ok and d.retry_after_s == 7
+    assert meter.limited == [("k-abc", "rpm")]
+    assert ledger.calls == [("k-abc", 1, 0, 0)]  # tokens are not estimated without a TPM limit
+
+
+def test_key_ids_from_stdin(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("sk-a\n\nsk-b\n"))
+    assert limits.main([]) == 0
+    assert capsys.readouterr().out.split() == [key_id("sk-a"), key_id("sk-b")]
