@@ -108,6 +108,7 @@ service = LlmService(
         vpc_cidr=cfg.vpc_cidr,
         upgrade_strategy=cfg.upgrade_strategy.value,
         api_keys=secrets["apiKeys"],
+        fallback_api_key=secrets["fallbackApiKey"],
         hf_token=secrets["hfToken"],
         redis_password=secrets["gcsRedisPassword"],
         gcs_redis_address=cfg.gcs_redis_address,

@@ -623,6 +623,34 @@ def check_no_open_ingress(type_: str, props: dict[str, Any], ctx: Context) -> It
                 yield f"security group ingress rule admits {c!r}: allow only the networks that need it"
 
 
+# --- the external fallback (hybrid routing) -------------------------------------------------------
+def _fallback_urls(serve_config: Any) -> Iterator[tuple[str, str]]:
+    """(application name, fallback base URL) in a serveConfigV2 document: the ingress
+    deployment's user_config.fallback.base_url, as serving/spec.py renders it."""
+    if not isinstance(serve_config, str):
+        return
+    try:
+        doc = yaml.safe_load(serve_config)
+    except yaml.YAMLError:
+        return
+    for app in as_list(dig(doc, "applications")):
+        for dep in as_list(dig(app, "deployments")):
+            url = dig(dep, "user_config", "fallback", "base_url")
+            if isinstance(url, str):
+                yield str(dig(app, "name", default="?")), url
+
+
+def check_fallback_https(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
+    if type_ not in RAY_TYPES or ctx.stack in (ctx.config.get("devStacks") or ["dev"]):
+        return
+    for app, url in _fallback_urls(dig(props, "spec", "serveConfigV2")):
+        if url.lower().startswith("http://"):
+            yield (
+                f"application {app!r} sends requests and the fallback API key to {url!r} over plain http: "
+                "use an https:// baseUrl outside dev (stack key serving.fallback.baseUrl)"
+            )
+
+
 # --- the pack -------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rule:
@@ -707,6 +735,18 @@ RULES: list[Rule] = [
         "Nothing admits 0.0.0.0/0 or ::/0 (Services, NetworkPolicies, security groups).",
         MANDATORY,
         check_no_open_ingress,
+    ),
+    Rule(
+        "fallback-https-outside-dev",
+        "The external fallback (serving.fallback.baseUrl) is https outside dev stacks.",
+        MANDATORY,
+        check_fallback_https,
+        PolicyConfigSchema(
+            properties={
+                "devStacks": {"type": "array", "items": {"type": "string"}, "default": ["dev"]},
+                "stack": {"type": "string", "description": "the stack name, when the URN does not say it"},
+            }
+        ),
     ),
     Rule(
         "no-spot-in-prod", "Prod node groups do not run on spot capacity.", ADVISORY, check_spot_in_prod, _STACK_SCHEMA

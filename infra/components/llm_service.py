@@ -23,6 +23,7 @@ import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
 from infra.components.iam import trusted_by
+from infra.k8s.egress import fallback_egress_policy
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from infra.model import catalog
@@ -60,6 +61,8 @@ class LlmServiceArgs:
     """RayService upgrade strategy (KubeRay's `upgradeStrategy.type`)."""
     api_keys: pulumi.Output[str] | None = None
     """Secret: comma-separated API keys, delivered as a Kubernetes Secret."""
+    fallback_api_key: pulumi.Output[str] | None = None
+    """Secret: the external fallback provider's key (stack secret fallbackApiKey), when serving.fallback is set."""
     hf_token: pulumi.Output[str] | None = None
     """Secret: Hugging Face token for gated models."""
     redis_password: pulumi.Output[str] | None = None
@@ -194,6 +197,7 @@ class LlmService(pulumi.ComponentResource):
 
         api_keys = secret("api-keys", args.api_keys, API_KEYS_SECRET_KEY)
         hf_token = secret("hf-token", args.hf_token, "token")
+        fallback_key = secret("fallback-api-key", args.fallback_api_key if args.serving.fallback else None, "api-key")
         redis = secret("redis", args.redis_password, "password")
 
         # --- the RayService ------------------------------------------------------------------
@@ -207,6 +211,7 @@ class LlmService(pulumi.ComponentResource):
             head_service_account=head_sa,
             worker_service_account=worker_sa,
             api_keys=api_keys,
+            fallback_api_key=fallback_key,
             hf_token=hf_token,
             redis_password=redis,
             gcs_redis_address=args.gcs_redis_address,
@@ -281,6 +286,12 @@ class LlmService(pulumi.ComponentResource):
             },
             opts=k8s_opts,
         )
+        # With an external fallback, the ingress pods' egress: see infra/k8s/egress.py.
+        if args.serving.fallback is not None:
+            egress = fallback_egress_policy(name, ns, args.vpc_cidr, args.serving.fallback.port)
+            k8s.networking.v1.NetworkPolicy(
+                f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=k8s_opts
+            )
         self.register_outputs({"endpoint": self.endpoint, "codeBucket": self.code_bucket})
 
 

@@ -21,7 +21,7 @@ import yaml
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SYSTEM_ROLE
 from infra.model import catalog, sizing
 from infra.model.versions import RAY_VERSION
-from serving.spec import API_KEYS_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
+from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -68,6 +68,8 @@ class RayServiceInputs:
     head_service_account: str
     worker_service_account: str
     api_keys: SecretRef | None
+    # The external fallback provider's key (serving.fallback), for the ingress on the head.
+    fallback_api_key: SecretRef | None = None
     hf_token: SecretRef | None = None
     redis_password: SecretRef | None = None
     gcs_redis_address: str | None = None
@@ -111,6 +113,8 @@ def serve_config_yaml(inp: RayServiceInputs) -> str:
 
 def _head(inp: RayServiceInputs) -> dict[str, Any]:
     env = [inp.api_keys.env(API_KEYS_ENV)] if inp.api_keys else []
+    if inp.fallback_api_key:
+        env.append(inp.fallback_api_key.env(FALLBACK_API_KEY_ENV))
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},

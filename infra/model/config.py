@@ -29,7 +29,7 @@ from serving.spec import AuthMode, Mode, ServingSpec, SpecModel, check_order
 PROJECT = "pd-inference"
 
 # Config keys that must be Pulumi secrets (`pulumi config set --secret`).
-SECRET_KEYS = ("hfToken", "apiKeys", "gcsRedisPassword")
+SECRET_KEYS = ("hfToken", "apiKeys", "gcsRedisPassword", "fallbackApiKey")
 
 _ARN_ROLE = re.compile(r"^arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]{1,512}$")
 _AZ = re.compile(r"^[a-z]{2}(-[a-z]+)+-\d[a-z]$")
@@ -398,6 +398,23 @@ class StackConfig(SpecModel):
             )
         if self.serving.auth is AuthMode.DISABLED and self.environment is not Environment.DEV:
             errors.append(("serving.auth", "API-key authentication can only be disabled in dev"))
+        fallback = self.serving.fallback
+        if fallback is not None and "fallbackApiKey" not in secrets_present:
+            errors.append(
+                (
+                    "fallbackApiKey",
+                    "serving.fallback is set but no fallbackApiKey secret is set "
+                    "(pulumi config set --secret fallbackApiKey <the provider's key>)",
+                )
+            )
+        if fallback is not None and fallback.plain_http and self.environment is not Environment.DEV:
+            errors.append(
+                (
+                    "serving.fallback.baseUrl",
+                    f"{fallback.base_url!r} is plain http: requests and the provider key would cross the "
+                    "internet unencrypted; use https:// (http is allowed only in dev)",
+                )
+            )
         return errors
 
     def _model_source_errors(self) -> list[tuple[str, str]]:
