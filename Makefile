@@ -75,6 +75,7 @@ serve: venv
 
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json
+	$(PY) -m bench.hybrid --out build/bench/hybrid.json
 	$(PY) -m bench.program --json build/bench/program.json
 
 bench-prefix: venv

@@ -1,0 +1,206 @@
+"""`make bench`, hybrid scenario: how much a burst overflows to the external fallback, and
+what each path's time to first token is.
+
+What flows through here: a local external provider (serving.local.aggregator: vLLM's own
+OpenAI server with the tiny model, at low CPU priority, behind a recording proxy) and the
+disaggregated local stack started the way `make serve` is, with the fallback configured by
+the environment (PD_FALLBACK_BASE_URL, PD_FALLBACK_MODEL, PD_FALLBACK_API_KEY,
+PD_FALLBACK_OVERFLOW_AT) -> an unloaded phase (requests one at a time: the cluster's own
+TTFT) -> a burst phase (many concurrent streamed requests, above the overflow threshold) ->
+per request: the path that served it (`x-served-by`), TTFT, latency, tokens -> the share
+served by the fallback, TTFT p50/p99 per path, and the cluster's burst p99 TTFT against its
+unloaded p99, on screen and in build/bench/hybrid.json.
+
+Both paths share this machine's two cores (a real provider does not share our GPUs); the
+provider runs niced so the cluster keeps its CPU share. A benchmark prints figures; it
+does not pass or fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.stats import RequestResult, percentile, summarize
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "hybrid.json"
+OVERFLOW_AT = 2
+PROMPT = "Tell me a long story about a cat who learned to fly over the sea"
+
+
+async def one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) -> tuple[str, RequestResult]:
+    body = {
+        "model": model,
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    res = RequestResult(ok=False)
+    served = "?"
+    t0 = time.perf_counter()
+    last = t0
+    try:
+        async with client.stream("POST", f"{url}/completions", json=body) as r:
+            served = r.headers.get("x-served-by", "?")
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return served, res
+            chunks = 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                msg = json.loads(line[5:])
+                if msg.get("usage"):
+                    res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
+                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
+                if not msg.get("choices") or not msg["choices"][0].get("text"):
+                    continue
+                now = time.perf_counter()
+                if chunks == 0:
+                    res.ttft_s = now - t0
+                else:
+                    res.itl_s.append(now - last)
+                last = now
+                chunks += 1
+            res.latency_s = time.perf_counter() - t0
+            res.ok = chunks > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return served, res
+
+
+async def phase(url: str, key: str, model: str, n: int, concurrency: int, max_tokens: int):
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=300, limits=limits) as c:
+
+        async def guarded():
+            async with sem:
+                return await one(c, url, model, max_tokens)
+
+        t0 = time.perf_counter()
+        out = await asyncio.gather(*(guarded() for _ in range(n)))
+        return out, time.perf_counter() - t0
+
+
+def by_path(results: list[tuple[str, RequestResult]], duration: float) -> dict[str, Any]:
+    paths = sorted({s for s, _ in results})
+    return {p: summarize([r for s, r in results if s == p], duration) for p in paths}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.hybrid", description=__doc__.split("\n")[0])
+    p.add_argument("--unloaded", type=int, default=12, help="requests sent one at a time (default %(default)s)")
+    p.add_argument("--burst", type=int, default=48, help="requests in the burst (default %(default)s)")
+    p.add_argument("--concurrency", type=int, default=8, help="burst concurrency (default %(default)s)")
+    p.add_argument(
+        "--overflow-at",
+        type=int,
+        default=OVERFLOW_AT,
+        help="fallback.overflowAt: ongoing requests per decode replica (default %(default)s)",
+    )
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    t_start = time.monotonic()
+
+    def say(msg: str) -> None:
+        print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", flush=True)
+
+    from serving.local.aggregator import EXTERNAL_MODEL, PROVIDER_KEY, running_aggregator
+    from serving.local.background import background_stack
+    from serving.local.config import local_target
+    from serving.local.tiny_model import ensure_tiny_model
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.out.parent
+    model_dir = str(ensure_tiny_model())
+    say("starting the external provider (vLLM behind a recording proxy) and the local stack with a fallback")
+    with running_aggregator(model_dir, logs / "hybrid-aggregator.log", dict(local_target().engine_env)) as agg:
+        env = {
+            "PD_FALLBACK_BASE_URL": agg.url,
+            "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
+            "PD_FALLBACK_API_KEY": PROVIDER_KEY,
+            "PD_FALLBACK_OVERFLOW_AT": str(args.overflow_at),
+        }
+        with background_stack(
+            mode="disaggregated", api_key="sk-bench-hybrid", log_path=logs / "hybrid-serve.log", env=env
+        ) as stack:
+            url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
+            say("warming up; then the unloaded phase (one request at a time)")
+            asyncio.run(phase(url, key, model, 2, 1, args.max_tokens))
+            unloaded, d_unloaded = asyncio.run(phase(url, key, model, args.unloaded, 1, args.max_tokens))
+            say(f"burst: {args.burst} requests at concurrency {args.concurrency}, overflowAt {args.overflow_at}")
+            burst, d_burst = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
+            leaked = [r for r in agg.records if key in repr(r.headers) + repr(r.body)]
+
+    u = by_path(unloaded, d_unloaded)
+    b = by_path(burst, d_burst)
+    n_fb = b.get("fallback", {}).get("requests", 0)
+    cl_unloaded = [r.ttft_s for s, r in unloaded if s == "cluster" and r.ok]
+    cl_burst = [r.ttft_s for s, r in burst if s == "cluster" and r.ok]
+    p99_u, p99_b = percentile(cl_unloaded, 99), percentile(cl_burst, 99)
+    report = {
+        "workload": {
+            "prompt": PROMPT,
+            "max_tokens": args.max_tokens,
+            "unloaded": args.unloaded,
+            "burst": args.burst,
+            "concurrency": args.concurrency,
+            "overflow_at": args.overflow_at,
+        },
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "unloaded": u,
+        "burst": b,
+        "fallback_share": n_fb / len(burst) if burst else None,
+        "cluster_ttft_p99_unloaded_ms": None if p99_u is None else p99_u * 1000,
+        "cluster_ttft_p99_burst_ms": None if p99_b is None else p99_b * 1000,
+        "cluster_ttft_p99_ratio": (p99_b / p99_u) if p99_u and p99_b else None,
+        "client_key_seen_by_provider": bool(leaked),
+        "errors_sample": [r.error for _, r in burst if not r.ok][:5],
+        "wall_s": time.monotonic() - t_start,
+    }
+    args.out.write_text(json.dumps(report, indent=2))
+
+    print()
+    print(f"{'phase':10} {'path':9} {'requests':>8} {'TTFT p50 ms':>12} {'TTFT p99 ms':>12} {'errors':>7}")
+    for name, summary in (("unloaded", u), ("burst", b)):
+        for path, s in summary.items():
+            print(
+                f"{name:10} {path:9} {s['requests']:>8} {_f(s.get('ttft_p50_ms')):>12} "
+                f"{_f(s.get('ttft_p99_ms')):>12} {s.get('errors', 0):>7}"
+            )
+    print(f"\nfallback share in the burst: {n_fb}/{len(burst)} = {100 * (report['fallback_share'] or 0):.0f}%")
+    if report["cluster_ttft_p99_ratio"] is not None:
+        print(
+            f"cluster TTFT p99: burst {p99_b * 1000:.0f} ms vs unloaded {p99_u * 1000:.0f} ms "
+            f"= {report['cluster_ttft_p99_ratio']:.2f}x"
+        )
+    print(f"client key seen by the provider: {'YES' if leaked else 'no'}")
+    print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
+    return 0
+
+
+def _f(v: Any) -> str:
+    return "-" if v is None else f"{v:,.0f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
