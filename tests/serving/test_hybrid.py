@@ -324,3 +324,25 @@ def test_reason_for_http_statuses():
         "unavailable",
         "overloaded",
     ]
+
+
+def test_a_layer_below_can_hand_the_request_to_the_fallback(monkeypatch):
+    """The resilience mixin's on_unservable hook calls `unservable` from inside the cluster call:
+    the fallback's answer comes back through handle() metered once, as the fallback's."""
+    r, meter, calls = _routing(monkeypatch, when=("deadline",))
+
+    async def call(body):
+        resp = await r.unservable("completions", body, _Request(), "deadline", "first token late")
+        assert resp is not None
+        return resp
+
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.headers[SERVED_BY] == "fallback" and len(calls) == 1
+    assert meter.fallbacks == [("deadline", "ok")]
+    assert [c[2] for c in meter.calls] == ["fallback"]
+    assert r.inflight.count() == 0
+
+    async def not_for_this_reason():
+        return await r.unservable("completions", {"prompt": "x"}, _Request(), "overloaded", "queue full")
+
+    assert asyncio.run(not_for_this_reason()) is None
