@@ -150,6 +150,7 @@ def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stac
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     ) as raw:
         assert raw.headers["x-served-by"] == "fallback"
         chunks = list(raw.parse())
