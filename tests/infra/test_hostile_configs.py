@@ -192,6 +192,19 @@ CASES: list[Hostile] = [
     Hostile("api-keys-plain-text", "prod", _set("apiKeys", "sk-live-1234"), "apiKeys"),
     Hostile("hf-token-plain-text", "staging", _set("hfToken", "hf_abcdefghijklmnop"), "hfToken"),
     Hostile("redis-password-plain-text", "prod", _set("gcsRedisPassword", "hunter2"), "gcsRedisPassword"),
+    Hostile("fallback-api-key-plain-text", "prod", _set("fallbackApiKey", "sk-provider-1234"), "fallbackApiKey"),
+    Hostile(
+        "fallback-plain-http",
+        "prod",
+        _set("serving.fallback", {"baseUrl": "http://api.provider.example/v1", "model": "m"}),
+        "serving.fallback.baseUrl",
+    ),
+    Hostile(
+        "fallback-key-in-url",
+        "staging",
+        _set("serving.fallback", {"baseUrl": "https://sk-live:x@api.provider.example/v1", "model": "m"}),
+        "serving.fallback.baseUrl",
+    ),
     Hostile("auth-disabled-staging", "staging", _set("serving.auth", "disabled"), "serving.auth"),
     Hostile("redis-without-address", "prod", _del("gcsRedisAddress"), "gcsRedisAddress"),
     Hostile(
