@@ -9,6 +9,7 @@ key and plain http outside dev; the policy pack's rule refuses plain http outsid
 
 from __future__ import annotations
 
+import asyncio
 import copy
 
 import kubernetes_validate
@@ -40,6 +41,8 @@ def _stack(name="prod", fallback=FALLBACK, key=True):
 
 @pytest.fixture(scope="module")
 def run():
+    # Pulumi's mock runtime wants a current event loop; asyncio.run() elsewhere leaves none.
+    asyncio.set_event_loop(asyncio.new_event_loop())
     values, secrets, others = _stack()
     return mock_runtime.run("prod", values, secrets, others)
 
