@@ -325,6 +325,7 @@ def _adapter(model_cls) -> TypeAdapter:
 _HYBRID_ENDPOINTS = {ChatCompletionRequest: "chat", CompletionRequest: "completions"}
 _UNSERVABLE = {
     "decode_unavailable": "unavailable",
+    "decode_died": "unavailable",
     "engine_error": "unavailable",
     "overloaded": "overloaded",
     "deadline": "deadline",
