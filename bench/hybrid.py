@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     cl_unloaded = [r.ttft_s for s, r in unloaded if s == "cluster" and r.ok]
     cl_burst = [r.ttft_s for s, r in burst if s == "cluster" and r.ok]
     p99_u, p99_b = percentile(cl_unloaded, 99), percentile(cl_burst, 99)
-    report = {
+    share = n_fb / len(burst) if burst else 0.0
+    ratio = p99_b / p99_u if p99_u and p99_b else None
+    report: dict[str, Any] = {
         "workload": {
             "prompt": PROMPT,
             "max_tokens": args.max_tokens,
@@ -169,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "unloaded": u,
         "burst": b,
-        "fallback_share": n_fb / len(burst) if burst else None,
+        "fallback_share": share,
         "cluster_ttft_p99_unloaded_ms": None if p99_u is None else p99_u * 1000,
         "cluster_ttft_p99_burst_ms": None if p99_b is None else p99_b * 1000,
-        "cluster_ttft_p99_ratio": (p99_b / p99_u) if p99_u and p99_b else None,
+        "cluster_ttft_p99_ratio": ratio,
         "client_key_seen_by_provider": bool(leaked),
         "errors_sample": [r.error for _, r in burst if not r.ok][:5],
         "wall_s": time.monotonic() - t_start,
@@ -187,12 +189,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:10} {path:9} {s['requests']:>8} {_f(s.get('ttft_p50_ms')):>12} "
                 f"{_f(s.get('ttft_p99_ms')):>12} {s.get('errors', 0):>7}"
             )
-    print(f"\nfallback share in the burst: {n_fb}/{len(burst)} = {100 * (report['fallback_share'] or 0):.0f}%")
-    if report["cluster_ttft_p99_ratio"] is not None:
-        print(
-            f"cluster TTFT p99: burst {p99_b * 1000:.0f} ms vs unloaded {p99_u * 1000:.0f} ms "
-            f"= {report['cluster_ttft_p99_ratio']:.2f}x"
-        )
+    print(f"\nfallback share in the burst: {n_fb}/{len(burst)} = {100 * share:.0f}%")
+    if ratio is not None and p99_u is not None and p99_b is not None:
+        print(f"cluster TTFT p99: burst {p99_b * 1000:.0f} ms vs unloaded {p99_u * 1000:.0f} ms = {ratio:.2f}x")
     print(f"client key seen by the provider: {'YES' if leaked else 'no'}")
     print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
     return 0
