@@ -461,6 +461,18 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "Kubernetes Secret",
     ),
     (
+        "fallback-plain-http-in-prod",
+        "fallback-https-outside-dev",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: i["spec"].update(
+            serveConfigV2="applications:\n- name: llm\n  deployments:\n  - name: AuthenticatedIngress\n"
+            "    user_config:\n      fallback:\n        base_url: http://api.provider.example/v1\n"
+        ),
+        "use an https:// baseUrl",
+    ),
+    (
         "redis-password-literal",
         "secrets-by-reference",
         "prod",
