@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             "PD_FALLBACK_OVERFLOW_AT": str(args.overflow_at),
         }
         with background_stack(
-            mode="disaggregated", api_key="sk-bench-hybrid", log_path=logs / "hybrid-serve.log", env=env
+            mode="disaggregated", api_key="sk-bench-hybrid", log_path=logs / "hybrid-serve.log", extra_env=env
         ) as stack:
             url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
             say("warming up; then the unloaded phase (one request at a time)")

@@ -17,7 +17,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra.paths import ROOT
-
 from serving.spec import APP_NAME, Mode, ServingSpec, Target
 
 MODEL_ID = "tiny-llama"

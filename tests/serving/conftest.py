@@ -42,6 +42,6 @@ def stack():
         log_path=log,
         timeout=480,
         extra_keys=(E2E_KEY_2,),
-        env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
+        extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
     ) as running:
         yield running
