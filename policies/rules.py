@@ -269,7 +269,7 @@ def _chart_images(values: Any, path: str = "values") -> Iterator[tuple[str, str]
 
 
 def check_images_pinned(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
-    fix = "pin a release tag (e.g. rayproject/ray-llm:2.60.0-py311-cu128) or a digest (@sha256:...)"
+    fix = "pin a release tag (e.g. rayproject/ray-llm:2.60.0-py312-cu130) or a digest (@sha256:...)"
     for where, _, pod in pod_specs(type_, props):
         for c in containers(pod):
             problem = image_problem(c.get("image"))
@@ -513,6 +513,75 @@ def check_ray_head_no_gpu(type_: str, props: dict[str, Any], ctx: Context) -> It
                     )
 
 
+# --- KV transfer over the fabric --------------------------------------------------------------
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+NIXL_CONNECTORS = {"NixlConnector", "NixlPushConnector"}
+NIXL_DEFAULT_BACKENDS = ["UCX"]  # vLLM NixlConnector's default (nixl/base_worker.py, get_from_extra_config)
+
+
+def _efa_worker_groups(cluster: Any) -> list[str] | None:
+    """Names of the worker groups whose pods ask for EFA devices; None when not known yet."""
+    groups = dig(cluster, "workerGroupSpecs")
+    if not known(groups):
+        return None
+    out = []
+    for i, group in enumerate(as_list(groups)):
+        for c in containers(dig(group, "template", "spec")):
+            for kind in ("requests", "limits"):
+                n = dig(c, "resources", kind, EFA_RESOURCE)
+                if n is not None and known(n) and str(n).strip() not in ("0", ""):
+                    out.append(str(dig(group, "groupName", default=i)))
+    return sorted(set(out))
+
+
+def _nixl_configs(serve_config: Any) -> Iterator[tuple[str, list[Any]]]:
+    """(path, backends) of every NIXL kv_transfer_config in a serveConfigV2 document."""
+    if not isinstance(serve_config, str):
+        return
+    try:
+        doc = yaml.safe_load(serve_config)
+    except yaml.YAMLError:
+        return
+
+    def walk(node: Any, path: str) -> Iterator[tuple[str, list[Any]]]:
+        if isinstance(node, Mapping):
+            kv = node.get("kv_transfer_config")
+            if isinstance(kv, Mapping) and kv.get("kv_connector") in NIXL_CONNECTORS:
+                extra = kv.get("kv_connector_extra_config")
+                backends = extra.get("backends") if isinstance(extra, Mapping) else None
+                yield f"{path}.kv_transfer_config", list(backends) if backends else list(NIXL_DEFAULT_BACKENDS)
+            for k, v in node.items():
+                yield from walk(v, f"{path}.{k}")
+        elif isinstance(node, list):
+            for i, v in enumerate(node):
+                yield from walk(v, f"{path}[{i}]")
+
+    yield from walk(doc, "serveConfigV2")
+
+
+def check_nixl_backend(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
+    """On EFA worker groups NIXL must use LIBFABRIC: its UCX backend gets no RDMA on EFA and
+    silently falls back to TCP (ai-dynamo/nixl#909, ai-dynamo/dynamo#4185). Without EFA there
+    is no libfabric EFA device, so LIBFABRIC is wrong there."""
+    if not type_.endswith(":RayService"):
+        return
+    spec = props.get("spec")
+    efa_groups = _efa_worker_groups(dig(spec, "rayClusterConfig"))
+    if efa_groups is None:
+        return
+    for path, backends in _nixl_configs(dig(spec, "serveConfigV2")):
+        if efa_groups and (backends != ["LIBFABRIC"]):
+            yield (
+                f"{path} NIXL backends {backends} on EFA worker groups {efa_groups}: UCX gets no RDMA on EFA and "
+                'falls back to TCP without a word (ai-dynamo/nixl#909); set kv_connector_extra_config.backends ["LIBFABRIC"]'
+            )
+        elif not efa_groups and "LIBFABRIC" in backends:
+            yield (
+                f"{path} NIXL backends {backends} but no worker group has EFA devices: LIBFABRIC has no EFA "
+                'device to use; set kv_connector_extra_config.backends ["UCX"]'
+            )
+
+
 # --- secrets --------------------------------------------------------------------------------------------------
 def secret_like(name: Any) -> bool:
     if not isinstance(name, str):
@@ -723,6 +792,12 @@ RULES: list[Rule] = [
         "The Ray head asks for no GPU (num-gpus 0, no nvidia.com/gpu).",
         MANDATORY,
         check_ray_head_no_gpu,
+    ),
+    Rule(
+        "nixl-backend-matches-fabric",
+        "NIXL moves the KV cache with LIBFABRIC on EFA worker groups and UCX elsewhere.",
+        MANDATORY,
+        check_nixl_backend,
     ),
     Rule(
         "secrets-by-reference",

