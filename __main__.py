@@ -16,6 +16,7 @@ from infra.components.kuberay import KubeRayOperator, KubeRayOperatorArgs
 from infra.components.llm_service import LlmService, LlmServiceArgs
 from infra.components.network import Network, NetworkArgs
 from infra.components.observability import ObservabilityArgs, ObservabilityStack
+from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.model import catalog
@@ -93,6 +94,14 @@ plugins = DevicePluginArgs(provider=cluster.provider)
 NvidiaDevicePlugin("nvidia-device-plugin", plugins)
 EfaDevicePlugin("efa-device-plugin", plugins)
 operator = KubeRayOperator("kuberay", KubeRayOperatorArgs(provider=cluster.provider, watch_namespaces=[cfg.namespace]))
+# The EFA worker image (images/ray-llm-efa FROM rayImage) when the pools need it; else rayImage.
+worker_image = (
+    WorkerImage(
+        "worker-image", WorkerImageArgs(repository=f"{cluster_name}/ray-llm-efa", base_image=cfg.ray_image, tags=tags)
+    )
+    if cfg.builds_worker_image
+    else None
+)
 service = LlmService(
     "llm",
     LlmServiceArgs(
@@ -102,7 +111,7 @@ service = LlmService(
         operator=operator,
         serving=cfg.serving,
         instances={role: pools[role].instance for role in cfg.serving.engine_roles()},
-        image=cfg.ray_image,
+        image=worker_image.ref if worker_image else cfg.ray_image,
         exposure=cfg.service_exposure,
         allowed_cidrs=cfg.service_allowed_cidrs,
         vpc_cidr=cfg.vpc_cidr,
@@ -145,3 +154,4 @@ pulumi.export("endpoint", service.endpoint)
 pulumi.export("codeBucket", service.code_bucket)
 pulumi.export("prometheusUrl", observability.prometheus_url)
 pulumi.export("ampWorkspaceId", observability.workspace_id)
+pulumi.export("workerImage", worker_image.ref if worker_image else cfg.ray_image)

@@ -148,11 +148,17 @@ class _Mocks(pulumi.runtime.Mocks):
             state.update(keyId=f"mock-key-{args.name}")
         elif args.typ == "aws:ec2/launchTemplate:LaunchTemplate":
             state.update(latestVersion=1)
+        elif args.typ == "aws:ecr/repository:Repository":
+            state.update(
+                registryId=FAKE_ACCOUNT, repositoryUrl=f"{FAKE_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{name}"
+            )
         return f"{args.name}-id", state
 
     def call(self, args: pulumi.runtime.MockCallArgs):
         if args.token == "aws:eks/getCluster:getCluster":
             return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
+        if args.token == "aws:ecr/getAuthorizationToken:getAuthorizationToken":
+            return {"userName": "AWS", "password": "mock-ecr-token", "authorizationToken": "bW9jaw==", "id": "mock"}
         return {}
 
 

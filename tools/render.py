@@ -139,7 +139,21 @@ def summary(rendered: Rendered) -> str:
         f"  GPU node cost: ${total_desired:,.2f}/h at desired size, ${total_max:,.2f}/h at max "
         f"(indicative on-demand list prices; spot and capacity blocks differ)"
     )
+    lines.append(_image_line(rendered))
     return "\n".join(lines)
+
+
+def _image_line(rendered: Rendered) -> str:
+    """What the Ray pods run; a built image's tag is its content hash, so a new tag = a rebuild."""
+    built = rendered.result.of_type("docker-build:index:Image")
+    backend = rendered.config.node_pools.prefill.instance.nixl_backend.value
+    if built:
+        (tag,) = built[0].inputs["tags"]
+        return (
+            f"Worker image: built from images/ray-llm-efa FROM {rendered.config.ray_image}, tag "
+            f"{tag.rsplit(':', 1)[-1]} (changes only when the image would rebuild); KV transfer: NIXL {backend}"
+        )
+    return f"Worker image: {rendered.config.ray_image} (not built); KV transfer: NIXL {backend}"
 
 
 def _plan_text(cfg: StackConfig) -> str:

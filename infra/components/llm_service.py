@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -49,8 +50,8 @@ class LlmServiceArgs:
     """The serving spec: renders serveConfigV2 and sizes the worker groups."""
     instances: dict[str, catalog.InstanceType]
     """Engine role -> its node pool's instance type (GPUs and EFA per pod)."""
-    image: str
-    """Ray image of the head and workers, pinned by tag or digest."""
+    image: pulumi.Input[str]
+    """Ray image of the head and workers: a pinned reference, or the built worker image's Output."""
     exposure: ServiceExposure
     """How the OpenAI API is exposed: ClusterIP or an internal NLB."""
     allowed_cidrs: list[str]
@@ -201,10 +202,13 @@ class LlmService(pulumi.ComponentResource):
         redis = secret("redis", args.redis_password, "password")
 
         # --- the RayService ------------------------------------------------------------------
+        # A built image's reference is an Output; the manifest is plain data, so it carries a
+        # stand-in that is swapped for the Output afterwards (everything else stays known).
+        image_ref = args.image if isinstance(args.image, str) else _IMAGE_STAND_IN
         inputs = RayServiceInputs(
             name=name,
             namespace=ns,
-            image=args.image,
+            image=image_ref,
             serving=args.serving,
             instances=args.instances,
             working_dir="",
@@ -219,7 +223,7 @@ class LlmService(pulumi.ComponentResource):
         )
         # Everything but serveConfigV2 is known at preview, so policies see the pods even
         # before the code bucket exists; only the Serve config waits for the bucket's name.
-        spec = rayservice_manifest(inputs)["spec"]
+        spec = _swap(rayservice_manifest(inputs)["spec"], _IMAGE_STAND_IN, args.image)
         spec["serveConfigV2"] = working_dir.apply(lambda wd: serve_config_yaml(replace(inputs, working_dir=wd)))
         k8s.apiextensions.CustomResource(
             f"{name}-rayservice",
@@ -293,6 +297,18 @@ class LlmService(pulumi.ComponentResource):
                 f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=k8s_opts
             )
         self.register_outputs({"endpoint": self.endpoint, "codeBucket": self.code_bucket})
+
+
+_IMAGE_STAND_IN = "registry.invalid/built-worker-image:pending"
+
+
+def _swap(node: Any, old: str, new: Any) -> Any:
+    """`node` with every string equal to `old` replaced by `new` (an Output is fine)."""
+    if isinstance(node, dict):
+        return {k: _swap(v, old, new) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_swap(v, old, new) for v in node]
+    return new if node == old else node
 
 
 def _lb_url(status) -> str | None:

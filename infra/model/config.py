@@ -93,6 +93,17 @@ class UpgradeStrategy(str, Enum):
     NONE = "None"
 
 
+class ImageBuild(str, Enum):
+    """What the Ray pods run. AUTO: the EFA worker image (images/ray-llm-efa, FROM rayImage,
+    built and pushed by the stack) when the engine pools have EFA, rayImage as is otherwise.
+    EFA_USERSPACE: always build it. NONE: run rayImage as is (a prebuilt image that already
+    carries the EFA userspace, e.g. an AWS Deep Learning Container)."""
+
+    AUTO = "auto"
+    EFA_USERSPACE = "efa-userspace"
+    NONE = "none"
+
+
 class GcsFaultTolerance(str, Enum):
     DISABLED = "disabled"
     EXTERNAL_REDIS = "external-redis"
@@ -247,6 +258,7 @@ class StackConfig(SpecModel):
     # The LLM service
     namespace: str = "llm"
     ray_image: str = versions.RAY_IMAGE
+    image_build: ImageBuild = ImageBuild.AUTO
     service_exposure: ServiceExposure = ServiceExposure.CLUSTER_IP
     service_allowed_cidrs: list[str] = Field(default_factory=list)
     upgrade_strategy: UpgradeStrategy = UpgradeStrategy.NEW_CLUSTER
@@ -359,6 +371,7 @@ class StackConfig(SpecModel):
             *self._pool_errors(),
             *self._kv_transfer_errors(),
             *self._vllm_option_errors(),
+            *self._image_errors(),
             # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
             *fit_errors(self.serving, {role: pool.instance for role, pool in self._engine_pools().items()}),
         ]
@@ -514,6 +527,27 @@ class StackConfig(SpecModel):
             errors.append((key, why))
             break
         return errors
+
+    def _image_errors(self) -> list[tuple[str, str]]:
+        efa = any(pool.instance.efa for pool in self._engine_pools().values())
+        stock = self.ray_image.split("@")[0].rsplit(":", 1)[0] == versions.RAY_IMAGE.rsplit(":", 1)[0]
+        if efa and self.image_build is ImageBuild.NONE and stock:
+            return [
+                (
+                    "imageBuild",
+                    f"none runs {self.ray_image} as is, which has no EFA userspace: NIXL's LIBFABRIC plugin "
+                    "cannot load libfabric.so.1 (leave imageBuild auto, or set rayImage to an image with the "
+                    "AWS EFA installer, e.g. a Deep Learning Container)",
+                )
+            ]
+        return []
+
+    @property
+    def builds_worker_image(self) -> bool:
+        """Whether the stack builds the EFA worker image (images/ray-llm-efa) FROM rayImage."""
+        if self.image_build is ImageBuild.AUTO:
+            return any(pool.instance.efa for pool in self._engine_pools().values())
+        return self.image_build is ImageBuild.EFA_USERSPACE
 
     def _vllm_option_errors(self) -> list[tuple[str, str]]:
         """engineKwargs must exist in the vLLM the Ray image carries (vllm_options.IMAGE_VLLM_VERSION)."""
