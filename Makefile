@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint docs test test-fast serve render plan bench bench-prefix stack diff clean
+.PHONY: help venv lint docs test test-fast serve render plan bench bench-prefix stack diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -16,6 +16,7 @@ help:
 	@echo "make docs               regenerate the command outputs shown in the docs"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
+	@echo "make efa-check STACK=prod   EFA fabric check between a prefill and a decode node (DRY_RUN=1: offline)"
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
@@ -86,6 +87,12 @@ render: venv
 
 plan: venv
 	$(PY) -m tools.plan --stack $(STACK)
+
+# The EFA fabric between a prefill and a decode node, on the cluster of the current kubeconfig
+# (fi_info + fi_pingpong per EFA device; bandwidth vs the catalog). DRY_RUN=1: render and
+# validate only. IMAGE=<ref>: the worker image (the deploy workflow passes the stack output).
+efa-check: venv
+	$(PY) -m tools.efa_check --stack $(STACK) $(if $(DRY_RUN),--dry-run) $(if $(IMAGE),--image "$(IMAGE)")
 
 # "--": a NAME that starts with "-" is a (rejected) name, not an option.
 stack: venv

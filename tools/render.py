@@ -94,6 +94,13 @@ def write(rendered: Rendered, out: Path) -> None:
     )
     for fname, obj in sorted(rendered.manifests().items()):
         (out / "manifests" / fname).write_text(yaml.safe_dump(obj, sort_keys=False))
+    cfg = rendered.config
+    if cfg.node_pools.prefill.instance.efa and cfg.node_pools.decode.instance.efa:
+        # The fabric check the deploy workflow runs after `pulumi up` (not a Pulumi resource).
+        from tools import efa_check
+
+        inp = efa_check.inputs_for(cfg, rendered.stack, None, 0.5)
+        efa_check.write(efa_check.efa_check.manifests(inp), out / "efa-check", cfg.kubernetes_version)
 
 
 def pool_summary(rendered: Rendered) -> list[dict[str, Any]]:

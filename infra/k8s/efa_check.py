@@ -1,0 +1,277 @@
+"""The EFA fabric check, as plain data: one pod on a prefill node, one on a decode node.
+
+What flows through here: a stack's pools (their catalog entries), the namespace, the worker
+image and the role label/taint -> a headless Service and two Jobs (`efa-check-server` on a
+prefill node, `efa-check-client` on a decode node). Each pod asks for all of its node's EFA
+interfaces (and no GPUs), runs `fi_info -p efa` and checks it sees every interface, then one
+`fi_pingpong` (libfabric's own test) per EFA device pair in parallel. The client prints one
+`EFA_CHECK` line per device and a total; `parse_report` turns the client's log into bandwidth
+against the catalog's line rate. `tools.efa_check` renders, applies and reads it.
+
+No Pulumi here: the deploy workflow runs it with kubectl after `pulumi up`; the tests validate
+the objects against the Kubernetes OpenAPI schema.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
+from infra.model import catalog
+
+NAME = "efa-check"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# fi_pingpong's control (out-of-band TCP) port; one per EFA device pair, counting up.
+BASE_PORT = 47592
+# 4 MiB: large enough that one ping-pong is bandwidth-bound, under fi_pingpong's 6 MiB cap
+# (PP_MAX_DATA_MSG in libfabric util/pingpong.c).
+MESSAGE_BYTES = 4 << 20
+ITERATIONS = 200
+RAY_UID = 1000  # the worker image's user (same security context as the Ray workers)
+
+
+@dataclass(frozen=True)
+class EfaCheckInputs:
+    """What the check needs from a stack.
+
+    namespace: where the Jobs run (the LLM namespace: its NetworkPolicy admits pod-to-pod traffic).
+    image: the worker image (it carries fi_info and fi_pingpong from the EFA installer).
+    instances: the catalog entries of the prefill and decode pools.
+    min_fraction: the share of the catalog's line rate below which the check fails.
+    """
+
+    namespace: str
+    image: str
+    instances: dict[str, catalog.InstanceType]
+    min_fraction: float = 0.5
+    message_bytes: int = MESSAGE_BYTES
+    iterations: int = ITERATIONS
+    timeout_s: int = 900
+
+    def __post_init__(self) -> None:
+        if set(self.instances) != {"prefill", "decode"}:
+            raise ValueError("the EFA check needs a prefill and a decode pool")
+        for role, inst in self.instances.items():
+            if not inst.efa:
+                raise ValueError(f"{role} pool {inst.name} has no EFA: there is no fabric to check")
+        if not 0 < self.min_fraction <= 1:
+            raise ValueError("min_fraction must be in (0, 1]")
+        if not 0 < self.message_bytes <= 6 << 20:
+            raise ValueError("message_bytes must be in (0, 6 MiB] (fi_pingpong's largest message)")
+
+
+def devices_expected(inp: EfaCheckInputs) -> int:
+    """Device pairs: one per interface of the smaller side."""
+    return min(i.efa_interfaces for i in inp.instances.values())
+
+
+def server_host(inp: EfaCheckInputs) -> str:
+    return f"{NAME}-server.{inp.namespace}.svc.cluster.local"
+
+
+def _common_script(role: str, inst: catalog.InstanceType) -> list[str]:
+    return [
+        "set -euo pipefail",
+        f'echo "EFA_CHECK role={role} node=${{NODE_NAME}} instance={inst.name} memlock=$(ulimit -l)"',
+        "fi_info --version",
+        # Every EFA device the pod was given, as libfabric's RDM domains.
+        "fi_info -p efa -t FI_EP_RDM > /tmp/fi_info.txt || { cat /tmp/fi_info.txt; echo 'EFA_CHECK FAIL fi_info -p efa found no EFA provider'; exit 1; }",
+        "mapfile -t DOMAINS < <(awk '/domain:/ {print $2}' /tmp/fi_info.txt | sort -u)",
+        f'echo "EFA_CHECK role={role} devices=${{#DOMAINS[@]}} expected={inst.efa_interfaces}"',
+        f'[ "${{#DOMAINS[@]}}" -ge {inst.efa_interfaces} ] || {{ echo "EFA_CHECK FAIL {role}: {inst.efa_interfaces} EFA devices expected"; exit 1; }}',
+    ]
+
+
+def server_script(inp: EfaCheckInputs) -> str:
+    inst = inp.instances["prefill"]
+    n = devices_expected(inp)
+    lines = [
+        *_common_script("prefill", inst),
+        f"for i in $(seq 0 {n - 1}); do",
+        f'  fi_pingpong -p efa -e rdm -d "${{DOMAINS[$i]}}" -S {inp.message_bytes} -I {inp.iterations} '
+        f"-B $(({BASE_PORT} + i)) > /tmp/pp.$i 2>&1 &",
+        "done",
+        "wait",
+        'echo "EFA_CHECK role=prefill done"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def client_script(inp: EfaCheckInputs) -> str:
+    inst = inp.instances["decode"]
+    n = devices_expected(inp)
+    host = server_host(inp)
+    lines = [
+        *_common_script("decode", inst),
+        # The server's pod may still be starting: wait until its name resolves.
+        f"for t in $(seq 1 120); do getent hosts {host} >/dev/null && break; sleep 5; done",
+        f"SERVER=$(getent hosts {host} | awk '{{print $1}}')",
+        "sleep 10",
+        f"for i in $(seq 0 {n - 1}); do",
+        f'  fi_pingpong -p efa -e rdm -d "${{DOMAINS[$i]}}" -S {inp.message_bytes} -I {inp.iterations} '
+        f'-P $(({BASE_PORT} + i)) "$SERVER" > /tmp/pp.$i 2>&1 &',
+        "done",
+        "rc=0; wait || rc=$?",
+        f"for i in $(seq 0 {n - 1}); do",
+        "  mbps=$(awk '$1 ~ /^[0-9.]+[kmg]?$/ && NF >= 8 {print $6}' /tmp/pp.$i | tail -1)",
+        '  echo "EFA_CHECK device=${DOMAINS[$i]} MBps=${mbps:-none}"',
+        '  [ -n "$mbps" ] || { cat /tmp/pp.$i; rc=1; }',
+        "done",
+        'echo "EFA_CHECK role=decode done rc=$rc"',
+        "exit $rc",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _labels(component: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": component}
+
+
+def _pod(inp: EfaCheckInputs, role: str, component: str, script: str) -> dict[str, Any]:
+    inst = inp.instances[role]
+    resources = {"cpu": "2", "memory": "4Gi", EFA_RESOURCE: str(inst.efa_interfaces)}
+    return {
+        "metadata": {"labels": _labels(component)},
+        "spec": {
+            "restartPolicy": "Never",
+            "automountServiceAccountToken": False,
+            # A node of this role's pool only: prefill and decode are different pools.
+            "nodeSelector": {ROLE_LABEL: role, INSTANCE_TYPE_LABEL: inst.name},
+            "tolerations": [GPU_TOLERATION],
+            # The Ray workers' security context: the check proves the fabric works for them.
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RAY_UID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [
+                {
+                    "name": component,
+                    "image": inp.image,
+                    "command": ["/bin/bash", "-c", script],
+                    "env": [
+                        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+                        {"name": "FI_PROVIDER", "value": "efa"},
+                        {"name": "FI_EFA_ENABLE_SHM_TRANSFER", "value": "0"},
+                    ],
+                    "resources": {"requests": dict(resources), "limits": dict(resources)},
+                    "securityContext": {
+                        "allowPrivilegeEscalation": False,
+                        "capabilities": {"drop": ["ALL"]},
+                        "runAsNonRoot": True,
+                        "runAsUser": RAY_UID,
+                    },
+                }
+            ],
+        },
+    }
+
+
+def _job(inp: EfaCheckInputs, role: str, component: str, script: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": f"{NAME}-{component}", "namespace": inp.namespace, "labels": _labels(component)},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": inp.timeout_s,
+            "ttlSecondsAfterFinished": 3600,
+            "template": _pod(inp, role, component, script),
+        },
+    }
+
+
+def manifests(inp: EfaCheckInputs) -> dict[str, dict[str, Any]]:
+    """File name -> object: the server's Service, the server Job (prefill), the client Job (decode)."""
+    n = devices_expected(inp)
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": f"{NAME}-server", "namespace": inp.namespace, "labels": _labels("server")},
+        "spec": {
+            # Headless: the name resolves to the server pod's IP, as fi_pingpong's control
+            # connection needs (the EFA traffic itself never crosses the Service).
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": _labels("server"),
+            "ports": [
+                {"name": f"ctrl-{i}", "port": BASE_PORT + i, "targetPort": BASE_PORT + i, "protocol": "TCP"}
+                for i in range(n)
+            ],
+        },
+    }
+    return {
+        f"service-{NAME}-server.yaml": service,
+        f"job-{NAME}-server.yaml": _job(inp, "prefill", "server", server_script(inp)),
+        f"job-{NAME}-client.yaml": _job(inp, "decode", "client", client_script(inp)),
+    }
+
+
+# --- the client's log -> the report ------------------------------------------------------------
+_DEVICE = re.compile(r"^EFA_CHECK device=(\S+) MBps=(\S+)$")
+_COUNT = re.compile(r"^EFA_CHECK role=(\w+) devices=(\d+) expected=(\d+)$")
+
+
+@dataclass(frozen=True)
+class Report:
+    devices: dict[str, float | None]  # device -> MB/s (10^6 bytes/s), None when the pair failed
+    line_rate_gbps: float  # the slower pool's catalog line rate
+    expected_devices: int
+    min_fraction: float
+    failures: list[str]
+
+    @property
+    def total_gbps(self) -> float:
+        return sum(v for v in self.devices.values() if v) * 8 / 1000
+
+    @property
+    def fraction(self) -> float:
+        return self.total_gbps / self.line_rate_gbps if self.line_rate_gbps else 0.0
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.failures
+            and len(self.devices) >= self.expected_devices
+            and all(self.devices.values())
+            and self.fraction >= self.min_fraction
+        )
+
+    def text(self) -> str:
+        lines = [f"  {d}: {v:,.0f} MB/s" if v else f"  {d}: FAILED" for d, v in sorted(self.devices.items())]
+        verdict = "PASS" if self.ok else "FAIL"
+        lines.append(
+            f"EFA check {verdict}: {len(self.devices)}/{self.expected_devices} device pairs, "
+            f"{self.total_gbps:,.1f} Gbps in total = {self.fraction:.0%} of the catalog's "
+            f"{self.line_rate_gbps:,.0f} Gbps line rate (pass at >= {self.min_fraction:.0%})"
+        )
+        lines += [f"  problem: {f}" for f in self.failures]
+        return "\n".join(lines)
+
+
+def line_rate_gbps(inp: EfaCheckInputs) -> float:
+    """What the catalog promises between the two pools: the slower side's line rate."""
+    return float(min(i.network_gbps for i in inp.instances.values()))
+
+
+def parse_report(log: str, inp: EfaCheckInputs) -> Report:
+    """The client's log -> per-device bandwidth against the catalog's line rate."""
+    devices: dict[str, float | None] = {}
+    failures = []
+    for line in log.splitlines():
+        line = line.strip()
+        if m := _DEVICE.match(line):
+            try:
+                devices[m.group(1)] = float(m.group(2))
+            except ValueError:
+                devices[m.group(1)] = None
+        elif m := _COUNT.match(line):
+            if int(m.group(2)) < int(m.group(3)):
+                failures.append(f"{m.group(1)} saw {m.group(2)} EFA devices, expected {m.group(3)}")
+        elif line.startswith("EFA_CHECK FAIL"):
+            failures.append(line.removeprefix("EFA_CHECK FAIL").strip())
+    if not devices and not failures:
+        failures.append("no fi_pingpong results in the client's log")
+    return Report(devices, line_rate_gbps(inp), devices_expected(inp), inp.min_fraction, failures)

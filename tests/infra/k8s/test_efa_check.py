@@ -1,0 +1,133 @@
+"""The EFA fabric check's objects and scripts (infra/k8s/efa_check.py), offline.
+
+Upstream rules encoded here:
+- The EFA device plugin hands a pod EFA interfaces only as `vpc.amazonaws.com/efa` (aws/eks-charts
+  aws-efa-k8s-device-plugin); a pod that wants the node's whole fabric asks for all of them.
+- `fi_info -p efa -t FI_EP_RDM` lists one RDM domain per EFA device; `fi_pingpong` (libfabric
+  util/pingpong.c) takes -p provider, -e rdm, -d domain, -S size (at most 6 MiB,
+  PP_MAX_DATA_MSG), -I iterations, -B/-P control ports (default 47592), and prints
+  `bytes #sent #ack total time MB/sec usec/xfer Mxfers/sec` rows.
+The scripts are executed here with stand-ins for fi_info, fi_pingpong and getent that print
+what the real tools print, so their shell and their parsing are tested, not only their text.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from infra.k8s import efa_check
+from infra.k8s.labels import INSTANCE_TYPE_LABEL, ROLE_LABEL
+from infra.model import catalog
+
+P5, P4DE, G5 = (catalog.lookup(n) for n in ("p5.48xlarge", "p4de.24xlarge", "g5.xlarge"))
+
+
+def _inp(prefill=P5, decode=P5, **kw) -> efa_check.EfaCheckInputs:
+    return efa_check.EfaCheckInputs(
+        namespace="llm",
+        image="rayproject/ray-llm:2.60.0-py312-cu130",
+        instances={"prefill": prefill, "decode": decode},
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(("prefill", "decode"), [(P5, P5), (P4DE, P4DE), (P5, P4DE)])
+def test_objects_validate_strictly(prefill, decode) -> None:
+    for obj in efa_check.manifests(_inp(prefill, decode)).values():
+        kubernetes_validate.validate(obj, "1.35", strict=True)
+
+
+def test_refuses_pools_without_efa_and_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="no EFA"):
+        _inp(P5, G5)
+    with pytest.raises(ValueError, match="6 MiB"):
+        _inp(message_bytes=8 << 20)
+    with pytest.raises(ValueError, match="min_fraction"):
+        _inp(min_fraction=0)
+
+
+def test_one_pod_per_role_with_all_its_nodes_efa_devices_and_no_gpu() -> None:
+    objs = efa_check.manifests(_inp(P5, P4DE))
+    jobs = {o["metadata"]["name"]: o for o in objs.values() if o["kind"] == "Job"}
+    for job, role, inst in (("efa-check-server", "prefill", P5), ("efa-check-client", "decode", P4DE)):
+        pod = jobs[job]["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {ROLE_LABEL: role, INSTANCE_TYPE_LABEL: inst.name}
+        (c,) = pod["containers"]
+        limits = c["resources"]["limits"]
+        assert limits[efa_check.EFA_RESOURCE] == str(inst.efa_interfaces)
+        assert "nvidia.com/gpu" not in limits and c["resources"]["requests"] == limits
+        assert c["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["capabilities"] == {
+            "drop": ["ALL"]
+        }
+        assert jobs[job]["spec"]["backoffLimit"] == 0
+    svc = next(o for o in objs.values() if o["kind"] == "Service")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert [p["port"] for p in svc["spec"]["ports"]] == [efa_check.BASE_PORT + i for i in range(4)]
+    assert svc["spec"]["selector"] == jobs["efa-check-server"]["spec"]["template"]["metadata"]["labels"]
+
+
+def test_line_rate_is_the_slower_side() -> None:
+    assert efa_check.line_rate_gbps(_inp(P5, P4DE)) == 400
+    assert efa_check.devices_expected(_inp(P5, P4DE)) == 4
+    assert efa_check.line_rate_gbps(_inp(P5, P5)) == 3200
+
+
+ROW = "{size:<8}{n:<8}={n:<8}{total:<8}{t:8.2f}s{mbps:10.2f}{usec:11.2f}{mx:11.2f}"
+
+
+def _stub(dir_: Path, name: str, body: str) -> None:
+    f = dir_ / name
+    f.write_text("#!/bin/bash\n" + body)
+    f.chmod(f.stat().st_mode | stat.S_IEXEC)
+
+
+def _run(script: str, tmp: Path, devices: int, mbps: float) -> subprocess.CompletedProcess:
+    bin_ = tmp / "bin"
+    bin_.mkdir(exist_ok=True)
+    domains = "".join(f"    domain: rdmap{i}s0-rdm\\n" for i in range(devices))
+    _stub(bin_, "fi_info", f'[ "$1" = --version ] && {{ echo "fi_info: 2.4.0amzn5.0"; exit 0; }}\nprintf "{domains}"\n')
+    row = ROW.format(size="4m", n=200, total="1.5g", t=0.07, mbps=mbps, usec=350.0, mx=0.0)
+    header = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec"
+    _stub(bin_, "fi_pingpong", f'echo "{header}"\necho "{row}"\n')
+    _stub(bin_, "getent", 'echo "10.0.0.7 $2"\n')
+    _stub(bin_, "sleep", "exit 0\n")
+    env = {"PATH": f"{bin_}:{os.environ['PATH']}", "NODE_NAME": "node-1", "TMPDIR": str(tmp)}
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+
+
+def test_scripts_run_and_the_client_log_parses_into_a_pass(tmp_path: Path) -> None:
+    inp = _inp(P4DE, P4DE)
+    server = _run(efa_check.server_script(inp), tmp_path, devices=4, mbps=12000)
+    assert server.returncode == 0, server.stderr
+    client = _run(efa_check.client_script(inp), tmp_path, devices=4, mbps=12000)
+    assert client.returncode == 0, client.stderr
+    report = efa_check.parse_report(client.stdout, inp)
+    assert len(report.devices) == 4 and report.ok, report.text()
+    assert report.total_gbps == pytest.approx(4 * 12000 * 8 / 1000)  # 384 of 400 Gbps
+    assert "PASS" in report.text()
+
+
+def test_tcp_speeds_fail(tmp_path: Path) -> None:
+    inp = _inp(P4DE, P4DE)
+    client = _run(efa_check.client_script(inp), tmp_path, devices=4, mbps=300)
+    report = efa_check.parse_report(client.stdout, inp)
+    assert not report.ok and "FAIL" in report.text()
+
+
+def test_missing_devices_fail(tmp_path: Path) -> None:
+    inp = _inp(P4DE, P4DE)
+    client = _run(efa_check.client_script(inp), tmp_path, devices=2, mbps=12000)
+    assert client.returncode != 0
+    report = efa_check.parse_report(client.stdout, inp)
+    assert not report.ok and any("4 EFA devices expected" in f for f in report.failures)
+
+
+def test_an_empty_log_fails() -> None:
+    report = efa_check.parse_report("", _inp())
+    assert not report.ok and report.failures

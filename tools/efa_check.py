@@ -1,0 +1,138 @@
+"""`make efa-check STACK=<name>`: prove the EFA fabric between a prefill and a decode node.
+
+What flows through here: the stack file (validated like `make render`) -> its pools' catalog
+entries, namespace and worker image -> `infra.k8s.efa_check.manifests` (a headless Service,
+a server Job on a prefill node, a client Job on a decode node; each pod asks for all of its
+node's EFA interfaces) -> written to `build/<stack>/efa-check/` and validated offline against
+the Kubernetes OpenAPI schema of the stack's version (kubernetes-validate, strict).
+
+Without `--dry-run` it then runs them on the cluster of the current kubeconfig: `kubectl
+apply`, wait for the client Job, read its log (`fi_info -p efa` on both sides, one
+`fi_pingpong` per EFA device pair), print bandwidth against the catalog's line rate, delete
+the objects, and exit 1 unless the check passed. The deploy workflow runs it after `pulumi up`
+with `--image` from `pulumi stack output workerImage`. A stack without EFA pools has nothing
+to check: one line, exit 0.
+
+The pods need a node of each pool whose EFA devices are free: a node that runs a Ray worker
+has given all of them to it. Run it before the RayService's workers take the nodes (the
+first `pulumi up`), with spare nodes (maxSize above what serving uses, e.g. with the node
+autoscaler), or after scaling the workers down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import yaml
+
+from infra import paths
+from infra.k8s import efa_check
+from infra.model.config import StackConfig
+from tools import render
+
+
+def inputs_for(cfg: StackConfig, stack: str, image: str | None, min_fraction: float) -> efa_check.EfaCheckInputs:
+    instances = {"prefill": cfg.node_pools.prefill.instance, "decode": cfg.node_pools.decode.instance}
+    if image is None:
+        image = offline_image(cfg, stack)
+    return efa_check.EfaCheckInputs(
+        namespace=cfg.namespace, image=image, instances=instances, min_fraction=min_fraction
+    )
+
+
+def offline_image(cfg: StackConfig, stack: str) -> str:
+    """The worker image the stack will run, as far as it is known without AWS (account id unknown)."""
+    if not cfg.builds_worker_image:
+        return cfg.ray_image
+    from infra.components.worker_image import IMAGE_DIR, build_args, content_tag
+
+    tag = content_tag(IMAGE_DIR, build_args(cfg.ray_image))
+    return f"aws-account-id.dkr.ecr.region.amazonaws.com/pd-inference-{stack}/ray-llm-efa:{tag}"
+
+
+def write(objects: dict[str, dict], out: Path, kubernetes_version: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    for name, obj in objects.items():
+        kubernetes_validate.validate(obj, kubernetes_version, strict=True)
+        (out / name).write_text(yaml.safe_dump(obj, sort_keys=False))
+
+
+def _kubectl(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["kubectl", *args], capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def run_on_cluster(inp: efa_check.EfaCheckInputs, out: Path) -> int:
+    ns = inp.namespace
+    client = f"job/{efa_check.NAME}-client"
+    try:
+        _kubectl("delete", "-f", str(out), "--ignore-not-found", "--wait=true", check=False)
+        _kubectl("apply", "-f", str(out))
+        waited = _kubectl(
+            "-n",
+            ns,
+            "wait",
+            "--for=condition=complete",
+            client,
+            f"--timeout={inp.timeout_s}s",
+            timeout=inp.timeout_s + 60,
+            check=False,
+        )
+        log = _kubectl("-n", ns, "logs", client, check=False).stdout
+        report = efa_check.parse_report(log, inp)
+        if waited.returncode != 0:
+            report.failures.append(f"the client Job did not complete: {waited.stderr.strip()[:200]}")
+        print(report.text())
+        return 0 if report.ok else 1
+    finally:
+        _kubectl("delete", "-f", str(out), "--ignore-not-found", "--wait=false", check=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.efa_check", description=__doc__.splitlines()[0])
+    ap.add_argument("--stack", required=True)
+    ap.add_argument(
+        "--image",
+        help="the worker image (default: what the stack file says; the deploy "
+        "workflow passes `pulumi stack output workerImage`)",
+    )
+    ap.add_argument(
+        "--min-fraction",
+        type=float,
+        default=0.5,
+        help="pass when the summed bandwidth reaches this share of the catalog's line rate",
+    )
+    ap.add_argument("--out", type=Path, help="where to write the objects (default build/<stack>/efa-check)")
+    ap.add_argument("--dry-run", action="store_true", help="render and validate only; touch no cluster")
+    args = ap.parse_args(argv)
+    try:
+        cfg, _, _, _ = render._load(args.stack)
+    except render.RenderError as e:
+        print(e, file=sys.stderr)
+        return 1
+    pools = (cfg.node_pools.prefill.instance, cfg.node_pools.decode.instance)
+    if not all(p.efa for p in pools):
+        print(f"{paths.stack_file(args.stack)}: no EFA pools ({pools[0].name}, {pools[1].name}): nothing to check")
+        return 0
+    try:
+        inp = inputs_for(cfg, args.stack, args.image, args.min_fraction)
+    except ValueError as e:
+        print(f"{paths.stack_file(args.stack)}: {e}", file=sys.stderr)
+        return 1
+    out = args.out or paths.BUILD_DIR / args.stack / "efa-check"
+    write(efa_check.manifests(inp), out, cfg.kubernetes_version)
+    print(
+        f"EFA check for {args.stack}: {out} (validated against Kubernetes {cfg.kubernetes_version}); "
+        f"{efa_check.devices_expected(inp)} device pairs {pools[0].name} -> {pools[1].name}, "
+        f"line rate {efa_check.line_rate_gbps(inp):,.0f} Gbps; image {inp.image}"
+    )
+    if args.dry_run:
+        return 0
+    return run_on_cluster(inp, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
