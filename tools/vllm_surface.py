@@ -4,7 +4,8 @@ What flows through here: a vLLM package directory (an installed `vllm/`, or one 
 from a release wheel) -> its engine arguments (`EngineArgs`/`AsyncEngineArgs` fields in
 `engine/arg_utils.py`), `KVTransferConfig` fields and `kv_load_failure_policy` values
 (`config/kv_transfer.py`), the `kv_connector_extra_config` keys the NixlConnector reads
-(`distributed/kv_transfer/kv_connector/v1/nixl/*.py`) and the `VLLM_*` variables (`envs.py`),
+(`distributed/kv_transfer/kv_connector/v1/nixl/*.py`), the `VLLM_*` variables (`envs.py`) and
+the Prometheus metric names (`name="vllm:..."`),
 found by reading the Python syntax tree (nothing is imported) -> JSON.
 
     python -m tools.vllm_surface .venv/lib/python3.11/site-packages/vllm --out infra/model/vllm/0.32.0.json
@@ -77,6 +78,19 @@ def _env_vars(envs: Path) -> set[str]:
     return set()
 
 
+def _metric_names(vllm_dir: Path) -> set[str]:
+    """Prometheus metric names the engine defines: string constants "vllm:<name>" under v1/ and kv_transfer/."""
+    names: set[str] = set()
+    for sub in ("v1", "distributed/kv_transfer"):
+        for f in sorted((vllm_dir / sub).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                if isinstance(node, ast.keyword) and node.arg == "name" and isinstance(node.value, ast.Constant):
+                    value = node.value.value
+                    if isinstance(value, str) and value.startswith("vllm:"):
+                        names.add(value)
+    return names
+
+
 def surface(vllm_dir: Path) -> dict[str, Any]:
     """The option surface of the vLLM package at `vllm_dir`, as sorted lists."""
     kv = ast.parse((vllm_dir / "config" / "kv_transfer.py").read_text())
@@ -87,6 +101,7 @@ def surface(vllm_dir: Path) -> dict[str, Any]:
         "kv_load_failure_policy": _literal(kv, "KVTransferConfig", "kv_load_failure_policy"),
         "nixl_extra_config": sorted(_extra_config_keys(vllm_dir / NIXL_DIR)),
         "env_vars": sorted(_env_vars(vllm_dir / "envs.py")),
+        "metrics": sorted(_metric_names(vllm_dir)),
     }
     empty = [k for k, v in out.items() if not v]
     if empty:

@@ -26,6 +26,7 @@ from infra.model.fit import (
     propose_layouts,
     resolve,
 )
+from serving.spec import Mode
 
 
 # --- one node pool: nodes, GPUs, EFA and price -----------------------------------------------
@@ -97,6 +98,23 @@ class RolePlan:
 
 
 @dataclass(frozen=True)
+class KvLink:
+    """The prefill -> decode KV path of a disaggregated stack, set by its slower side.
+
+    NIXL moves each TP rank's share of the KV over that rank's share of the node's line
+    rate; when the pools differ (p5 prefill, p4de decode), the slower side's share bounds it.
+    """
+
+    backend: str  # NIXL backend (catalog: LIBFABRIC on EFA, UCX elsewhere)
+    network: str  # "EFA" or "ENA"
+    gbps_per_gpu: float  # the slower side's per-GPU share of its node's line rate
+    slower_role: str
+    slower_instance: str
+    replica_gbps: float  # per replica: gbps_per_gpu x GPUs per replica
+    prompt_seconds: float | None  # one maxModelLen prompt's KV at replica_gbps (None: shape unknown)
+
+
+@dataclass(frozen=True)
 class Plan:
     environment: str
     model_id: str
@@ -112,6 +130,7 @@ class Plan:
     # Layouts that fit, per engine role whose pool's one node cannot hold the weights.
     layouts: tuple[LayoutOption, ...] = ()
     layout_roles: tuple[str, ...] = ()  # the roles whose pools were searched for layouts
+    kv_link: KvLink | None = None  # disaggregated mode only
 
     @property
     def fit_checked(self) -> bool:
@@ -212,6 +231,29 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
         roles=tuple(roles),
         layouts=tuple(layouts),
         layout_roles=tuple(layout_roles),
+        kv_link=kv_link(config, roles),
+    )
+
+
+def kv_link(config: StackConfig, roles: list[RolePlan] | None = None) -> KvLink | None:
+    """The slower side of the prefill -> decode KV path (None in aggregated mode)."""
+    if config.serving.mode is not Mode.DISAGGREGATED:
+        return None
+    insts = {role: getattr(config.node_pools, role).instance for role in ("prefill", "decode")}
+    slower = min(insts, key=lambda r: (insts[r].gpu_share_gbps, r != "decode"))
+    inst = insts[slower]
+    gpus = min(spec.gpus_per_replica for spec in config.serving.engine_roles().values())
+    replica_gbps = inst.gpu_share_gbps * gpus
+    figures = next((r.figures for r in roles or [] if r.figures), None)
+    seconds = figures.prompt_kv_bytes * 8 / (replica_gbps * 1e9) if figures else None
+    return KvLink(
+        backend=inst.nixl_backend.value,
+        network="EFA" if inst.efa else "ENA",
+        gbps_per_gpu=inst.gpu_share_gbps,
+        slower_role=slower,
+        slower_instance=inst.name,
+        replica_gbps=replica_gbps,
+        prompt_seconds=seconds,
     )
 
 
@@ -352,6 +394,21 @@ def format_plan(p: Plan) -> str:
         f"{p.gpus_max} GPUs ${p.usd_per_hour_max:,.2f}/h at maxSize "
         "(engine node pools, on-demand list prices)"
     )
+    if p.kv_link is not None:
+        k = p.kv_link
+        sides = {r.role: r.instance_type for r in p.roles}
+        where = (
+            f"both sides {sides['prefill']}"
+            if len(set(sides.values())) == 1
+            else f"slower side: {k.slower_role} {k.slower_instance}"
+        )
+        per_request = (
+            f"; prompt KV at maxModelLen {_duration(k.prompt_seconds)} per request" if k.prompt_seconds else ""
+        )
+        lines.append(
+            f"KV link  NIXL {k.backend} over {k.network}: {k.replica_gbps:g} Gbps per replica "
+            f"({k.gbps_per_gpu:g} Gbps per GPU, {where}){per_request}"
+        )
     if not p.fit_checked:
         lines.append("Fit      not checked (model shape unknown)")
     elif p.problems:
