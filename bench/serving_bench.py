@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from bench import hops, plots, vllm_load
-from bench.stats import RequestResult, format_table, kv_transfer_per_request, ratios, samples, summarize
+from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_per_request, ratios, samples, summarize
 from infra.paths import ROOT as REPO_ROOT
 
 DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "serving.json"
@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
             "vllm": f"{vroot}/v1",
         }
         keys = {"disaggregated": stack.api_key, "aggregated": stack.api_key, "vllm": None}
+        # The NIXL backend of the deployed config labels the KV figures (UCX on this machine).
+        backend = "+".join(kv_backends(stack.state.get("config") or {})) or "none"
         node_metrics = {n["label"]: n["metrics_url"] for n in stack.nodes}
         metric_urls = [node_metrics["decode"], node_metrics["prefill"], f"{vroot}/metrics"]
         apps = {c["args"]["mode"]: c["name"] for c in stack.state["config"]["applications"]}
@@ -447,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         "hops_ms": {t: {str(c): row for c, row in by.items()} for t, by in breakdown.items()},
         "hop_rows": dict(hops.HOP_ROWS),
         "prefix_cache_hit_rate": {t: {str(c): v for c, v in by.items()} for t, by in prefix_hits.items()},
-        "kv_transfer": {"decode_counters_delta": kv_delta, **kv},
+        "kv_transfer": {"backend": backend, "decode_counters_delta": kv_delta, **kv},
         "start_times": starts,
         "idle_cpu_percent": idle,
         "analysis_errors": analysis_errors,
@@ -472,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     print(hops.format_breakdown({t: {c: breakdown[t][c] for c in HOP_LEVELS if c in breakdown[t]} for t in TARGETS}))
     print()
     print(
-        "KV transfer (decode's NIXL counters over the disaggregated requests): "
+        f"KV transfer over NIXL {backend} (decode's NIXL counters over the disaggregated requests): "
         f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
         f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'] or 0)} transfers)"
     )

@@ -109,6 +109,19 @@ def kv_transfer_per_request(delta: Mapping[str, float], requests: int) -> dict[s
     }
 
 
+def kv_backends(serve_config: Mapping) -> list[str]:
+    """The NIXL backends of the disaggregated app in a deployed Serve config (vLLM's default: UCX)."""
+    found: list[str] = []
+    for app in serve_config.get("applications", []):
+        args = app.get("args") or {}
+        for side in ("prefill_config", "decode_config"):
+            kv = ((args.get(side) or {}).get("engine_kwargs") or {}).get("kv_transfer_config")
+            if kv:
+                extra = kv.get("kv_connector_extra_config") or {}
+                found.extend(b for b in extra.get("backends", ["UCX"]) if b not in found)
+    return found
+
+
 def _fmt(v: float | int | None, digits: int = 1) -> str:
     if v is None:
         return "-"

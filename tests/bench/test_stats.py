@@ -138,3 +138,38 @@ def test_table_has_a_row_per_target_and_level_and_ratios_only_for_others():
     assert pd_row.split("|")[1].split() == ["2.00", "2.00", "0.50", "0.50"]
     vllm_row = next(ln for ln in lines if ln.startswith("vllm"))
     assert vllm_row.split("|")[1].split() == []
+
+
+def test_kv_backends_label_the_transfer_with_what_carried_it():
+    """make bench labels the KV bytes with the NIXL backend of the config it deployed (UCX locally)."""
+    from pathlib import Path
+
+    from bench.stats import kv_backends
+    from serving.local.config import render_local_config
+
+    local = render_local_config("both", Path("/tmp/model"), port=8000)
+    assert kv_backends(local) == ["UCX"]
+    assert kv_backends(render_local_config("aggregated", Path("/tmp/model"), port=8000)) == []
+    efa = {
+        "applications": [
+            {
+                "args": {
+                    "decode_config": {
+                        "engine_kwargs": {
+                            "kv_transfer_config": {
+                                "kv_connector": "NixlConnector",
+                                "kv_connector_extra_config": {"backends": ["LIBFABRIC"]},
+                            }
+                        }
+                    }
+                }
+            }
+        ]
+    }
+    assert kv_backends(efa) == ["LIBFABRIC"]
+    default = {
+        "applications": [
+            {"args": {"decode_config": {"engine_kwargs": {"kv_transfer_config": {"kv_connector": "NixlConnector"}}}}}
+        ]
+    }
+    assert kv_backends(default) == ["UCX"]  # vLLM's NixlConnector default
