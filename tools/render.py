@@ -130,6 +130,7 @@ def summary(rendered: Rendered) -> str:
     lines = [f"stack {rendered.stack}: {sum(counts.values())} resources"]
     for type_, n in sorted(counts.items()):
         lines.append(f"  {n:3d}  {type_}")
+    lines.append(_image_line(rendered))
     lines.append("GPU pools (nodes min/desired/max; totals at max size):")
     for row in pool_summary(rendered):
         lines.append(
@@ -146,7 +147,6 @@ def summary(rendered: Rendered) -> str:
         f"  GPU node cost: ${total_desired:,.2f}/h at desired size, ${total_max:,.2f}/h at max "
         f"(indicative on-demand list prices; spot and capacity blocks differ)"
     )
-    lines.append(_image_line(rendered))
     return "\n".join(lines)
 
 

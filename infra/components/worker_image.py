@@ -1,7 +1,7 @@
 """WorkerImage: the EFA worker image, built from images/ray-llm-efa and pushed to a private ECR repo.
 
-What flows through here: the pinned base Ray image and the EFA installer pin -> a KMS key
-(rotating), an ECR repository (immutable tags, scan on push, KMS-encrypted, old images
+What flows through here: the pinned base Ray image and the EFA installer pin -> an ECR
+repository (immutable tags, scan on push, KMS-encrypted with ECR's managed key, old images
 expired) and a `docker-build` Image whose one tag is the content hash of images/ray-llm-efa
 plus its build arguments -> `ref`, the image the Ray head and workers run.
 
@@ -69,22 +69,13 @@ class WorkerImage(pulumi.ComponentResource):
     def __init__(self, name: str, args: WorkerImageArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:image:WorkerImage", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        key = aws.kms.Key(
-            f"{name}-key",
-            description=f"ECR encryption for {args.repository}",
-            enable_key_rotation=True,
-            deletion_window_in_days=30,
-            tags=args.tags,
-            opts=child,
-        )
         repo = aws.ecr.Repository(
             f"{name}-repo",
             name=args.repository,
             image_tag_mutability="IMMUTABLE",
             image_scanning_configuration=aws.ecr.RepositoryImageScanningConfigurationArgs(scan_on_push=True),
-            encryption_configurations=[
-                aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS", kms_key=key.arn)
-            ],
+            # KMS with ECR's AWS-managed key (aws/ecr): no key of ours to manage or to grant pulls on.
+            encryption_configurations=[aws.ecr.RepositoryEncryptionConfigurationArgs(encryption_type="KMS")],
             tags=args.tags,
             opts=child,
         )

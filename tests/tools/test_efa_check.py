@@ -14,7 +14,7 @@ from tools import efa_check, render
 
 def _run(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "tools.efa_check", *args], cwd=paths.ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "tools.efa_check", *args], cwd=paths.ROOT, capture_output=True, text=True, timeout=600
     )
 
 
