@@ -52,14 +52,16 @@ def content_tag(context_dir: Path, args: dict[str, str]) -> str:
 
 @dataclass
 class WorkerImageArgs:
-    """repository: the ECR repository name; base_image: the FROM image (the stack's rayImage);
-    keep_images: how many images ECR keeps before expiring the oldest."""
-
     repository: str
+    """Name of the ECR repository the stack creates for the image."""
     base_image: str
+    """The FROM image: the stack's rayImage (pinned)."""
     context_dir: Path = IMAGE_DIR
+    """The build context holding the Dockerfile."""
     keep_images: int = 10
+    """How many images ECR keeps before it expires the oldest."""
     tags: dict[str, str] = field(default_factory=dict)
+    """Tags for every AWS resource of the component."""
 
 
 class WorkerImage(pulumi.ComponentResource):
