@@ -60,6 +60,7 @@ def efa_engine_env(instances: list[catalog.InstanceType]) -> dict[str, str]:
         env.update(EFA_RDMA_ENV)
     return env
 
+
 # NCCL between the nodes of one engine replica (TP x PP across nodes, the DP + EP all-to-all)
 # goes over EFA through aws-ofi-nccl. The image carries it as libnccl-net-ofi.so
 # (aws/aws-ofi-nccl src/Makefile.am builds that name; the libnccl-net.so link NCCL would load
