@@ -36,7 +36,7 @@ async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -
     except StopAsyncIteration:
         return
     yield [first]
-    rest: Batcher[Any] = Batcher(it, interval_ms=interval_ms)  # type: ignore[arg-type]  # any async iterator
+    rest: Batcher[Any] = Batcher(it, interval_ms=interval_ms)
     async for batch in rest.stream():
         yield list(batch)
 

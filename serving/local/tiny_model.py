@@ -150,12 +150,11 @@ def _build_model(out: Path) -> None:
         # Chat turns end with <|im_end|>; raw completions with <|end|>.
         eos_token_id=[token_id(EOS), token_id(IM_END)],
         pad_token_id=token_id(PAD),
-        # transformers types this as `dtype` now; vLLM 0.32 reads config.json's torch_dtype either way.
-        torch_dtype="float32",  # type: ignore[call-arg]
+        torch_dtype="float32",
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config)
-    model.to(torch.float32)  # type: ignore[arg-type]  # transformers types .to() through a wrapper mypy misreads
+    model.to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
