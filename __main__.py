@@ -11,10 +11,11 @@ import pulumi
 
 from infra.components.cluster import Cluster, ClusterArgs
 from infra.components.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
-from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs
+from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs, node_group_name
 from infra.components.kuberay import KubeRayOperator, KubeRayOperatorArgs
 from infra.components.llm_service import LlmService, LlmServiceArgs
 from infra.components.network import Network, NetworkArgs
+from infra.components.node_autoscaler import NodeAutoscaler, NodeAutoscalerArgs
 from infra.components.observability import ObservabilityArgs, ObservabilityStack
 from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.k8s.labels import KUBERAY_NAMESPACE
@@ -90,6 +91,20 @@ pools = {
     )
     for role, pool in (("prefill", cfg.node_pools.prefill), ("decode", cfg.node_pools.decode))
 }
+if not region:
+    raise pulumi.RunError(f"{stack_file(stack)}: aws:region: required (the node autoscaler calls the AWS APIs there)")
+NodeAutoscaler(
+    "node-autoscaler",
+    NodeAutoscalerArgs(
+        cluster_name=cluster_name,
+        region=region,
+        kubernetes_version=cfg.kubernetes_version,
+        node_group_names=[node_group_name(cluster_name, role) for role in pools],
+        provider=cluster.provider,
+        depends_on=list(pools.values()),
+        tags=tags,
+    ),
+)
 plugins = DevicePluginArgs(provider=cluster.provider)
 NvidiaDevicePlugin("nvidia-device-plugin", plugins)
 EfaDevicePlugin("efa-device-plugin", plugins)

@@ -24,6 +24,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_eks as eks
 
+from infra.components.node_autoscaler import scale_from_zero_tags
 from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
 from infra.model import catalog
 from infra.model.config import CapacityType, LocalStorage, NodePool
@@ -96,6 +97,11 @@ def _mime_user_data(nodeconfig: str) -> str:
     return base64.b64encode(body.encode()).decode()
 
 
+def node_group_name(cluster_name: str, role: str) -> str:
+    """The EKS node group of a role's pool (the node autoscaler discovers it by this name)."""
+    return f"{cluster_name}-{role}"
+
+
 class GpuNodePool(pulumi.ComponentResource):
     node_group_name: pulumi.Output[str]
     labels: dict[str, str]
@@ -107,7 +113,7 @@ class GpuNodePool(pulumi.ComponentResource):
         pool, inst = args.pool, args.pool.instance
         self.instance = inst
         self.labels = {ROLE_LABEL: args.role}
-        group_name = pulumi.Output.concat(args.cluster_name, f"-{args.role}")
+        group_name = pulumi.Output.from_input(args.cluster_name).apply(lambda c: node_group_name(c, args.role))
         raid = pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0
         common: dict[str, Any] = dict(
             cluster=args.cluster,
@@ -122,7 +128,10 @@ class GpuNodePool(pulumi.ComponentResource):
             ),
             labels=self.labels,
             taints=[aws.eks.NodeGroupTaintArgs(**GPU_TAINT)],
-            tags={**args.tags, ROLE_LABEL: args.role},
+            # The Cluster Autoscaler owns desiredSize once the pool exists; Pulumi keeps min/max.
+            ignore_scaling_changes=True,
+            # What a node of an empty pool would offer, for the autoscaler's scale from zero.
+            tags={**args.tags, ROLE_LABEL: args.role, **scale_from_zero_tags(inst)},
         )
 
         if pool.capacity_type is CapacityType.CAPACITY_BLOCK:

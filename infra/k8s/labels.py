@@ -21,6 +21,9 @@ GPU_TAINT_KEY = "nvidia.com/gpu"
 GPU_TAINT_VALUE = "true"
 GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 
+# Ray pods: the node autoscaler may only remove nodes the KubeRay autoscaler has emptied.
+SAFE_TO_EVICT = {"cluster-autoscaler.kubernetes.io/safe-to-evict": "false"}
+
 KUBERAY_NAMESPACE = "kuberay-system"
 NVIDIA_DEVICE_PLUGIN_NAMESPACE = "nvidia-device-plugin"
 # Namespaces the stack owns or Kubernetes reserves: the serving namespace cannot be one of them.

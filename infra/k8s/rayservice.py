@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SYSTEM_ROLE
+from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
 from infra.model import catalog, sizing
 from infra.model.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
@@ -101,6 +101,11 @@ class RayServiceInputs:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
+def accelerator_resource(inst: catalog.InstanceType) -> str:
+    """Ray's custom resource for the GPU model, as Ray Serve LLM's placement bundles name it."""
+    return f"accelerator_type:{inst.ray_accelerator}"
+
+
 def pods_for(role: RoleSpec, inst: catalog.InstanceType, replicas: int) -> int:
     """Worker pods (= nodes) that hold `replicas` engine replicas of `role` on `inst`."""
     return sizing.nodes_for(replicas, role.gpus_per_replica, inst.gpus)
@@ -152,7 +157,10 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
         "labels": {inp.serving.placement.label_key: inp.serving.placement.head},
         "template": {
-            "metadata": {"labels": {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": "ray-head"}},
+            "metadata": {
+                "labels": {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": "ray-head"},
+                "annotations": dict(SAFE_TO_EVICT),
+            },
             "spec": {
                 "serviceAccountName": inp.head_service_account,
                 "nodeSelector": {ROLE_LABEL: SYSTEM_ROLE},
@@ -205,9 +213,17 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
         "minReplicas": pods_for(spec, inst, spec.min_replicas),
         "maxReplicas": pods_for(spec, inst, spec.max_replicas),
         "labels": {inp.serving.placement.label_key: label},
+        # What the engines' placement bundles ask for besides CPU/GPU/memory: without it the
+        # Ray autoscaler sees the demand as infeasible and never adds a pod (Ray 2.60
+        # autoscaler/_private/kuberay/autoscaling_config.py reads this field; KubeRay 1.7
+        # passes it to `ray start --resources`). Ray sets the same value on GPU nodes itself.
+        "resources": {accelerator_resource(inst): "1"},
         "rayStartParams": {},
         "template": {
-            "metadata": {"labels": {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": f"ray-{role}"}},
+            "metadata": {
+                "labels": {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": f"ray-{role}"},
+                "annotations": dict(SAFE_TO_EVICT),
+            },
             "spec": {
                 "serviceAccountName": inp.worker_service_account,
                 "automountServiceAccountToken": False,
@@ -241,6 +257,9 @@ def rayservice_manifest(inp: RayServiceInputs) -> dict[str, Any]:
         "rayVersion": RAY_VERSION,
         "enableInTreeAutoscaling": True,
         "autoscalerOptions": {
+            # v2: the only Ray autoscaler that honours label selectors, so a decode replica's
+            # demand adds a decode pod, never a prefill one (ray/autoscaler/v2/scheduler.py).
+            "version": "v2",
             "upscalingMode": "Default",
             "idleTimeoutSeconds": 600,
             "resources": {"requests": {"cpu": "200m", "memory": "256Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}},

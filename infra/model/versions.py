@@ -105,3 +105,36 @@ EFA_INSTALLER_SHA256 = "cf2e9281a2328a243c76f911a490faed43ca0fecfe4733c25e34b2e9
 MIN_KUBERNETES_VERSION = (1, 28)
 MAX_KUBERNETES_VERSION = (1, 37)
 DEFAULT_KUBERNETES_VERSION = "1.35"
+
+# Cluster Autoscaler (kubernetes/autoscaler) scales the GPU managed node groups. Upstream
+# ships one release line per Kubernetes minor and asks that the two match, so the image tag
+# follows the cluster's version (the newest patch of each line, 2026-08); the chart is one.
+CLUSTER_AUTOSCALER = HelmChart(
+    chart="cluster-autoscaler",
+    version="9.59.0",
+    repo="https://kubernetes.github.io/autoscaler",
+)
+CLUSTER_AUTOSCALER_IMAGE = "registry.k8s.io/autoscaling/cluster-autoscaler"
+CLUSTER_AUTOSCALER_TAGS = {
+    (1, 28): "v1.28.7",
+    (1, 29): "v1.29.5",
+    (1, 30): "v1.30.7",
+    (1, 31): "v1.31.5",
+    (1, 32): "v1.32.7",
+    (1, 33): "v1.33.6",
+    (1, 34): "v1.34.5",
+    (1, 35): "v1.35.2",
+    (1, 36): "v1.36.1",
+}
+
+
+def cluster_autoscaler_tag(kubernetes_version: str) -> str:
+    """The Cluster Autoscaler release for a cluster version ("1.35" -> "v1.35.2").
+
+    A version newer than the newest release line gets the newest line (1.37 -> v1.36.1):
+    upstream publishes a line some weeks after each Kubernetes minor.
+    """
+    major, minor = (int(p) for p in kubernetes_version.split(".")[:2])
+    known = sorted(CLUSTER_AUTOSCALER_TAGS)
+    pick = max((v for v in known if v <= (major, minor)), default=known[0])
+    return CLUSTER_AUTOSCALER_TAGS[pick]

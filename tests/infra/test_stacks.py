@@ -49,6 +49,7 @@ def test_registers_cluster_system_group_gpu_pools_plugins_and_operator(stack):
         "kuberay-operator",
         "kube-prometheus-stack",
         "dcgm-exporter",
+        "cluster-autoscaler",
     }
 
 

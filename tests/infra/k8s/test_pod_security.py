@@ -32,7 +32,7 @@ PRIVILEGED_EXCEPTIONS = {
     "dcgm-exporter": "reads GPU telemetry through the driver as root with CAP_SYS_ADMIN (DCGM profiling counters) "
     "and the kubelet's pod-resources socket (hostPath)",
 }
-UNPRIVILEGED_CHARTS = {"kuberay-operator"}
+UNPRIVILEGED_CHARTS = {"kuberay-operator", "cluster-autoscaler"}
 
 
 def _pod_problems(spec: dict[str, Any], role: str) -> list[str]:

@@ -1,0 +1,202 @@
+"""NodeAutoscaler: the Cluster Autoscaler that adds and removes GPU nodes as Ray asks for them.
+
+What flows through here: the cluster's name, region and Kubernetes version, and the names of
+the GPU managed node groups -> an IAM role that only this autoscaler's service account may
+assume (EKS Pod Identity), with a least-privilege policy (read the groups; change the desired
+size of, and terminate instances in, only the Auto Scaling groups of those node groups) ->
+the `cluster-autoscaler` Helm release (chart and image pinned in infra/model/versions.py)
+on the system nodes, discovering exactly those node groups' Auto Scaling groups by their
+`eks:nodegroup-name` tag. The chain it closes: Ray Serve asks for a replica -> the KubeRay
+autoscaler adds a worker pod -> the pod is Pending -> this adds a node to the pod's pool (in
+the pool's zone and placement group, with its EFA interfaces: the node group's launch
+template) -> when the KubeRay autoscaler deletes an idle pod, the empty node goes away.
+
+Why Cluster Autoscaler and not Karpenter: docs/scaling.md. Scale from zero: the autoscaler
+builds a template node from the instance type and, for EKS managed node groups, from the
+group's labels, taints and tags (eks:DescribeNodegroup); `scale_from_zero_tags` adds what
+it cannot infer (the EFA interfaces). Ray pods carry `safe-to-evict: "false"`, so this never
+drains a node that still runs Ray work: the KubeRay autoscaler decides what goes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_kubernetes as k8s
+
+from infra.components.helm import release
+from infra.components.iam import trusted_by
+from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
+from infra.model import catalog, versions
+
+NAMESPACE = "kube-system"
+SERVICE_ACCOUNT = "cluster-autoscaler"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# kubernetes/autoscaler cluster-autoscaler/cloudprovider/aws/aws_manager.go: tags with this
+# prefix on the Auto Scaling group, or on the EKS node group (read through DescribeNodegroup),
+# set the capacity of the template node of an empty group.
+NODE_TEMPLATE_RESOURCES = "k8s.io/cluster-autoscaler/node-template/resources/"
+# The tags EKS puts on every managed node group's Auto Scaling group.
+ASG_NODEGROUP_TAG = "eks:nodegroup-name"
+ASG_CLUSTER_TAG = "eks:cluster-name"
+
+# Actions that take no resource-level permissions (AWS Service Authorization Reference,
+# Amazon EC2 Auto Scaling and Amazon EC2): "Resource": "*" is the only form they accept.
+DESCRIBE_ACTIONS = (
+    "autoscaling:DescribeAutoScalingGroups",
+    "autoscaling:DescribeAutoScalingInstances",
+    "autoscaling:DescribeLaunchConfigurations",
+    "autoscaling:DescribeScalingActivities",
+    "ec2:DescribeImages",
+    "ec2:DescribeInstanceTypes",
+    "ec2:DescribeLaunchTemplateVersions",
+    "ec2:GetInstanceTypesFromInstanceRequirements",
+)
+SCALE_ACTIONS = ("autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup")
+
+
+def scale_from_zero_tags(instance: catalog.InstanceType) -> dict[str, str]:
+    """Node-group tags that tell the autoscaler what a node of an empty pool offers.
+
+    CPU, memory and GPUs come from the instance type (EC2 DescribeInstanceTypes); the EFA
+    interfaces, which the engine pods ask for, do not, so an empty EFA pool would look unable
+    to run them. The GPU count is stated too (types newer than the autoscaler's built-in
+    list are looked up at run time; the tag makes the figure certain).
+    """
+    tags = {f"{NODE_TEMPLATE_RESOURCES}{GPU_TAINT_KEY}": str(instance.gpus)}
+    if instance.efa:
+        tags[f"{NODE_TEMPLATE_RESOURCES}{EFA_RESOURCE}"] = str(instance.efa_interfaces)
+    return tags
+
+
+def autoscaler_policy(cluster_name: str, node_group_names: list[str]) -> dict:
+    """The autoscaler's IAM policy: read everything it must, change only these node groups."""
+    return {
+        "Version": "2012-10-17",
+        "Statement": [
+            {"Sid": "Describe", "Effect": "Allow", "Action": list(DESCRIBE_ACTIONS), "Resource": "*"},
+            {
+                "Sid": "NodeGroupTemplates",
+                "Effect": "Allow",
+                "Action": ["eks:DescribeNodegroup"],
+                "Resource": [f"arn:aws:eks:*:*:nodegroup/{cluster_name}/{ng}/*" for ng in node_group_names],
+            },
+            {
+                "Sid": "ScaleGpuPools",
+                "Effect": "Allow",
+                "Action": list(SCALE_ACTIONS),
+                "Resource": "*",
+                "Condition": {
+                    "StringEquals": {
+                        f"autoscaling:ResourceTag/{ASG_CLUSTER_TAG}": cluster_name,
+                        f"autoscaling:ResourceTag/{ASG_NODEGROUP_TAG}": list(node_group_names),
+                    }
+                },
+            },
+        ],
+    }
+
+
+def chart_values(cluster_name: str, region: str, kubernetes_version: str, node_group_names: list[str]) -> dict:
+    """Helm values: discover exactly the GPU node groups, run on the system nodes, hardened."""
+    # The chart renders its own discovery flag from autoDiscovery.tags (all tags ANDed); one
+    # flag per node group is what selects these groups and no other (the system group stays
+    # at the size Pulumi gives it).
+    first, *rest = node_group_names
+    return {
+        "cloudProvider": "aws",
+        "awsRegion": region,
+        "autoDiscovery": {"clusterName": cluster_name, "tags": [f"{ASG_NODEGROUP_TAG}={first}"]},
+        "customArgs": [f"--node-group-auto-discovery=asg:tag={ASG_NODEGROUP_TAG}={ng}" for ng in rest],
+        "image": {
+            "repository": versions.CLUSTER_AUTOSCALER_IMAGE,
+            "tag": versions.cluster_autoscaler_tag(kubernetes_version),
+        },
+        "extraArgs": {
+            # The pools differ (prefill vs decode): never trade one for the other.
+            "expander": "least-waste",
+            "balance-similar-node-groups": "false",
+            # A p5 takes minutes to join and load a model: keep a new node that long.
+            "max-node-provision-time": "25m0s",
+            "scale-down-unneeded-time": "10m0s",
+            "scale-down-delay-after-add": "10m0s",
+            "skip-nodes-with-system-pods": "true",
+        },
+        "rbac": {"serviceAccount": {"create": True, "name": SERVICE_ACCOUNT}},
+        "nodeSelector": {ROLE_LABEL: SYSTEM_ROLE},
+        "priorityClassName": "system-cluster-critical",
+        "resources": {"requests": {"cpu": "100m", "memory": "300Mi"}, "limits": {"cpu": "1", "memory": "1Gi"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65534,
+            "runAsGroup": 65534,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containerSecurityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+    }
+
+
+@dataclass
+class NodeAutoscalerArgs:
+    """cluster_name: the EKS cluster. region: its AWS region (the autoscaler's API calls).
+    kubernetes_version: picks the autoscaler release line. node_group_names: the GPU managed
+    node groups it may scale (nothing else). provider: the cluster's kubernetes provider.
+    depends_on: the node groups (their Auto Scaling groups must exist to be discovered)."""
+
+    cluster_name: str
+    region: str
+    kubernetes_version: str
+    node_group_names: list[str]
+    provider: k8s.Provider
+    depends_on: list[pulumi.Resource] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class NodeAutoscaler(pulumi.ComponentResource):
+    role_arn: pulumi.Output[str]
+
+    def __init__(self, name: str, args: NodeAutoscalerArgs, opts: pulumi.ResourceOptions | None = None):
+        super().__init__("pd-inference:nodes:NodeAutoscaler", name, None, opts)
+        if not args.node_group_names:
+            raise ValueError("NodeAutoscaler needs at least one node group to scale")
+        child = pulumi.ResourceOptions(parent=self)
+        role = aws.iam.Role(
+            f"{name}-role",
+            assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
+            tags=args.tags,
+            opts=child,
+        )
+        aws.iam.RolePolicy(
+            f"{name}-policy",
+            role=role.id,
+            policy=json.dumps(autoscaler_policy(args.cluster_name, args.node_group_names)),
+            opts=child,
+        )
+        identity = aws.eks.PodIdentityAssociation(
+            f"{name}-identity",
+            cluster_name=args.cluster_name,
+            namespace=NAMESPACE,
+            service_account=SERVICE_ACCOUNT,
+            role_arn=role.arn,
+            tags=args.tags,
+            opts=child,
+        )
+        values = chart_values(args.cluster_name, args.region, args.kubernetes_version, args.node_group_names)
+        release(
+            self,
+            f"{name}-chart",
+            versions.CLUSTER_AUTOSCALER,
+            NAMESPACE,
+            values,
+            args.provider,
+            depends_on=[identity, *args.depends_on],
+        )
+        self.role_arn = role.arn
+        self.register_outputs({"roleArn": self.role_arn, "chartVersion": versions.CLUSTER_AUTOSCALER.version})
