@@ -64,7 +64,7 @@ def _discovery_specs(values: dict) -> list[dict[str, str]]:
         kind, _, param = spec.partition(":")
         key, _, tags = param.partition("=")
         assert kind == "asg" and key == "tag", spec
-        parsed.append(dict((t.split("=", 1) + [""])[:2] for t in tags.split(",")))
+        parsed.append(dict([*t.split("=", 1), ""][:2] for t in tags.split(",")))
     return parsed
 
 
