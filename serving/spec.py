@@ -240,6 +240,14 @@ class RoleSpec(SpecModel):
     initial_replicas: int | None = Field(default=None, ge=1)
     max_ongoing_requests: int = Field(default=64, ge=1)
     router: Router = Router.POWER_OF_TWO
+    # Ray Serve's request-based autoscaling, per role: Serve keeps each replica near this many
+    # ongoing (running + queued) requests, adding replicas after the load has stayed above it
+    # for upscaleDelayS and removing them after it has stayed below for downscaleDelayS
+    # (ray.serve.config.AutoscalingConfig). Decode batches many sequences per step, so its
+    # target is a batch size the engine serves at good per-token speed.
+    target_ongoing_requests: float = Field(default=16, gt=0)
+    upscale_delay_s: float = Field(default=30, ge=0)
+    downscale_delay_s: float = Field(default=300, ge=0)
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -255,6 +263,11 @@ class RoleSpec(SpecModel):
             ("initialReplicas", self.initial_replicas),
             ("maxReplicas", self.max_replicas),
         )
+        if self.target_ongoing_requests > self.max_ongoing_requests:
+            raise ValueError(
+                f"targetOngoingRequests ({self.target_ongoing_requests:g}) is above maxOngoingRequests "
+                f"({self.max_ongoing_requests}): a replica could never reach it, so Serve would never scale out"
+            )
         return self
 
     @property
@@ -687,6 +700,9 @@ class ServingSpec(SpecModel):
         autoscaling: dict[str, Any] = {
             "min_replicas": spec.min_replicas,
             "max_replicas": spec.max_replicas,
+            "target_ongoing_requests": spec.target_ongoing_requests,
+            "upscale_delay_s": spec.upscale_delay_s,
+            "downscale_delay_s": spec.downscale_delay_s,
         }
         if spec.initial_replicas is not None:
             autoscaling["initial_replicas"] = spec.initial_replicas

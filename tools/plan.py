@@ -13,7 +13,7 @@ import argparse
 import sys
 
 from infra.model.config import ConfigError
-from infra.model.planning import Plan, format_plan, plan
+from infra.model.planning import Plan, Workload, format_plan, plan
 from infra.paths import stack_file
 from tools.stackfile import StackFileError, load_config
 
@@ -34,7 +34,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="TOKENS",
         help="context length the decode roofline assumes (default: maxModelLen)",
     )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=Workload.prompt_tokens,
+        metavar="TOKENS",
+        help="prompt length the scale-out rates assume (default %(default)s)",
+    )
+    parser.add_argument(
+        "--output-tokens",
+        type=int,
+        default=Workload.output_tokens,
+        metavar="TOKENS",
+        help="output length the scale-out rates assume (default %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if args.prompt_tokens < 1 or args.output_tokens < 1:
+        parser.error("--prompt-tokens and --output-tokens must be positive")
     if args.context is not None and args.context < 1:
         parser.error("--context must be a positive number of tokens")
     try:
@@ -43,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 1
     print(f"Capacity plan: {stack_file(args.stack)} ({config.environment.value})")
-    print(format_plan(plan(config, context_len=args.context)))
+    print(
+        format_plan(plan(config, context_len=args.context, workload=Workload(args.prompt_tokens, args.output_tokens)))
+    )
     return 0
 
 

@@ -140,3 +140,9 @@ def lookup(name: str) -> InstanceType:
         return CATALOG[name]
     except KeyError:
         raise KeyError(f"{name!r} is not a supported GPU instance type (supported: {', '.join(CATALOG)})") from None
+
+
+# Dense (no sparsity) BF16/FP16 tensor-core peak per GPU, TFLOPS, by Ray accelerator type:
+# NVIDIA's A100, H100 SXM and H200 SXM datasheets, the L40S datasheet; the A10G (g5) figure is
+# the A10 datasheet's (AWS publishes none for the A10G). Used for the prefill roofline.
+DENSE_BF16_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "A10G": 125.0, "L40S": 362.0}

@@ -490,6 +490,26 @@ class StackConfig(SpecModel):
                         f"({sizing.nodes_per_replica(need, inst.gpus)} node(s) per replica on {inst.name})",
                     )
                 )
+            else:
+                peak = sizing.upgrade_peak_nodes(
+                    self.upgrade_strategy.value,
+                    spec.min_replicas,
+                    spec.max_replicas,
+                    spec.initial_replicas,
+                    need,
+                    inst.gpus,
+                )
+                if peak > pool.max_size:
+                    # kuberay#1476: a NewCluster upgrade without room stays Pending forever.
+                    errors.append(
+                        (
+                            f"nodePools.{role}.maxSize",
+                            f"{pool.max_size} nodes leave no room for a {self.upgrade_strategy.value} upgrade: the "
+                            f"running cluster at serving.{role}.maxReplicas={spec.max_replicas} plus the new cluster's "
+                            f"starting replicas need {peak} nodes (raise maxSize to {peak}, lower "
+                            f"serving.{role}.maxReplicas, or set upgradeStrategy: None)",
+                        )
+                    )
         if self.serving.mode is Mode.DISAGGREGATED:
             p, d = self.node_pools.prefill.instance, self.node_pools.decode.instance
             if p.efa != d.efa:

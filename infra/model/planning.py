@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.model import sizing
+from infra.model import catalog, sizing
 from infra.model.config import NodePool, StackConfig
 from infra.model.fit import (
     GIB,
@@ -95,6 +95,58 @@ class RolePlan:
     network: str  # "EFA" or "ENA"
     network_gbps: float  # the replica's share of its nodes' line rate
     figures: ModelFigures | None
+    scaling: RoleScaling | None = None
+
+
+@dataclass(frozen=True)
+class RoleScaling:
+    """What autoscaling does to one role: replica and node ranges, their GPUs and price, the
+    load at which Serve adds a replica, and what a cluster upgrade adds on top."""
+
+    nodes_min: int  # nodes at minReplicas
+    nodes_max: int  # nodes at maxReplicas
+    gpus_min: int
+    gpus_max: int
+    usd_per_hour_min: float
+    usd_per_hour_max: float
+    upgrade_strategy: str
+    upgrade_peak_nodes: int  # at maxReplicas, during a cluster upgrade
+    upgrade_extra_nodes: int
+    upgrade_extra_usd_per_hour: float
+    target_ongoing_requests: float
+    scale_out_rps: float | None  # requests/s at which the minReplicas replicas reach the target
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The request shape the scale-out rates assume (`make plan` options)."""
+
+    prompt_tokens: int = 1024
+    output_tokens: int = 256
+
+
+def _scale_out_rps(role: str, spec, inst, shape, model, serving, figures_fn, workload: Workload) -> float | None:
+    """Requests/s at which minReplicas replicas hold targetOngoingRequests each (roofline).
+
+    decode: a replica decoding `target` sequences at once emits tokens_per_s(target) (HBM
+    roofline at the workload's context), so it holds `target` requests in flight at
+    tokens_per_s(target) / output_tokens requests/s.
+    prefill: compute-bound at the GPUs' dense BF16 peak, 2 x parameters FLOPs per prompt token:
+    mu = TP x TFLOPS / (2 x P x prompt_tokens) requests/s; with requests sharing the engine,
+    `target` are in flight at mu x target / (target + 1) (processor sharing, Little's law).
+    Both are upper bounds (no MFU, no scheduling); Serve scales out above them.
+    """
+    target = spec.target_ongoing_requests
+    if role == "decode":
+        figs = figures_fn(context_len=workload.prompt_tokens + workload.output_tokens, max_num_seqs=max(1, int(target)))
+        if figs.decode_tokens_per_s_max_batch is None:
+            return None
+        per_replica = figs.decode_tokens_per_s_max_batch / workload.output_tokens
+    else:
+        flops = spec.tensor_parallel_size * catalog.DENSE_BF16_TFLOPS[inst.ray_accelerator] * 1e12
+        mu = flops / (2 * shape.parameters_billions * 1e9 * workload.prompt_tokens)
+        per_replica = mu * target / (target + 1)
+    return spec.min_replicas * per_replica
 
 
 @dataclass(frozen=True)
@@ -157,7 +209,7 @@ class Plan:
         return sum(r.usd_per_hour_max for r in self.roles)
 
 
-def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
+def plan(config: StackConfig, *, context_len: int | None = None, workload: Workload | None = None) -> Plan:
     """The capacity plan of a validated stack.
 
     GPU counts and prices cover the node pools of the engine roles that run (in aggregated
@@ -179,6 +231,30 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
             figures = model_figures(
                 shape, model, role, spec, inst, context_len=context_len, max_num_seqs=max_num_seqs(serving)
             )
+        nodes = [sizing.nodes_for(n, gpus, inst.gpus) for n in (spec.min_replicas, spec.max_replicas)]
+        peak = sizing.upgrade_peak_nodes(
+            config.upgrade_strategy.value, spec.min_replicas, spec.max_replicas, spec.initial_replicas, gpus, inst.gpus
+        )
+
+        def figures_fn(_spec=spec, _inst=inst, _role=role, **kw):
+            return model_figures(shape, model, _role, _spec, _inst, **kw)
+
+        scaling = RoleScaling(
+            nodes_min=nodes[0],
+            nodes_max=nodes[1],
+            gpus_min=nodes[0] * inst.gpus,
+            gpus_max=nodes[1] * inst.gpus,
+            usd_per_hour_min=nodes[0] * inst.usd_per_hour,
+            usd_per_hour_max=nodes[1] * inst.usd_per_hour,
+            upgrade_strategy=config.upgrade_strategy.value,
+            upgrade_peak_nodes=peak,
+            upgrade_extra_nodes=peak - nodes[1],
+            upgrade_extra_usd_per_hour=(peak - nodes[1]) * inst.usd_per_hour,
+            target_ongoing_requests=spec.target_ongoing_requests,
+            scale_out_rps=None
+            if shape is None
+            else _scale_out_rps(role, spec, inst, shape, model, serving, figures_fn, workload or Workload()),
+        )
         roles.append(
             RolePlan(
                 role=role,
@@ -205,6 +281,7 @@ def plan(config: StackConfig, *, context_len: int | None = None) -> Plan:
                 network="EFA" if inst.efa else "ENA",
                 network_gbps=inst.network_gbps * gpus / inst.gpus,
                 figures=figures,
+                scaling=scaling,
             )
         )
     layouts: list[LayoutOption] = []
@@ -381,6 +458,22 @@ def format_plan(p: Plan) -> str:
         row("Nodes desired/max", lambda r: f"{r.nodes_desired}/{r.nodes_max}"),
         row("GPUs desired/max", lambda r: f"{r.gpus_desired}/{r.gpus_max}"),
         row("On-demand $/h desired/max", lambda r: f"{r.usd_per_hour_desired:,.2f}/{r.usd_per_hour_max:,.2f}"),
+        # Autoscaling: what minReplicas and maxReplicas cost, and when Serve scales out.
+        row("Autoscaling replicas", lambda r: f"{r.min_replicas}-{r.max_replicas}"),
+        row("  nodes min-max", lambda r: f"{r.scaling.nodes_min}-{r.scaling.nodes_max}"),
+        row("  GPU-hours/hour min-max", lambda r: f"{r.scaling.gpus_min}-{r.scaling.gpus_max}"),
+        row("  $/h at min-max", lambda r: f"{r.scaling.usd_per_hour_min:,.2f}-{r.scaling.usd_per_hour_max:,.2f}"),
+        row("  target ongoing/replica", lambda r: f"{r.scaling.target_ongoing_requests:g}"),
+        row(
+            "  scale out above",
+            lambda r: "-" if r.scaling.scale_out_rps is None else f"{r.scaling.scale_out_rps:,.2f} req/s",
+        ),
+        row(
+            "Upgrade window",
+            lambda r: f"{r.scaling.upgrade_strategy}: +{r.scaling.upgrade_extra_nodes} nodes"
+            + (f" +${r.scaling.upgrade_extra_usd_per_hour:,.2f}/h" if r.scaling.upgrade_extra_nodes else ""),
+        ),
+        row("  peak nodes / maxSize", lambda r: f"{r.scaling.upgrade_peak_nodes}/{r.nodes_max}"),
     ]
     label_w = max(len(label) for label, _ in rows)
     col_w = [max(len(cells[i]) for _, cells in rows) for i in range(len(p.roles))]

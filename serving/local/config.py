@@ -31,7 +31,25 @@ MODES = ("disaggregated", "aggregated", "both")
 # cloud: the ingress, proxy and controller ask for no CPU.
 HEAD_CPUS = 0
 PREFILL_CPUS = 2
-DECODE_CPUS = 4
+DECODE_CPUS = 6  # room for a second disaggregated decode replica (autoscaling) next to the aggregated engine
+
+# Local Serve autoscaling of the decode role (short delays so a test can watch 1 -> 2 -> 1).
+LOCAL_DECODE_TARGET = 8
+LOCAL_UPSCALE_S = 2.0
+LOCAL_DOWNSCALE_S = 10.0
+LOCAL_DECODE_AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 2,
+    "targetOngoingRequests": LOCAL_DECODE_TARGET,
+    "upscaleDelayS": LOCAL_UPSCALE_S,
+    "downscaleDelayS": LOCAL_DOWNSCALE_S,
+}
+# Serve's replicas and handles push their load every 10 s by default; locally every second,
+# so decisions follow the load within seconds (ray/serve/_private/constants.py).
+LOCAL_SERVE_ENV = {
+    "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+    "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
+}
 
 
 def cluster_env() -> dict[str, str]:
@@ -45,6 +63,7 @@ def cluster_env() -> dict[str, str]:
         "VLLM_NO_USAGE_STATS": "1",
         "RAY_USAGE_STATS_ENABLED": "0",
         "DO_NOT_TRACK": "1",
+        **LOCAL_SERVE_ENV,
     }
 
 
@@ -121,6 +140,11 @@ def _local_spec(mode: Mode, model_dir: Path, *, auth: bool, hybrid: dict[str, An
             "ingress": {"minReplicas": 1, "maxReplicas": 1},
             # No CUDA graphs on CPU.
             "engineKwargs": {"enforce_eager": True},
+            # Serve autoscaling as in the cloud, with smaller numbers: decode may add a second
+            # replica on the decode node. More than LOCAL_DECODE_TARGET requests in flight for
+            # a few seconds adds it; idle for LOCAL_DOWNSCALE_S removes it. The aggregated
+            # app (mode both) shares the decode node and keeps one engine.
+            **({"decode": LOCAL_DECODE_AUTOSCALING} if mode is Mode.DISAGGREGATED else {}),
         }
     )
 

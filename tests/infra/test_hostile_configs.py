@@ -164,6 +164,8 @@ CASES: list[Hostile] = [
     Hostile("replicas-max-below-min", "prod", _set("serving.decode.maxReplicas", 1), "serving.decode"),
     Hostile("pool-max-below-min", "prod", _set("nodePools.decode.maxSize", 1), "nodePools.decode"),
     Hostile("pool-too-small", "prod", _set("nodePools.decode.maxSize", 2), "nodePools.decode.maxSize"),
+    Hostile("decode-beyond-pool", "prod", _set("serving.decode.maxReplicas", 7), "nodePools.decode.maxSize"),
+    Hostile("no-room-for-upgrade", "prod", _set("nodePools.decode.maxSize", 5), "nodePools.decode.maxSize"),
     # --- cluster -------------------------------------------------------------------------
     Hostile("kubernetes-too-old", "prod", _set("kubernetesVersion", "1.27"), "kubernetesVersion"),
     Hostile(
