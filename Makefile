@@ -78,6 +78,7 @@ bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json
 	$(PY) -m bench.hybrid --out build/bench/hybrid.json
 	$(PY) -m bench.program --json build/bench/program.json
+	$(PY) -m bench.scaling --out build/bench/scaling.json
 
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json

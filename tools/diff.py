@@ -38,6 +38,7 @@ from typing import Any
 
 import yaml
 
+from infra.k8s import upgrades
 from infra.model.config import PROJECT
 from infra.paths import stack_file
 from tools import mock_runtime, render, stackfile
@@ -98,6 +99,7 @@ class Report:
     common: list[tuple[Change, int]]
     only_common: int  # resources whose every change is one of `common`
     identical: Counter
+    upgrades: list[str] = field(default_factory=list)  # what KubeRay does with each changed RayService
 
     @property
     def empty(self) -> bool:
@@ -315,7 +317,22 @@ def compare(a: Side, b: Side) -> Report:
             only_common += 1
     # Kubernetes objects first (what a service owner reads), then the rest, each by type.
     kept.sort(key=lambda rd: (not rd.key[0].startswith("kubernetes:"), rd.key))
-    return Report(a, b, config, only_a, only_b, kept, common, only_common, identical)
+    return Report(a, b, config, only_a, only_b, kept, common, only_common, identical, _upgrades(ra, rb))
+
+
+def _upgrades(ra: dict, rb: dict) -> list[str]:
+    """For each RayService in both sides: in-place Serve update, or a new Ray cluster and its cost."""
+    lines = []
+    for key, res_a in ra.items():
+        if key not in rb:
+            continue
+        ma, mb = _manifest_of(res_a), _manifest_of(rb[key])
+        if not (ma and mb and ma[1].get("kind") == "RayService"):
+            continue
+        verdict = upgrades.classify(ma[1], mb[1])
+        if verdict.kind != "none":
+            lines.append(verdict.line((mb[1].get("metadata") or {}).get("name", key[1])))
+    return lines
 
 
 # --- the report -------------------------------------------------------------------------
@@ -335,6 +352,10 @@ def format_report(report: Report) -> str:
             lines.append("  identical values")
     n_same = sum(report.identical.values())
     n_changed = len(report.changed) + report.only_common
+    if report.upgrades:
+        lines.append("")
+        lines.append("Rollout (KubeRay 1.7 rules):")
+        lines.extend(f"  {u}" for u in report.upgrades)
     lines.append("")
     lines.append(
         f"Resources (matched by type and name): {len(a.resources)} in A, {len(b.resources)} in B; "
@@ -368,9 +389,10 @@ def format_markdown(report: Report, title: str) -> str:
         return f"### {title}: no changes\n"
     n = len(report.changed) + report.only_common
     verdict = f"{n} changed, {len(report.only_b)} added, {len(report.only_a)} removed"
+    rollout = "".join(f"- {u}\n" for u in report.upgrades)
     fence = "~~~"  # the report never contains it; ``` could appear inside values
     return (
-        f"### {title}: {verdict}\n\n<details><summary>Resource and manifest differences</summary>\n\n"
+        f"### {title}: {verdict}\n\n{rollout}{chr(10) if rollout else ''}<details><summary>Resource and manifest differences</summary>\n\n"
         f"{fence}diff\n{format_report(report)}\n{fence}\n\n</details>\n"
     )
 

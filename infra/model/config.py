@@ -201,7 +201,8 @@ class NodePool(SpecModel):
     capacity_reservation_id: str | None = None
     min_size: int = Field(default=1, ge=0)
     desired_size: int = Field(default=1, ge=0)
-    max_size: int = Field(default=1, ge=1)
+    # Room for the second Ray cluster of a NewCluster upgrade (one replica running, one starting).
+    max_size: int = Field(default=2, ge=1)
     root_volume_gib: int = Field(default=200, ge=50, le=16384, alias="rootVolumeGiB")
     local_storage: LocalStorage = LocalStorage.RAID0
 

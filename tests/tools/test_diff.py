@@ -52,7 +52,7 @@ def test_stack_files_differences_by_key_path(staging_prod):
         "~ nodePools.decode.instanceType: p4de.24xlarge -> p5.48xlarge",
         "~ nodePools.decode.minSize: 1 -> 2",
         "~ nodePools.decode.desiredSize: 1 -> 2",
-        "~ nodePools.decode.maxSize: 1 -> 4",
+        "~ nodePools.decode.maxSize: 2 -> 6",
         "+ natGateways: per-zone",
         "+ adminRoleArns[]: arn:aws:iam::123456789012:role/platform-oncall",
     ]:
@@ -71,9 +71,9 @@ def test_node_groups_name_instance_type_and_node_counts(staging_prod):
     assert '~ instanceTypes: ["p4de.24xlarge"] -> ["p5.48xlarge"]' in decode
     assert "~ scalingConfig.desiredSize: 1 -> 2" in decode
     assert "~ scalingConfig.minSize: 1 -> 2" in decode
-    assert "~ scalingConfig.maxSize: 1 -> 4" in decode
+    assert "~ scalingConfig.maxSize: 2 -> 6" in decode
     prefill = _block(staging_prod, "~ eks:index:ManagedNodeGroup gpu-prefill-ng")
-    assert "~ scalingConfig.maxSize: 1 -> 2" in prefill
+    assert "~ scalingConfig.maxSize: 2 -> 3" in prefill
     assert not any("desiredSize" in line for line in prefill)  # 1 in both
 
 
@@ -171,7 +171,7 @@ def test_rendered_directories_for_pull_requests(tmp_path, rendered_stacks):
     assert r.stdout.startswith("### dev: 1 changed, 0 added, 0 removed\n")
     assert "Differences from base branch (A) to this pull request (B)" in r.stdout
     assert "<details>" in r.stdout and "~~~diff\n" in r.stdout
-    assert "      ~ scalingConfig.maxSize: 2 -> 5\n" in r.stdout
+    assert "      ~ scalingConfig.maxSize: 3 -> 5\n" in r.stdout
 
     # A stack new in the pull request has no base render.
     r = _cli("--rendered", "--allow-missing", "--markdown", "--title", "dev", str(tmp_path / "none"), str(head))
