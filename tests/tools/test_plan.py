@@ -48,7 +48,7 @@ def test_prod_plan_prints_the_figures():
     assert "EFA 3200 Gbps" in out
     assert "26.8 ms" in out  # 327,680 x 32,768 B / 400e9 B/s
     assert "176 tok/s" in out  # decode roofline at batch 1, 32k context
-    assert "24 GPUs $165.12/h at desiredSize, 48 GPUs $330.24/h at maxSize" in out
+    assert "24 GPUs $165.12/h at desiredSize, 72 GPUs $495.36/h at maxSize" in out
     assert "Fit      ok" in out
     assert r.stderr == ""
 
@@ -133,4 +133,4 @@ def test_aggregated_mode_plans_the_decode_pool_only():
     values["serving"] = {**values["serving"], "mode": "aggregated"}
     p = planning.plan(load(values, secret_keys=secrets, source="stacks/Pulumi.x.yaml"))
     assert [r.role for r in p.roles] == ["decode"]
-    assert p.gpus_max == 8
+    assert p.gpus_max == 16  # decode pool: up to 2 nodes (room for a NewCluster upgrade)

@@ -113,16 +113,17 @@ def test_stack_plans_carry_the_hand_computed_figures():
     assert decode.instance_type == "p5.48xlarge"
     assert decode.figures.kv_tokens_per_replica == 1_395_782
     assert decode.network == "EFA" and decode.network_gbps == 3200
-    # GPU count and price from the pools: prefill 1-2 nodes, decode 2-4 nodes of 8 GPUs.
-    assert (p.gpus_desired, p.gpus_max) == (8 + 16, 16 + 32)
+    # GPU count and price from the pools: prefill 1-3 nodes, decode 2-6 nodes of 8 GPUs (maxSize leaves
+    # room for the second cluster of a NewCluster upgrade).
+    assert (p.gpus_desired, p.gpus_max) == (8 + 16, 24 + 48)
     assert p.usd_per_hour_desired == pytest.approx(3 * 55.04)
-    assert p.usd_per_hour_max == pytest.approx(6 * 55.04)
+    assert p.usd_per_hour_max == pytest.approx(9 * 55.04)
 
     values, secrets = _values("staging")
     p = planning.plan(_load(values, secrets))
     assert {r.figures.kv_tokens_per_replica for r in p.roles} == {1_404_099}
-    assert (p.gpus_desired, p.gpus_max) == (16, 16)
-    assert p.usd_per_hour_max == pytest.approx(2 * 27.45)
+    assert (p.gpus_desired, p.gpus_max) == (16, 32)
+    assert p.usd_per_hour_max == pytest.approx(4 * 27.45)
 
 
 def test_kv_heads_are_replicated_when_tp_exceeds_them():
