@@ -145,18 +145,20 @@ def chart_values(cluster_name: str, region: str, kubernetes_version: str, node_g
 
 @dataclass
 class NodeAutoscalerArgs:
-    """cluster_name: the EKS cluster. region: its AWS region (the autoscaler's API calls).
-    kubernetes_version: picks the autoscaler release line. node_group_names: the GPU managed
-    node groups it may scale (nothing else). provider: the cluster's kubernetes provider.
-    depends_on: the node groups (their Auto Scaling groups must exist to be discovered)."""
-
     cluster_name: str
+    """The EKS cluster (its node groups' Auto Scaling groups carry it as `eks:cluster-name`)."""
     region: str
+    """The cluster's AWS region, where the autoscaler calls the EC2, Auto Scaling and EKS APIs."""
     kubernetes_version: str
+    """The cluster's version; picks the autoscaler release line (`infra/model/versions.py`)."""
     node_group_names: list[str]
+    """The GPU managed node groups it may scale, and nothing else."""
     provider: k8s.Provider
+    """The cluster's Kubernetes provider (the Helm release goes through it)."""
     depends_on: list[pulumi.Resource] = field(default_factory=list)
+    """The node groups: their Auto Scaling groups must exist to be discovered."""
     tags: dict[str, str] = field(default_factory=dict)
+    """Tags for every AWS resource of the component."""
 
 
 class NodeAutoscaler(pulumi.ComponentResource):
