@@ -236,8 +236,9 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
             config.upgrade_strategy.value, spec.min_replicas, spec.max_replicas, spec.initial_replicas, gpus, inst.gpus
         )
 
-        def figures_fn(_spec=spec, _inst=inst, _role=role, **kw):
-            return model_figures(shape, model, _role, _spec, _inst, **kw)
+        def figures_fn(_spec=spec, _inst=inst, _role=role, _shape=shape, **kw):
+            assert _shape is not None  # only called when the shape is known
+            return model_figures(_shape, model, _role, _spec, _inst, **kw)
 
         scaling = RoleScaling(
             nodes_min=nodes[0],
