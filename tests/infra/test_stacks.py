@@ -100,6 +100,7 @@ def test_charts_pinned_to_versions_module(stack):
             versions.KUBERAY_OPERATOR,
             versions.KUBE_PROMETHEUS_STACK,
             versions.DCGM_EXPORTER,
+            versions.CLUSTER_AUTOSCALER,
         )
     }
     for chart in stack.result.of_type(CHART):
