@@ -31,8 +31,8 @@ import yaml
 
 from infra import paths
 from infra.k8s import efa_check
-from infra.model.config import StackConfig
-from tools import render
+from infra.model.config import ConfigError, StackConfig
+from tools import stackfile
 
 
 def inputs_for(cfg: StackConfig, stack: str, image: str | None, min_fraction: float) -> efa_check.EfaCheckInputs:
@@ -109,8 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="render and validate only; touch no cluster")
     args = ap.parse_args(argv)
     try:
-        cfg, _, _, _ = render._load(args.stack)
-    except render.RenderError as e:
+        cfg = stackfile.load_config(args.stack)
+    except (stackfile.StackFileError, ConfigError) as e:
         print(e, file=sys.stderr)
         return 1
     pools = (cfg.node_pools.prefill.instance, cfg.node_pools.decode.instance)

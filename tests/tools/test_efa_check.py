@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from infra import paths
-from tools import efa_check, render
+from tools import efa_check, render, stackfile
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -34,7 +34,7 @@ def test_image_argument_reaches_the_pods(tmp_path: Path) -> None:
 
 
 def test_default_image_is_the_stacks_worker_image() -> None:
-    cfg = render._load("prod")[0]
+    cfg = stackfile.load_config("prod")
     image = efa_check.offline_image(cfg, "prod")
     built = render.render("prod").result.of_type("docker-build:index:Image")[0].inputs["tags"][0]
     assert image.rsplit(":", 1)[1] == built.rsplit(":", 1)[1]
