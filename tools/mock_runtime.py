@@ -186,6 +186,15 @@ def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> 
     return out
 
 
+def project_defaults(project_file: Path = ROOT / "Pulumi.yaml") -> dict[str, Any]:
+    """The `default`s of the project's declared config keys (bare names). Pulumi merges them
+    into every stack's config before the program runs (pkg/workspace/config.go, mergeConfig)."""
+    import yaml
+
+    declared = (yaml.safe_load(project_file.read_text()) or {}).get("config") or {}
+    return {k: d["default"] for k, d in declared.items() if isinstance(d, dict) and d.get("default") is not None}
+
+
 def run(
     stack: str,
     values: dict[str, Any],
@@ -202,7 +211,9 @@ def run(
     mocks = _Mocks(result.resources)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False, monitor=_Monitor(mocks))
     secret_full = [f"{PROJECT}:{k}" for k in (secret_keys or set())]
-    pulumi.runtime.set_all_config(config_map(values, others), secret_full)
+    # What the program sees under `pulumi up`: the stack's values over the project's defaults.
+    merged = {**project_defaults(), **values}
+    pulumi.runtime.set_all_config(config_map(merged, others), secret_full)
     settings = pulumi.runtime.settings.SETTINGS
     settings.rpc_manager.clear()
     settings.outputs.clear()
