@@ -287,12 +287,18 @@ class Target:
     working_dir: the runtime_env working_dir holding serving/ (an s3:// zip in the cloud).
     engine_env: extra environment for engine replicas (e.g. NIXL/EFA settings, CPU KV size).
     ingress_env: extra environment for the ingress replicas.
+    proxy_location: where Serve runs HTTP proxies. "EveryNode" (Serve's default) in the cloud:
+      KubeRay 1.7 gives RayService worker pods a readiness probe on the proxy's /-/healthz and
+      puts them in the serve Service (ray.io/serve=true), so each worker must run a proxy
+      (Serve starts one on the head and on every node holding a replica). "HeadOnly" locally,
+      where several Ray nodes share one host and would fight over the port.
     """
 
     accelerator_type: str | None = None
     working_dir: str | None = None
     engine_env: Mapping[str, str] = field(default_factory=dict)
     ingress_env: Mapping[str, str] = field(default_factory=dict)
+    proxy_location: str = "EveryNode"
 
     @property
     def cpu(self) -> bool:
@@ -465,8 +471,7 @@ class ServingSpec(SpecModel):
         if target.working_dir:
             app["runtime_env"] = {"working_dir": target.working_dir}
         return {
-            # The ingress is pinned to the head, so only the head needs a proxy.
-            "proxy_location": "HeadOnly",
+            "proxy_location": target.proxy_location,
             "http_options": {"host": "0.0.0.0", "port": port},
             "applications": [app],
         }

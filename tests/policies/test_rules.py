@@ -128,13 +128,17 @@ def test_the_shipped_stacks_are_all_scanned(resources) -> None:
         rules.EKS_MNG,
         rules.HELM_CHART_V4,
         rules.RAY_TYPES[0],
-        rules.K8S_SERVICE,
         rules.K8S_NETWORK_POLICY,
         rules.K8S_SECRET,
         rules.LAUNCH_TEMPLATE,
         "aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule",
     ):
         assert t in types, t
+    # The OpenAI API's Service is KubeRay's, from spec.serveService: every RayService has one.
+    for rs in resources.values():
+        for r in rs:
+            if r.type == rules.RAY_TYPES[0]:
+                assert r.inputs["spec"]["serveService"]["spec"]["ports"], r.name
 
 
 @pytest.mark.parametrize("stack", [*STACKS, "prod-capacity-block"])
@@ -474,7 +478,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "string-data-off-secret",
         "secrets-by-reference",
         "prod",
-        rules.K8S_SERVICE,
+        rules.K8S_NETWORK_POLICY,
         None,
         lambda i: i.update(stringData={"api-keys": "sk-1"}),
         "only a Secret",
@@ -483,7 +487,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "token-in-configmap",
         "secrets-by-reference",
         "prod",
-        rules.K8S_SERVICE,
+        rules.K8S_NETWORK_POLICY,
         None,
         lambda i: i.update(kind="ConfigMap", data={"OPENAI_API_KEY": "sk-1"}),
         "Kubernetes Secret",
@@ -492,27 +496,27 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "lb-open-v4",
         "no-open-ingress",
         "prod",
-        rules.K8S_SERVICE,
+        rules.RAY_TYPES[0],
         None,
-        lambda i: i["spec"].update(loadBalancerSourceRanges=["0.0.0.0/0"]),
+        lambda i: i["spec"]["serveService"]["spec"].update(loadBalancerSourceRanges=["0.0.0.0/0"]),
         "list the client CIDRs",
     ),
     (
         "lb-no-ranges",
         "no-open-ingress",
         "prod",
-        rules.K8S_SERVICE,
+        rules.RAY_TYPES[0],
         None,
-        lambda i: i["spec"].pop("loadBalancerSourceRanges"),
+        lambda i: i["spec"]["serveService"]["spec"].pop("loadBalancerSourceRanges"),
         "serviceAllowedCidrs",
     ),
     (
         "lb-open-by-annotation",
         "no-open-ingress",
         "prod",
-        rules.K8S_SERVICE,
+        rules.RAY_TYPES[0],
         None,
-        lambda i: i["metadata"]["annotations"].update(
+        lambda i: i["spec"]["serveService"]["metadata"]["annotations"].update(
             {"service.beta.kubernetes.io/load-balancer-source-ranges": "::/0"}
         ),
         "list the client CIDRs",
