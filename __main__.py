@@ -61,6 +61,8 @@ cluster = Cluster(
         endpoint_access=cfg.endpoint_access,
         public_access_cidrs=cfg.public_access_cidrs,
         admin_role_arns=cfg.admin_role_arns,
+        view_role_arns=cfg.view_role_arns,
+        ami_release_version=cfg.ami_release_version,
         system_nodes=cfg.system_nodes,
         deletion_protection=cfg.environment is Environment.PROD,
         tags=tags,
@@ -79,6 +81,8 @@ pools = {
             subnet_ids=network.private_subnet_ids,
             efa_subnet_id=network.efa_subnet_id,
             efa_zone=cfg.efa_zone_name,
+            kubernetes_version=cfg.kubernetes_version,
+            ami_release_version=cfg.ami_release_version,
             tags=tags,
         ),
     )

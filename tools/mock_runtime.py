@@ -153,7 +153,17 @@ class _Mocks(pulumi.runtime.Mocks):
     def call(self, args: pulumi.runtime.MockCallArgs):
         if args.token == "aws:eks/getCluster:getCluster":
             return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
+        if args.token == "aws:ec2/getAmi:getAmi":
+            names = [v for f in args.args.get("filters") or [] if f.get("name") == "name" for v in f.get("values", [])]
+            return {"id": mock_ami_id(names[0] if names else ""), "name": names[0] if names else ""}
         return {}
+
+
+def mock_ami_id(name: str) -> str:
+    """A stable stand-in image id per AMI name: a different release renders a different amiId."""
+    import hashlib
+
+    return "ami-" + hashlib.sha256(name.encode()).hexdigest()[:17]
 
 
 class _Monitor(_mocks.MockMonitor):

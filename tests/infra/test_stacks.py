@@ -12,11 +12,13 @@ import re
 import pytest
 import yaml
 
-from infra.components.gpu_node_pool import AMI_TYPE
+from infra.components.gpu_node_pool import AMI_TYPE, nvidia_ami_name
 from infra.k8s.labels import ROLE_LABEL
 from infra.model import catalog, config, versions
 from infra.paths import ROOT
 from tests.conftest import STACKS
+from tests.upstream import mng_image
+from tools import mock_runtime
 
 MNG = "eks:index:ManagedNodeGroup"
 CLUSTER = "eks:index:Cluster"
@@ -33,13 +35,17 @@ def stack(request, rendered_stacks):
 
 
 def _gpu_groups(stack):
-    return {r.inputs["labels"][ROLE_LABEL]: r for r in stack.result.of_type(MNG) if r.inputs.get("gpu")}
+    return {
+        r.inputs["labels"][ROLE_LABEL]: r
+        for r in stack.result.of_type(MNG)
+        if r.inputs["labels"][ROLE_LABEL] in ("prefill", "decode")
+    }
 
 
 def test_registers_cluster_system_group_gpu_pools_plugins_and_operator(stack):
     res = stack.result
     assert len(res.of_type(CLUSTER)) == 1
-    system = [r for r in res.of_type(MNG) if not r.inputs.get("gpu")]
+    system = [r for r in res.of_type(MNG) if r.inputs["labels"][ROLE_LABEL] == "system"]
     assert len(system) == 1 and system[0].inputs["labels"] == {ROLE_LABEL: "system"}
     assert set(_gpu_groups(stack)) == {"prefill", "decode"}
     charts = {r.inputs["chart"] for r in res.of_type(CHART)}
@@ -53,7 +59,15 @@ def test_gpu_pools_efa_taint_label_ami(stack):
     for role, group in _gpu_groups(stack).items():
         inp, inst = group.inputs, catalog.lookup(pools[role].instance_type)
         assert inp["instanceTypes"] == [inst.name]
-        assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
+        # The AL2023 NVIDIA AMI of the pinned release (tests/infra/components/test_ami_pin_contract.py).
+        image = mng_image(inp)
+        assert image["pinned"], (role, image)
+        if image["source"] == "amiId":
+            assert inp["amiId"] == mock_runtime.mock_ami_id(
+                nvidia_ami_name(cfg.kubernetes_version, cfg.ami_release_version)
+            )
+        else:
+            assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
         assert inp["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]
         assert inp["labels"] == {ROLE_LABEL: role}
         assert inp["enableIMDSv2"] is True
@@ -100,8 +114,8 @@ def test_device_plugins_tolerate_gpu_taint_and_efa_only_on_efa_types(stack):
     charts = {c.inputs["chart"]: c.inputs["values"] for c in stack.result.of_type(CHART)}
     efa = charts["aws-efa-k8s-device-plugin"]
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in efa["tolerations"]
-    term = efa["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"][0]
-    types = term["matchExpressions"][0]["values"]
+    assert "affinity" not in efa, "the chart ignores it (see test_efa_chart_contract.py)"
+    types = efa["supportedInstanceLabels"]["values"]
     assert types and all(catalog.lookup(t).efa for t in types)
     assert {t for t, i in catalog.CATALOG.items() if i.efa} == set(types)
     nvidia = charts["nvidia-device-plugin"]

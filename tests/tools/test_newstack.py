@@ -193,4 +193,8 @@ def test_pulumi_template_program_runs_the_platform_program(tmp_path, monkeypatch
 
 
 def _gpu_pools(result):
-    return [r for r in result.resources if r.type == "eks:index:ManagedNodeGroup" and r.inputs.get("gpu")]
+    return [
+        r
+        for r in result.resources
+        if r.type == "eks:index:ManagedNodeGroup" and r.inputs["labels"]["pd-inference/role"] in ("prefill", "decode")
+    ]
