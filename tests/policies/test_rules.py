@@ -288,7 +288,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "staging",
         rules.EKS_MNG,
         "gpu-prefill-ng",
-        lambda i: (i.pop("gpu"), i.pop("taints")),
+        lambda i: (i.pop("gpu", None), i.pop("taints")),
         "add the taint",
     ),
     (
