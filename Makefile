@@ -84,7 +84,7 @@ bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
 
 render: venv
-	$(PY) -m tools.render --stack $(STACK)
+	$(PY) -m tools.render --stack $(STACK) --stand-in-secrets
 
 plan: venv
 	$(PY) -m tools.plan --stack $(STACK)

@@ -68,6 +68,8 @@ cluster = Cluster(
         endpoint_access=cfg.endpoint_access,
         public_access_cidrs=cfg.public_access_cidrs,
         admin_role_arns=cfg.admin_role_arns,
+        view_role_arns=cfg.view_role_arns,
+        ami_release_version=cfg.ami_release_version,
         system_nodes=cfg.system_nodes,
         deletion_protection=cfg.environment is Environment.PROD,
         tags=tags,
@@ -86,6 +88,8 @@ pools = {
             subnet_ids=network.private_subnet_ids,
             efa_subnet_id=network.efa_subnet_id,
             efa_zone=cfg.efa_zone_name,
+            kubernetes_version=cfg.kubernetes_version,
+            ami_release_version=cfg.ami_release_version,
             tags=tags,
         ),
     )
@@ -166,6 +170,7 @@ pulumi.export("nodePools", {role: p.node_group_name for role, p in pools.items()
 pulumi.export("systemNodeGroup", cluster.system_node_group_name)
 pulumi.export("namespace", cfg.namespace)
 pulumi.export("endpoint", service.endpoint)
+pulumi.export("endpointService", f"{cfg.namespace}/{service.service_name}")
 pulumi.export("codeBucket", service.code_bucket)
 pulumi.export("prometheusUrl", observability.prometheus_url)
 pulumi.export("ampWorkspaceId", observability.workspace_id)

@@ -643,25 +643,32 @@ def check_secrets_by_reference(type_: str, props: dict[str, Any], ctx: Context) 
 
 
 # --- ingress to the endpoint -------------------------------------------------------------------------------------
+def _service_ingress(props: Any, where: str = "Service") -> Iterator[str]:
+    spec = dig(props, "spec")
+    if not isinstance(spec, Mapping):
+        return
+    ranges = spec.get("loadBalancerSourceRanges")
+    annotation = dig(props, "metadata", "annotations", "service.beta.kubernetes.io/load-balancer-source-ranges")
+    if isinstance(annotation, str):
+        ranges = [*as_list(ranges), *[r for r in annotation.split(",") if r.strip()]]
+    if not known(ranges):
+        return
+    if spec.get("type") == "LoadBalancer" and not ranges:
+        yield (
+            f"a LoadBalancer {where} without loadBalancerSourceRanges accepts 0.0.0.0/0: list the client CIDRs "
+            "(stack key serviceAllowedCidrs)"
+        )
+    for c in as_list(ranges):
+        if open_cidr(c):
+            yield f"{where} loadBalancerSourceRanges contains {c!r} (the whole internet): list the client CIDRs"
+
+
 def check_no_open_ingress(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
     if type_ == K8S_SERVICE:
-        spec = props.get("spec")
-        if not isinstance(spec, Mapping):
-            return
-        ranges = spec.get("loadBalancerSourceRanges")
-        annotation = dig(props, "metadata", "annotations", "service.beta.kubernetes.io/load-balancer-source-ranges")
-        if isinstance(annotation, str):
-            ranges = [*as_list(ranges), *[r for r in annotation.split(",") if r.strip()]]
-        if not known(ranges):
-            return
-        if spec.get("type") == "LoadBalancer" and not ranges:
-            yield (
-                "a LoadBalancer Service without loadBalancerSourceRanges accepts 0.0.0.0/0: list the client CIDRs "
-                "(stack key serviceAllowedCidrs)"
-            )
-        for c in as_list(ranges):
-            if open_cidr(c):
-                yield f"Service loadBalancerSourceRanges contains {c!r} (the whole internet): list the client CIDRs"
+        yield from _service_ingress(props)
+    elif type_.endswith(":RayService") and isinstance(dig(props, "spec", "serveService"), Mapping):
+        # KubeRay creates this Service from the RayService (spec.serveService): same rule.
+        yield from _service_ingress(dig(props, "spec", "serveService"), "RayService spec.serveService")
     elif type_ == K8S_NETWORK_POLICY:
         for i, rule in enumerate(as_list(dig(props, "spec", "ingress"))):
             if not known(rule):

@@ -556,6 +556,11 @@ class Target:
         LIBFABRIC on EFA types, UCX elsewhere and on CPU); used when the spec says auto.
     role_accelerator_types: per engine role, when the pools differ (e.g. H100 prefill, A100
         decode); a role not listed takes `accelerator_type`.
+    proxy_location: where Serve runs HTTP proxies. "EveryNode" (Serve's default) in the cloud:
+      KubeRay 1.7 gives RayService worker pods a readiness probe on the proxy's /-/healthz and
+      puts them in the serve Service (ray.io/serve=true), so each worker must run a proxy
+      (Serve starts one on the head and on every node holding a replica). "HeadOnly" locally,
+      where several Ray nodes share one host and would fight over the port.
     """
 
     accelerator_type: str | None = None
@@ -564,6 +569,7 @@ class Target:
     ingress_env: Mapping[str, str] = field(default_factory=dict)
     kv_backend: KvBackend = KvBackend.UCX
     role_accelerator_types: Mapping[str, str] = field(default_factory=dict)
+    proxy_location: str = "EveryNode"
 
     @property
     def cpu(self) -> bool:
@@ -822,8 +828,7 @@ class ServingSpec(SpecModel):
         if target.working_dir:
             app["runtime_env"] = {"working_dir": target.working_dir}
         return {
-            # The ingress is pinned to the head, so only the head needs a proxy.
-            "proxy_location": "HeadOnly",
+            "proxy_location": target.proxy_location,
             "http_options": {"host": "0.0.0.0", "port": port},
             "applications": [app],
         }

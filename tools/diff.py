@@ -234,7 +234,7 @@ def _stack_values(stack: str) -> dict[str, Any]:
 def from_stack(stack: str) -> Side:
     values = _stack_values(stack)
     try:
-        rendered = render.render(stack)
+        rendered = render.render(stack, stand_in_secrets=True)
     except render.RenderError as e:
         raise DiffError(str(e)) from None
     return Side(stack, stack, values, rendered.result.resources)

@@ -35,14 +35,14 @@ def _fenced(text: str) -> str:
 
 
 def gen_plan(stack: str) -> str:
-    cfg = stackfile.load_config(stack)
+    cfg = stackfile.load_offline(*stackfile.read(stack), stack_file(stack)).config  # plans need no secret
     return _fenced(f"Capacity plan: {stack_file(stack)} ({cfg.environment.value})\n{format_plan(plan(cfg))}")
 
 
 def gen_costs(*stacks: str) -> str:
     parts = []
     for stack in stacks:
-        summary = render.summary(render.render(stack)).splitlines()
+        summary = render.summary(render.render(stack, stand_in_secrets=True)).splitlines()
         pools = summary[next(i for i, line in enumerate(summary) if line.startswith("GPU pools")) :]
         parts.append(f"# make render STACK={stack}\n" + "\n".join(pools))
     return _fenced("\n\n".join(parts))

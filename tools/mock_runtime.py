@@ -159,7 +159,17 @@ class _Mocks(pulumi.runtime.Mocks):
             return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
         if args.token == "aws:ecr/getAuthorizationToken:getAuthorizationToken":
             return {"userName": "AWS", "password": "mock-ecr-token", "authorizationToken": "bW9jaw==", "id": "mock"}
+        if args.token == "aws:ec2/getAmi:getAmi":
+            names = [v for f in args.args.get("filters") or [] if f.get("name") == "name" for v in f.get("values", [])]
+            return {"id": mock_ami_id(names[0] if names else ""), "name": names[0] if names else ""}
         return {}
+
+
+def mock_ami_id(name: str) -> str:
+    """A stable stand-in image id per AMI name: a different release renders a different amiId."""
+    import hashlib
+
+    return "ami-" + hashlib.sha256(name.encode()).hexdigest()[:17]
 
 
 class _Monitor(_mocks.MockMonitor):
@@ -192,6 +202,15 @@ def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> 
     return out
 
 
+def project_defaults(project_file: Path = ROOT / "Pulumi.yaml") -> dict[str, Any]:
+    """The `default`s of the project's declared config keys (bare names). Pulumi merges them
+    into every stack's config before the program runs (pkg/workspace/config.go, mergeConfig)."""
+    import yaml
+
+    declared = (yaml.safe_load(project_file.read_text()) or {}).get("config") or {}
+    return {k: d["default"] for k, d in declared.items() if isinstance(d, dict) and d.get("default") is not None}
+
+
 def run(
     stack: str,
     values: dict[str, Any],
@@ -208,7 +227,9 @@ def run(
     mocks = _Mocks(result.resources)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False, monitor=_Monitor(mocks))
     secret_full = [f"{PROJECT}:{k}" for k in (secret_keys or set())]
-    pulumi.runtime.set_all_config(config_map(values, others), secret_full)
+    # What the program sees under `pulumi up`: the stack's values over the project's defaults.
+    merged = {**project_defaults(), **values}
+    pulumi.runtime.set_all_config(config_map(merged, others), secret_full)
     settings = pulumi.runtime.settings.SETTINGS
     settings.rpc_manager.clear()
     settings.outputs.clear()

@@ -72,6 +72,7 @@ def text_for(
         owner=owner,
         region=region,
         kubernetes_version=versions.DEFAULT_KUBERNETES_VERSION,
+        ami_release_version=versions.AMI_RELEASE_VERSION,
         admin_role_arn=DEFAULT_ADMIN_ROLE,
         # The served name: the repo's last part, lowercased (Qwen2.5-1.5B-Instruct -> qwen2.5-1.5b-instruct).
         model_id=model.rstrip("/").rsplit("/", 1)[-1].lower(),
@@ -89,7 +90,8 @@ def create(name: str, **choices) -> tuple[Path, render.Rendered]:
         raise NewStackError(f"{source} already exists; edit it, or choose another NAME")
     text = text_for(name, **choices)
     try:
-        stackfile.config_from_text(text, source)
+        # A new stack holds no secret yet (its owner sets them with `pulumi config set --secret`).
+        stackfile.load_offline(*stackfile.parse(text, source), source)
     except ConfigError as e:
         raise NewStackError(str(e)) from None
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +101,7 @@ def create(name: str, **choices) -> tuple[Path, render.Rendered]:
     except FileExistsError:
         raise NewStackError(f"{source} already exists; edit it, or choose another NAME") from None
     try:
-        rendered = render.render(name)
+        rendered = render.render(name, stand_in_secrets=True)
     except render.RenderError as e:
         path.unlink()  # a stack that does not render is not left behind
         raise NewStackError(str(e)) from None

@@ -7,9 +7,11 @@ placeholders) -> the real program under Pulumi's mock runtime (`tools.mock_runti
 as its chart, version, repository and values) and a summary on stdout (resources by type,
 GPUs and EFA interfaces per pool, cost, the capacity plan).
 
-    python -m tools.render --stack prod [--out DIR]      # default DIR: build/<stack>
+    python -m tools.render --stack prod [--out DIR] [--stand-in-secrets]   # DIR: build/<stack>
 
-A bad stack file exits 1 with the same one line `pulumi up` prints.
+A bad stack file exits 1 with the same one line `pulumi up` prints. So does a stack that
+lacks a secret its config needs, unless --stand-in-secrets (`make render`, CI) renders it
+with a stand-in and a note naming the `pulumi config set --secret` command to run.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class Rendered:
     stack: str
     config: StackConfig
     result: mock_runtime.RunResult
+    stand_ins: tuple[str, ...] = ()  # secrets the stack file lacks, rendered with stand-ins
 
     def manifests(self) -> dict[str, dict[str, Any]]:
         """File name -> object, for every Kubernetes object and Helm release the stack declares."""
@@ -70,19 +73,23 @@ class Rendered:
         return out
 
 
-def render(stack: str) -> Rendered:
-    """Run the program for `stack` under mocks; RenderError for a bad stack file."""
+def render(stack: str, *, stand_in_secrets: bool = False) -> Rendered:
+    """Run the program for `stack` under mocks; RenderError for a bad stack file. With
+    `stand_in_secrets`, a secret the config needs and the file lacks gets a stand-in."""
     try:
-        parsed = stackfile.read(stack)
-        cfg = stackfile.validate(parsed, stack_file(stack))
+        values, secrets, others = stackfile.read(stack)
+        if stand_in_secrets:
+            loaded = stackfile.load_offline(values, secrets, others, stack_file(stack))
+        else:
+            cfg = stackfile.validate((values, secrets, others), stack_file(stack))
+            loaded = stackfile.Offline(cfg, values, secrets, ())
     except (stackfile.StackFileError, ConfigError) as e:
         raise RenderError(str(e)) from None
-    values, secrets, others = parsed
     try:
-        result = mock_runtime.run(stack, values, secrets, others)
+        result = mock_runtime.run(stack, loaded.values, loaded.secrets, others)
     except pulumi.RunError as e:  # the program's own config check (same message as above)
         raise RenderError(str(e)) from None
-    return Rendered(stack, cfg, result)
+    return Rendered(stack, loaded.config, result, loaded.stand_ins)
 
 
 def write(rendered: Rendered, out: Path) -> None:
@@ -171,9 +178,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.render", description=__doc__.split("\n\n")[0])
     ap.add_argument("--stack", required=True, help="stack name: stacks/Pulumi.<stack>.yaml")
     ap.add_argument("--out", type=Path, help="output directory (default build/<stack>)")
+    ap.add_argument(
+        "--stand-in-secrets",
+        action="store_true",
+        help="render a stack that lacks a secret its config needs, with a stand-in (and say which to set)",
+    )
     args = ap.parse_args(argv)
     try:
-        rendered = render(args.stack)
+        rendered = render(args.stack, stand_in_secrets=args.stand_in_secrets)
     except RenderError as e:
         print(e, file=sys.stderr)
         return 1
@@ -181,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     write(rendered, out)
     print(summary(rendered))
     print(_plan_text(rendered.config))
+    if rendered.stand_ins:
+        print(stackfile.stand_in_note(rendered.stand_ins, rendered.stack))
     print(f"wrote {out / 'resources.json'} and {len(rendered.manifests())} manifests in {out / 'manifests'}")
     return 0
 

@@ -9,13 +9,14 @@ are replaced by a placeholder (offline tools never see, or need, the real value)
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from infra import paths
-from infra.model.config import PROJECT, StackConfig, load
+from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, StackConfig, load
 
 # PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
 # tests render throwaway files from a temporary folder); messages still say stacks/<file>.
@@ -101,3 +102,51 @@ def config_from_text(text: str, source: str) -> StackConfig:
 def load_config(stack: str) -> StackConfig:
     """stacks/Pulumi.<stack>.yaml -> validated StackConfig, as `pulumi up` would validate it."""
     return validate(read(stack), paths.stack_file(stack))
+
+
+# The shipped stack files hold no secrets (Pulumi encrypts them per stack; a placeholder there
+# would fail Pulumi's decryption). `load_offline` takes such a file as `pulumi up` would run it
+# once its owner has set the secrets the config needs: a stand-in for each, named in the result.
+@dataclass
+class Offline:
+    """A stack's validated config for offline tools, and the secrets stood in for."""
+
+    config: StackConfig
+    values: dict[str, Any]
+    secrets: set[str]
+    stand_ins: tuple[str, ...]
+
+
+def load_offline(values: dict[str, Any], secrets: set[str], others: dict[str, Any], source: str) -> Offline:
+    """`load()`; for each secret the config needs and the file lacks, retry with a stand-in
+    (what `pulumi up` sees after `pulumi config set --secret`). Any other error is raised as
+    `load()` raised it."""
+    values, secrets, stand_ins = dict(values), set(secrets), []
+    for _ in range(len(SECRET_KEYS) + 1):
+        try:
+            cfg = load(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
+        except ConfigError as e:
+            todo = [k for k in e.missing_secrets if k not in stand_ins]
+            if not todo:
+                raise
+            for key in todo:
+                values[key] = secret_placeholder(key)
+                secrets.add(key)
+                stand_ins.append(key)
+            continue
+        return Offline(cfg, values, secrets, tuple(stand_ins))
+    raise AssertionError("unreachable: each retry adds a stand-in")
+
+
+def stand_in_note(stand_ins: tuple[str, ...], stack: str) -> str:
+    """One line telling the owner which secrets to set before `pulumi up`."""
+    cmds = "; ".join(f"pulumi config set --secret {k} <value> --stack {stack}" for k in stand_ins)
+    return f"note: rendered with stand-ins for secrets the stack file does not hold yet (before `pulumi up`: {cmds})"
+
+
+def read_as_deployed(stack: str) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
+    """`read(stack)` after its owner set the secrets its config needs (stand-ins for them):
+    the config `pulumi up` hands the program once the stack is ready to deploy."""
+    values, secrets, others = read(stack)
+    loaded = load_offline(values, secrets, others, paths.stack_file(stack))
+    return loaded.values, loaded.secrets, others

@@ -23,6 +23,10 @@ from infra.model.config import EndpointAccess, SystemNodes
 
 LOG_TYPES = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
 ADMIN_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"
+# Read-only (get/list/watch) on the cluster: enough for a `pulumi preview` of the Kubernetes
+# resources; the kubernetes provider falls back to a client-side diff where its server-side
+# dry-run needs `patch` (pulumi/pulumi-kubernetes#2419).
+VIEW_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSViewPolicy"
 NODE_POLICIES = {
     "worker": "arn:aws:iam::aws:policy/AmazonEKSWorkerNodePolicy",
     "cni": "arn:aws:iam::aws:policy/AmazonEKS_CNI_Policy",
@@ -51,6 +55,10 @@ class ClusterArgs:
     """IAM roles given cluster-admin access entries."""
     system_nodes: SystemNodes
     """The CPU node group of the Ray head and the operators."""
+    view_role_arns: list[str] = field(default_factory=list)
+    """IAM roles given read-only access entries (AmazonEKSViewPolicy), e.g. the CI preview role."""
+    ami_release_version: str | None = None
+    """EKS AMI release (`amiReleaseVersion`) of the system node group."""
     deletion_protection: bool = False
     """EKS deletion protection (on for prod)."""
     tags: dict[str, str] = field(default_factory=dict)
@@ -116,6 +124,18 @@ class Cluster(pulumi.ComponentResource):
                     },
                 )
                 for i, arn in enumerate(args.admin_role_arns)
+            }
+            | {
+                f"view-{i}": eks.AccessEntryArgs(
+                    principal_arn=arn,
+                    access_policies={
+                        "view": eks.AccessPolicyAssociationArgs(
+                            policy_arn=VIEW_POLICY,
+                            access_scope=aws.eks.AccessPolicyAssociationAccessScopeArgs(type="cluster"),
+                        )
+                    },
+                )
+                for i, arn in enumerate(args.view_role_arns)
             },
             enabled_cluster_log_types=LOG_TYPES,
             encryption_config_key_arn=key.arn,
@@ -147,6 +167,8 @@ class Cluster(pulumi.ComponentResource):
             node_group_name=f"{args.cluster_name}-system",
             instance_types=[system.instance_type],
             ami_type="AL2023_x86_64_STANDARD",
+            # EKS-managed AMI (no custom user data): pinned by release, rolled only when it changes.
+            release_version=args.ami_release_version,
             capacity_type="ON_DEMAND",
             subnet_ids=args.private_subnet_ids,
             scaling_config=aws.eks.NodeGroupScalingConfigArgs(

@@ -15,7 +15,12 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra.components.helm import release
-from infra.k8s.labels import GPU_TOLERATION, NVIDIA_DEVICE_PLUGIN_NAMESPACE, instance_type_affinity
+from infra.k8s.labels import (
+    GPU_TOLERATION,
+    INSTANCE_TYPE_LABEL,
+    NVIDIA_DEVICE_PLUGIN_NAMESPACE,
+    instance_type_affinity,
+)
 from infra.model import catalog, versions
 
 GPU_TYPES = sorted(catalog.CATALOG)
@@ -58,7 +63,10 @@ class EfaDevicePlugin(pulumi.ComponentResource):
     def __init__(self, name: str, args: DevicePluginArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:addons:EfaDevicePlugin", name, None, opts)
         values = {
-            "affinity": instance_type_affinity(EFA_TYPES),
+            # The chart builds the DaemonSet's node affinity from this key only (its `affinity`
+            # value is never read; aws/eks-charts stable/aws-efa-k8s-device-plugin
+            # templates/daemonset.yaml). Its own list names types this catalog runs without EFA.
+            "supportedInstanceLabels": {"keys": [INSTANCE_TYPE_LABEL], "values": EFA_TYPES},
             "tolerations": [GPU_TOLERATION],
         }
         self.chart = release(self, f"{name}-chart", versions.EFA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)

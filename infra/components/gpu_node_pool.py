@@ -69,8 +69,30 @@ class GpuNodePoolArgs:
     """The private subnet in the EFA zone: EFA pools live in this one subnet."""
     efa_zone: str
     """Availability zone of the EFA placement group."""
+    kubernetes_version: str
+    """EKS Kubernetes version of the cluster (names the AMI)."""
+    ami_release_version: str
+    """The pinned AMI release (stack key amiReleaseVersion), e.g. "1.35.6-20260714"."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
+
+
+def nvidia_ami_name(kubernetes_version: str, ami_release_version: str) -> str:
+    """The AL2023 NVIDIA AMI of a release, as awslabs/amazon-eks-ami names it in its releases:
+    amazon-eks-node-al2023-x86_64-nvidia-<k8s minor>-v<date>."""
+    date = ami_release_version.rsplit("-", 1)[1]
+    return f"amazon-eks-node-al2023-x86_64-nvidia-{kubernetes_version}-v{date}"
+
+
+def pinned_ami_id(name: str, opts: pulumi.ResourceOptions) -> pulumi.Output[str]:
+    """The image id of the named Amazon-owned AMI in the stack's region (one per name)."""
+    ami = aws.ec2.get_ami_output(
+        owners=["amazon"],
+        most_recent=True,
+        filters=[aws.ec2.GetAmiFilterArgs(name="name", values=[name])],
+        opts=pulumi.InvokeOutputOptions(parent=opts.parent),
+    )
+    return ami.id
 
 
 def efa_network_interfaces(instance: catalog.InstanceType, security_groups: Sequence[pulumi.Input[str]]) -> list:
@@ -119,8 +141,6 @@ class GpuNodePool(pulumi.ComponentResource):
             cluster=args.cluster,
             node_role=args.node_role,
             node_group_name=group_name,
-            ami_type=AMI_TYPE,
-            gpu=True,
             instance_types=[inst.name],
             capacity_type=_CAPACITY[pool.capacity_type],
             scaling_config=aws.eks.NodeGroupScalingConfigArgs(
@@ -134,12 +154,22 @@ class GpuNodePool(pulumi.ComponentResource):
             tags={**args.tags, ROLE_LABEL: args.role, **scale_from_zero_tags(inst)},
         )
 
+        # The AMI is pinned by the stack's amiReleaseVersion (issue 10). Where EKS picks it
+        # (our own template, no image id) the node group's releaseVersion pins it. Where
+        # pulumi-eks writes the user data (nodeadm options), it also writes the template's
+        # image id, from an SSM lookup of the *recommended* AMI on every run unless amiId is
+        # given (pulumi-eks nodejs/eks/nodes/nodegroup.ts createMNGCustomLaunchTemplate):
+        # amiId is the pinned release's AMI then (amiId excludes gpu and amiType).
+        self.ami_name = nvidia_ami_name(args.kubernetes_version, args.ami_release_version)
         if pool.capacity_type is CapacityType.CAPACITY_BLOCK:
             lt = self._capacity_block_template(name, args, raid, child)
             eks.ManagedNodeGroup(
                 f"{name}-ng",
                 subnet_ids=[args.efa_subnet_id],
                 launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
+                ami_type=AMI_TYPE,
+                gpu=True,
+                release_version=args.ami_release_version,
                 opts=child,
                 **common,
             )
@@ -149,6 +179,12 @@ class GpuNodePool(pulumi.ComponentResource):
                 extra["nodeadm_extra_options"] = [
                     eks.NodeadmOptionsArgs(content=RAID0_NODECONFIG, content_type="application/node.eks.aws")
                 ]
+                extra.update(
+                    ami_id=pinned_ami_id(self.ami_name, child),
+                    operating_system=eks.OperatingSystem.AL2023,
+                )
+            else:
+                extra.update(ami_type=AMI_TYPE, gpu=True, release_version=args.ami_release_version)
             if inst.efa:
                 extra.update(
                     enable_efa_support=True,

@@ -7,8 +7,9 @@ What flows through here: the serving spec, the pools' instance types, the secret
 - an IAM role the Ray pods assume through EKS Pod Identity: read that zip and, if set, the
   model bucket; nothing else;
 - Kubernetes Secrets fed from Pulumi secrets, reaching the pods only as secret references;
-- the RayService (`infra.k8s.rayservice.rayservice_manifest`), a Service for the OpenAI API
-  (ClusterIP or an internal NLB limited to the allowed CIDRs), and a NetworkPolicy.
+- the RayService (`infra.k8s.rayservice.rayservice_manifest`) whose `serveService` is the
+  OpenAI API's Service (ClusterIP or an internal NLB limited to the allowed CIDRs; KubeRay
+  points it at the active cluster's serving pods), and a NetworkPolicy.
 Its output `endpoint` is the API's base URL.
 """
 
@@ -78,6 +79,7 @@ class LlmServiceArgs:
 
 class LlmService(pulumi.ComponentResource):
     endpoint: pulumi.Output[str]
+    service_name: str
     code_bucket: pulumi.Output[str]
     rayservice_name: str
 
@@ -205,6 +207,7 @@ class LlmService(pulumi.ComponentResource):
         # A built image's reference is an Output; the manifest is plain data, so it carries a
         # stand-in that is swapped for the Output afterwards (everything else stays known).
         image_ref = args.image if isinstance(args.image, str) else _IMAGE_STAND_IN
+        svc_name = f"{name}-openai"
         inputs = RayServiceInputs(
             name=name,
             namespace=ns,
@@ -220,6 +223,8 @@ class LlmService(pulumi.ComponentResource):
             redis_password=redis,
             gcs_redis_address=args.gcs_redis_address,
             upgrade_strategy=args.upgrade_strategy,
+            service_name=svc_name,
+            **_exposure(args.exposure, args.allowed_cidrs),
         )
         # Everything but serveConfigV2 is known at preview, so policies see the pods even
         # before the code bucket exists; only the Serve config waits for the bucket's name.
@@ -234,41 +239,12 @@ class LlmService(pulumi.ComponentResource):
             opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[args.operator, code]),
         )
 
-        # --- the endpoint --------------------------------------------------------------------
-        svc_name = f"{name}-openai"
-        selector = {
-            # Pods of whichever Ray cluster the RayService is serving from, once Serve is up.
-            "ray.io/originated-from-cr-name": name,
-            "ray.io/node-type": "head",
-            "ray.io/serve": "true",
-        }
-        nlb = args.exposure is ServiceExposure.INTERNAL_NLB
-        # pulumi-kubernetes types metadata/spec as TypedDicts, which conditional literals do not match.
-        svc = k8s.core.v1.Service(  # type: ignore[call-overload]
-            f"{name}-openai-svc",
-            metadata={
-                "name": svc_name,
-                "namespace": ns,
-                "annotations": {
-                    "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
-                    "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
-                }
-                if nlb
-                else {},
-            },
-            spec={
-                "type": "LoadBalancer" if nlb else "ClusterIP",
-                "selector": selector,
-                "ports": [{"name": "http", "port": SERVE_PORT, "targetPort": SERVE_PORT, "protocol": "TCP"}],
-                **({"loadBalancerSourceRanges": list(args.allowed_cidrs)} if nlb else {}),
-            },
-            opts=k8s_opts,
-        )
+        # --- the endpoint: KubeRay's serve Service (spec.serveService, in the manifest) --------
         in_cluster = f"http://{svc_name}.{ns}.svc.cluster.local:{SERVE_PORT}/v1"
-        if nlb:
-            self.endpoint = svc.status.apply(lambda st: _lb_url(st) or in_cluster)
-        else:
-            self.endpoint = pulumi.Output.from_input(in_cluster)
+        # KubeRay, not Pulumi, owns that Service: an NLB's hostname is read with kubectl
+        # (kubectl -n <ns> get svc <name>-openai); the in-cluster name works from inside the VPC.
+        self.endpoint = pulumi.Output.from_input(in_cluster)
+        self.service_name = svc_name
 
         # Only Ray's own pods, the operator, and the API's clients may reach the namespace.
         api_sources = [{"ipBlock": {"cidr": c}} for c in (args.allowed_cidrs or [args.vpc_cidr])]
@@ -311,12 +287,18 @@ def _swap(node: Any, old: str, new: Any) -> Any:
     return new if node == old else node
 
 
-def _lb_url(status) -> str | None:
-    """The NLB's URL from a Service status, once AWS has assigned its hostname."""
-    lb = getattr(status, "load_balancer", None)
-    ingress = getattr(lb, "ingress", None) or []
-    host = getattr(ingress[0], "hostname", None) if ingress else None
-    return f"http://{host}:{SERVE_PORT}/v1" if host else None
+def _exposure(exposure: ServiceExposure, allowed_cidrs: list[str]) -> dict:
+    """The serve Service's type, NLB annotations and source ranges for the stack's exposure."""
+    if exposure is not ServiceExposure.INTERNAL_NLB:
+        return {"service_type": "ClusterIP"}
+    return {
+        "service_type": "LoadBalancer",
+        "service_annotations": {
+            "service.beta.kubernetes.io/aws-load-balancer-type": "nlb",
+            "service.beta.kubernetes.io/aws-load-balancer-internal": "true",
+        },
+        "load_balancer_source_ranges": list(allowed_cidrs),
+    }
 
 
 def _read_policy(code_bucket_arn: str, model_bucket: str | None) -> dict:

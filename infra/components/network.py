@@ -94,7 +94,7 @@ class Network(pulumi.ComponentResource):
             tags=tags,
             opts=child,
         )
-        public, private, nats = [], [], []
+        public, private, nats, private_rts = [], [], [], []
         for i, zone in enumerate(args.availability_zones):
             pub = aws.ec2.Subnet(
                 f"{name}-public-{zone}",
@@ -140,6 +140,20 @@ class Network(pulumi.ComponentResource):
                 f"{name}-private-{zone}-rta", subnet_id=priv.id, route_table_id=rt.id, opts=child
             )
             private.append(priv)
+            private_rts.append(rt)
+
+        # S3 through a gateway endpoint, not the NAT gateway: model weights (tens of GiB per
+        # node) and the serving code stay on AWS's network and cost no NAT data processing.
+        region = args.availability_zones[0][:-1]  # us-east-2a -> us-east-2
+        aws.ec2.VpcEndpoint(
+            f"{name}-s3",
+            vpc_id=vpc.id,
+            service_name=f"com.amazonaws.{region}.s3",
+            vpc_endpoint_type="Gateway",
+            route_table_ids=[rt.id for rt in private_rts],
+            tags={**tags, "Name": f"{name}-s3"},
+            opts=child,
+        )
 
         # Flow logs of rejected traffic: the first thing asked for when a pod cannot connect.
         log_group = aws.cloudwatch.LogGroup(f"{name}-flow-logs", retention_in_days=30, tags=tags, opts=child)

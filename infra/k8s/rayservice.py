@@ -99,6 +99,31 @@ class RayServiceInputs:
     gcs_redis_address: str | None = None
     upgrade_strategy: str = "NewCluster"
     extra_env: dict[str, str] = field(default_factory=dict)
+    # The OpenAI API's Service, as KubeRay's `spec.serveService`: KubeRay creates it and keeps
+    # its selector on the serving pods of the ACTIVE cluster across NewCluster upgrades
+    # (ray-operator/controllers/ray/common/service.go BuildServeService, v1.7.0).
+    service_name: str | None = None  # default <name>-openai
+    service_type: str = "ClusterIP"  # or LoadBalancer (internal NLB)
+    service_annotations: dict[str, str] = field(default_factory=dict)
+    load_balancer_source_ranges: list[str] = field(default_factory=list)
+
+
+def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
+    """`spec.serveService`: KubeRay sets the selector itself, so none is given here; the port is
+    named "serve" like the head's container port, which KubeRay merges by name."""
+    spec: dict[str, Any] = {
+        "type": inp.service_type,
+        "ports": [{"name": "serve", "port": SERVE_PORT, "targetPort": SERVE_PORT, "protocol": "TCP"}],
+    }
+    if inp.load_balancer_source_ranges:
+        spec["loadBalancerSourceRanges"] = list(inp.load_balancer_source_ranges)
+    meta: dict[str, Any] = {
+        "name": inp.service_name or f"{inp.name}-openai",
+        "labels": {"app.kubernetes.io/name": inp.name},
+    }
+    if inp.service_annotations:
+        meta["annotations"] = dict(inp.service_annotations)
+    return {"metadata": meta, "spec": spec}
 
 
 def accelerator_resource(inst: catalog.InstanceType) -> str:
@@ -281,6 +306,7 @@ def rayservice_manifest(inp: RayServiceInputs) -> dict[str, Any]:
         "metadata": {"name": inp.name, "namespace": inp.namespace, "labels": {"app.kubernetes.io/name": inp.name}},
         "spec": {
             "upgradeStrategy": {"type": inp.upgrade_strategy},
+            "serveService": serve_service(inp),
             "serveConfigV2": serve_config_yaml(inp),
             "rayClusterConfig": cluster,
         },

@@ -43,6 +43,29 @@ _IMAGE = re.compile(
     r"^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+((:[A-Za-z0-9._-]{1,128})?@sha256:[0-9a-f]{64}|:[A-Za-z0-9._-]{1,128})$"
 )
 _HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
+# Ray's GCS Redis address (ray/_private/services.py get_address): host:port, redis://host:port,
+# or rediss://host:port for TLS (what ElastiCache in-transit encryption needs).
+_REDIS_ADDRESS = re.compile(r"^(rediss?://)?[A-Za-z0-9.-]+:\d{1,5}$")
+# An EC2 instance type: family letters, generation digit(s), optional attribute letters and
+# "-suffix" (p6-b200, u7i-12tb), then a size (large, 48xlarge, metal, metal-48xl, ...).
+_INSTANCE_TYPE = re.compile(
+    r"^[a-z]+[0-9]+[a-z]*(-[a-z0-9]+)?\.(nano|micro|small|medium|large|[0-9]{0,3}xlarge|metal(-[0-9]+xl)?)$"
+)
+# An EKS-optimized AMI release version as EKS and awslabs/amazon-eks-ami name it: <k8s>.<patch>-<date>.
+_AMI_RELEASE = re.compile(r"^(1\.\d{1,2})\.\d{1,3}-(\d{8})$")
+# Documentation-only ranges (RFC 5737, RFC 3849): no real client ever comes from them.
+_DOC_NETS = [ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32")]
+
+# Optional string keys that Pulumi.yaml declares with `default: ""` (Pulumi refuses a stack that
+# lacks a declared key without a default): the empty string means "not set".
+EMPTY_MEANS_UNSET = ("efaZone", "gcsRedisAddress", "modelBucket")
+
+
+def instance_type_format(v: str) -> str:
+    """Refuse what is not shaped like an EC2 instance type (p5.48xl, m7i.huge) before AWS does."""
+    if not _INSTANCE_TYPE.match(v):
+        raise ValueError(f"{v!r} is not an EC2 instance type (family+generation.size, e.g. m7i.2xlarge, p5.48xlarge)")
+    return v
 
 
 # Joins the cross-field errors inside one pydantic ValueError; `_one_line` splits them again.
@@ -50,7 +73,23 @@ _CROSS_SEP = " @@ "
 
 
 class ConfigError(Exception):
-    """A stack file is wrong; the message is one line naming the file and the key."""
+    """A stack file is wrong; the message is one line naming the file and the key.
+
+    `missing_secrets`: the secrets among the problems that the config needs and the file lacks
+    (offline tools may stand in for them and check again).
+    """
+
+    def __init__(self, message: str, missing_secrets: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.missing_secrets = missing_secrets
+
+
+def missing_secret(key: str, why: str, example: str) -> tuple[str, str]:
+    """The cross-field error for a secret the stack needs but does not hold: names the command."""
+    return key, f"{why} but no {key} secret is set (pulumi config set --secret {key} {example})"
+
+
+_MISSING_SECRET = re.compile(r"but no (\w+) secret is set \(pulumi config set --secret")
 
 
 class Environment(str, Enum):
@@ -106,7 +145,8 @@ class ImageBuild(str, Enum):
 
 class GcsFaultTolerance(str, Enum):
     DISABLED = "disabled"
-    EXTERNAL_REDIS = "external-redis"
+    EXTERNAL_REDIS = "external-redis"  # the stack's gcsRedisAddress (+ gcsRedisPassword secret)
+    MANAGED = "managed"  # the stack creates an ElastiCache (Valkey) replication group, TLS + AUTH
 
 
 class MetricsStack(str, Enum):
@@ -185,9 +225,7 @@ class SystemNodes(SpecModel):
     def _cpu(cls, v: str) -> str:
         if v in catalog.CATALOG:
             raise ValueError(f"{v!r} is a GPU type; system nodes are CPU nodes")
-        if not re.match(r"^[a-z][a-z0-9-]*\.[a-z0-9]+$", v):
-            raise ValueError(f"{v!r} is not an EC2 instance type")
-        return v
+        return instance_type_format(v)
 
     @model_validator(mode="after")
     def _sizes(self) -> SystemNodes:
@@ -209,6 +247,7 @@ class NodePool(SpecModel):
     @field_validator("instance_type")
     @classmethod
     def _known(cls, v: str) -> str:
+        # The catalog's types are well-formed (a test checks them against the format).
         try:
             catalog.lookup(v)
         except KeyError as e:
@@ -244,6 +283,9 @@ class StackConfig(SpecModel):
 
     environment: Environment
     kubernetes_version: str = versions.DEFAULT_KUBERNETES_VERSION
+    # The EKS-optimized AMI release of every node group (e.g. "1.35.6-20260714"), pinned here
+    # so that a new AMI release reaches the nodes only through a reviewed change of this key.
+    ami_release_version: str
     # Network: a new VPC unless existingVpc is given.
     vpc_cidr: str = "10.0.0.0/16"
     availability_zones: list[str] = Field(min_length=2, max_length=6)
@@ -254,6 +296,8 @@ class StackConfig(SpecModel):
     endpoint_access: EndpointAccess = EndpointAccess.PRIVATE
     public_access_cidrs: list[str] = Field(default_factory=list)
     admin_role_arns: list[str] = Field(default_factory=list)
+    # Read-only cluster access (AmazonEKSViewPolicy), e.g. the CI preview role.
+    view_role_arns: list[str] = Field(default_factory=list)
     system_nodes: SystemNodes = Field(default_factory=SystemNodes)
     node_pools: NodePools
     # The LLM service
@@ -303,6 +347,8 @@ class StackConfig(SpecModel):
             widest = 8 if net.version == 4 else 32
             if net.prefixlen < widest:
                 raise ValueError(f"{c!r} is wider than a /{widest}; list your networks")
+            if any(net.version == d.version and net.subnet_of(d) for d in _DOC_NETS):  # type: ignore[arg-type]
+                raise ValueError(f"{c!r} is a documentation-only range (RFC 5737/3849); list your real networks")
         return out
 
     @field_validator("availability_zones")
@@ -315,7 +361,7 @@ class StackConfig(SpecModel):
             raise ValueError("availability zones must not repeat")
         return v
 
-    @field_validator("admin_role_arns")
+    @field_validator("admin_role_arns", "view_role_arns")
     @classmethod
     def _arns(cls, v: list[str]) -> list[str]:
         for a in v:
@@ -355,8 +401,18 @@ class StackConfig(SpecModel):
     @field_validator("gcs_redis_address")
     @classmethod
     def _redis(cls, v: str | None) -> str | None:
-        if v is not None and not _HOST_PORT.match(v):
-            raise ValueError(f"{v!r} is not host:port")
+        if v is not None and not _REDIS_ADDRESS.match(v):
+            raise ValueError(f"{v!r} is not host:port, redis://host:port or rediss://host:port (TLS)")
+        return v
+
+    @field_validator("ami_release_version")
+    @classmethod
+    def _ami_release(cls, v: str) -> str:
+        if not _AMI_RELEASE.match(v):
+            raise ValueError(
+                f"{v!r} is not an EKS AMI release version (<k8s>.<patch>-<YYYYMMDD>, e.g. "
+                f"{versions.AMI_RELEASE_VERSION!r}; see awslabs/amazon-eks-ami releases)"
+            )
         return v
 
     @model_validator(mode="after")
@@ -393,6 +449,15 @@ class StackConfig(SpecModel):
         zone = self.efa_zone or self.availability_zones[0]
         if zone not in self.availability_zones:
             errors.append(("efaZone", f"{zone!r} is not one of availabilityZones {self.availability_zones}"))
+        m = _AMI_RELEASE.match(self.ami_release_version)
+        if m and m.group(1) != self.kubernetes_version:
+            errors.append(
+                (
+                    "amiReleaseVersion",
+                    f"{self.ami_release_version!r} is an AMI release for Kubernetes {m.group(1)}, "
+                    f"not kubernetesVersion {self.kubernetes_version!r}",
+                )
+            )
         return errors
 
     def _access_errors(self) -> list[tuple[str, str]]:
@@ -405,18 +470,21 @@ class StackConfig(SpecModel):
             errors.append(("serviceAllowedCidrs", "an internal NLB needs the client CIDRs allowed to reach it"))
         if self.gcs_fault_tolerance is GcsFaultTolerance.EXTERNAL_REDIS and not self.gcs_redis_address:
             errors.append(("gcsRedisAddress", "gcsFaultTolerance external-redis needs gcsRedisAddress"))
+        if self.gcs_fault_tolerance is not GcsFaultTolerance.EXTERNAL_REDIS and self.gcs_redis_address:
+            errors.append(
+                (
+                    "gcsRedisAddress",
+                    f"only used with gcsFaultTolerance external-redis (not {self.gcs_fault_tolerance.value})",
+                )
+            )
         return errors
 
     def _secret_errors(self, secrets_present: Collection[str]) -> list[tuple[str, str]]:
         errors = []
         if self.serving.auth is AuthMode.API_KEY and "apiKeys" not in secrets_present:
-            errors.append(
-                (
-                    "apiKeys",
-                    "serving.auth is api-key but no apiKeys secret is set "
-                    "(pulumi config set --secret apiKeys <key1,key2>)",
-                )
-            )
+            errors.append(missing_secret("apiKeys", "serving.auth is api-key", "<key1,key2>"))
+        if self.gcs_fault_tolerance is GcsFaultTolerance.MANAGED and "gcsRedisPassword" in secrets_present:
+            errors.append(("gcsRedisPassword", "gcsFaultTolerance managed generates its own AUTH token; remove it"))
         if self.serving.auth is AuthMode.DISABLED and self.environment is not Environment.DEV:
             errors.append(("serving.auth", "API-key authentication can only be disabled in dev"))
         fallback = self.serving.fallback
@@ -587,6 +655,7 @@ _JSON_KEYS = {
     "existingVpc",
     "publicAccessCidrs",
     "adminRoleArns",
+    "viewRoleArns",
     "systemNodes",
     "nodePools",
     "serviceAllowedCidrs",
@@ -657,15 +726,21 @@ def load(
     data: dict[str, Any] = {}
     for key, raw in values.items():
         if key in SECRET_KEYS:
+            if raw in (None, ""):
+                continue  # absent; the checks below say whether the stack needs it
             if key not in secret_keys:
                 raise ConfigError(f"{source}: {key}: must be stored as a secret (pulumi config set --secret {key} ...)")
-            if raw not in (None, ""):
-                secrets_present.add(key)
+            secrets_present.add(key)
             continue
+        if key in EMPTY_MEANS_UNSET and raw == "":
+            continue  # Pulumi.yaml's `default: ""`: not set
         data[key] = _decode(key, raw)
     try:
         return StackConfig.model_validate(
             data, context={"secrets_present": frozenset(secrets_present), "region": region}
         )
     except ValidationError as err:
-        raise ConfigError(_one_line(source, err)) from None
+        line = _one_line(source, err)
+        parts = str(err.errors(include_url=False)[0]["msg"]).split(_CROSS_SEP)
+        missing = tuple(m.group(1) for m in map(_MISSING_SECRET.search, parts) if m)
+        raise ConfigError(line, missing) from None

@@ -24,7 +24,8 @@ NVIDIA_DEVICE_PLUGIN = HelmChart(
 )
 EFA_DEVICE_PLUGIN = HelmChart(
     chart="aws-efa-k8s-device-plugin",
-    version="v0.5.8",
+    # aws/eks-charts stable/aws-efa-k8s-device-plugin: chart v0.5.30 ships plugin v0.5.20.
+    version="v0.5.30",
     repo="https://aws.github.io/eks-charts",
 )
 KUBERAY_OPERATOR = HelmChart(
@@ -138,3 +139,14 @@ def cluster_autoscaler_tag(kubernetes_version: str) -> str:
     known = sorted(CLUSTER_AUTOSCALER_TAGS)
     pick = max((v for v in known if v <= (major, minor)), default=known[0])
     return CLUSTER_AUTOSCALER_TAGS[pick]
+
+
+# The EKS-optimized AMI release that new stacks pin (`amiReleaseVersion`; every stack file
+# names its own). awslabs/amazon-eks-ami release v20260714: Kubernetes 1.35 release version
+# 1.35.6-20260714; AL2023_x86_64_NVIDIA carries kmod-nvidia-latest-dkms 580.159.03 (CUDA 13.0
+# needs a >= 580 driver) and nvidia-container-toolkit 1.19.1.
+AMI_RELEASE_VERSION = "1.35.6-20260714"
+
+# ElastiCache engine of `gcsFaultTolerance: managed` (Valkey: Redis OSS-compatible, AUTH + TLS).
+GCS_REDIS_ENGINE = "valkey"
+GCS_REDIS_ENGINE_VERSION = "8.0"

@@ -153,6 +153,8 @@ def local_target() -> Target:
     """CPU target: vLLM's CPU KV-cache size and thread binding, nothing else."""
     return Target(
         accelerator_type=None,
+        # One host, several Ray nodes: one proxy (on the head) or they clash on the port.
+        proxy_location="HeadOnly",
         engine_env={
             # GiB of KV cache per engine; the tiny model needs far less.
             "VLLM_CPU_KVCACHE_SPACE": "1",

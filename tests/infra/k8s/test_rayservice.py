@@ -52,10 +52,19 @@ def _groups(rs: dict) -> dict:
     return {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
 
 
+def _serve_service(stack) -> dict:
+    """spec.serveService as the v1 Service KubeRay creates from it (selector and name aside)."""
+    rs = _rayservice(stack)
+    svc = rs["spec"]["serveService"]
+    meta = {**svc["metadata"], "namespace": rs["metadata"]["namespace"]}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": svc["spec"]}
+
+
 def test_builtin_objects_validate_strictly_against_kubernetes_openapi(stack):
     # Custom resources have their own schema tests (KubeRay below, Prometheus Operator in test_monitoring.py).
     custom = ("ray.io/", "monitoring.coreos.com/")
     objects = [o for o in stack.manifests().values() if "apiVersion" in o and not o["apiVersion"].startswith(custom)]
+    objects.append(_serve_service(stack))
     kinds = {o["kind"] for o in objects}
     assert {"Namespace", "Secret", "Service", "ServiceAccount", "NetworkPolicy"} <= kinds
     for obj in objects:
@@ -63,7 +72,7 @@ def test_builtin_objects_validate_strictly_against_kubernetes_openapi(stack):
 
 
 def test_strict_validation_can_fail(stack):
-    svc = next(o for o in stack.manifests().values() if o.get("kind") == "Service")
+    svc = _serve_service(stack)
     bad = {**svc, "spec": {**svc["spec"], "selectr": {}}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, stack.config.kubernetes_version, strict=True)
@@ -281,13 +290,24 @@ def test_render_cli_writes_resources_and_manifests(stack_name, tmp_path):
 
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.render", "--stack", stack_name, "--out", str(out)],
+        [sys.executable, "-m", "tools.render", "--stack", stack_name, "--out", str(out), "--stand-in-secrets"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
+    # The shipped files hold no secret: the render says which one to set before `pulumi up`.
+    assert f"pulumi config set --secret apiKeys <value> --stack {stack_name}" in proc.stdout
+    strict = subprocess.run(
+        [sys.executable, "-m", "tools.render", "--stack", stack_name, "--out", str(tmp_path / "strict")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert strict.returncode == 1 and strict.stdout == ""
+    assert strict.stderr.count("\n") == 1 and "(pulumi config set --secret apiKeys" in strict.stderr
     resources = json.loads((out / "resources.json").read_text())
     assert all(set(r) == {"type", "name", "parent", "inputs"} for r in resources)
     assert any(r["type"] == "kubernetes:ray.io/v1:RayService" for r in resources)

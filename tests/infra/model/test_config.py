@@ -11,7 +11,7 @@ import copy
 
 import pytest
 
-from infra.model import config, versions
+from infra.model import catalog, config, versions
 from tools import stackfile
 
 SOURCE = "stacks/Pulumi.prod.yaml"
@@ -19,7 +19,7 @@ SOURCE = "stacks/Pulumi.prod.yaml"
 
 @pytest.fixture
 def prod():
-    values, secrets, _ = stackfile.read("prod")
+    values, secrets, _ = stackfile.read_as_deployed("prod")
     return values, secrets
 
 
@@ -39,6 +39,7 @@ def test_minimal_stack_gets_documented_defaults():
     cfg = config.load(
         {
             "environment": "dev",
+            "amiReleaseVersion": versions.AMI_RELEASE_VERSION,
             "availabilityZones": ["us-east-2a", "us-east-2b"],
             "nodePools": {"prefill": {"instanceType": "g5.xlarge"}, "decode": {"instanceType": "g5.xlarge"}},
             "serving": {"model": {"id": "m", "source": "Qwen/Qwen2.5-0.5B-Instruct"}},
@@ -86,7 +87,7 @@ def test_issue_example_message(prod):
             "serving: decode.pipelineParallelSize = 2 is refused: vLLM cannot receive KV into a pipeline-parallel decode",
         ),
         (
-            lambda v: v.update(endpointAccess="public-and-private", publicAccessCidrs=["198.51.100.0/24"]),
+            lambda v: v.update(endpointAccess="public-and-private", publicAccessCidrs=["100.64.0.0/16"]),
             "endpointAccess: prod clusters keep a private API endpoint",
         ),
         (lambda v: v.pop("apiKeys"), "apiKeys: serving.auth is api-key but no apiKeys secret is set"),
@@ -128,3 +129,54 @@ def test_zones_must_belong_to_the_stack_region(prod):
     assert str(e.value) == (
         f"{SOURCE}: availabilityZones: ['us-east-1a', 'us-east-1b', 'us-east-1c'] are not all zones of aws:region 'us-west-2'"
     )
+
+
+# Real instance types, from aws/eks-charts stable/aws-efa-k8s-device-plugin v0.5.30 values.yaml
+# (its list of EFA-capable EC2 types): every shape the format must accept.
+REAL_TYPES = [
+    "c5n.18xlarge",
+    "c7a.metal-48xl",
+    "g6e.12xlarge",
+    "hpc7g.4xlarge",
+    "i7ie.metal-48xl",
+    "m8idn.96xlarge",
+    "p5.4xlarge",
+    "p6-b200.48xlarge",
+    "p6e-gb200.36xlarge",
+    "r7iz.metal-32xl",
+    "trn2u-ac.24xlarge",
+    "u7in-32tb.224xlarge",
+    "x2iezn.metal",
+    "dl2q.24xlarge",
+    "m7i.xlarge",
+    "t3.micro",
+    "m5.large",
+]
+
+
+@pytest.mark.parametrize("good", REAL_TYPES + sorted(catalog.CATALOG))
+def test_instance_type_format_accepts_real_types(good):
+    assert config.instance_type_format(good) == good
+
+
+@pytest.mark.parametrize("bad", ["p5.48xl", "m7i.huge", "m7i", "M7i.large", "7i.large", "m7i.2xlarge ", "m7i..large"])
+def test_malformed_system_instance_type_is_one_line(prod, bad):
+    values, secrets = prod
+    values["systemNodes"]["instanceType"] = bad
+    msg = _error(values, secrets)
+    assert msg.startswith(f"{SOURCE}: systemNodes.instanceType: ") and "is not an EC2 instance type" in msg
+
+
+def test_gcs_redis_address_accepts_tls_scheme(prod):
+    values, secrets = prod
+    values["gcsRedisAddress"] = "rediss://master.pd.abc123.use1.cache.amazonaws.com:6379"
+    assert _load(values, secrets).gcs_redis_address.startswith("rediss://")
+
+
+def test_managed_gcs_redis_needs_no_address_and_no_password(prod):
+    values, secrets = prod
+    values.pop("gcsRedisAddress")
+    values["gcsFaultTolerance"] = "managed"
+    assert _load(values, secrets).gcs_fault_tolerance is config.GcsFaultTolerance.MANAGED
+    values["gcsRedisPassword"] = "pw"
+    assert "generates its own AUTH token" in _error(values, secrets | {"gcsRedisPassword"})

@@ -11,7 +11,7 @@ from infra.model import fit, planning
 from infra.model.catalog import lookup
 from infra.model.config import ConfigError, load
 from serving.spec import Dtype, ModelArchitecture, ModelSpec, RoleSpec
-from tools.stackfile import read
+from tools.stackfile import read_as_deployed as read
 
 GIB = 2**30
 

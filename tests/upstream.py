@@ -1,0 +1,400 @@
+"""Upstream rules, reproduced for the contract tests: what the real tools do with our inputs.
+
+What flows through here: our rendered inputs (Pulumi.yaml and a stack file, a RayService
+manifest, Helm values, pod templates) -> what Pulumi, KubeRay, the EFA chart, the EKS Pod
+Identity webhook and pulumi-eks would produce from them. Each function names its source
+(repository, path, version) and follows that code's logic, not our assumptions; the tests
+assert on the results. Nothing here is imported by the program.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import copy
+import math
+from typing import Any
+
+# --- pulumi/pulumi pkg/workspace/config.go (mergeConfig, validateStackConfigValues) ------
+# (sdk/go/common/workspace/project.go: Project.Validate, ValidateConfigValue;
+#  sdk/go/common/resource/config/crypt.go: symmetricCrypter.DecryptValue), mirror of 2026-08.
+
+
+class PulumiConfigError(Exception):
+    """What `pulumi preview/up` prints before it runs the program."""
+
+
+def _type_ok(type_name: str, items: dict | None, value: Any) -> bool:
+    # ValidateConfigValue: strings are strings; integers may be whole floats or numeric text;
+    # booleans may be "true"/"false"; arrays check each item against `items`.
+    if type_name == "string":
+        return isinstance(value, str)
+    if type_name == "integer":
+        if isinstance(value, bool):
+            return False
+        if isinstance(value, int) or (isinstance(value, float) and value == math.trunc(value)):
+            return True
+        if isinstance(value, str):
+            try:
+                int(value)
+            except ValueError:
+                return False
+            return True
+        return False
+    if type_name == "boolean":
+        return isinstance(value, bool) or value in ("true", "false")
+    if type_name == "object":
+        return isinstance(value, dict)
+    if not isinstance(value, list) or items is None:
+        return False
+    return all(_type_ok(items["type"], items.get("items"), v) for v in value)
+
+
+def _decryptable(ciphertext: Any) -> bool:
+    """Could any Pulumi secrets provider decrypt this `secure:` value?
+
+    symmetricCrypter (passphrase and cloud KMS providers): "v1:<b64 nonce>:<b64 ciphertext>"
+    with a 12-byte AES-GCM nonce and at least the 16-byte tag. The Pulumi Cloud provider's
+    values are plain base64. Anything else fails before the program starts.
+    """
+    if not isinstance(ciphertext, str) or not ciphertext:
+        return False
+    parts = ciphertext.split(":")
+    try:
+        if len(parts) == 3:
+            if parts[0] != "v1":
+                return False
+            nonce = base64.b64decode(parts[1], validate=True)
+            body = base64.b64decode(parts[2], validate=True)
+            return len(nonce) == 12 and len(body) >= 16
+        if len(parts) == 1:
+            return len(base64.b64decode(parts[0], validate=True)) >= 16
+    except (binascii.Error, ValueError):
+        return False
+    return False
+
+
+def merge_config(project: dict[str, Any], stack_doc: dict[str, Any], stack: str) -> dict[str, Any]:
+    """The stack's config after Pulumi's project/stack merge; PulumiConfigError where Pulumi stops.
+
+    Returns {full key: value} with project defaults applied (secure values stay {"secure": ...}).
+    """
+    name = project["name"]
+    declared: dict[str, dict[str, Any]] = project.get("config") or {}
+    # Project.Validate
+    for key, decl in declared.items():
+        decl = decl if isinstance(decl, dict) else {"default": decl}
+        if "default" in decl and "value" in decl:
+            raise PulumiConfigError(f"project config '{key}' cannot have both a 'default' and 'value' attribute")
+        if ":" not in key or key.startswith(name + ":"):
+            if decl.get("type") == "array" and "items" not in decl:
+                raise PulumiConfigError(
+                    f"The configuration key '{key}' declares an array but does not specify the underlying type via the 'items' attribute"
+                )
+            if (
+                "type" in decl
+                and decl.get("default") is not None
+                and not _type_ok(decl["type"], decl.get("items"), decl["default"])
+            ):
+                raise PulumiConfigError(
+                    f"The default value specified for configuration key '{key}' is not of the expected type"
+                )
+    config: dict[str, Any] = {}
+    for full, value in (stack_doc.get("config") or {}).items():
+        full = str(full)
+        config[full if ":" in full else f"{name}:{full}"] = value
+    missing, from_project = [], set()
+    for key in sorted(declared):
+        decl = declared[key] if isinstance(declared[key], dict) else {"default": declared[key]}
+        full = key if ":" in key else f"{name}:{key}"
+        has_default, has_value = decl.get("default") is not None, decl.get("value") is not None
+        if full not in config and not has_value and not has_default and full.split(":", 1)[0] == name:
+            missing.append(key)
+            continue
+        if full not in config:
+            config[full] = decl["default"] if has_default else decl["value"]
+            from_project.add(full)  # set as plain (not secure) values
+    if missing:
+        keys = sorted(missing)
+        quoted = f"'{keys[0]}'" if len(keys) == 1 else ", ".join(f"'{k}'" for k in keys[:-1]) + f" and '{keys[-1]}'"
+        raise PulumiConfigError(
+            f"Stack '{stack}' is missing configuration value{'s' if len(keys) > 1 else ''} {quoted}"
+        )
+    # validateStackConfigValues: decrypt every secure value first, then check declared keys.
+    for full, value in config.items():
+        if isinstance(value, dict) and set(value) == {"secure"} and not _decryptable(value["secure"]):
+            raise PulumiConfigError(f"Stack '{stack}': failed to decrypt configuration key '{full}'")
+    for key in sorted(declared):
+        decl = declared[key] if isinstance(declared[key], dict) else {}
+        full = key if ":" in key else f"{name}:{key}"
+        if "type" not in decl:
+            continue
+        value = config[full]
+        secure = isinstance(value, dict) and set(value) == {"secure"}
+        if decl.get("secret") and not secure:
+            raise PulumiConfigError(f"Stack '{stack}' with configuration key '{key}' must be encrypted as it's secret")
+        if secure:
+            continue  # the decrypted text is a string; typed checks need the key, which we lack
+        if not isinstance(value, (dict, list)):
+            # Primitive values reach the check as text (config.Value holds strings; %v of bools).
+            value = ("true" if value else "false") if isinstance(value, bool) else str(value)
+        if not _type_ok(decl["type"], decl.get("items"), value):
+            raise PulumiConfigError(f"Stack '{stack}' with configuration key '{key}' must be of type '{decl['type']}'")
+    return config
+
+
+# --- ray-project/kuberay v1.7.0 ray-operator/controllers/ray/common/pod.go, service.go ----
+RAY_CLUSTER_LABEL = "ray.io/cluster"
+RAY_NODE_TYPE_LABEL = "ray.io/node-type"
+RAY_GROUP_LABEL = "ray.io/group"
+RAY_SERVE_LABEL = "ray.io/serve"
+DEFAULT_SERVING_PORT = 8000  # utils.DefaultServingPort
+SERVE_PROXY_HEALTH_PATH = "/-/healthz"  # utils.RayServeProxyHealthPath
+
+
+def label_pod(node_type: str, cluster: str, group: str, template_labels: dict[str, str]) -> dict[str, str]:
+    """pod.go labelPod: KubeRay's labels, then the template's (node-type, group, cluster win)."""
+    labels = {
+        "ray.io/is-ray-node": "yes",
+        RAY_CLUSTER_LABEL: cluster,
+        RAY_NODE_TYPE_LABEL: node_type,
+        RAY_GROUP_LABEL: group,
+        "ray.io/identifier": f"{cluster}-{node_type}",
+        "app.kubernetes.io/name": "kuberay",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
+    for k, v in template_labels.items():
+        if k not in (RAY_NODE_TYPE_LABEL, RAY_GROUP_LABEL, RAY_CLUSTER_LABEL):
+            labels[k] = v
+    return labels
+
+
+def rayservice_pod(
+    rayservice: dict[str, Any], cluster: str, group: str | None, head_proxy_healthy: bool = True
+) -> dict[str, Any]:
+    """The Pod KubeRay builds for a RayService's head (group None) or a worker group.
+
+    BuildPod (pod.go): RayService pods get ray.io/serve "true" (workers, for good) or "false"
+    (head, until the RayService controller's proxy health check flips it,
+    rayservice_controller.go updateHeadPodServeLabel). Then labelPod's labels, and
+    initLivenessAndReadinessProbe for containers without their own probes.
+    """
+    spec = rayservice["spec"]["rayClusterConfig"]
+    if group is None:
+        node_type, group_name, grp = "head", "headgroup", spec["headGroupSpec"]
+    else:
+        node_type, group_name = "worker", group
+        grp = next(g for g in spec["workerGroupSpecs"] if g["groupName"] == group)
+    template = copy.deepcopy(grp["template"])
+    labels = dict((template.get("metadata") or {}).get("labels") or {})
+    labels[RAY_SERVE_LABEL] = "true" if node_type == "worker" else "false"
+    labels = label_pod(node_type, cluster, group_name, labels)
+    if node_type == "head":
+        labels[RAY_SERVE_LABEL] = "true" if head_proxy_healthy else "false"
+    pod_spec = template["spec"]
+    container = pod_spec["containers"][0]  # utils.RayContainerIndex
+    _init_probes(container, node_type)
+    return {"metadata": {"labels": labels}, "spec": pod_spec}
+
+
+def _find_port(container: dict[str, Any], name: str, default: int) -> int:
+    for p in container.get("ports") or []:
+        if p.get("name") == name:
+            return int(p["containerPort"])
+    return default
+
+
+def _init_probes(container: dict[str, Any], node_type: str) -> None:
+    """initLivenessAndReadinessProbe, RayService case: a worker's readiness probe also wgets
+    the Serve proxy's health path on the container's "serve" port (default 8000)."""
+    if container.get("readinessProbe") is None:
+        commands = ["raylet"] if node_type == "worker" else ["raylet", "gcs"]
+        probe: dict[str, Any] = {"checks": commands}
+        if node_type == "worker":
+            port = _find_port(container, "serve", DEFAULT_SERVING_PORT)
+            probe["checks"] = [*commands, f"serve-proxy:{port}{SERVE_PROXY_HEALTH_PATH}"]
+        container["readinessProbe"] = probe
+
+
+def incremental_upgrade(rayservice: dict[str, Any]) -> bool:
+    """utils.IsIncrementalUpgradeEnabled (feature gate on by default in v1.7.0)."""
+    return ((rayservice["spec"].get("upgradeStrategy") or {}).get("type")) == "NewClusterWithIncrementalUpgrade"
+
+
+def serve_service(rayservice: dict[str, Any], active_cluster: str) -> dict[str, Any] | None:
+    """service.go BuildServeService for a RayService: the user's spec.serveService with the
+    selector replaced by {ray.io/cluster: <active cluster>, ray.io/serve: "true"}, the head's
+    serve ports merged in, name defaulting to <rayservice>-serve-svc. With incremental
+    upgrades the custom serveService is ignored (None here: per-cluster services + Gateway).
+    reconcileServices rewrites the selector whenever the active cluster changes."""
+    if incremental_upgrade(rayservice):
+        return None
+    custom = rayservice["spec"].get("serveService")
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    auto = [
+        {"name": p["name"], "port": p["containerPort"]}
+        for p in head.get("ports") or []
+        if p.get("name") == "serve" or str(p.get("name", "")).startswith("serve-")
+    ]
+    if not auto and custom is None:
+        raise ValueError("KubeRay: specify a port named 'serve' in the Ray head container")
+    selector = {RAY_CLUSTER_LABEL: active_cluster, RAY_SERVE_LABEL: "true"}
+    name = rayservice["metadata"]["name"]
+    if custom is None:
+        return {"metadata": {"name": f"{name}-serve-svc"}, "spec": {"selector": selector, "ports": auto}}
+    svc = copy.deepcopy(custom)
+    svc.setdefault("spec", {})["selector"] = selector
+    user_ports = {p.get("name"): p for p in svc["spec"].get("ports") or []}
+    if auto:
+        svc["spec"]["ports"] = [user_ports.get(p["name"], p) for p in auto]
+    svc.setdefault("metadata", {}).setdefault("name", f"{name}-serve-svc")
+    svc["metadata"].setdefault("annotations", {})
+    return svc
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+# --- aws/eks-charts stable/aws-efa-k8s-device-plugin v0.5.30 templates/daemonset.yaml ----
+EFA_CHART_DEFAULT_LABEL_KEYS = ["node.kubernetes.io/instance-type"]
+
+
+def efa_daemonset_affinity(values: dict[str, Any], chart_default_values: list[str]) -> dict[str, Any]:
+    """The DaemonSet's affinity the chart renders: one nodeSelectorTerm per
+    supportedInstanceLabels.keys entry (`key In supportedInstanceLabels.values`), the last
+    term also excluding EKS Auto Mode nodes. A top-level `affinity` value is not read.
+    Helm merges user values over the chart's: maps deep, lists replaced whole."""
+    sil = values.get("supportedInstanceLabels") or {}
+    keys = sil.get("keys", EFA_CHART_DEFAULT_LABEL_KEYS)
+    types = sil.get("values", chart_default_values)
+    terms = [{"matchExpressions": [{"key": k, "operator": "In", "values": list(types)}]} for k in keys]
+    auto = {"key": "eks.amazonaws.com/compute-type", "operator": "NotIn", "values": ["auto"]}
+    if terms:
+        terms[-1]["matchExpressions"].append(auto)
+    else:  # the expression lands under nodeSelectorTerms with no term: Kubernetes rejects it
+        terms = [{"matchExpressions": [auto]}]
+    return {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": terms}}}
+
+
+def node_matches(affinity: dict[str, Any], node_labels: dict[str, str]) -> bool:
+    """Kubernetes nodeAffinity: terms are ORed, expressions within a term ANDed."""
+    terms = affinity["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+
+    def ok(e: dict[str, Any]) -> bool:
+        v = node_labels.get(e["key"])
+        if e["operator"] == "In":
+            return v in e["values"]
+        if e["operator"] == "NotIn":
+            return v not in e["values"]
+        raise ValueError(e["operator"])
+
+    return any(all(ok(e) for e in t["matchExpressions"]) for t in terms)
+
+
+# --- aws/amazon-eks-pod-identity-webhook (v0.6.17+) pkg/handler/handler.go, main.go -------
+POD_IDENTITY_VOLUME = "eks-pod-identity-token"
+POD_IDENTITY_MOUNT = "/var/run/secrets/pods.eks.amazonaws.com/serviceaccount"
+POD_IDENTITY_FULL_URI = "http://169.254.170.23/v1/credentials"
+POD_IDENTITY_AUDIENCE = "pods.eks.amazonaws.com"
+
+
+def pod_identity_mutate(pod: dict[str, Any], namespace: str, associations: set[tuple[str, str]]) -> dict[str, Any]:
+    """getPodSpecPatch in container-credentials mode: pods whose (namespace, service account)
+    has an association get a projected token volume of their own, mounted read-only into
+    every container not named in the skip-containers annotation, and the env pointing the
+    SDK at the Pod Identity agent (unless the container already sets those variables).
+    automountServiceAccountToken is not consulted: it governs only the default API token."""
+    pod = copy.deepcopy(pod)
+    spec = pod["spec"]
+    if (namespace, spec.get("serviceAccountName", "default")) not in associations:
+        return pod
+    skip = set()
+    ann = (pod.get("metadata") or {}).get("annotations") or {}
+    if "eks.amazonaws.com/skip-containers" in ann:
+        skip = {s.strip() for s in ann["eks.amazonaws.com/skip-containers"].split(",")}
+    token_path = f"{POD_IDENTITY_MOUNT}/{POD_IDENTITY_VOLUME}"
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
+        if c["name"] in skip:
+            continue
+        names = {e["name"] for e in c.get("env") or []}
+        if not names & {"AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE"}:
+            c.setdefault("env", []).extend(
+                [
+                    {"name": "AWS_CONTAINER_CREDENTIALS_FULL_URI", "value": POD_IDENTITY_FULL_URI},
+                    {"name": "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE", "value": token_path},
+                ]
+            )
+        if POD_IDENTITY_VOLUME not in {m["name"] for m in c.get("volumeMounts") or []}:
+            c.setdefault("volumeMounts", []).append(
+                {"name": POD_IDENTITY_VOLUME, "readOnly": True, "mountPath": POD_IDENTITY_MOUNT}
+            )
+    if POD_IDENTITY_VOLUME not in {v["name"] for v in spec.get("volumes") or []}:
+        spec.setdefault("volumes", []).insert(
+            0,
+            {
+                "name": POD_IDENTITY_VOLUME,
+                "projected": {
+                    "sources": [
+                        {
+                            "serviceAccountToken": {
+                                "audience": POD_IDENTITY_AUDIENCE,
+                                "expirationSeconds": 86400,
+                                "path": POD_IDENTITY_VOLUME,
+                            }
+                        }
+                    ]
+                },
+            },
+        )
+    pod.setdefault("metadata", {}).setdefault("labels", {})["eks.amazonaws.com/pod-identity"] = "enabled"
+    return pod
+
+
+# --- boto/botocore botocore/credentials.py ContainerProvider, utils.py ContainerMetadataFetcher
+_CONTAINER_ALLOWED_HOSTS = ("169.254.170.2", "169.254.170.23", "fd00:ec2::23", "localhost")
+
+
+def botocore_container_credentials(env: dict[str, str], files: set[str]) -> bool:
+    """Would botocore's ContainerProvider fetch credentials in this environment? It runs when
+    AWS_CONTAINER_CREDENTIALS_(RELATIVE|FULL)_URI is set; a full URI must be https or an
+    allowed host; the token comes from AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE (read per call)."""
+    from urllib.parse import urlparse
+
+    full = env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI")
+    if not full and not env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        return False
+    if full:
+        u = urlparse(full)
+        if u.scheme != "https" and u.hostname not in _CONTAINER_ALLOWED_HOSTS:
+            return False
+    token_file = env.get("AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE")
+    return token_file is None or token_file in files
+
+
+# --- pulumi/pulumi-eks v4.x nodejs/eks/nodes/nodegroup.ts (createManagedNodeGroup) ---------
+_CUSTOM_USER_DATA = ("kubeletExtraArgs", "bootstrapExtraArgs", "bottlerocketSettings", "nodeadmExtraOptions")
+_CUSTOM_LAUNCH_TEMPLATE = (*_CUSTOM_USER_DATA, "enableIMDSv2", "userData", "amiId", "enableEfaSupport")
+
+
+def mng_image(inputs: dict[str, Any]) -> dict[str, Any]:
+    """Where an eks.ManagedNodeGroup's AMI comes from, given its (camelCase) inputs.
+
+    requiresCustomLaunchTemplate -> pulumi-eks builds a launch template; if custom user data
+    is needed (nodeadm options, userData or amiId) the template's imageId is amiId or, without
+    it, getRecommendedAMI: an SSM lookup of .../<ami type>/recommended/image_id on EVERY run,
+    and amiType/releaseVersion are dropped from the node group. Otherwise EKS picks the AMI
+    from amiType (+ releaseVersion: none means "latest at creation", not re-resolved)."""
+    if inputs.get("launchTemplate") and any(inputs.get(k) is not None for k in _CUSTOM_LAUNCH_TEMPLATE):
+        raise ValueError("pulumi-eks refuses launchTemplate with " + ", ".join(_CUSTOM_LAUNCH_TEMPLATE))
+    custom_user_data = any(inputs.get(k) is not None for k in (*_CUSTOM_USER_DATA, "userData", "amiId"))
+    if custom_user_data:
+        if inputs.get("amiId"):
+            return {"source": "amiId", "pinned": True, "value": inputs["amiId"]}
+        return {"source": "ssm-recommended", "pinned": False, "value": None}
+    return {
+        "source": "eks-release",
+        "pinned": inputs.get("releaseVersion") is not None,
+        "value": inputs.get("releaseVersion"),
+        "amiType": inputs.get("amiType"),
+    }
