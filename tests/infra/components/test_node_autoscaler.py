@@ -45,7 +45,12 @@ def stack(request, rendered_stacks):
 
 
 def _gpu_groups(stack) -> dict:
-    return {r.inputs["labels"][ROLE_LABEL]: r for r in stack.result.of_type(MNG) if r.inputs.get("gpu")}
+    # By role label: a pool with a pinned amiId carries no `gpu` flag (amiId excludes it).
+    return {
+        r.inputs["labels"][ROLE_LABEL]: r
+        for r in stack.result.of_type(MNG)
+        if (r.inputs.get("labels") or {}).get(ROLE_LABEL) in ("prefill", "decode")
+    }
 
 
 def _chart(stack):
@@ -85,7 +90,7 @@ def test_it_discovers_exactly_the_gpu_node_groups(stack):
     specs = _discovery_specs(_chart(stack).inputs["values"])
     gpu_names = sorted(g.inputs["nodeGroupName"] for g in _gpu_groups(stack).values())
     assert sorted(s[ASG_NODEGROUP_TAG] for s in specs) == gpu_names
-    system = [r for r in stack.result.of_type(MNG) if not r.inputs.get("gpu")]
+    system = [r for r in stack.result.of_type(MNG) if (r.inputs.get("labels") or {}).get(ROLE_LABEL) == SYSTEM_ROLE]
     assert all(s[ASG_NODEGROUP_TAG] != system[0].inputs["nodeGroupName"] for s in specs)
 
 
