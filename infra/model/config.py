@@ -146,7 +146,7 @@ class ImageBuild(str, Enum):
 class GcsFaultTolerance(str, Enum):
     DISABLED = "disabled"
     EXTERNAL_REDIS = "external-redis"  # the stack's gcsRedisAddress (+ gcsRedisPassword secret)
-    MANAGED = "managed"  # the stack creates an ElastiCache (Valkey) replication group, TLS + AUTH
+    MANAGED = "managed"  # planned: a stack-created ElastiCache (Valkey) group; refused until built
 
 
 class MetricsStack(str, Enum):
@@ -483,8 +483,16 @@ class StackConfig(SpecModel):
         errors = []
         if self.serving.auth is AuthMode.API_KEY and "apiKeys" not in secrets_present:
             errors.append(missing_secret("apiKeys", "serving.auth is api-key", "<key1,key2>"))
-        if self.gcs_fault_tolerance is GcsFaultTolerance.MANAGED and "gcsRedisPassword" in secrets_present:
-            errors.append(("gcsRedisPassword", "gcsFaultTolerance managed generates its own AUTH token; remove it"))
+        if self.gcs_fault_tolerance is GcsFaultTolerance.MANAGED:
+            # Accepted by the schema so the key is stable, refused until the component exists:
+            # a stack must never believe it has GCS fault tolerance that nothing provides.
+            errors.append(
+                (
+                    "gcsFaultTolerance",
+                    "managed (a stack-created ElastiCache Valkey) is not built yet; use external-redis "
+                    "with a rediss:// gcsRedisAddress, or disabled",
+                )
+            )
         if self.serving.auth is AuthMode.DISABLED and self.environment is not Environment.DEV:
             errors.append(("serving.auth", "API-key authentication can only be disabled in dev"))
         fallback = self.serving.fallback
