@@ -152,7 +152,7 @@ CASES: list[Hostile] = [
         _all(_set("serving.prefill.tensorParallelSize", 16), _set("serving.decode.tensorParallelSize", 16)),
         "serving.prefill.tensorParallelSize",
     ),
-    Hostile("tp-mismatch", "prod", _set("serving.decode.tensorParallelSize", 4), "tensorParallelSize"),
+    Hostile("decode-pipeline-parallel", "prod", _set("serving.decode.pipelineParallelSize", 2), "pipelineParallelSize"),
     Hostile(
         "tp-not-power-of-two",
         "staging",

@@ -78,7 +78,7 @@ def test_content_tag_follows_the_build_context(tmp_path: Path) -> None:
 
 
 def test_imagebuild_none_runs_a_prebuilt_image() -> None:
-    values, secrets, others = stackfile.read("prod")
+    values, secrets, others = stackfile.read_as_deployed("prod")
     values = copy.deepcopy(values)
     dlc = "763104351884.dkr.ecr.us-east-1.amazonaws.com/vllm:0.29.0-gpu-py312-cu130-ubuntu22.04-ec2"
     values.update(imageBuild="none", rayImage=dlc)
@@ -89,7 +89,7 @@ def test_imagebuild_none_runs_a_prebuilt_image() -> None:
 
 
 def test_imagebuild_none_with_the_stock_ray_image_on_efa_is_refused() -> None:
-    values, secrets, others = stackfile.read("prod")
+    values, secrets, others = stackfile.read_as_deployed("prod")
     values = dict(values, imageBuild="none")
     with pytest.raises(pulumi.RunError, match=r"imageBuild: none runs rayproject/ray-llm:.*no EFA userspace"):
         mock_runtime.run("prod", values, secrets, others)

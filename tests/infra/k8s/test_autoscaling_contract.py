@@ -94,7 +94,9 @@ def test_one_more_replica_adds_one_pod_of_its_own_group(stack_name, rendered_sta
         inst = getattr(rendered.config.node_pools, role).instance
         launched, infeasible = _schedule(node_types, max_workers, [_replica_gang(rs, role)])
         assert infeasible == [], f"{stack_name}: Ray's autoscaler finds a {role} replica infeasible"
-        expected = sizing.nodes_for(1, spec.gpus_per_replica, inst.gpus)
+        # One Serve replica is one engine rank (TP x PP GPUs); with data parallelism a DP group
+        # is data_parallel_size such replicas, each a gang of its own.
+        expected = sizing.nodes_for(1, spec.gpus_per_rank, inst.gpus)
         assert launched == {role: expected}, f"{stack_name}: a {role} replica launched {launched}"
 
 

@@ -24,7 +24,7 @@ from tools import stackfile
 
 
 def _link(stack: str, **pools: str) -> planning.KvLink:
-    values, secrets, others = stackfile.read(stack)
+    values, secrets, others = stackfile.read_as_deployed(stack)
     values = copy.deepcopy(values)
     for role, inst in pools.items():
         values["nodePools"][role]["instanceType"] = inst
@@ -90,7 +90,7 @@ def test_prometheus_rule_object() -> None:
 
 
 def test_aggregated_stacks_have_no_kv_link() -> None:
-    values, secrets, others = stackfile.read("dev")
+    values, secrets, others = stackfile.read_as_deployed("dev")
     values = copy.deepcopy(values)
     values["serving"]["mode"] = "aggregated"
     cfg = load(values, secret_keys=secrets, source="x", region=others.get("aws:region"))

@@ -12,7 +12,7 @@ from infra.model import fit, planning
 from infra.model.catalog import lookup
 from infra.model.config import ConfigError, load
 from serving.spec import ModelSpec, MoeParallelism, RoleSpec, ServingSpec
-from tools.stackfile import read
+from tools.stackfile import read_as_deployed
 
 GIB = 2**30
 DS = fit.BUILTIN_MODELS["deepseek-v3"]
@@ -193,7 +193,7 @@ def _stacks_with_multinode_replicas() -> list[str]:
 
     found = []
     for name in stacks():
-        values, secrets, others = read(name)
+        values, secrets, others = read_as_deployed(name)
         cfg = load(values, secret_keys=secrets, source=name, region=others.get("aws:region"))
         p = planning.plan(cfg)
         if any(r.nodes_per_replica > 1 for r in p.roles):
@@ -206,7 +206,7 @@ def test_a_400b_plus_model_with_prefill_pp2_tp8_on_p5_ships_and_plans():
 
     hits = []
     for name in stacks():
-        values, secrets, others = read(name)
+        values, secrets, others = read_as_deployed(name)
         cfg = load(values, secret_keys=secrets, source=name, region=others.get("aws:region"))
         p = cfg.serving.prefill
         if (
@@ -225,7 +225,7 @@ def test_a_400b_plus_model_with_prefill_pp2_tp8_on_p5_ships_and_plans():
 
 
 def test_a_decode_pp_stack_is_refused_with_vllms_reason():
-    values, secrets, others = read(_stacks_with_multinode_replicas()[0])
+    values, secrets, others = read_as_deployed(_stacks_with_multinode_replicas()[0])
     values["serving"]["decode"]["pipelineParallelSize"] = 2
     with pytest.raises(ConfigError, match=r"decode\.pipelineParallelSize = 2 is refused: .*NixlPushConnector consumer"):
         load(values, secret_keys=secrets, source="stacks/Pulumi.x.yaml", region=others.get("aws:region"))

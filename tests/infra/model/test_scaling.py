@@ -14,11 +14,11 @@ from infra.model import sizing
 from infra.model.config import ConfigError, load
 from infra.model.planning import Workload, plan
 from infra.paths import stack_file
-from tools.stackfile import read
+from tools.stackfile import read_as_deployed
 
 
 def _prod(mutate=None):
-    values, secrets, others = read("prod")
+    values, secrets, others = read_as_deployed("prod")
     values = copy.deepcopy(values)
     if mutate:
         mutate(values)
