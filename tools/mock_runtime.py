@@ -15,6 +15,7 @@ Two facts shape it (see the project's field notes):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import runpy
 import threading
@@ -225,6 +226,17 @@ def run(
     """
     result = RunResult()
     mocks = _Mocks(result.resources)
+    # Pulumi's mocks need a current event loop; asyncio.run() elsewhere in the same process
+    # (the serving tests) leaves the main thread without one.
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        try:
+            loop = asyncio.get_event_loop_policy().get_event_loop()
+            if loop.is_closed():
+                raise RuntimeError("closed")
+        except RuntimeError:
+            asyncio.set_event_loop(asyncio.new_event_loop())
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False, monitor=_Monitor(mocks))
     secret_full = [f"{PROJECT}:{k}" for k in (secret_keys or set())]
     # What the program sees under `pulumi up`: the stack's values over the project's defaults.

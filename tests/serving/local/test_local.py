@@ -176,7 +176,8 @@ def test_nodes_carry_the_cloud_labels_and_each_part_runs_on_its_group(stack):
         ("llm", "Prefill"): {"prefill"},
         ("llm", "Decode"): {"decode"},
         ("llm", "AuthenticatedIngress"): {"head"},
-        (local_config.AGGREGATED_APP, "LLMServer"): {"decode"},
+        # The aggregated engine runs the spec's eager-first-chunk server class (serving/streaming.py).
+        (local_config.AGGREGATED_APP, "EagerLLMServer"): {"decode"},
         (local_config.AGGREGATED_APP, "AuthenticatedIngress"): {"head"},
     }
     # What Serve runs is what the spec rendered.
