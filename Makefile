@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint docs test test-fast serve render plan bench bench-prefix stack diff clean efa-check
+.PHONY: help venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix stack diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -66,7 +66,11 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test: venv lint $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not live_metrics"
+
+# The live metric-name cross-check alone (issue 15: in a short run the scrape has lacked vLLM's gauges).
+test-live-metrics: venv
+	$(PY) -m pytest -m live_metrics
 
 test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e"

@@ -48,6 +48,7 @@ def _drive(stack) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.live_metrics
 def test_every_metric_the_rules_and_dashboards_use_is_exported_by_the_live_stack(stack, rendered_stacks):
     exprs = ms.shipped_expressions(rendered_stacks)
     used = {n for e in exprs.values() for n in ms.metric_names(e) if n.startswith("ray_")}
