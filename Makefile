@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint docs test test-fast serve render plan bench stack diff clean
+.PHONY: help venv lint docs test test-fast serve render plan bench chaos stack diff clean
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -16,7 +16,9 @@ help:
 	@echo "make docs               regenerate the command outputs shown in the docs"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
+	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
 	@echo "make bench              benchmark the local serving path against its baselines"
+	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
 
@@ -58,7 +60,12 @@ test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT)
 	$(PY) -m pytest -m "not e2e"
 
 serve: venv
-	$(PY) -m serving.local --port $(PORT)
+	$(PY) -m serving.local --port $(PORT) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS))
+
+# Faults and overload under streamed load (bench/chaos.py): about 10 minutes; SOAK=1 adds
+# a 10-minute soak at concurrency 16.
+chaos: venv
+	$(PY) -m bench.chaos --out build/chaos $(if $(filter 1,$(SOAK)),--soak)
 
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json

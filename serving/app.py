@@ -33,7 +33,7 @@ from fastapi import Request
 from pydantic import TypeAdapter, ValidationError
 from ray.serve import Application
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
-from ray.serve.llm import build_openai_app, build_pd_openai_app
+from ray.serve.llm import build_openai_app
 from ray.serve.llm.ingress import OpenAiIngress
 from ray.serve.llm.openai_api_models import (
     ChatCompletionRequest,
@@ -42,7 +42,8 @@ from ray.serve.llm.openai_api_models import (
 )
 from starlette.responses import JSONResponse, Response
 
-from serving.spec import API_KEYS_ENV, AuthMode, parse_api_keys
+from serving.resilience import ResilientIngressMixin, Unservable
+from serving.spec import API_KEYS_ENV, AuthMode, ResilienceSpec, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
 
@@ -131,8 +132,11 @@ def _from_exception(exc: BaseException) -> JSONResponse:
     """Map what Ray Serve LLM raises to the OpenAI error shape."""
     if isinstance(exc, ValidationError):
         return _validation_error(exc)
+    if isinstance(exc, Unservable):
+        return error_response(exc.status, exc.message, code=exc.reason.value, headers=exc.headers)
     if isinstance(exc, BackPressureError):
-        return error_response(503, "The server is overloaded; retry later.", headers={"Retry-After": "1"})
+        retry_after = int(getattr(exc, "retry_after_s", 0) or 1)
+        return error_response(503, "The server is overloaded; retry later.", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, DeploymentUnavailableError):
         return error_response(503, "The model is not available yet; retry later.", headers={"Retry-After": "5"})
     status = getattr(exc, "status_code", None)
@@ -165,7 +169,7 @@ async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
-class AuthenticatedIngress(OpenAiIngress):
+class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
     """Ray Serve LLM's OpenAI ingress with API-key auth and uniform OpenAI-style errors.
 
     Each endpoint takes the raw request, so auth runs before the body is parsed and every
@@ -180,9 +184,12 @@ class AuthenticatedIngress(OpenAiIngress):
         *,
         auth_mode: str = AUTH_API_KEY,
         api_keys_env: str = DEFAULT_API_KEYS_ENV,
+        resilience: Mapping[str, Any] | None = None,
         **kwargs,
     ):
         super().__init__(llm_deployments, model_cards, **kwargs)
+        # Deadlines, retries, fast refusals for chat/completions (serving/resilience.py).
+        self._init_resilience(resilience or ResilienceSpec().runtime_args())
         keys = parse_api_keys(os.environ.get(api_keys_env))
         self._auth = ApiKeyAuth(auth_mode, keys)
         if self._auth.enabled and not keys:
@@ -278,7 +285,7 @@ def _body_type(endpoint: str) -> type:
     return inspect.signature(getattr(OpenAiIngress, endpoint)).parameters["body"].annotation
 
 
-def _ingress_cls_config(auth: Mapping[str, Any]) -> dict[str, Any]:
+def _ingress_cls_config(auth: Mapping[str, Any], resilience: Mapping[str, Any] | None = None) -> dict[str, Any]:
     mode = auth.get("mode", AUTH_API_KEY)
     if mode not in (AUTH_API_KEY, AUTH_DISABLED):
         raise ValueError(f"args.auth.mode {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}")
@@ -287,12 +294,13 @@ def _ingress_cls_config(auth: Mapping[str, Any]) -> dict[str, Any]:
         "ingress_extra_kwargs": {
             "auth_mode": mode,
             "api_keys_env": auth.get("api_keys_env", DEFAULT_API_KEYS_ENV),
+            "resilience": dict(resilience or ResilienceSpec().runtime_args()),
         },
     }
 
 
-_PD_KEYS = {"mode", "auth", "ingress_deployment_config", "prefill_config", "decode_config"}
-_AGG_KEYS = {"mode", "auth", "ingress_deployment_config", "llm_configs"}
+_PD_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config", "prefill_config", "decode_config"}
+_AGG_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config", "llm_configs"}
 
 
 def build_app(args: dict) -> Application:
@@ -301,7 +309,7 @@ def build_app(args: dict) -> Application:
     mode = args.get("mode", "disaggregated")
     builder: Callable[[dict], Application]
     if mode == "disaggregated":
-        allowed, builder = _PD_KEYS, build_pd_openai_app
+        allowed, builder = _PD_KEYS, None
     elif mode == "aggregated":
         allowed, builder = _AGG_KEYS, build_openai_app
     else:
@@ -310,6 +318,13 @@ def build_app(args: dict) -> Application:
     if unknown:
         raise ValueError(f"unknown keys in args for mode {mode!r}: {', '.join(unknown)}")
 
-    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth")}
-    builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {})
+    # Defaults live in the spec; a config rendered before resilience existed gets them.
+    resilience = args.get("resilience") or ResilienceSpec().runtime_args()
+    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
+    builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {}, resilience)
+    if builder is None:
+        # Ray's P/D graph with a decode tier that survives prefill failures.
+        from serving.pd_graph import build_pd_app
+
+        return build_pd_app(builder_args, resilience)
     return builder(builder_args)

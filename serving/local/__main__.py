@@ -27,12 +27,34 @@ from pathlib import Path
 
 from infra.paths import ROOT
 from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
-from serving.local.config import AGGREGATED_PREFIX, HOST, MODEL_ID, MODES, app_urls, render_local_config
+from serving.local.config import (
+    AGGREGATED_PREFIX,
+    HOST,
+    MAX_LOCAL_REPLICAS,
+    MODEL_ID,
+    MODES,
+    REPLICAS_ENV,
+    app_urls,
+    render_local_config,
+)
 from serving.local.procs import AlreadyRunning, instance_lock, port_in_use
 from serving.spec import API_KEYS_ENV, parse_api_keys
 
 
 # --- the command ---------------------------------------------------------------------------
+def _replicas(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_LOCAL_REPLICAS:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r}: engine replicas per role must be 1 to {MAX_LOCAL_REPLICAS} on this machine "
+            f"(--prefill-replicas, --decode-replicas or ${REPLICAS_ENV})"
+        )
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m serving.local",
@@ -52,6 +74,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"serve without API keys (default: keys from ${API_KEYS_ENV}, or a generated one)",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for ready (default 600)")
+    default_n = os.environ.get(REPLICAS_ENV) or "1"
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-replicas",
+            type=_replicas,
+            default=default_n,
+            help=f"{role} engine replicas, 1-{MAX_LOCAL_REPLICAS} (default ${REPLICAS_ENV} or 1)",
+        )
     p.add_argument(
         "--state-file",
         type=Path,
@@ -107,7 +137,14 @@ def main(argv: list[str] | None = None) -> int:
 
         say("building or loading the tiny model (random weights, local tokenizer)")
         model_dir = ensure_tiny_model()
-        config = render_local_config(args.mode, model_dir, port=args.port, auth=auth)
+        config = render_local_config(
+            args.mode,
+            model_dir,
+            port=args.port,
+            auth=auth,
+            prefill_replicas=args.prefill_replicas,
+            decode_replicas=args.decode_replicas,
+        )
         names = [a["name"] for a in config["applications"]]
 
         say("starting a local Ray cluster: nodes labelled head, prefill, decode")
@@ -123,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if auth:
             env[API_KEYS_ENV] = ",".join(keys)
-        cluster.start(env)
+        cluster.start(env, extra_prefill=args.prefill_replicas - 1, extra_decode=args.decode_replicas - 1)
         # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _stop_on_sigterm)

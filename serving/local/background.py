@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,8 +61,11 @@ def background_stack(
     api_key: str | None = "sk-local-test",
     log_path: Path | None = None,
     timeout: float = 600,
+    extra_args: Sequence[str] = (),
 ):
-    """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after."""
+    """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after.
+
+    extra_args: more command-line options (e.g. ["--decode-replicas", "2"])."""
     import subprocess
     import tempfile
     import threading
@@ -82,6 +86,7 @@ def background_stack(
         str(state_file),
         "--timeout",
         str(timeout),
+        *extra_args,
     ]
     if api_key:
         env[API_KEYS_ENV] = api_key

@@ -28,7 +28,7 @@ class LocalCluster:
     dashboard_port: int = field(default_factory=free_port)
     _cluster: Any = None
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], extra_prefill: int = 0, extra_decode: int = 0) -> None:
         # Workers inherit the environment of the raylets, which inherit ours.
         os.environ.update(env)
         import logging
@@ -47,8 +47,9 @@ class LocalCluster:
                 "dashboard_port": self.dashboard_port,
             },
         )
-        self._cluster.add_node(num_cpus=PREFILL_CPUS, labels={self.label_key: "prefill"})
-        self._cluster.add_node(num_cpus=DECODE_CPUS, labels={self.label_key: "decode"})
+        # Each engine replica beyond the first needs its 2 logical CPUs on its role's node.
+        self._cluster.add_node(num_cpus=PREFILL_CPUS + 2 * extra_prefill, labels={self.label_key: "prefill"})
+        self._cluster.add_node(num_cpus=DECODE_CPUS + 2 * extra_decode, labels={self.label_key: "decode"})
         self._cluster.wait_for_nodes()
 
     @property

@@ -30,9 +30,42 @@ PREFILL_CPUS = 2
 DECODE_CPUS = 4
 
 
+# Engine replicas per role: `--prefill-replicas/--decode-replicas`, or PD_REPLICAS=N for
+# both (`make serve REPLICAS=2`), so that the retry paths have a second replica to go to.
+REPLICAS_ENV = "PD_REPLICAS"
+MAX_LOCAL_REPLICAS = 2
+
+# Deadlines for the tiny model on two shared cores: a prefill takes tens of ms here, and a
+# restarted engine needs one to two minutes, which the fallbacks must bridge.
+LOCAL_RESILIENCE = {
+    "prefillTimeoutS": 1.0,
+    "prefillAttempts": 2,
+    "kvReadyTimeoutS": 5.0,
+    "firstTokenTimeoutS": 20.0,
+    "totalTimeoutS": 120.0,
+    "failFastS": 2.0,
+    "decodeAttempts": 2,
+    "circuitOpenS": 3.0,
+    "retryAfterS": 1,
+}
+# Bounded queues per role, small enough that `make chaos`'s 3x burst overflows them.
+LOCAL_ROLE_LIMITS = {"maxOngoingRequests": 16, "maxQueuedRequests": 16}
+
+
 # --- what gets deployed ------------------------------------------------------------------
-def local_spec(mode: Mode, model_dir: Path, *, auth: bool = True) -> ServingSpec:
+def local_spec(
+    mode: Mode,
+    model_dir: Path,
+    *,
+    auth: bool = True,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
+) -> ServingSpec:
     """The spec a stack file would hold, with CPU-friendly values."""
+
+    def role(n: int) -> dict[str, Any]:
+        return {"minReplicas": n, "maxReplicas": n, **LOCAL_ROLE_LIMITS}
+
     return ServingSpec.model_validate(
         {
             "model": {
@@ -47,6 +80,9 @@ def local_spec(mode: Mode, model_dir: Path, *, auth: bool = True) -> ServingSpec
             "ingress": {"minReplicas": 1, "maxReplicas": 1},
             # No CUDA graphs on CPU.
             "engineKwargs": {"enforce_eager": True},
+            "prefill": role(prefill_replicas),
+            "decode": role(decode_replicas),
+            "resilience": LOCAL_RESILIENCE,
         }
     )
 
@@ -67,12 +103,24 @@ def local_target() -> Target:
 
 
 def render_local_config(
-    mode: str, model_dir: Path, *, port: int, auth: bool = True, target: Target | None = None
+    mode: str,
+    model_dir: Path,
+    *,
+    port: int,
+    auth: bool = True,
+    target: Target | None = None,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target()
     modes = [Mode.DISAGGREGATED, Mode.AGGREGATED] if mode == "both" else [Mode(mode)]
-    configs = [local_spec(m, model_dir, auth=auth).serve_config(target, port=port) for m in modes]
+    configs = [
+        local_spec(
+            m, model_dir, auth=auth, prefill_replicas=prefill_replicas, decode_replicas=decode_replicas
+        ).serve_config(target, port=port)
+        for m in modes
+    ]
     config = copy.deepcopy(configs[0])
     config["http_options"]["host"] = HOST
     if mode == "both":
@@ -81,6 +129,17 @@ def render_local_config(
         agg["route_prefix"] = AGGREGATED_PREFIX
         config["applications"].append(agg)
     return config
+
+
+def admission_bound(config: dict[str, Any]) -> int:
+    """Requests the disaggregated app admits at once: decode's running plus queued slots
+    (Serve's max_ongoing_requests per replica, max_queued_requests per caller)."""
+    for app in config["applications"]:
+        if app["args"]["mode"] == "disaggregated":
+            dep = app["args"]["decode_config"]["deployment_config"]
+            replicas = dep["autoscaling_config"]["max_replicas"]
+            return int(dep["max_ongoing_requests"] * replicas + dep["max_queued_requests"])
+    raise ValueError("no disaggregated application in the config")
 
 
 def app_urls(config: dict[str, Any], port: int) -> dict[str, str]:
