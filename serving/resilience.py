@@ -103,6 +103,16 @@ class Unservable(Exception):
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
 
 
+class EngineRefused(Exception):
+    """The engine answered the request with a client error (4xx): passed on as is.
+    Carries status_code and message like Ray's OpenAIHTTPException."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
 def classify(exc: BaseException) -> Reason:
     """The reason label for an exception raised by a Serve handle call."""
     from ray.exceptions import ActorUnavailableError, RayActorError
@@ -581,17 +591,7 @@ class ResilientIngressMixin:
         if isinstance(head, ri.ErrorResponse):
             # A 4xx from the engine (bad parameters): the client's to fix, not retried.
             _cancel(stream)
-            return JSONResponse(
-                status_code=head.error.code or 400,
-                content={
-                    "error": {
-                        "message": head.error.message,
-                        "type": head.error.type,
-                        "param": head.error.param,
-                        "code": head.error.code,
-                    }
-                },
-            )
+            raise EngineRefused(head.error.code or 400, head.error.message)
         if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
             return JSONResponse(content=head.model_dump())
         return StreamingResponse(
