@@ -395,6 +395,7 @@ async def first_chunk(
     started: float,
     is_server_error: Callable[[Any], bool],
     on_retry: Callable[[Reason], None],
+    streamed: bool = True,
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[Any, Any]:
     """Dispatch to decode until a first chunk arrives; (first chunk, stream) or Unservable.
@@ -416,7 +417,8 @@ async def first_chunk(
         try:
             # 1. A replica takes the call. While a decode replica is known lost, a live one
             #    must take it at once, else there is none (restarts take minutes): say so now.
-            budget = min(remaining, cfg.first_token_timeout_s)
+            # A non-streamed answer comes whole: only the total deadline bounds it.
+            budget = min(remaining, cfg.first_token_timeout_s) if streamed else remaining
             t_admit = clock()
             await asyncio.wait_for(_assigned(stream), min(budget, cfg.fail_fast_s) if health.degraded else budget)
             admitted = True
@@ -579,6 +581,7 @@ class ResilientIngressMixin:
                 started=started,
                 is_server_error=_is_server_error,
                 on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
+                streamed=bool(getattr(body, "stream", False)),
             )
         except Unservable as failure:
             self._refusal_counter.inc(tags={"reason": failure.reason.value, "status": str(failure.status)})

@@ -414,6 +414,29 @@ def test_first_chunk_two_deaths_is_unservable_503():
     assert e.value.reason is Reason.DECODE_UNAVAILABLE and e.value.status == 503
 
 
+def test_non_streamed_answer_is_bounded_by_the_total_deadline_only():
+    import time
+
+    class Whole(FakeStream):
+        async def __anext__(self):
+            await asyncio.sleep(CFG.first_token_timeout_s + 0.2)  # the whole answer, later
+            return "answer"
+
+    async def go():
+        return await first_chunk(
+            lambda: Whole([]),
+            cfg=CFG,
+            health=DecodeHealth(),
+            started=time.monotonic(),
+            is_server_error=is_5xx,
+            on_retry=lambda r: None,
+            streamed=False,
+        )
+
+    first, _ = run(go())
+    assert first == "answer"
+
+
 def test_first_chunk_deadline_is_504():
     with pytest.raises(Unservable) as e:
         _first([FakeStream(["hang"])])

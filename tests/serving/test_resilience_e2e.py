@@ -16,8 +16,12 @@ import httpx
 import pytest
 
 from bench import chaos
+from serving.resilience import METRICS, Reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
+
+# Ray exports a Serve Counter named N as ray_N_total.
+METRIC = f"ray_{METRICS['local_prefill']}_total"
 
 
 def _metric_total(stack, name: str) -> dict[str, float]:
@@ -58,8 +62,14 @@ def test_prefill_killed_under_streamed_load_costs_no_request(stack):
         failed = [o for o in outcomes if not o.ok]
         assert during, "no request was sent after the kill"
         assert not failed, f"{len(failed)} of {len(outcomes)} failed: {[o.kind for o in failed]}"
-        fallbacks = _metric_total(stack, "ray_" + "pd_local_prefill_fallbacks_total")
-        assert sum(fallbacks.values()) >= 1, f"no local-prefill fallback counted: {fallbacks}"
+        # Counted with its reason, on Ray's metrics endpoint (exported every few seconds).
+        deadline = time.monotonic() + 60
+        fallbacks: dict[str, float] = {}
+        while time.monotonic() < deadline and not sum(fallbacks.values()):
+            time.sleep(5)
+            fallbacks = _metric_total(stack, METRIC)
+        assert sum(fallbacks.values()) >= 1, f"no local-prefill fallback counted in {METRIC}"
+        assert set(fallbacks) <= {r.value for r in Reason}, fallbacks
     finally:
         # Leave the shared stack as we found it: the prefill replica running again.
         asyncio.run(chaos.wait_healthy(dashboard, ":Prefill:", 1, timeout=600, dead_pid=dead))
