@@ -192,7 +192,7 @@ def engine_rss_mb(root_pid: int) -> dict[str, float]:
 
 def replicas(dashboard_url: str) -> dict[str, list[dict[str, Any]]]:
     """{deployment: [{state, pid}, ...]} of every application, from Serve's REST API."""
-    r = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()
+    r = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=30).json()
     out: dict[str, list[dict[str, Any]]] = {}
     for app in (r.get("applications") or {}).values():
         for name, dep in (app.get("deployments") or {}).items():
@@ -209,7 +209,11 @@ async def wait_healthy(
     key = marker.strip(":")
     seen: Any = None
     while time.monotonic() - t < timeout:
-        deps = await asyncio.to_thread(replicas, dashboard_url)
+        try:
+            deps = await asyncio.to_thread(replicas, dashboard_url)
+        except httpx.HTTPError:  # a busy dashboard: ask again
+            await asyncio.sleep(1)
+            continue
         for name, reps in deps.items():
             if key not in name:
                 continue

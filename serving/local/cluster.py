@@ -124,7 +124,15 @@ def wait_running(
     deadline = time.monotonic() + timeout
     last_news = time.monotonic()
     while True:
-        status = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()
+        try:
+            status = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=30).json()
+        except httpx.HTTPError:
+            # A busy machine (engines starting on two cores) can keep the dashboard from
+            # answering for a while: that is no reason to give up; the deadline below is.
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+            continue
         apps = status.get("applications") or {}
         for name in names:
             app = apps.get(name)
