@@ -307,7 +307,7 @@ def build_app(args: dict) -> Application:
     """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
     args = dict(args)
     mode = args.get("mode", "disaggregated")
-    builder: Callable[[dict], Application]
+    builder: Callable[[dict], Application] | None
     if mode == "disaggregated":
         allowed, builder = _PD_KEYS, None
     elif mode == "aggregated":

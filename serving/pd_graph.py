@@ -46,7 +46,7 @@ class ResilientPDDecodeServer(PDDecodeServer):
     tokenize-once experiment keep Ray's own path.
     """
 
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits async constructors, as Ray's own
         self,
         llm_config,
         *,
@@ -152,16 +152,21 @@ def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any])
     PDServingArgs, so the same inputs are accepted and refused.
     """
     ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
-    pd = ri.PDServingArgs.model_validate(dict(builder_args))
+    # Validated: the config fields are LLMConfig / IngressClsConfig objects from here on.
+    pd: Any = ri.PDServingArgs.model_validate(dict(builder_args))
+    # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
+    prefill_cls: Any = PDPrefillServer
+    decode_cls: Any = ResilientPDDecodeServer
+    deployment: Any = serve.deployment
     for role, config in (("prefill", pd.prefill_config), ("decode", pd.decode_config)):
         if config.engine_kwargs.get("data_parallel_size", 1) > 1:
             raise ValueError(f"{role}: data_parallel_size > 1 is not supported by the resilient P/D graph")
-    prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=PDPrefillServer)
+    prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=prefill_cls)
     decode = build_llm_deployment(
         pd.decode_config,
         name_prefix="Decode:",
         bind_kwargs={"prefill_server": prefill, "resilience": dict(resilience)},
-        deployment_cls=ResilientPDDecodeServer,
+        deployment_cls=decode_cls,
     )
     ingress_cls_config = pd.ingress_cls_config
     options = ri.maybe_apply_llm_deployment_config_defaults(
@@ -170,7 +175,7 @@ def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any])
     )
     model_id = pd.decode_config.model_id
     lora = pd.decode_config.lora_config
-    return serve.deployment(make_fastapi_ingress(ingress_cls_config.ingress_cls), **options).bind(
+    return deployment(make_fastapi_ingress(ingress_cls_config.ingress_cls), **options).bind(
         llm_deployments={model_id: decode},
         model_cards={model_id: ri.to_model_metadata(model_id, pd.decode_config)},
         lora_paths={model_id: lora.dynamic_lora_loading_path} if lora is not None else {},

@@ -547,7 +547,7 @@ class ResilientIngressMixin:
         self._refusal_counter = Counter(
             METRICS["ingress_refusals"],
             description="Requests the cluster could not serve (503/504 or fallback), by reason.",
-            tag_keys=("reason", "status"),
+            tag_keys=("reason", "status"),  # type: ignore[arg-type]  # Ray annotates tuple[str]
         )
 
     async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
