@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix stack diff clean efa-check
+.PHONY: help venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix chaos stack diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -16,9 +16,11 @@ help:
 	@echo "make docs               regenerate the command outputs shown in the docs"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
+	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
 	@echo "make efa-check STACK=prod   EFA fabric check between a prefill and a decode node (DRY_RUN=1: offline)"
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
+	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
 
@@ -76,7 +78,12 @@ test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e"
 
 serve: venv
-	$(PY) -m serving.local --port $(PORT)
+	$(PY) -m serving.local --port $(PORT) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS))
+
+# Faults and overload under streamed load (bench/chaos.py): about 10 minutes; SOAK=1 adds
+# a 10-minute soak at concurrency 16.
+chaos: venv
+	$(PY) -m bench.chaos --out build/chaos $(if $(filter 1,$(SOAK)),--soak)
 
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json

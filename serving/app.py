@@ -47,7 +47,8 @@ from starlette.responses import JSONResponse, Response
 
 from serving.fallback import SERVED_BY
 from serving.hybrid import HybridRouting
-from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, parse_api_keys
+from serving.resilience import ResilientIngressMixin, Unservable
+from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
 
@@ -136,8 +137,11 @@ def _from_exception(exc: BaseException) -> JSONResponse:
     """Map what Ray Serve LLM raises to the OpenAI error shape."""
     if isinstance(exc, ValidationError):
         return _validation_error(exc)
+    if isinstance(exc, Unservable):
+        return error_response(exc.status, exc.message, code=exc.reason.value, headers=exc.headers)
     if isinstance(exc, BackPressureError):
-        return error_response(503, "The server is overloaded; retry later.", headers={"Retry-After": "1"})
+        retry_after = int(getattr(exc, "retry_after_s", 0) or 1)
+        return error_response(503, "The server is overloaded; retry later.", headers={"Retry-After": str(retry_after)})
     if isinstance(exc, DeploymentUnavailableError):
         return error_response(503, "The model is not available yet; retry later.", headers={"Retry-After": "5"})
     status = getattr(exc, "status_code", None)
@@ -170,7 +174,7 @@ async def _json_body(request: Request) -> dict[str, Any] | JSONResponse:
     return body
 
 
-class AuthenticatedIngress(OpenAiIngress):
+class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
     """Ray Serve LLM's OpenAI ingress with API-key auth and uniform OpenAI-style errors.
 
     Each endpoint takes the raw request, so auth runs before the body is parsed and every
@@ -185,9 +189,12 @@ class AuthenticatedIngress(OpenAiIngress):
         *,
         auth_mode: str = AUTH_API_KEY,
         api_keys_env: str = DEFAULT_API_KEYS_ENV,
+        resilience: Mapping[str, Any] | None = None,
         **kwargs,
     ):
         super().__init__(llm_deployments, model_cards, **kwargs)
+        # Deadlines, retries, fast refusals for chat/completions (serving/resilience.py).
+        self._init_resilience(resilience or ResilienceSpec().runtime_args())
         keys = parse_api_keys(os.environ.get(api_keys_env))
         self._auth = ApiKeyAuth(auth_mode, keys)
         self._hybrid = self._make_hybrid()
@@ -348,7 +355,7 @@ def _body_type(endpoint: str) -> type:
     return inspect.signature(getattr(OpenAiIngress, endpoint)).parameters["body"].annotation
 
 
-def _ingress_cls_config(auth: Mapping[str, Any]) -> dict[str, Any]:
+def _ingress_cls_config(auth: Mapping[str, Any], resilience: Mapping[str, Any] | None = None) -> dict[str, Any]:
     mode = auth.get("mode", AUTH_API_KEY)
     if mode not in (AUTH_API_KEY, AUTH_DISABLED):
         raise ValueError(f"args.auth.mode {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}")
@@ -357,12 +364,13 @@ def _ingress_cls_config(auth: Mapping[str, Any]) -> dict[str, Any]:
         "ingress_extra_kwargs": {
             "auth_mode": mode,
             "api_keys_env": auth.get("api_keys_env", DEFAULT_API_KEYS_ENV),
+            "resilience": dict(resilience or ResilienceSpec().runtime_args()),
         },
     }
 
 
-_PD_KEYS = {"mode", "auth", "ingress_deployment_config", "prefill_config", "decode_config"}
-_AGG_KEYS = {"mode", "auth", "ingress_deployment_config", "llm_configs"}
+_PD_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config", "prefill_config", "decode_config"}
+_AGG_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config", "llm_configs"}
 
 
 # Ray 2.60 registers its NIXL connector backend (per-replica side-channel port, a unique engine id,
@@ -392,13 +400,18 @@ def register_push_connector_backend() -> None:
         KVConnectorBackendFactory.register_backend(PUSH_CONNECTOR, RAY_NIXL_BACKEND)
 
 
+def _data_parallel(args: Mapping[str, Any]) -> bool:
+    roles = (args.get("prefill_config"), args.get("decode_config"))
+    return any(((c or {}).get("engine_kwargs") or {}).get("data_parallel_size", 1) > 1 for c in roles)
+
+
 def build_app(args: dict) -> Application:
     """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
     args = dict(args)
     mode = args.get("mode", "disaggregated")
-    builder: Callable[[dict], Application]
+    builder: Callable[[dict], Application] | None
     if mode == "disaggregated":
-        allowed, builder = _PD_KEYS, build_pd_openai_app
+        allowed, builder = _PD_KEYS, None
     elif mode == "aggregated":
         allowed, builder = _AGG_KEYS, build_openai_app
     else:
@@ -409,6 +422,18 @@ def build_app(args: dict) -> Application:
 
     if PUSH_CONNECTOR in _kv_connectors(args):
         register_push_connector_backend()
-    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth")}
-    builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {})
+    # Defaults live in the spec; a config rendered before resilience existed gets them.
+    resilience = args.get("resilience") or ResilienceSpec().runtime_args()
+    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
+    builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {}, resilience)
+    if builder is None:
+        if _data_parallel(args):
+            # Ray's builder picks its data-parallel P/D servers (DPPDPrefillServer /
+            # DPPDDecodeServer); the resilient decode tier does not cover them. The ingress's
+            # deadlines and fast refusals still apply.
+            return build_pd_openai_app(builder_args)
+        # Ray's P/D graph with a decode tier that survives prefill failures.
+        from serving.pd_graph import build_pd_app
+
+        return build_pd_app(builder_args, resilience)
     return builder(builder_args)

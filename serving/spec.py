@@ -45,6 +45,9 @@ SERVING_ENV = {
     # off, so that a release that starts reading it does not log prompts.
     "RAYLLM_ENABLE_REQUEST_PROMPT_LOGS": "0",
 }
+# vLLM NixlConnector's kv_lease_duration default (nixl/base_scheduler.py, 0.29 and 0.32).
+VLLM_DEFAULT_KV_LEASE_S = 30
+PROXY_TIMEOUT_MARGIN_S = 5.0
 
 _MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # Hugging Face repo id (org/name), an S3 prefix, or an absolute local path (local runs).
@@ -248,6 +251,10 @@ class RoleSpec(SpecModel):
     target_ongoing_requests: float = Field(default=16, gt=0)
     upscale_delay_s: float = Field(default=30, ge=0)
     downscale_delay_s: float = Field(default=300, ge=0)
+    # Serve's queue bound in front of the role's replicas (per caller): past it, callers get
+    # BackPressureError at once, which the ingress answers as 503 + Retry-After. Bounded by
+    # default: an unbounded queue turns overload into requests that wait forever.
+    max_queued_requests: int = Field(default=64, ge=1)
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -284,6 +291,9 @@ class RoleSpec(SpecModel):
 class IngressSpec(SpecModel):
     min_replicas: int = Field(default=1, ge=1)
     max_replicas: int = Field(default=2, ge=1)
+    # Per ingress replica; past both, Serve's proxy answers 503 with Retry-After itself.
+    max_ongoing_requests: int = Field(default=1000, ge=1)
+    max_queued_requests: int = Field(default=200, ge=1)
 
     @model_validator(mode="after")
     def _bounds(self) -> IngressSpec:
@@ -298,6 +308,10 @@ class KvTransferSpec(SpecModel):
     # NIXL backend; auto = from the instance catalog. The stack config refuses a choice that
     # does not match the pools' fabric (UCX on EFA falls back to TCP without a word).
     backend: KvBackend = KvBackend.AUTO
+    # vLLM NixlConnector's kv_connector_extra_config.kv_lease_duration (seconds; vLLM's
+    # default 30 in 0.29 and 0.32): prefill frees KV blocks that decode has not read when
+    # the lease runs out, so a dead or abandoned decode cannot pin prefill memory.
+    lease_duration_s: int | None = Field(default=None, ge=1)
     # Passed through as kv_connector_extra_config (e.g. {"kv_lease_duration": 60}); its
     # `backends` is rendered from `backend` (a `backends` here must agree with it).
     extra_config: dict[str, Any] = Field(default_factory=dict)
@@ -331,6 +345,54 @@ class StreamingSpec(SpecModel):
     # throughput at 16 streams on the local stack (docs/performance.md).
     batch_interval_ms: int = Field(default=50, ge=0, le=1000)
     first_chunk: FirstChunk = FirstChunk.EAGER
+
+
+class ResilienceSpec(SpecModel):
+    """Deadlines (seconds) and retries of the serving path (serving/resilience.py).
+
+    Defaults fit models up to ~70B on H100-class GPUs with prompts up to ~32k tokens
+    (prefill well under 5 s); raise prefillTimeoutS for longer prompts or slower GPUs.
+    """
+
+    # ingress -> prefill: one prefill call, queueing included.
+    prefill_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    # prefill calls per request (the next one lands on another replica when one is
+    # healthy); then decode prefills locally.
+    prefill_attempts: int = Field(default=2, ge=1, le=5)
+    # prefill -> KV ready: a streamed decode must emit its first token this long after
+    # prefill answered, else it is aborted (vLLM frees its blocks) and rerun locally.
+    kv_ready_timeout_s: float = Field(default=10.0, gt=0, le=600)
+    # decode -> first token, seen from the ingress (whole path, queueing included).
+    first_token_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    # the whole request, streaming included.
+    total_timeout_s: float = Field(default=600.0, gt=0, le=86400)
+    # while a decode replica is known lost: wait this long for one before answering 503.
+    fail_fast_s: float = Field(default=2.0, gt=0, le=60)
+    # decode calls per request before the first byte (another replica on retry).
+    decode_attempts: int = Field(default=2, ge=1, le=5)
+    # after a prefill failure, skip remote prefill this long (then probe with one request).
+    circuit_open_s: float = Field(default=5.0, gt=0, le=600)
+    # Retry-After on 503/504 answers.
+    retry_after_s: int = Field(default=1, ge=1, le=3600)
+
+    @model_validator(mode="after")
+    def _order(self) -> ResilienceSpec:
+        worst_prefill = self.prefill_timeout_s * self.prefill_attempts + self.kv_ready_timeout_s
+        if worst_prefill >= self.first_token_timeout_s:
+            raise ValueError(
+                f"firstTokenTimeoutS ({self.first_token_timeout_s}) must exceed "
+                f"prefillTimeoutS x prefillAttempts + kvReadyTimeoutS ({worst_prefill}), or "
+                "the ingress gives up before decode can fall back to local prefill"
+            )
+        if self.first_token_timeout_s > self.total_timeout_s:
+            raise ValueError("firstTokenTimeoutS must not exceed totalTimeoutS")
+        if self.fail_fast_s > self.first_token_timeout_s:
+            raise ValueError("failFastS must not exceed firstTokenTimeoutS")
+        return self
+
+    def runtime_args(self) -> dict[str, Any]:
+        """args["resilience"]: what serving.resilience.ResilienceConfig reads."""
+        return self.model_dump(by_alias=False)
 
 
 class PlacementSpec(SpecModel):
@@ -586,6 +648,7 @@ class ServingSpec(SpecModel):
     placement: PlacementSpec = Field(default_factory=PlacementSpec)
     auth: AuthMode = AuthMode.API_KEY
     streaming: StreamingSpec = Field(default_factory=StreamingSpec)
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     slo: SloSpec = Field(default_factory=SloSpec)
     # Hybrid routing (serving/hybrid.py): an external provider for what the cluster cannot
@@ -624,6 +687,15 @@ class ServingSpec(SpecModel):
             raise ValueError(
                 f"fallback.model maps no external model to serving.model.id {self.model.id!r}: "
                 "give one name, or a map with that id as a key"
+            )
+        if "kv_lease_duration" in self.kv_transfer.extra_config:
+            raise ValueError("kvTransfer.extraConfig.kv_lease_duration: set kvTransfer.leaseDurationS instead")
+        lease = self.kv_transfer.lease_duration_s or VLLM_DEFAULT_KV_LEASE_S
+        if self.mode is Mode.DISAGGREGATED and lease < self.resilience.kv_ready_timeout_s:
+            raise ValueError(
+                f"kvTransfer.leaseDurationS ({lease}) is shorter than "
+                f"resilience.kvReadyTimeoutS ({self.resilience.kv_ready_timeout_s}): prefill "
+                "would free the KV blocks while decode still waits for them"
             )
         labels = [self.placement.head, self.placement.prefill, self.placement.decode]
         if len(set(labels)) != 3:
@@ -697,9 +769,12 @@ class ServingSpec(SpecModel):
                 "kv_load_failure_policy": self.kv_transfer.load_failure_policy.value,
             }
             backend = self.kv_transfer.requested_backend or target.kv_backend
+            extra = dict(self.kv_transfer.extra_config)
+            if self.kv_transfer.lease_duration_s is not None:
+                extra["kv_lease_duration"] = self.kv_transfer.lease_duration_s
             # Always explicit: vLLM's NixlConnector defaults to UCX, which on EFA silently
             # falls back to TCP (ai-dynamo/nixl#909); the policy pack reads this key.
-            kv["kv_connector_extra_config"] = {**self.kv_transfer.extra_config, "backends": [KvBackend(backend).value]}
+            kv["kv_connector_extra_config"] = {**extra, "backends": [KvBackend(backend).value]}
             engine_kwargs["kv_transfer_config"] = kv
         engine_kwargs.update(self.engine_kwargs)
 
@@ -722,6 +797,7 @@ class ServingSpec(SpecModel):
             "deployment_config": {
                 "autoscaling_config": autoscaling,
                 "max_ongoing_requests": spec.max_ongoing_requests,
+                "max_queued_requests": spec.max_queued_requests,
                 # One selector per placement-group bundle (one bundle per GPU/worker).
                 "placement_group_bundle_label_selector": [{self.placement.label_key: label} for _ in range(bundles)],
             },
@@ -758,6 +834,8 @@ class ServingSpec(SpecModel):
                 "min_replicas": self.ingress.min_replicas,
                 "max_replicas": self.ingress.max_replicas,
             },
+            "max_ongoing_requests": self.ingress.max_ongoing_requests,
+            "max_queued_requests": self.ingress.max_queued_requests,
             "ray_actor_options": {
                 "label_selector": {self.placement.label_key: self.placement.head},
                 # The head offers no CPUs to Serve replicas (it must not take model work);
@@ -769,6 +847,7 @@ class ServingSpec(SpecModel):
         args: dict[str, Any] = {
             "mode": self.mode.value,
             "auth": {"mode": self.auth.value, "api_keys_env": API_KEYS_ENV},
+            "resilience": self.resilience.runtime_args(),
             "ingress_deployment_config": ingress,
         }
         roles = self.engine_roles()
@@ -829,6 +908,12 @@ class ServingSpec(SpecModel):
             app["runtime_env"] = {"working_dir": target.working_dir}
         return {
             "proxy_location": target.proxy_location,
-            "http_options": {"host": "0.0.0.0", "port": port},
+            # Serve's own request timeout backs the ingress's total deadline up (a hung
+            # ingress still answers), a little later so the ingress's JSON error wins.
+            "http_options": {
+                "host": "0.0.0.0",
+                "port": port,
+                "request_timeout_s": self.resilience.total_timeout_s + PROXY_TIMEOUT_MARGIN_S,
+            },
             "applications": [app],
         }

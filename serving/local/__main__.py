@@ -29,8 +29,10 @@ from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_requ
 from serving.local.config import (
     AGGREGATED_PREFIX,
     HOST,
+    MAX_LOCAL_REPLICAS,
     MODEL_ID,
     MODES,
+    REPLICAS_ENV,
     LocalConfigError,
     app_urls,
     cluster_env,
@@ -43,6 +45,19 @@ from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, Mode, parse_api_key
 
 
 # --- the command ---------------------------------------------------------------------------
+def _replicas(raw: str) -> int:
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_LOCAL_REPLICAS:
+        raise argparse.ArgumentTypeError(
+            f"{raw!r}: engine replicas per role must be 1 to {MAX_LOCAL_REPLICAS} on this machine "
+            f"(--prefill-replicas, --decode-replicas or ${REPLICAS_ENV})"
+        )
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m serving.local",
@@ -62,6 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"serve without API keys (default: keys from ${API_KEYS_ENV}, or a generated one)",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for ready (default 600)")
+    default_n = os.environ.get(REPLICAS_ENV) or "1"
+    for role in ("prefill", "decode"):
+        p.add_argument(
+            f"--{role}-replicas",
+            type=_replicas,
+            default=default_n,
+            help=f"{role} engine replicas, 1-{MAX_LOCAL_REPLICAS} (default ${REPLICAS_ENV} or 1)",
+        )
     p.add_argument(
         "--state-file",
         type=Path,
@@ -125,7 +148,15 @@ def main(argv: list[str] | None = None) -> int:
 
         say("building or loading the tiny model (random weights, local tokenizer)")
         model_dir = ensure_tiny_model()
-        config = render_local_config(args.mode, model_dir, port=args.port, auth=auth, hybrid=hybrid)
+        config = render_local_config(
+            args.mode,
+            model_dir,
+            port=args.port,
+            auth=auth,
+            hybrid=hybrid,
+            prefill_replicas=args.prefill_replicas,
+            decode_replicas=args.decode_replicas,
+        )
         if "fallback" in hybrid:
             fb = hybrid["fallback"]
             say(f"fallback: {fb['baseUrl']} (model {fb['model']}); key from ${FALLBACK_API_KEY_ENV}")
@@ -135,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         env = cluster_env()
         if auth:
             env[API_KEYS_ENV] = ",".join(keys)
-        cluster.start(env)
+        cluster.start(env, extra_prefill=args.prefill_replicas - 1, extra_decode=args.decode_replicas - 1)
         # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _stop_on_sigterm)

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,11 +63,13 @@ def background_stack(
     timeout: float = 600,
     extra_env: Mapping[str, str] | None = None,
     extra_keys: tuple[str, ...] = (),
+    extra_args: Sequence[str] = (),
 ):
     """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after.
 
     extra_env: added to the command's environment (Ray and its workers inherit it).
     extra_keys: accepted besides `api_key` (the stack's own key stays the first).
+    extra_args: more command-line options (e.g. ["--decode-replicas", "2"]).
     """
     import subprocess
     import tempfile
@@ -89,6 +91,7 @@ def background_stack(
         str(state_file),
         "--timeout",
         str(timeout),
+        *extra_args,
     ]
     if api_key:
         env[API_KEYS_ENV] = ",".join([api_key, *extra_keys])

@@ -30,7 +30,7 @@ class LocalCluster:
     decode_cpus: int = DECODE_CPUS
     _cluster: Any = None
 
-    def start(self, env: dict[str, str]) -> None:
+    def start(self, env: dict[str, str], extra_prefill: int = 0, extra_decode: int = 0) -> None:
         # Workers inherit the environment of the raylets, which inherit ours.
         os.environ.update(env)
         import logging
@@ -49,8 +49,9 @@ class LocalCluster:
                 "dashboard_port": self.dashboard_port,
             },
         )
-        self._cluster.add_node(num_cpus=PREFILL_CPUS, labels={self.label_key: "prefill"})
-        self._cluster.add_node(num_cpus=self.decode_cpus, labels={self.label_key: "decode"})
+        # Each engine replica beyond the first needs its 2 logical CPUs on its role's node.
+        self._cluster.add_node(num_cpus=PREFILL_CPUS + 2 * extra_prefill, labels={self.label_key: "prefill"})
+        self._cluster.add_node(num_cpus=self.decode_cpus + 2 * extra_decode, labels={self.label_key: "decode"})
         self._cluster.wait_for_nodes()
 
     @property
@@ -125,7 +126,15 @@ def wait_running(
     deadline = time.monotonic() + timeout
     last_news = time.monotonic()
     while True:
-        status = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()
+        try:
+            status = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=30).json()
+        except httpx.HTTPError:
+            # A busy machine (engines starting on two cores) can keep the dashboard from
+            # answering for a while: that is no reason to give up; the deadline below is.
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(2)
+            continue
         apps = status.get("applications") or {}
         for name in names:
             app = apps.get(name)

@@ -114,17 +114,72 @@ def hybrid_from_env(environ: dict[str, str]) -> dict[str, Any]:
     return hybrid
 
 
+# Engine replicas per role: `--prefill-replicas/--decode-replicas`, or PD_REPLICAS=N for
+# both (`make serve REPLICAS=2`), so that the retry paths have a second replica to go to.
+REPLICAS_ENV = "PD_REPLICAS"
+MAX_LOCAL_REPLICAS = 2
+
+# Deadlines for the tiny model on two shared cores: a prefill takes tens of ms here, and a
+# restarted engine needs one to two minutes, which the fallbacks must bridge.
+LOCAL_RESILIENCE = {
+    "prefillTimeoutS": 1.0,
+    "prefillAttempts": 2,
+    "kvReadyTimeoutS": 5.0,
+    "firstTokenTimeoutS": 20.0,
+    "totalTimeoutS": 120.0,
+    "failFastS": 2.0,
+    "decodeAttempts": 2,
+    "circuitOpenS": 3.0,
+    "retryAfterS": 1,
+}
+# Bounded queues per role, small enough that `make chaos`'s 3x burst overflows them.
+LOCAL_ROLE_LIMITS = {"maxOngoingRequests": 16, "maxQueuedRequests": 16}
+
+
 # --- what gets deployed ------------------------------------------------------------------
-def local_spec(mode: Mode, model_dir: Path, *, auth: bool = True, hybrid: dict[str, Any] | None = None) -> ServingSpec:
+def local_spec(
+    mode: Mode,
+    model_dir: Path,
+    *,
+    auth: bool = True,
+    hybrid: dict[str, Any] | None = None,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
+) -> ServingSpec:
     """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`)."""
     try:
-        return _local_spec(mode, model_dir, auth=auth, hybrid=hybrid or {})
+        return _local_spec(
+            mode,
+            model_dir,
+            auth=auth,
+            hybrid=hybrid or {},
+            prefill_replicas=prefill_replicas,
+            decode_replicas=decode_replicas,
+        )
     except ValidationError as err:
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
         raise LocalConfigError(f"the PD_FALLBACK_*/PD_LIMIT_* settings are not valid: {where}") from None
 
 
-def _local_spec(mode: Mode, model_dir: Path, *, auth: bool, hybrid: dict[str, Any]) -> ServingSpec:
+def _local_spec(
+    mode: Mode,
+    model_dir: Path,
+    *,
+    auth: bool,
+    hybrid: dict[str, Any],
+    prefill_replicas: int,
+    decode_replicas: int,
+) -> ServingSpec:
+    def role(n: int) -> dict[str, Any]:
+        return {"minReplicas": n, "maxReplicas": n, **LOCAL_ROLE_LIMITS}
+
+    # Serve autoscaling as in the cloud, with smaller numbers: with one decode replica asked
+    # for, disaggregated decode may add a second on the decode node. More than
+    # LOCAL_DECODE_TARGET requests in flight for a few seconds adds it; idle for
+    # LOCAL_DOWNSCALE_S removes it. The aggregated app (mode both) shares the decode node and
+    # keeps its engines fixed; so does an explicit replica count (make serve REPLICAS=2).
+    autoscaled = mode is Mode.DISAGGREGATED and decode_replicas == 1
+    decode = {**LOCAL_DECODE_AUTOSCALING, **LOCAL_ROLE_LIMITS} if autoscaled else role(decode_replicas)
     return ServingSpec.model_validate(
         {
             **hybrid,
@@ -140,11 +195,9 @@ def _local_spec(mode: Mode, model_dir: Path, *, auth: bool, hybrid: dict[str, An
             "ingress": {"minReplicas": 1, "maxReplicas": 1},
             # No CUDA graphs on CPU.
             "engineKwargs": {"enforce_eager": True},
-            # Serve autoscaling as in the cloud, with smaller numbers: decode may add a second
-            # replica on the decode node. More than LOCAL_DECODE_TARGET requests in flight for
-            # a few seconds adds it; idle for LOCAL_DOWNSCALE_S removes it. The aggregated
-            # app (mode both) shares the decode node and keeps one engine.
-            **({"decode": LOCAL_DECODE_AUTOSCALING} if mode is Mode.DISAGGREGATED else {}),
+            "prefill": role(prefill_replicas),
+            "decode": decode,
+            "resilience": LOCAL_RESILIENCE,
         }
     )
 
@@ -174,11 +227,18 @@ def render_local_config(
     auth: bool = True,
     target: Target | None = None,
     hybrid: dict[str, Any] | None = None,
+    prefill_replicas: int = 1,
+    decode_replicas: int = 1,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target()
     modes = [Mode.DISAGGREGATED, Mode.AGGREGATED] if mode == "both" else [Mode(mode)]
-    configs = [local_spec(m, model_dir, auth=auth, hybrid=hybrid).serve_config(target, port=port) for m in modes]
+    configs = [
+        local_spec(
+            m, model_dir, auth=auth, hybrid=hybrid, prefill_replicas=prefill_replicas, decode_replicas=decode_replicas
+        ).serve_config(target, port=port)
+        for m in modes
+    ]
     config = copy.deepcopy(configs[0])
     config["http_options"]["host"] = HOST
     if mode == "both":
@@ -187,6 +247,17 @@ def render_local_config(
         agg["route_prefix"] = AGGREGATED_PREFIX
         config["applications"].append(agg)
     return config
+
+
+def admission_bound(config: dict[str, Any]) -> int:
+    """Requests the disaggregated app admits at once: decode's running plus queued slots
+    (Serve's max_ongoing_requests per replica, max_queued_requests per caller)."""
+    for app in config["applications"]:
+        if app["args"]["mode"] == "disaggregated":
+            dep = app["args"]["decode_config"]["deployment_config"]
+            replicas = dep["autoscaling_config"]["max_replicas"]
+            return int(dep["max_ongoing_requests"] * replicas + dep["max_queued_requests"])
+    raise ValueError("no disaggregated application in the config")
 
 
 def app_urls(config: dict[str, Any], port: int) -> dict[str, str]:

@@ -20,10 +20,11 @@ LAST = "test_ctrl_c_shuts_everything_down"
 
 
 def pytest_collection_modifyitems(config, items):
-    # Tests that kill parts of the stack run after the others (they restore health first).
+    # Disruptive tests (they kill replicas, then wait for recovery) run after the others.
     last = [i for i in items if i.originalname == LAST]
     disruptive = [i for i in items if i.get_closest_marker("disruptive") and i not in last]
-    items[:] = [i for i in items if i not in last and i not in disruptive] + disruptive + last
+    rest = [i for i in items if i not in last and i not in disruptive]
+    items[:] = rest + disruptive + last
 
 
 @pytest.fixture(scope="session")

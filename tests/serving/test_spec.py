@@ -135,7 +135,7 @@ def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
             "prefill_config": args["prefill_config"],
             "decode_config": args["decode_config"],
             "ingress_deployment_config": args["ingress_deployment_config"],
-            "ingress_cls_config": _ingress_cls_config(args["auth"]),
+            "ingress_cls_config": _ingress_cls_config(args["auth"], args["resilience"]),
         }
     )
     assert pd.prefill_config.model_id == pd.decode_config.model_id == spec.model.id
@@ -143,6 +143,7 @@ def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
     assert pd.ingress_cls_config.ingress_extra_kwargs == {
         "auth_mode": "api-key",
         "api_keys_env": API_KEYS_ENV,
+        "resilience": spec.resilience.runtime_args(),
     }
 
 

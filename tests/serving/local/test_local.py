@@ -25,7 +25,8 @@ def test_local_config_is_serve_config_with_only_the_host_changed(mode):
     target = local_config.local_target()
     rendered = local_config.render_local_config(mode, MODEL_DIR, port=8123, target=target)
     expected = local_config.local_spec(Mode(mode), MODEL_DIR).serve_config(target, port=8123)
-    assert rendered["http_options"] == {"host": "127.0.0.1", "port": 8123}
+    assert rendered["http_options"]["host"] == "127.0.0.1"
+    assert rendered["http_options"]["port"] == 8123
     rendered["http_options"]["host"] = expected["http_options"]["host"]
     assert rendered == expected
 
@@ -78,6 +79,40 @@ def test_parse_args_defaults_and_choices():
     assert local_main.parse_args(["--mode", "aggregated", "--no-auth", "--port", "9"]).mode == "aggregated"
     with pytest.raises(SystemExit):
         local_main.parse_args(["--mode", "hybrid"])
+
+
+def test_replicas_per_role_from_flags_or_env(monkeypatch, capsys):
+    monkeypatch.delenv(local_config.REPLICAS_ENV, raising=False)
+    a = local_main.parse_args([])
+    assert (a.prefill_replicas, a.decode_replicas) == (1, 1)
+    a = local_main.parse_args(["--decode-replicas", "2"])
+    assert (a.prefill_replicas, a.decode_replicas) == (1, 2)
+    monkeypatch.setenv(local_config.REPLICAS_ENV, "2")
+    a = local_main.parse_args([])
+    assert (a.prefill_replicas, a.decode_replicas) == (2, 2)
+    for bad in (["--prefill-replicas", "3"], ["--decode-replicas", "x"]):
+        with pytest.raises(SystemExit):
+            local_main.parse_args(bad)
+        assert "engine replicas per role must be 1 to 2" in capsys.readouterr().err
+
+
+def test_replicas_render_as_fixed_replica_counts_with_bounded_queues():
+    cfg = local_config.render_local_config("disaggregated", MODEL_DIR, port=8000, prefill_replicas=2, decode_replicas=2)
+    args = cfg["applications"][0]["args"]
+    for role in ("prefill_config", "decode_config"):
+        dep = args[role]["deployment_config"]
+        assert dep["autoscaling_config"]["min_replicas"] == dep["autoscaling_config"]["max_replicas"] == 2
+        assert dep["max_queued_requests"] == local_config.LOCAL_ROLE_LIMITS["maxQueuedRequests"]
+    # decode: 2 replicas x 16 running + 16 queued at the ingress's handle
+    assert local_config.admission_bound(cfg) == 2 * 16 + 16
+
+
+def test_local_deadlines_come_from_the_spec_model():
+    from serving.resilience import ResilienceConfig
+
+    args = local_config.render_local_config("disaggregated", MODEL_DIR, port=8000)["applications"][0]["args"]
+    cfg = ResilienceConfig.from_args(args["resilience"])
+    assert cfg.prefill_timeout_s == local_config.LOCAL_RESILIENCE["prefillTimeoutS"]
 
 
 def test_instance_lock_refuses_a_second_holder(tmp_path):

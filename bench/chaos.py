@@ -1,0 +1,543 @@
+"""`make chaos`: the local P/D stack under streamed load while processes die or load triples.
+
+What flows through here: one local stack (`python -m serving.local`, disaggregated app,
+1 prefill + 2 decode replicas) -> per scenario, C streamed chat clients in a loop; a fault
+at a known time (SIGKILL of one Serve replica process found in the stack's own process
+tree, or a burst of 3x the admission bound) -> every request's outcome (status, error
+event, hung), time to first byte and end-to-end latency, by phase (before / during / after
+the fault; "during" lasts until Serve reports the deployment healthy again) -> a table per
+scenario on screen and build/chaos/<scenario>.json, plus build/chaos/summary.json.
+
+Scenarios: kill-prefill, kill-decode, kill-ingress, overload (default run), soak (SOAK=1:
+10 minutes at concurrency 16 with the engines' RSS sampled).
+A benchmark prints figures; the acceptance checks in `verdicts` are figures too (printed
+and written), not a test. Only 127.0.0.1 is targeted; only processes that descend from the
+stack this command started are signalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from bench.stats import percentile
+from infra.paths import BUILD_DIR
+
+DEFAULT_OUT = BUILD_DIR / "chaos"
+# Overload first (nothing to recover), the kill of prefill (slowest to restart) last.
+SCENARIOS = ("overload", "kill-ingress", "kill-decode", "kill-prefill")
+SOAK = "soak"
+
+# The workload: short streamed chats, so each client sends many requests per phase.
+MAX_TOKENS = 48
+PROMPT = "Tell me a story about a robot that learns to paint."
+CONCURRENCY = 8
+SOAK_CONCURRENCY = 16
+# A request with no byte for this long counts as hung (the client then gives up on it).
+HUNG_AFTER_S = 60.0
+
+
+# --- one request ---------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    start: float  # seconds since the scenario's t0
+    end: float
+    status: int  # HTTP status; 0: no response (connection error or hung)
+    ok: bool  # 200 and a complete stream ([DONE], no error event)
+    began_streaming: bool  # at least one content byte reached the client
+    ttfb_s: float | None
+    kind: str  # ok | http_<status> | stream_error | hung | conn_error
+    retry_after: str | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return self.end - self.start
+
+
+async def one_request(
+    client: httpx.AsyncClient, url: str, headers: dict, t0: float, *, max_tokens: int = MAX_TOKENS
+) -> Outcome:
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+    }
+    start = time.monotonic()
+    first: float | None = None
+    status = 0
+    kind = "conn_error"
+    retry_after = None
+    ok = False
+    try:
+        async with client.stream(
+            "POST", url, json=body, headers=headers, timeout=httpx.Timeout(HUNG_AFTER_S, connect=5)
+        ) as resp:
+            status = resp.status_code
+            retry_after = resp.headers.get("retry-after")
+            if status != 200:
+                await resp.aread()
+                kind = f"http_{status}"
+            else:
+                done = False
+                errored = False
+                async for line in resp.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    if first is None:
+                        first = time.monotonic()
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                    elif payload.startswith('{"error"'):
+                        errored = True
+                ok = done and not errored
+                kind = "ok" if ok else "stream_error"
+    except httpx.ReadTimeout:
+        kind = "hung"
+    except httpx.HTTPError:
+        kind = "hung" if status == 200 and first is None else "conn_error"
+    end = time.monotonic()
+    return Outcome(
+        start=start - t0,
+        end=end - t0,
+        status=status,
+        ok=ok,
+        began_streaming=first is not None,
+        ttfb_s=(first - start) if first is not None else None,
+        kind=kind,
+        retry_after=retry_after,
+    )
+
+
+class Load:
+    """C clients, each sending one request after another until stopped."""
+
+    def __init__(self, url: str, api_key: str | None, concurrency: int, t0: float):
+        self.url = url
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.concurrency = concurrency
+        self.t0 = t0
+        self.outcomes: list[Outcome] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+
+    async def _client(self, client: httpx.AsyncClient) -> None:
+        while not self._stop.is_set():
+            out = await one_request(client, self.url, self.headers, self.t0)
+            self.outcomes.append(out)
+            if not out.ok:
+                await asyncio.sleep(0.2)  # a refused client backs off a little, as SDKs do
+
+    async def __aenter__(self) -> Load:
+        limits = httpx.Limits(max_connections=self.concurrency * 2)
+        self._http = httpx.AsyncClient(limits=limits)
+        self._tasks = [asyncio.create_task(self._client(self._http)) for _ in range(self.concurrency)]
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._stop.set()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._http.aclose()
+
+
+# --- the stack's processes and health ---------------------------------------------------
+def descendants(pid: int) -> list[Any]:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def replica_processes(root_pid: int, marker: str) -> list[Any]:
+    """Serve replica processes under our stack whose title names `marker` (e.g. ':Prefill:')."""
+    out = []
+    for p in descendants(root_pid):
+        try:
+            title = " ".join(p.cmdline())
+        except Exception:
+            continue
+        if title.startswith("ray::ServeReplica:") and marker in title:
+            out.append(p)
+    return out
+
+
+def engine_rss_mb(root_pid: int) -> dict[str, float]:
+    """RSS (MB) of the engine side: Serve replica and vLLM processes under our stack."""
+    out: dict[str, float] = {}
+    for p in descendants(root_pid):
+        try:
+            title = " ".join(p.cmdline())
+            if title.startswith("ray::ServeReplica:") or "VLLM" in title or "EngineCore" in title:
+                out[f"{p.pid}:{title[:60]}"] = p.memory_info().rss / 2**20
+        except Exception:
+            continue
+    return out
+
+
+def replicas(dashboard_url: str) -> dict[str, list[dict[str, Any]]]:
+    """{deployment: [{state, pid}, ...]} of every application, from Serve's REST API."""
+    r = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=30).json()
+    out: dict[str, list[dict[str, Any]]] = {}
+    for app in (r.get("applications") or {}).values():
+        for name, dep in (app.get("deployments") or {}).items():
+            out[name] = [{"state": rep.get("state"), "pid": rep.get("pid")} for rep in dep.get("replicas") or []]
+    return out
+
+
+async def wait_healthy(
+    dashboard_url: str, marker: str, want: int, timeout: float, dead_pid: int | None = None
+) -> float:
+    """Seconds until the deployment named like `marker` has `want` RUNNING replicas again,
+    none of them the killed process (Serve still lists it as RUNNING for a while)."""
+    t = time.monotonic()
+    key = marker.strip(":")
+    seen: Any = None
+    while time.monotonic() - t < timeout:
+        try:
+            deps = await asyncio.to_thread(replicas, dashboard_url)
+        except httpx.HTTPError:  # a busy dashboard: ask again
+            await asyncio.sleep(1)
+            continue
+        for name, reps in deps.items():
+            if key not in name:
+                continue
+            seen = reps
+            running = [r for r in reps if r["state"] == "RUNNING" and r["pid"] != dead_pid]
+            if len(running) >= want and len(reps) == len(running):
+                return time.monotonic() - t
+        await asyncio.sleep(1)
+    raise TimeoutError(f"{key} not healthy {timeout:.0f}s after the fault: {seen}")
+
+
+# --- figures ---------------------------------------------------------------------------------
+def phase_stats(outcomes: Iterable[Outcome]) -> dict[str, Any]:
+    outs = list(outcomes)
+    lat = [o.latency_s for o in outs if o.ok]
+    ttfb = [o.ttfb_s for o in outs if o.ok and o.ttfb_s is not None]
+    kinds: dict[str, int] = {}
+    for o in outs:
+        if not o.ok:
+            kinds[o.kind] = kinds.get(o.kind, 0) + 1
+    return {
+        "requests": len(outs),
+        "ok": sum(o.ok for o in outs),
+        "failed": sum(not o.ok for o in outs),
+        "failures": kinds,
+        "hung": kinds.get("hung", 0),
+        "failed_before_streaming": sum(not o.ok and not o.began_streaming for o in outs),
+        "failed_after_streaming": sum(not o.ok and o.began_streaming for o in outs),
+        "p50_s": percentile(lat, 50),
+        "p99_s": percentile(lat, 99),
+        "ttfb_p50_s": percentile(ttfb, 50),
+        "ttfb_p99_s": percentile(ttfb, 99),
+    }
+
+
+def by_phase(outcomes: list[Outcome], fault_at: float, healthy_at: float) -> dict[str, Any]:
+    return {
+        "before": phase_stats(o for o in outcomes if o.start < fault_at),
+        "during": phase_stats(o for o in outcomes if fault_at <= o.start < healthy_at),
+        "after": phase_stats(o for o in outcomes if o.start >= healthy_at),
+    }
+
+
+def _f(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, dict):
+        return ",".join(f"{k}:{n}" for k, n in sorted(v.items())) or "-"
+    return str(v)
+
+
+def table(name: str, phases: dict[str, Any]) -> str:
+    cols = ["requests", "ok", "failures", "hung", "failed_before_streaming", "p50_s", "p99_s", "ttfb_p99_s"]
+    head = ["phase"] + ["fail<stream" if c == "failed_before_streaming" else c for c in cols]
+    rows = [[ph] + [_f(st.get(c)) for c in cols] for ph, st in phases.items()]
+    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(len(head))]
+    lines = [f"== {name} =="]
+    for r in [head, *rows]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=False)))
+    return "\n".join(lines)
+
+
+# --- scenarios ----------------------------------------------------------------------------------
+@dataclass
+class Ctx:
+    url: str
+    api_key: str | None
+    dashboard_url: str
+    root_pid: int
+    before_s: float
+    after_s: float
+    during_max_s: float
+    recover_timeout_s: float
+    capacity: int
+    say: Callable[[str], None] = print
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CONCURRENCY) -> dict:
+    """Load; SIGKILL one replica of the deployment named like `marker`; load until Serve has
+    `want` healthy replicas again (at most during_max_s), then after_s more."""
+    t0 = time.monotonic()
+    recovered: float | None = None
+    async with Load(ctx.url, ctx.api_key, concurrency, t0) as load:
+        await asyncio.sleep(ctx.before_s)
+        procs = replica_processes(ctx.root_pid, marker)
+        if not procs:
+            raise RuntimeError(f"no replica process matching {marker!r} under pid {ctx.root_pid}")
+        victim = procs[0]
+        fault_at = time.monotonic() - t0
+        ctx.say(f"SIGKILL pid {victim.pid} ({' '.join(victim.cmdline())[:60].strip()}) at {fault_at:.1f}s")
+        os.kill(victim.pid, signal.SIGKILL)
+        try:
+            recovered = await wait_healthy(ctx.dashboard_url, marker, want, ctx.during_max_s, dead_pid=victim.pid)
+            ctx.say(f"{marker.strip(':')} healthy again {recovered:.1f}s after the kill")
+        except TimeoutError:
+            ctx.say(f"{marker.strip(':')} still restarting {ctx.during_max_s:.0f}s after the kill")
+        healthy_at = time.monotonic() - t0
+        if recovered is not None:
+            await asyncio.sleep(ctx.after_s)
+    phases = by_phase(load.outcomes, fault_at, healthy_at)
+    if recovered is None:
+        phases.pop("after")
+    # The next scenario starts from a healthy stack (this wait is not measured).
+    if recovered is None:
+        settle = await wait_healthy(ctx.dashboard_url, marker, want, ctx.recover_timeout_s, dead_pid=victim.pid)
+        ctx.say(f"{marker.strip(':')} healthy again {settle + ctx.during_max_s:.0f}s after the kill")
+    return {
+        "concurrency": concurrency,
+        "fault_at_s": fault_at,
+        "healthy_at_s": healthy_at,
+        "recovered_after_s": recovered,
+        "phases": phases,
+    }
+
+
+async def overload_scenario(ctx: Ctx) -> dict:
+    """Steady load, then a burst of 3x the admission bound, all at once."""
+    t0 = time.monotonic()
+    burst_n = 3 * ctx.capacity
+    async with Load(ctx.url, ctx.api_key, CONCURRENCY, t0) as load:
+        await asyncio.sleep(ctx.before_s)
+        fault_at = time.monotonic() - t0
+        ctx.say(f"burst of {burst_n} concurrent requests (3 x admission bound {ctx.capacity})")
+        headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=burst_n + 8)) as c:
+            burst_task = asyncio.gather(*(one_request(c, ctx.url, headers, t0) for _ in range(burst_n)))
+            # While the burst holds every slot: single requests, one after another. Their
+            # answer time is what a client sees when the bound is reached.
+            await asyncio.sleep(2)
+            probes = []
+            async with httpx.AsyncClient() as pc:
+                for _ in range(10):
+                    probes.append(await one_request(pc, ctx.url, headers, t0))
+            burst = await burst_task
+        healthy_at = time.monotonic() - t0
+        await asyncio.sleep(ctx.after_s)
+    phases = by_phase(load.outcomes, fault_at, healthy_at)
+    statuses: dict[str, int] = {}
+    for o in burst:
+        statuses[o.kind] = statuses.get(o.kind, 0) + 1
+    refused = [o for o in burst if o.status in (429, 503)]
+    phases["burst"] = phase_stats(burst)
+    return {
+        "concurrency": CONCURRENCY,
+        "burst": burst_n,
+        "fault_at_s": fault_at,
+        "healthy_at_s": healthy_at,
+        "phases": phases,
+        "burst_outcomes": statuses,
+        "burst_refused_max_s": max((o.latency_s for o in refused), default=None),
+        "burst_refused_with_retry_after": sum(1 for o in refused if o.retry_after),
+        "burst_slowest_s": max((o.latency_s for o in burst), default=None),
+        "burst_refused_p50_s": percentile([o.latency_s for o in refused], 50),
+        "probes_while_full": {
+            "outcomes": {k: sum(1 for o in probes if o.kind == k) for k in {o.kind for o in probes}},
+            "refused_p50_s": percentile([o.latency_s for o in probes if o.status == 503], 50),
+            "refused_max_s": max((o.latency_s for o in probes if o.status == 503), default=None),
+        },
+    }
+
+
+async def soak_scenario(ctx: Ctx, duration_s: float, warmup_s: float = 60.0) -> dict:
+    t0 = time.monotonic()
+    samples: list[dict[str, Any]] = []
+    async with Load(ctx.url, ctx.api_key, SOAK_CONCURRENCY, t0) as load:
+        while time.monotonic() - t0 < duration_s:
+            await asyncio.sleep(10)
+            rss = engine_rss_mb(ctx.root_pid)
+            samples.append({"t": time.monotonic() - t0, "total_mb": sum(rss.values()), "processes": rss})
+            ctx.say(
+                f"soak {time.monotonic() - t0:5.0f}s: {len(load.outcomes)} requests, "
+                f"{sum(not o.ok for o in load.outcomes)} errors, engines RSS "
+                f"{sum(rss.values()):.0f} MB"
+            )
+    warm = [s for s in samples if s["t"] >= warmup_s]
+    base = warm[0]["total_mb"] if warm else None
+    peak = max((s["total_mb"] for s in warm), default=None)
+    end = warm[-1]["total_mb"] if warm else None
+    phases = {"soak": phase_stats(load.outcomes)}
+    return {
+        "concurrency": SOAK_CONCURRENCY,
+        "duration_s": duration_s,
+        "warmup_s": warmup_s,
+        "phases": phases,
+        "rss_mb_after_warmup": base,
+        "rss_mb_peak": peak,
+        "rss_mb_end": end,
+        "rss_growth_pct": (100 * (end - base) / base) if base and end else None,
+        "rss_peak_growth_pct": (100 * (peak - base) / base) if base and peak else None,
+        "rss_samples": [{"t": s["t"], "total_mb": s["total_mb"]} for s in samples],
+    }
+
+
+def verdicts(results: dict[str, dict]) -> dict[str, Any]:
+    """The issue's acceptance figures, computed from the results (True/False/None)."""
+    out: dict[str, Any] = {}
+    kp = results.get("kill-prefill")
+    if kp:
+        b, d = kp["phases"]["before"], kp["phases"]["during"]
+        out["kill-prefill: 0 failed, 0 hung"] = all(p["failed"] == 0 for p in kp["phases"].values())
+        out["kill-prefill: p99 during <= 2x before"] = (
+            d["p99_s"] <= 2 * b["p99_s"] if d["p99_s"] and b["p99_s"] else None
+        )
+    kd = results.get("kill-decode")
+    if kd:
+        out["kill-decode: 0 failed before streaming"] = all(
+            p["failed_before_streaming"] == 0 for p in kd["phases"].values()
+        )
+    ov = results.get("overload")
+    if ov:
+        ok_kinds = {"ok", "http_429", "http_503"}
+        out["overload: every burst request 200/429/503, none hung"] = set(ov["burst_outcomes"]) <= ok_kinds
+    sk = results.get(SOAK)
+    if sk:
+        out["soak: 0 errors"] = sk["phases"]["soak"]["failed"] == 0
+        g = sk["rss_peak_growth_pct"]
+        out["soak: RSS growth <= 10% after warm-up"] = g <= 10 if g is not None else None
+    return out
+
+
+# --- the command ------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help=f"comma-separated, from {', '.join((*SCENARIOS, SOAK))}"
+    )
+    p.add_argument("--soak", action="store_true", help="add the 10-minute soak at concurrency 16")
+    p.add_argument("--soak-seconds", type=float, default=600)
+    p.add_argument("--before", type=float, default=20, help="seconds of load before each fault")
+    p.add_argument("--after", type=float, default=15, help="seconds of load after recovery")
+    p.add_argument(
+        "--during-max",
+        type=float,
+        default=100,
+        help="at most this many seconds of load after a kill while the replica restarts",
+    )
+    p.add_argument("--recover-timeout", type=float, default=600, help="seconds a killed replica may take to return")
+    return p.parse_args(argv)
+
+
+async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) -> dict:
+    from serving.local.config import admission_bound
+
+    names = [s for s in args.scenarios.split(",") if s]
+    if args.soak and SOAK not in names:
+        names.append(SOAK)
+    ctx = Ctx(
+        url=stack.urls["disaggregated"] + "/chat/completions",
+        api_key=stack.api_key,
+        dashboard_url=stack.state["dashboard_url"],
+        root_pid=stack.proc.pid,
+        before_s=args.before,
+        after_s=args.after,
+        during_max_s=args.during_max,
+        recover_timeout_s=args.recover_timeout,
+        capacity=admission_bound(stack.state["config"]),
+        say=say,
+    )
+    results: dict[str, dict] = {}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        say(f"scenario {name}")
+        if name == "kill-prefill":
+            res = await kill_scenario(ctx, ":Prefill:", want=1)
+        elif name == "kill-decode":
+            res = await kill_scenario(ctx, ":Decode:", want=2)
+        elif name == "kill-ingress":
+            res = await kill_scenario(ctx, "Ingress", want=1)
+        elif name == "overload":
+            res = await overload_scenario(ctx)
+        elif name == SOAK:
+            res = await soak_scenario(ctx, args.soak_seconds)
+        else:
+            raise SystemExit(f"unknown scenario {name!r}")
+        res["scenario"] = name
+        results[name] = res
+        (args.out / f"{name}.json").write_text(json.dumps(res, indent=2))
+        print(table(name, res["phases"]), flush=True)
+        if name == "overload":
+            pr = res["probes_while_full"]
+            print(
+                f"burst: {res['burst_outcomes']}; refused in p50 {_f(res['burst_refused_p50_s'])} s, "
+                f"max {_f(res['burst_refused_max_s'])} s, all with Retry-After: "
+                f"{res['burst_refused_with_retry_after'] == res['burst_outcomes'].get('http_503', 0)}; "
+                f"single requests while full: {pr['outcomes']}, refused in p50 "
+                f"{_f(pr['refused_p50_s'])} s, max {_f(pr['refused_max_s'])} s",
+                flush=True,
+            )
+    return results
+
+
+def main(argv=None) -> int:
+    from serving.local.background import background_stack
+
+    args = parse_args(argv)
+    t_start = time.monotonic()
+    say = lambda m: print(f"[{time.monotonic() - t_start:6.1f}s] {m}", flush=True)  # noqa: E731
+    say("starting the local stack: 1 prefill + 2 decode replicas")
+    log = args.out / "serve.log"
+    args.out.mkdir(parents=True, exist_ok=True)
+    with background_stack(
+        mode="disaggregated", log_path=log, extra_args=["--prefill-replicas", "1", "--decode-replicas", "2"]
+    ) as stack:
+        say(f"stack ready: {stack.urls['disaggregated']}")
+        results = asyncio.run(run(args, stack, say))
+    v = verdicts(results)
+    summary = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "scenarios": {k: {kk: vv for kk, vv in r.items() if kk != "rss_samples"} for k, r in results.items()},
+        "verdicts": v,
+        "wall_s": time.monotonic() - t_start,
+    }
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print("\n== acceptance figures ==")
+    for k, ok in v.items():
+        print(f"  {'PASS' if ok else ('n/a ' if ok is None else 'FAIL')}  {k}")
+    say(f"done; figures in {args.out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,185 @@
+"""The P/D application graph with a decode server that survives prefill failures.
+
+What flows through here: the P/D builder args (prefill_config, decode_config, ingress
+options and class) plus the resilience values come in; a Serve `Application` goes out:
+ingress -> ResilientPDDecodeServer -> PDPrefillServer, the same three tiers that Ray's
+`build_pd_openai_app` builds (Ray 2.60, ray/llm/_internal/serve/serving_patterns/
+prefill_decode/builder.py), composed from the public `ray.serve.llm.build_llm_deployment`
+so that the decode tier can be our subclass. Ray's builder hard-codes PDDecodeServer
+(LLMConfig.server_cls is ignored there), which is why this module exists.
+
+Not covered here: data-parallel engines (DPPD*Server; serving.app.build_app hands those
+to Ray's own builder) and RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from ray import serve
+from ray.serve.llm import build_llm_deployment
+from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
+from ray.serve.llm.ingress import make_fastapi_ingress
+
+from serving import ray_internals as ri
+from serving.resilience import (
+    METRICS,
+    Circuit,
+    Reason,
+    ResilienceConfig,
+    _is_server_error,
+    orchestrate,
+    remote_prefill,
+)
+from serving.streaming import EagerFirstChunkMixin
+
+logger = logging.getLogger("ray.serve")
+
+
+class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
+    """Ray's decode-side orchestrator, with the prefill hop made fault tolerant.
+
+    chat/completions: remote prefill under a deadline, retried, circuit-broken; local
+    prefill on this decode engine when the remote path fails (see serving.resilience).
+    Connectors that bind a peer or hand off concurrently (MoRIIO, WRITE mode) and the
+    tokenize-once experiment keep Ray's own path. The first streamed chunk leaves at once
+    (serving.streaming; the mixin comes first so its `_batch_output_stream` wins).
+    """
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits async constructors, as Ray's own
+        self,
+        llm_config,
+        *,
+        prefill_server,
+        resilience: Mapping[str, Any] | None = None,
+        engine_cls=None,
+        model_downloader=None,
+    ):
+        from ray.serve.metrics import Counter
+
+        if resilience is None:
+            raise ValueError("ResilientPDDecodeServer needs the resilience values")
+        self._res_cfg = ResilienceConfig.from_args(resilience)
+        self._prefill_circuit = Circuit(self._res_cfg.circuit_open_s)
+        self._prefill_retry_counter = Counter(
+            METRICS["prefill_retries"],
+            description="Prefill calls sent again (another replica) after a failure, by reason.",
+            tag_keys=("reason",),
+        )
+        self._local_prefill_counter = Counter(
+            METRICS["local_prefill"],
+            description="Requests prefilled on the decode engine instead of remotely, by reason.",
+            tag_keys=("reason",),
+        )
+        await super().__init__(
+            llm_config,
+            prefill_server=prefill_server,
+            engine_cls=engine_cls,
+            model_downloader=model_downloader,
+        )
+
+    def _upstream_path(self) -> bool:
+        backend = self._get_connector_backend()
+        return bool(backend.requires_peer_binding or backend.concurrent_handoff or self._pd_tokenize_once)
+
+    async def chat(self, request, raw_request_info=None):
+        if self._upstream_path():
+            return await super().chat(request, raw_request_info)
+        return self._resilient(request, raw_request_info, "chat")
+
+    async def completions(self, request, raw_request_info=None):
+        if self._upstream_path():
+            return await super().completions(request, raw_request_info)
+        return self._resilient(request, raw_request_info, "completions")
+
+    def _prefill_method(self, method: str, raw_request_info):
+        handle = self._prefill_handle
+        model = serve.get_multiplexed_model_id()
+        if model:
+            handle = handle.options(multiplexed_model_id=model)
+        if raw_request_info is not None:
+            session_id = ri.session_id_from_headers(raw_request_info.headers)
+            if session_id:
+                handle = handle.options(session_id=session_id)
+        return getattr(handle, method)
+
+    def _resilient(self, request, raw_request_info, method: str):
+        backend = self._get_connector_backend()
+        prefill_method = self._prefill_method(method, raw_request_info)
+        cfg = self._res_cfg
+        # Ray's LLMServer runs a request on this replica's own engine (no remote prefill).
+        local = getattr(LLMServer, method)
+
+        def call_prefill():
+            prefill_request = backend.prepare_prefill_request(request=request, peer=None)
+            return prefill_method.remote(prefill_request, raw_request_info)
+
+        async def prefill():
+            return await remote_prefill(
+                call_prefill,
+                is_error=lambda c: isinstance(c, ri.ErrorResponse),
+                cfg=cfg,
+                circuit=self._prefill_circuit,
+                on_retry=lambda r: self._prefill_retry_counter.inc(tags={"reason": r.value}),
+            )
+
+        async def decode_with(prefill_chunk):
+            decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=prefill_chunk)
+            return await local(self, decode_request, raw_request_info)
+
+        async def decode_local():
+            # The untouched request: no kv_transfer_params, so the decode engine prefills.
+            return await local(self, request, raw_request_info)
+
+        def on_fallback(reason: Reason) -> None:
+            self._local_prefill_counter.inc(tags={"reason": reason.value})
+
+        return orchestrate(
+            stream=bool(getattr(request, "stream", False)),
+            prefill=prefill,
+            decode_with=decode_with,
+            decode_local=decode_local,
+            is_server_error=_is_server_error,
+            cfg=cfg,
+            on_fallback=on_fallback,
+        )
+
+
+def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]):
+    """Ray's P/D graph (ingress -> decode -> prefill) with ResilientPDDecodeServer.
+
+    `builder_args` are what `build_pd_openai_app` takes; they are validated by Ray's own
+    PDServingArgs, so the same inputs are accepted and refused.
+    """
+    ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
+    # Validated: the config fields are LLMConfig / IngressClsConfig objects from here on.
+    pd: Any = ri.PDServingArgs.model_validate(dict(builder_args))
+    # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
+    prefill_cls: Any = PDPrefillServer
+    decode_cls: Any = ResilientPDDecodeServer
+    deployment: Any = serve.deployment
+    for role, config in (("prefill", pd.prefill_config), ("decode", pd.decode_config)):
+        if config.engine_kwargs.get("data_parallel_size", 1) > 1:
+            raise ValueError(f"{role}: data_parallel_size > 1 is not supported by the resilient P/D graph")
+    prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=prefill_cls)
+    decode = build_llm_deployment(
+        pd.decode_config,
+        name_prefix="Decode:",
+        bind_kwargs={"prefill_server": prefill, "resilience": dict(resilience)},
+        deployment_cls=decode_cls,
+    )
+    ingress_cls_config = pd.ingress_cls_config
+    options = ri.maybe_apply_llm_deployment_config_defaults(
+        ingress_cls_config.ingress_cls.get_deployment_options([pd.decode_config]),
+        pd.ingress_deployment_config,
+    )
+    model_id = pd.decode_config.model_id
+    lora = pd.decode_config.lora_config
+    return deployment(make_fastapi_ingress(ingress_cls_config.ingress_cls), **options).bind(
+        llm_deployments={model_id: decode},
+        model_cards={model_id: ri.to_model_metadata(model_id, pd.decode_config)},
+        lora_paths={model_id: lora.dynamic_lora_loading_path} if lora is not None else {},
+        **ingress_cls_config.ingress_extra_kwargs,
+    )

@@ -1,0 +1,62 @@
+"""The one place where the serving code reaches into Ray Serve LLM's internal modules.
+
+What flows through here: nothing at run time; this module only re-exports the few Ray
+2.60 internals that the resilience layer (serving/resilience.py) needs and that
+`ray.serve.llm` does not export. Each is named with the upstream file it comes from, so
+that an upgrade has one file to check; tests/serving/test_ray_internals.py fails loudly
+when any of them moves or changes shape.
+
+Upstream: ray-project/ray, Ray 2.60.0,
+  python/ray/llm/_internal/serve/core/ingress/utils.py      (_apply_openai_json_format,
+                                                            _sanitize_chat_completion_request,
+                                                            NON_STREAMING_RESPONSE_TYPES)
+  python/ray/llm/_internal/serve/core/protocol.py           (RawRequestInfo)
+  python/ray/llm/_internal/serve/core/configs/openai_api_models.py (ErrorResponse,
+                                                            to_model_metadata)
+  python/ray/llm/_internal/common/dict_utils.py             (maybe_apply_llm_deployment_config_defaults)
+  python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py (PDServingArgs)
+  python/ray/serve/_private/http_util.py                    (session_id_from_headers)
+Methods and attributes of public classes that the resilience layer relies on, also checked
+by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle,
+PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once, the
+connector backend's prepare_prefill_request / prepare_decode_request /
+requires_peer_binding / concurrent_handoff, and Serve's
+DeploymentResponseGenerator._fetch_future_result_async (python/ray/serve/handle.py: resolves
+once the router has given the call to a replica).
+"""
+
+from __future__ import annotations
+
+from ray.llm._internal.common.dict_utils import (
+    maybe_apply_llm_deployment_config_defaults,
+)
+from ray.llm._internal.serve.core.configs.openai_api_models import (
+    ErrorResponse,
+    to_model_metadata,
+)
+from ray.llm._internal.serve.core.ingress.utils import (
+    NON_STREAMING_RESPONSE_TYPES,
+)
+from ray.llm._internal.serve.core.ingress.utils import (
+    _apply_openai_json_format as openai_sse_packet,
+)
+from ray.llm._internal.serve.core.ingress.utils import (
+    _sanitize_chat_completion_request as sanitize_chat_request,
+)
+from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import (
+    PDServingArgs,
+)
+from ray.serve._private.http_util import session_id_from_headers
+
+__all__ = [
+    "NON_STREAMING_RESPONSE_TYPES",
+    "ErrorResponse",
+    "PDServingArgs",
+    "RawRequestInfo",
+    "maybe_apply_llm_deployment_config_defaults",
+    "openai_sse_packet",
+    "sanitize_chat_request",
+    "session_id_from_headers",
+    "to_model_metadata",
+]

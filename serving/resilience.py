@@ -1,0 +1,631 @@
+"""Serving that survives faults and overload: deadlines, retries, fallbacks, fast refusals.
+
+What flows through here: every chat/completions request of the P/D application.
+  client -> ingress (ResilientIngressMixin): total deadline, first-token deadline, one retry
+            when the decode replica dies before the first byte, fail-fast (503 + Retry-After)
+            while decode has no live replica, Serve's queue bound -> 503 + Retry-After, the
+            downstream call cancelled when the client goes away or a deadline passes.
+         -> decode (ResilientPDDecodeServer): the prefill call under its own deadline,
+            retried on another prefill replica, then -- or straight away while the prefill
+            circuit is open -- prefill done locally on the decode engine (the request runs
+            aggregated there, without kv_transfer_params); a streamed decode that gets no
+            first token within the KV-ready deadline is aborted (vLLM frees its blocks) and
+            rerun locally.
+         -> prefill (Ray's PDPrefillServer, unchanged).
+Deadlines and attempts come from the spec (serving/spec.py, ResilienceSpec, where the
+defaults live) through args["resilience"]. Every retry, fallback and refusal is counted in a
+Ray Serve metric with its reason (see METRICS).
+
+`Unservable` is the hook for "the cluster cannot serve this request": before the first byte,
+the ingress calls `on_unservable(body, raw_request, failure)`; a subclass (the external
+fallback router) may return a Response, else the client gets the JSON error.
+
+Ray internals are reached only through serving/ray_internals.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+logger = logging.getLogger("ray.serve")
+
+# Prometheus names, as Ray exports them: "ray_" + name + "_total" for counters.
+METRICS = {
+    "prefill_retries": "pd_prefill_retries",
+    "local_prefill": "pd_local_prefill_fallbacks",
+    "ingress_retries": "pd_ingress_retries",
+    "ingress_refusals": "pd_ingress_refusals",
+}
+
+
+class Reason(str, enum.Enum):
+    """Why a hop failed or a request was refused (the metrics' `reason` label)."""
+
+    # prefill hop (decode side)
+    REPLICA_DIED = "replica_died"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    OVERLOADED = "overloaded"
+    CIRCUIT_OPEN = "circuit_open"
+    KV_TIMEOUT = "kv_timeout"
+    KV_LOAD_ERROR = "kv_load_error"
+    # ingress hop
+    DECODE_DIED = "decode_died"
+    DECODE_UNAVAILABLE = "decode_unavailable"
+    DEADLINE = "deadline"
+    ENGINE_ERROR = "engine_error"
+
+
+@dataclass(frozen=True)
+class ResilienceConfig:
+    """Runtime values rendered by serving.spec.ResilienceSpec.runtime_args() (seconds)."""
+
+    prefill_timeout_s: float
+    prefill_attempts: int
+    kv_ready_timeout_s: float
+    first_token_timeout_s: float
+    total_timeout_s: float
+    fail_fast_s: float
+    decode_attempts: int
+    circuit_open_s: float
+    retry_after_s: int
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> ResilienceConfig:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - names)
+        missing = sorted(names - set(args))
+        if unknown or missing:
+            raise ValueError(f"args.resilience: unknown keys {unknown or 'none'}, missing keys {missing or 'none'}")
+        return cls(**dict(args))
+
+
+class Unservable(Exception):
+    """The cluster cannot serve this request (before any byte went to the client)."""
+
+    def __init__(self, reason: Reason, status: int, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.reason = reason
+        self.status = status
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
+
+
+class EngineRefused(Exception):
+    """The engine answered the request with a client error (4xx): passed on as is.
+    Carries status_code and message like Ray's OpenAIHTTPException."""
+
+    def __init__(self, status_code: int, message: str):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+
+
+def classify(exc: BaseException) -> Reason:
+    """The reason label for an exception raised by a Serve handle call."""
+    from ray.exceptions import ActorUnavailableError, RayActorError
+    from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
+
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return Reason.TIMEOUT
+    if isinstance(exc, BackPressureError):
+        return Reason.OVERLOADED
+    if isinstance(exc, (RayActorError, ActorUnavailableError, DeploymentUnavailableError)):
+        return Reason.REPLICA_DIED
+    # Serve wraps an upstream replica crash in a RayServeException naming ActorDiedError.
+    if "ActorDiedError" in repr(exc) or "actor died" in str(exc).lower():
+        return Reason.REPLICA_DIED
+    return Reason.ERROR
+
+
+class Circuit:
+    """Remote prefill on/off: opens on a failure, tries again after `open_s`.
+
+    While open, requests skip the remote prefill (no time lost waiting on a dead or
+    restarting replica) and prefill locally on decode; requests already waiting on a
+    prefill stop waiting the moment it opens. After `open_s`, one request at a time probes
+    the remote path (half-open); a success closes the circuit.
+    """
+
+    def __init__(self, open_s: float, clock: Callable[[], float] = time.monotonic):
+        self.open_s = open_s
+        self._clock = clock
+        self._opened_at: float | None = None
+        self._probing = False
+        self._tripped: asyncio.Event | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._opened_at is not None
+
+    def allow(self) -> bool:
+        """May this request try the remote prefill? (True for the one half-open probe.)"""
+        if self._opened_at is None:
+            return True
+        if self._probing or self._clock() - self._opened_at < self.open_s:
+            return False
+        self._probing = True
+        return True
+
+    def success(self) -> None:
+        self._opened_at = None
+        self._probing = False
+        self._tripped = None  # waiters from now on wait for the next trip
+
+    def failure(self) -> None:
+        self._opened_at = self._clock()
+        self._probing = False
+        if self._tripped is not None:
+            self._tripped.set()
+
+    def release(self) -> None:
+        """The probe ended without a verdict (cancelled): let another request probe."""
+        self._probing = False
+
+    async def tripped(self) -> None:
+        """Returns when the circuit opens (now, if it is open and not being probed)."""
+        if self._tripped is None:
+            self._tripped = asyncio.Event()
+        await self._tripped.wait()
+
+
+class CircuitOpened(Exception):
+    """Another request found the remote prefill broken while this one waited."""
+
+
+async def _first_or_trip(stream: Any, timeout_s: float, circuit: Circuit) -> Any:
+    nxt = asyncio.ensure_future(stream.__anext__())
+    trip = asyncio.ensure_future(circuit.tripped())
+    try:
+        done, _ = await asyncio.wait({nxt, trip}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        nxt.cancel()
+        raise
+    finally:
+        trip.cancel()
+    if nxt in done:
+        return nxt.result()
+    nxt.cancel()
+    if trip in done:
+        raise CircuitOpened
+    raise TimeoutError
+
+
+class DecodeHealth:
+    """What the ingress has seen of decode: after a replica death, until a request gets a
+    first chunk again, new requests wait at most `fail_fast_s` for one (then 503)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._trouble_since: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self._trouble_since is not None
+
+    def trouble(self) -> None:
+        if self._trouble_since is None:
+            self._trouble_since = self._clock()
+
+    def ok(self) -> None:
+        self._trouble_since = None
+
+
+# --- decode side: the prefill hop ------------------------------------------------------
+@dataclass
+class PrefillOutcome:
+    chunk: Any = None
+    reason: Reason | None = None  # set when falling back to local prefill
+
+
+async def remote_prefill(
+    call: Callable[[], Any],
+    *,
+    is_error: Callable[[Any], bool],
+    cfg: ResilienceConfig,
+    circuit: Circuit,
+    on_retry: Callable[[Reason], None],
+) -> PrefillOutcome:
+    """Run the prefill call under its deadline, retrying; the outcome says fall back or not.
+
+    `call()` starts one prefill request and returns its response stream (a Serve
+    DeploymentResponseGenerator: async-iterable with .cancel()). A failed or late call is
+    cancelled, so the prefill engine drops it. A replica death or an error is retried (Serve
+    routes the retry away from a dead replica); a timeout is not (nothing answered within
+    the deadline, so the circuit opens and this and the waiting requests go local);
+    backpressure is not either (prefill is busy, not broken: the circuit stays closed).
+    """
+    if not circuit.allow():
+        return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
+    probe = circuit.is_open  # allowed while open: this request is the half-open probe
+    reason = Reason.ERROR
+    verdict = False
+    try:
+        for attempt in range(cfg.prefill_attempts):
+            if attempt and circuit.is_open:
+                reason = Reason.CIRCUIT_OPEN
+                break
+            stream = call()
+            try:
+                chunk = await _first_or_trip(stream, cfg.prefill_timeout_s, circuit)
+            except asyncio.CancelledError:
+                _cancel(stream)
+                raise
+            except CircuitOpened:
+                _cancel(stream)
+                reason = Reason.CIRCUIT_OPEN
+                break
+            except Exception as exc:
+                _cancel(stream)
+                reason = classify(exc)
+                logger.warning("prefill attempt %d failed (%s): %r", attempt + 1, reason.value, exc)
+            else:
+                if not is_error(chunk):
+                    circuit.success()
+                    verdict = True
+                    return PrefillOutcome(chunk=chunk)
+                reason = Reason.ERROR
+                logger.warning("prefill attempt %d returned an error: %s", attempt + 1, chunk)
+            if reason is Reason.OVERLOADED:
+                break
+            if reason is Reason.TIMEOUT or attempt + 1 == cfg.prefill_attempts:
+                circuit.failure()
+                verdict = True
+                break
+            on_retry(reason)
+        return PrefillOutcome(reason=reason)
+    finally:
+        if probe and not verdict:
+            circuit.release()
+
+
+async def first_then_rest(gen: AsyncIterator[Any], timeout_s: float | None) -> tuple[Any, AsyncIterator[Any]]:
+    """The first item of `gen` within `timeout_s` (None: no limit), and the rest."""
+    if timeout_s is None:
+        first = await gen.__anext__()
+    else:
+        first = await asyncio.wait_for(gen.__anext__(), timeout_s)
+    return first, gen
+
+
+async def orchestrate(
+    *,
+    stream: bool,
+    prefill: Callable[[], Awaitable[PrefillOutcome]],
+    decode_with: Callable[[Any], Awaitable[AsyncIterator[Any]]],
+    decode_local: Callable[[], Awaitable[AsyncIterator[Any]]],
+    is_server_error: Callable[[Any], bool],
+    cfg: ResilienceConfig,
+    on_fallback: Callable[[Reason], None],
+) -> AsyncIterator[Any]:
+    """Remote prefill then decode; local prefill on decode when the remote path fails.
+
+    Nothing is yielded before the decode engine produced its first item, so a fallback
+    never duplicates output.
+    """
+    outcome = await prefill()
+    if outcome.reason is None:
+        gen = await decode_with(outcome.chunk)
+        try:
+            # Streamed: the first token must come within the KV-ready deadline (KV pulled
+            # from prefill). Non-streamed: the first item is the whole answer.
+            first, gen = await first_then_rest(gen, cfg.kv_ready_timeout_s if stream else None)
+        except StopAsyncIteration:
+            return
+        except asyncio.CancelledError:
+            await _aclose(gen)
+            raise
+        except TimeoutError:
+            await _aclose(gen)  # aborts the engine request: vLLM frees its KV blocks
+            outcome.reason = Reason.KV_TIMEOUT
+        else:
+            if is_server_error(_first(first)):
+                await _aclose(gen)
+                outcome.reason = Reason.KV_LOAD_ERROR
+            else:
+                yield first
+                async for item in gen:
+                    yield item
+                return
+    on_fallback(outcome.reason)
+    logger.warning("prefill locally on decode (%s)", outcome.reason.value)
+    async for item in await decode_local():
+        yield item
+
+
+async def _assigned(stream: Any) -> None:
+    """Returns once Serve's router has given the call to a replica (Ray 2.60
+    DeploymentResponseGenerator._fetch_future_result_async, see ray_internals); streams
+    without that step count as assigned."""
+    fetch = getattr(stream, "_fetch_future_result_async", None)
+    if fetch is not None:
+        await fetch()
+
+
+def _cancel(stream: Any) -> None:
+    """Stop a downstream call: Serve's response streams have cancel() (the replica then
+    cancels the request, and vLLM aborts it); a plain async generator is closed."""
+    cancel = getattr(stream, "cancel", None)
+    if cancel is not None:
+        cancel()
+    elif hasattr(stream, "aclose"):
+        task = asyncio.ensure_future(_aclose(stream))
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
+
+def _first(item: Any) -> Any:
+    return item[0] if isinstance(item, list) and item else item
+
+
+_closing: set[asyncio.Future[None]] = set()  # keeps close tasks alive until they finish
+
+
+async def _aclose(gen: Any) -> None:
+    close = getattr(gen, "aclose", None)
+    if close is not None:
+        with contextlib.suppress(Exception):  # closing a failed stream must not raise
+            await close()
+
+
+# --- ingress side -----------------------------------------------------------------------
+def sse_error(message: str, code: int, type_: str = "server_error") -> str:
+    """An OpenAI-style error event for a stream that already sent bytes, plus [DONE]."""
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+
+
+async def first_chunk(
+    dispatch: Callable[[], Any],
+    *,
+    cfg: ResilienceConfig,
+    health: DecodeHealth,
+    started: float,
+    is_server_error: Callable[[Any], bool],
+    on_retry: Callable[[Reason], None],
+    streamed: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Any, Any]:
+    """Dispatch to decode until a first chunk arrives; (first chunk, stream) or Unservable.
+
+    Retries (up to decode_attempts) when the decode replica died or answered 5xx before
+    the first byte. While decode is degraded (a replica died and nothing has succeeded
+    since), a request waits at most fail_fast_s for a replica to take it.
+    """
+    from ray.serve.exceptions import BackPressureError
+
+    attempts = 0
+    while True:
+        attempts += 1
+        remaining = cfg.total_timeout_s - (clock() - started)
+        if remaining <= 0:
+            raise Unservable(Reason.DEADLINE, 504, "The request deadline passed.", cfg.retry_after_s)
+        stream = dispatch()
+        admitted = False
+        try:
+            # 1. A replica takes the call. While a decode replica is known lost, a live one
+            #    must take it at once, else there is none (restarts take minutes): say so now.
+            # A non-streamed answer comes whole: only the total deadline bounds it.
+            budget = min(remaining, cfg.first_token_timeout_s) if streamed else remaining
+            t_admit = clock()
+            await asyncio.wait_for(_assigned(stream), min(budget, cfg.fail_fast_s) if health.degraded else budget)
+            admitted = True
+            # 2. Its first chunk, within what is left of the first-token deadline.
+            first = await asyncio.wait_for(stream.__anext__(), budget - (clock() - t_admit))
+        except asyncio.CancelledError:
+            _cancel(stream)
+            raise
+        except StopAsyncIteration:
+            raise Unservable(Reason.ENGINE_ERROR, 503, "The engine returned nothing.", cfg.retry_after_s) from None
+        except TimeoutError:
+            _cancel(stream)  # frees the queue slot or the engine work
+            if not admitted:
+                health.trouble()
+                raise Unservable(
+                    Reason.DECODE_UNAVAILABLE,
+                    503,
+                    "No model replica is available right now; retry shortly.",
+                    cfg.retry_after_s,
+                ) from None
+            raise Unservable(
+                Reason.DEADLINE,
+                504,
+                "No first token before the deadline; retry later.",
+                cfg.retry_after_s,
+            ) from None
+        except BackPressureError as exc:
+            retry_after = int(getattr(exc, "retry_after_s", 0) or cfg.retry_after_s)
+            raise Unservable(Reason.OVERLOADED, 503, "The server is overloaded; retry later.", retry_after) from None
+        except Exception as exc:
+            _cancel(stream)
+            reason = classify(exc)
+            if reason is not Reason.REPLICA_DIED:
+                raise
+            health.trouble()
+            logger.warning("decode replica lost before the first byte: %r", exc)
+            if attempts < cfg.decode_attempts:
+                on_retry(Reason.DECODE_DIED)
+                continue
+            raise Unservable(
+                Reason.DECODE_UNAVAILABLE,
+                503,
+                "No model replica is available right now; retry shortly.",
+                cfg.retry_after_s,
+            ) from None
+        if is_server_error(_first(first)):
+            _cancel(stream)
+            if attempts < cfg.decode_attempts:
+                on_retry(Reason.ENGINE_ERROR)
+                continue
+            raise Unservable(
+                Reason.ENGINE_ERROR,
+                503,
+                "The model failed to answer; retry shortly.",
+                cfg.retry_after_s,
+            )
+        health.ok()
+        return first, stream
+
+
+async def guarded_stream(
+    first: Any,
+    stream: Any,
+    *,
+    deadline_at: float,
+    to_packet: Callable[[Any], str],
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[str]:
+    """SSE packets of an already-started stream, cut at the total deadline.
+
+    After the first byte nothing is retried: a failure or the deadline ends the stream
+    with an OpenAI-style error event. If the client goes away (the task is cancelled) or
+    the stream ends early, the downstream request is cancelled so the engine stops.
+    """
+    done_sent = False
+    finished = False
+    try:
+        packet = to_packet(first)
+        done_sent = packet.rstrip().endswith("data: [DONE]")
+        yield packet
+        while True:
+            remaining = deadline_at - clock()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                item = await asyncio.wait_for(stream.__anext__(), remaining)
+            except StopAsyncIteration:
+                break
+            packet = to_packet(item)
+            done_sent = done_sent or packet.rstrip().endswith("data: [DONE]")
+            yield packet
+        if not done_sent:
+            yield "data: [DONE]\n\n"
+        finished = True
+    except TimeoutError:
+        yield sse_error("The request deadline passed during generation.", 504, "timeout_error")
+    except Exception as exc:
+        logger.warning("stream failed after the first byte: %r", exc)
+        yield sse_error("The model stream failed; the answer is incomplete.", 500)
+    finally:
+        if not finished:
+            _cancel(stream)
+
+
+class ResilientIngressMixin:
+    """Chat/completions through `first_chunk` and `guarded_stream`; put it before
+    OpenAiIngress in the bases. Other endpoints keep Ray's behaviour.
+
+    `on_unservable` is the hook for "the cluster cannot serve this request": override it
+    (e.g. route to an external API) by returning a Response; None sends the JSON error.
+    """
+
+    _resilience: ResilienceConfig
+    _decode_health: DecodeHealth
+
+    def _init_resilience(self, resilience: Mapping[str, Any]) -> None:
+        from ray.serve.metrics import Counter
+
+        self._resilience = ResilienceConfig.from_args(resilience)
+        self._decode_health = DecodeHealth()
+        self._retry_counter = Counter(
+            METRICS["ingress_retries"],
+            description="Requests the ingress sent to decode again before the first byte, by reason.",
+            tag_keys=("reason",),
+        )
+        self._refusal_counter = Counter(
+            METRICS["ingress_refusals"],
+            description="Requests the cluster could not serve (503/504 or fallback), by reason.",
+            tag_keys=("reason", "status"),
+        )
+
+    async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
+        """Return a Response to send instead of the error (hybrid routing), or None."""
+        return None
+
+    async def chat(self, body, request):
+        return await self._resilient_call(body, "chat", request)
+
+    async def completions(self, body, request):
+        return await self._resilient_call(body, "completions", request)
+
+    async def _resilient_call(self, body: Any, call_method: str, raw_request: Any):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        from serving import ray_internals as ri
+
+        started = time.monotonic()
+        cfg = self._resilience
+        model_id = await self._get_model_id(body.model)  # type: ignore[attr-defined]
+
+        def dispatch():
+            handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
+            return _call(handle, body, call_method, raw_request)
+
+        try:
+            first, stream = await first_chunk(
+                dispatch,
+                cfg=cfg,
+                health=self._decode_health,
+                started=started,
+                is_server_error=_is_server_error,
+                on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
+                streamed=bool(getattr(body, "stream", False)),
+            )
+        except Unservable as failure:
+            self._refusal_counter.inc(tags={"reason": failure.reason.value, "status": str(failure.status)})
+            logger.warning("request refused: %s (%s)", failure.reason.value, failure.status)
+            alternative = await self.on_unservable(body, raw_request, failure)
+            if alternative is not None:
+                return alternative
+            raise
+        head = _first(first)
+        if isinstance(head, ri.ErrorResponse):
+            # A 4xx from the engine (bad parameters): the client's to fix, not retried.
+            _cancel(stream)
+            raise EngineRefused(head.error.code or 400, head.error.message)
+        if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
+            return JSONResponse(content=head.model_dump())
+        return StreamingResponse(
+            guarded_stream(
+                first,
+                stream,
+                deadline_at=started + cfg.total_timeout_s,
+                to_packet=ri.openai_sse_packet,
+            ),
+            media_type="text/event-stream",
+        )
+
+
+def _call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:
+    """One streaming call to the model deployment (what OpenAiIngress._get_response does,
+    keeping hold of the response so it can be cancelled)."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    from serving import ray_internals as ri
+
+    if raw_request is not None:
+        session_id = ri.session_id_from_headers(raw_request.headers)
+        if session_id:
+            handle = handle.options(session_id=session_id)
+    if isinstance(body, ChatCompletionRequest):
+        body = ri.sanitize_chat_request(body)
+    info = ri.RawRequestInfo.from_starlette_request(raw_request) if raw_request is not None else None
+    return getattr(handle, call_method).remote(body, info)
+
+
+def _is_server_error(item: Any) -> bool:
+    from serving import ray_internals as ri
+
+    return isinstance(item, ri.ErrorResponse) and (item.error.code or 500) >= 500
