@@ -253,7 +253,11 @@ class RoleSpec(SpecModel):
     downscale_delay_s: float = Field(default=300, ge=0)
     # Serve's queue bound in front of the role's replicas (per caller): past it, callers get
     # BackPressureError at once, which the ingress answers as 503 + Retry-After. Bounded by
-    # default: an unbounded queue turns overload into requests that wait forever.
+    # default: an unbounded queue turns overload into requests that wait forever. Serve counts
+    # a request as queued until a replica is picked, so a burst that arrives at once is
+    # refused past this bound even while replicas have free slots (Ray 2.60
+    # ray/serve/_private/router.py, wrap_request_assignment): keep it at least as deep as the
+    # bursts one caller (an ingress replica) must absorb.
     max_queued_requests: int = Field(default=64, ge=1)
 
     @field_validator("tensor_parallel_size")

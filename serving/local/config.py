@@ -132,8 +132,12 @@ LOCAL_RESILIENCE = {
     "circuitOpenS": 3.0,
     "retryAfterS": 1,
 }
-# Bounded queues per role, small enough that `make chaos`'s 3x burst overflows them.
-LOCAL_ROLE_LIMITS = {"maxOngoingRequests": 16, "maxQueuedRequests": 16}
+# Bounded queues per role, small enough that `make chaos`'s 3x burst overflows them. Serve
+# counts every request not yet assigned to a replica as queued, so requests that arrive
+# together are refused past max_queued_requests even while replicas have free slots (Ray
+# 2.60 ray/serve/_private/router.py, wrap_request_assignment): the queue is at least as
+# deep as the bursts a replica's slots should absorb (the autoscaling test starts 24 at once).
+LOCAL_ROLE_LIMITS = {"maxOngoingRequests": 16, "maxQueuedRequests": 32}
 
 
 # --- what gets deployed ------------------------------------------------------------------

@@ -103,8 +103,8 @@ def test_replicas_render_as_fixed_replica_counts_with_bounded_queues():
         dep = args[role]["deployment_config"]
         assert dep["autoscaling_config"]["min_replicas"] == dep["autoscaling_config"]["max_replicas"] == 2
         assert dep["max_queued_requests"] == local_config.LOCAL_ROLE_LIMITS["maxQueuedRequests"]
-    # decode: 2 replicas x 16 running + 16 queued at the ingress's handle
-    assert local_config.admission_bound(cfg) == 2 * 16 + 16
+    # decode: 2 replicas x 16 running + 32 queued at the ingress's handle
+    assert local_config.admission_bound(cfg) == 2 * 16 + 32
 
 
 def test_local_deadlines_come_from_the_spec_model():
