@@ -3,9 +3,7 @@
 What flows through here: the report `make bench` writes (build/bench/serving.json, with the
 per-request samples under "samples") -> `serving_png()`: per target, the distribution of TTFT
 and TPOT at each concurrency (empirical CDFs, log time axis) -> serving.png beside the JSON.
-A chaos report (`make chaos`: per fault, requests with their start time, latency and outcome)
--> `chaos_png()`: per fault, a timeline of request latency with failed requests marked and
-the fault's moment drawn -> chaos.png beside its JSON.
+(`make chaos` prints tables and writes JSON only: its figures are counts per phase.)
 `python -m bench.plots build/bench/serving.json` redraws a saved report.
 """
 
