@@ -97,7 +97,7 @@ pools = {
 }
 if not region:
     raise pulumi.RunError(f"{stack_file(stack)}: aws:region: required (the node autoscaler calls the AWS APIs there)")
-NodeAutoscaler(
+node_autoscaler = NodeAutoscaler(
     "node-autoscaler",
     NodeAutoscalerArgs(
         cluster_name=cluster_name,
@@ -155,7 +155,7 @@ observability = ObservabilityStack(
         llm_namespace=cfg.namespace,
         gpu_instance_types=sorted(catalog.CATALOG),
         # The monitor list is data: a component that exposes metrics adds its target here.
-        targets=[kuberay_operator_target(KUBERAY_NAMESPACE)],
+        targets=[kuberay_operator_target(KUBERAY_NAMESPACE), node_autoscaler.scrape_target],
         region=region,
         tags=tags,
     ),

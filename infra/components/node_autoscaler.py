@@ -10,6 +10,8 @@ on the system nodes, discovering exactly those node groups' Auto Scaling groups 
 autoscaler adds a worker pod -> the pod is Pending -> this adds a node to the pod's pool (in
 the pool's zone and placement group, with its EFA interfaces: the node group's launch
 template) -> when the KubeRay autoscaler deletes an idle pod, the empty node goes away.
+Its metrics (/metrics on the chart's Service, port `http`) are scraped through
+`scrape_target`, which the composition root hands to the observability component.
 
 Why Cluster Autoscaler and not Karpenter: docs/scaling.md. Scale from zero: the autoscaler
 builds a template node from the instance type and, for EKS managed node groups, from the
@@ -30,10 +32,16 @@ import pulumi_kubernetes as k8s
 from infra.components.helm import release
 from infra.components.iam import trusted_by
 from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
+from infra.k8s.monitoring import ScrapeTarget, node_autoscaler_target
 from infra.model import catalog, versions
 
 NAMESPACE = "kube-system"
 SERVICE_ACCOUNT = "cluster-autoscaler"
+# The Helm release name, stated so that the ServiceMonitor can select the chart's Service by
+# its `app.kubernetes.io/instance` label; and the cloud provider, which also names the chart's
+# objects (`<cloudProvider>-cluster-autoscaler`).
+RELEASE_NAME = "cluster-autoscaler"
+CLOUD_PROVIDER = "aws"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # kubernetes/autoscaler cluster-autoscaler/cloudprovider/aws/aws_manager.go: tags with this
 # prefix on the Auto Scaling group, or on the EKS node group (read through DescribeNodegroup),
@@ -107,7 +115,7 @@ def chart_values(cluster_name: str, region: str, kubernetes_version: str, node_g
     # at the size Pulumi gives it).
     first, *rest = node_group_names
     return {
-        "cloudProvider": "aws",
+        "cloudProvider": CLOUD_PROVIDER,
         "awsRegion": region,
         "autoDiscovery": {"clusterName": cluster_name, "tags": [f"{ASG_NODEGROUP_TAG}={first}"]},
         "customArgs": [f"--node-group-auto-discovery=asg:tag={ASG_NODEGROUP_TAG}={ng}" for ng in rest],
@@ -163,6 +171,7 @@ class NodeAutoscalerArgs:
 
 class NodeAutoscaler(pulumi.ComponentResource):
     role_arn: pulumi.Output[str]
+    scrape_target: ScrapeTarget
 
     def __init__(self, name: str, args: NodeAutoscalerArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:nodes:NodeAutoscaler", name, None, opts)
@@ -199,6 +208,8 @@ class NodeAutoscaler(pulumi.ComponentResource):
             values,
             args.provider,
             depends_on=[identity, *args.depends_on],
+            release_name=RELEASE_NAME,
         )
         self.role_arn = role.arn
+        self.scrape_target = node_autoscaler_target(NAMESPACE, RELEASE_NAME, CLOUD_PROVIDER)
         self.register_outputs({"roleArn": self.role_arn, "chartVersion": versions.CLUSTER_AUTOSCALER.version})

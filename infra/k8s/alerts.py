@@ -1,9 +1,11 @@
 """Alerts as a PrometheusRule: SLO burn, P/D failure signatures, capacity, GPUs, errors.
 
 What flows through here: the serving spec's SLOs (`serving.slo`), the stack's
-`observability` block (how long replicas may stay Pending), and the KV-transfer alert groups
-of `infra.k8s.kv_alerts` -> one `monitoring.coreos.com/v1` PrometheusRule whose alerts each
-carry a `runbook_url` into docs/runbooks.md (one section per alert, same anchor).
+`observability` block (how long replicas may stay Pending), the serving code's own counters
+(`infra.k8s.serving_metrics`: fallback share, limiter errors), the node autoscaler's
+failed scale-ups, and the KV-transfer alert groups of `infra.k8s.kv_alerts` -> one
+`monitoring.coreos.com/v1` PrometheusRule whose alerts each carry a `runbook_url` into
+docs/runbooks.md (one section per alert, same anchor).
 
 SLO burn follows the multi-window, multi-burn-rate recipe of Google's SRE workbook
 ("Alerting on SLOs"): the share of requests slower than the SLO threshold, read from the
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.k8s.monitoring import MONITORING_LABEL, ROLE
+from infra.k8s.serving_metrics import LIMITER_ERRORS, fallback_share
 from infra.model.config import Observability
 from serving.spec import SloSpec
 
@@ -26,6 +29,11 @@ RUNBOOK_BASE = "https://github.com/pd-inference/pd-inference/blob/main/docs/runb
 # (severity, burn rate, long window, short window): Google SRE workbook, table 5-8.
 BURN_WINDOWS = (("critical", 14.4, "1h", "5m"), ("warning", 6.0, "6h", "30m"))
 ERROR_RATE_THRESHOLD = 0.05
+# Above this share of answers from the external fallback, for FALLBACK_FOR, the cluster is
+# short of capacity or broken: every fallback answer is billed per token by the provider.
+# A judgement, not a published figure; overflow that is meant to happen stays below it.
+FALLBACK_SHARE_THRESHOLD = 0.2
+FALLBACK_FOR = "10m"
 
 
 @dataclass(frozen=True)
@@ -158,12 +166,50 @@ def service_rules(namespace: str, obs: Observability) -> list[dict[str, Any]]:
     ]
 
 
+def hybrid_rules() -> list[dict[str, Any]]:
+    """Hybrid routing and limits (serving/hybrid.py, serving/limits.py)."""
+    return [
+        _alert(
+            "PDFallbackShareHigh",
+            f"{fallback_share('model', '5m')} > {FALLBACK_SHARE_THRESHOLD}",
+            FALLBACK_FOR,
+            "warning",
+            f"{{{{ $labels.model }}}}: more than {FALLBACK_SHARE_THRESHOLD:.0%} of requests answered by the external "
+            f"fallback for {FALLBACK_FOR} ({{{{ $value | humanizePercentage }}}})",
+        ),
+        _alert(
+            "PDLimiterErrors",
+            f"sum(rate({LIMITER_ERRORS}[5m])) > 0",
+            "5m",
+            "warning",
+            "The limits ledger does not answer: per-key request and token limits are not enforced",
+        ),
+    ]
+
+
+def node_autoscaler_rules() -> list[dict[str, Any]]:
+    """The Cluster Autoscaler (kubernetes/autoscaler cluster-autoscaler/metrics/metrics.go:
+    `failed_scale_ups_total{reason}`, reasons cloudProviderError, apiCallError, timeout, each
+    initialised to 0 at start)."""
+    return [
+        _alert(
+            "PDNodeScaleUpFailed",
+            "sum by (reason) (increase(cluster_autoscaler_failed_scale_ups_total[15m])) > 0",
+            "0m",
+            "warning",
+            "The node autoscaler failed to add a node in the last 15 minutes ({{ $labels.reason }})",
+        ),
+    ]
+
+
 def prometheus_rule(
     name: str, namespace: str, slo: SloSpec, obs: Observability, extra_groups: list[dict[str, Any]] | None = None
 ) -> dict[str, Any]:
     groups = [
         {"name": "pd-slo", "rules": slo_rules(slo)},
         {"name": "pd-service", "rules": service_rules(namespace, obs)},
+        {"name": "pd-hybrid", "rules": hybrid_rules()},
+        {"name": "pd-nodes", "rules": node_autoscaler_rules()},
         *(extra_groups or []),
     ]
     return {

@@ -4,12 +4,15 @@ What flows through here: the serving spec's SLOs -> `pd_service_dashboard()`, a 
 dashboard model built with Grafana's own SDK (no hand-written JSON), per engine role:
 latency (TTFT, ITL, TPOT p50/p99), requests and errors by status, queues, KV cache and
 prefix-cache hits, NIXL KV transfer bytes and time per request, fallback share and per-key
-usage (hybrid routing), and GPU utilisation, HBM, power and XID errors from DCGM ->
+usage, 429s, fallbacks and limiter errors (hybrid routing: `serving.limits`'s counters, their
+names imported, not retyped), GPU utilisation, HBM, power and XID errors from DCGM, and the
+node autoscaler's view (unschedulable pods, scale-ups and failed scale-ups) ->
 `dashboard_configmaps()`, ConfigMaps labelled for Grafana's dashboard sidecar.
 
-Every expression lives in `PANELS` below, as data; the tests parse each with a real PromQL
+Every expression lives in `ROWS` below, as data; the tests parse each with a real PromQL
 parser and check each metric name against a live scrape of the local stack (Ray, Serve,
-vLLM) or the exporter's vendored metric list (DCGM, kube-state-metrics).
+vLLM), the serving code's declared event counters, or the exporter's published metric list
+(DCGM, kube-state-metrics, Cluster Autoscaler).
 """
 
 from __future__ import annotations
@@ -25,11 +28,22 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
 
 from infra.k8s.monitoring import DASHBOARD_LABEL, MONITORING_NAMESPACE, RAY_CLUSTER, ROLE
+from infra.k8s.serving_metrics import (
+    COMPLETION_TOKENS,
+    FALLBACKS,
+    LIMITER_ERRORS,
+    PROMPT_TOKENS,
+    RATE_LIMITED,
+    REQUESTS,
+    fallback_share,
+)
 
 DATASOURCE = "datasource"
 # Grafana's own range variable: at least four scrape intervals (Grafana docs).
 RATE = "$__rate_interval"
 SEL = f'{ROLE}=~"$role", {RAY_CLUSTER}=~"$cluster"'
+# The ingress's own counters live on the head (no engine role): select by Ray cluster only.
+CLUSTER_SEL = f'{RAY_CLUSTER}=~"$cluster"'
 
 
 @dataclass(frozen=True)
@@ -194,6 +208,72 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
         ),
     ),
     (
+        "Hybrid routing and limits",
+        (
+            PanelSpec(
+                "Fallback share",
+                "percentunit",
+                (Query(fallback_share("model", RATE, CLUSTER_SEL), "{{model}}"),),
+                "Share of answered requests that the external fallback served (cluster unavailable, "
+                "overloaded, or first token late). Empty while nothing went to the fallback.",
+            ),
+            PanelSpec(
+                "Requests per key and destination",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (key, destination) (rate({REQUESTS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "{{key}} {{destination}}",
+                    ),
+                ),
+                "Answered requests per API key id (k-<12 hex>; `python -m serving.limits` maps keys to ids).",
+            ),
+            PanelSpec(
+                "Tokens per key and destination",
+                "short",
+                (
+                    Query(
+                        f"sum by (key, destination) (rate({PROMPT_TOKENS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "prompt {{key}} {{destination}}",
+                    ),
+                    Query(
+                        f"sum by (key, destination) (rate({COMPLETION_TOKENS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "completion {{key}} {{destination}}",
+                    ),
+                ),
+                "Tokens per second as billed (each answer's usage); destination fallback is the provider's bill.",
+            ),
+            PanelSpec(
+                "Rate-limited requests (429) per key and limit",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (key, limit) (rate({RATE_LIMITED}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "{{key}} {{limit}}",
+                    ),
+                ),
+                "Requests refused with 429 per key id, by the limit hit (rpm, tpm).",
+            ),
+            PanelSpec(
+                "Fallback requests by reason and outcome",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (reason, outcome) (rate({FALLBACKS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "{{reason}} {{outcome}}",
+                    ),
+                ),
+                "Why requests left the cluster, and whether the provider answered (ok) or not (failed).",
+            ),
+            PanelSpec(
+                "Limiter errors",
+                "ops",
+                (Query(f"sum(rate({LIMITER_ERRORS}{{{CLUSTER_SEL}}}[{RATE}]))", "ledger unreachable"),),
+                "Limit checks skipped because the limits ledger did not answer: requests pass unlimited.",
+            ),
+        ),
+    ),
+    (
         "GPUs (DCGM)",
         (
             PanelSpec(
@@ -215,6 +295,33 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "XID errors (last XID per GPU)",
                 "none",
                 (Query("max by (Hostname, gpu) (DCGM_FI_DEV_XID_ERRORS) > 0", "{{Hostname}} GPU {{gpu}}"),),
+            ),
+        ),
+    ),
+    (
+        "Nodes (Cluster Autoscaler)",
+        (
+            PanelSpec(
+                "Unschedulable pods (node autoscaler)",
+                "short",
+                (Query("sum by (type) (cluster_autoscaler_unschedulable_pods_count)", "{{type}}"),),
+                "Pods the node autoscaler sees as unschedulable; Ray workers waiting for a GPU node show here "
+                "while a node is added.",
+            ),
+            PanelSpec(
+                "Node scale-ups per hour",
+                "short",
+                (
+                    Query(
+                        "sum by (gpu_name) (increase(cluster_autoscaler_scaled_up_gpu_nodes_total[1h]))",
+                        "added {{gpu_name}}",
+                    ),
+                    Query(
+                        "sum by (reason) (increase(cluster_autoscaler_failed_scale_ups_total[1h]))", "failed {{reason}}"
+                    ),
+                ),
+                "GPU nodes added, and scale-ups that failed (cloudProviderError: no capacity or quota; timeout: "
+                "the node did not join within max-node-provision-time).",
             ),
         ),
     ),

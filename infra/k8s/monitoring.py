@@ -138,6 +138,29 @@ def kuberay_operator_target(namespace: str) -> ScrapeTarget:
     )
 
 
+# kubernetes/autoscaler, cluster-autoscaler/charts/cluster-autoscaler (chart 9.59.0, tag
+# cluster-autoscaler-chart-9.59.0): templates/service.yaml names its one port
+# `.Values.service.portName` (default `http`, port and targetPort 8085, where the container
+# serves /metrics), labels the Service with `cluster-autoscaler.labels` (_helpers.tpl:
+# app.kubernetes.io/instance = the release name, app.kubernetes.io/name = nameOverride or
+# "<cloudProvider>-cluster-autoscaler"), and the pods with the same two.
+CLUSTER_AUTOSCALER_PORT_NAME = "http"
+CLUSTER_AUTOSCALER_CHART_NAME = "cluster-autoscaler"
+
+
+def node_autoscaler_target(namespace: str, release: str, cloud_provider: str) -> ScrapeTarget:
+    """The Cluster Autoscaler's Service (chart `cluster-autoscaler`, release `release`)."""
+    return ScrapeTarget(
+        name="cluster-autoscaler",
+        namespace=namespace,
+        selector={
+            "app.kubernetes.io/instance": release,
+            "app.kubernetes.io/name": f"{cloud_provider}-{CLUSTER_AUTOSCALER_CHART_NAME}",
+        },
+        port=CLUSTER_AUTOSCALER_PORT_NAME,
+    )
+
+
 def storage_class() -> dict[str, Any]:
     """gp3 EBS volumes, encrypted, bound where the pod lands (one zone per volume)."""
     return {

@@ -8,25 +8,39 @@ the metric names of every vector selector -> each checked against its exporter:
   scrape of the local stack returned. The e2e test scrapes for real; the snapshot
   `LIVE_SNAPSHOT` is what it found, so the offline tests can check without Ray, and the
   e2e test fails if the snapshot holds a name the live stack does not export.
+  Except the serving code's own event counters (usage, 429s, fallbacks, limiter errors:
+  `serving.limits`; retries, local prefills, refusals: `serving.resilience`): a labelled Ray counter has no series until its first event, so an
+  idle stack's scrape cannot show them. Those are checked statically instead:
+  `event_counter_names()` reads every `Counter(<name>, ...)` the serving code declares (its
+  source, names resolved against the modules' constants) and maps each as Ray exports a
+  counter.
 - `DCGM_*`: the DCGM exporter's counter list that the stack deploys (vendored).
 - `kube_*`: kube-state-metrics' published pod-metrics list (vendored).
+- `cluster_autoscaler_*`: the names the Cluster Autoscaler registers, read from its source at
+  every release tag the stack can deploy (`CLUSTER_AUTOSCALER_METRICS`, with its origin).
 Any other name has no known exporter and fails.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
+from contextlib import suppress
+from functools import cache
 from pathlib import Path
+from typing import Any
 
 import promql_parser
 
 from infra.k8s import monitoring
+from infra.k8s.serving_metrics import ray_counter
 
 HERE = Path(__file__).resolve().parent
 LIVE_SNAPSHOT = HERE / "data" / "ray-live-metric-names.txt"
 KSM_POD_METRICS = HERE / "vendor" / "kube-state-metrics-v2.20.0" / "pod-metrics.md"
+CLUSTER_AUTOSCALER_METRICS = HERE / "data" / "cluster-autoscaler-metric-names.txt"
 CRD_DIR = Path(os.environ.get("PROMETHEUS_OPERATOR_CRD_DIR", HERE / "vendor" / "kube-prometheus-stack-88.5.3-crds"))
 
 # Grafana's variables, replaced by values of the same type before parsing.
@@ -91,10 +105,80 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+def _names_file(path: Path) -> set[str]:
+    return {line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")}
+
+
 def live_snapshot() -> set[str]:
-    return {
-        line.strip() for line in LIVE_SNAPSHOT.read_text().splitlines() if line.strip() and not line.startswith("#")
-    }
+    return _names_file(LIVE_SNAPSHOT)
+
+
+def cluster_autoscaler_names() -> set[str]:
+    return _names_file(CLUSTER_AUTOSCALER_METRICS)
+
+
+SERVING = Path(__file__).resolve().parents[3] / "serving"
+RAY_METRICS_MODULES = ("ray.serve.metrics", "ray.util.metrics")
+
+
+@cache
+def _module_constants(module: str) -> dict[str, Any]:
+    """The literal top-level constants of serving/<module>.py, and those it imports from
+    other serving modules (read from the source: nothing is imported, so no Ray)."""
+    tree = ast.parse((SERVING / f"{module}.py").read_text())
+    ns: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("serving."):
+            other = _module_constants(str(node.module).split(".", 1)[1])
+            ns.update({a.asname or a.name: other[a.name] for a in node.names if a.name in other})
+        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            with suppress(ValueError, TypeError, SyntaxError):
+                ns[node.targets[0].id] = ast.literal_eval(node.value)
+    return ns
+
+
+@cache
+def declared_counters() -> frozenset[str]:
+    """Every name the serving code passes to a Ray metrics `Counter(...)` (ray.serve.metrics,
+    ray.util.metrics), resolved against the module's constants: `Counter(METRIC_FALLBACK, ...)`
+    in serving/limits.py, `Counter(METRICS["ingress_refusals"], ...)` in serving/resilience.py."""
+    names: set[str] = set()
+    for path in sorted(SERVING.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        ns = _module_constants(path.stem)
+        # What `Counter` and `<module>.Counter` mean in this file (imports may sit in functions).
+        counters, modules = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in RAY_METRICS_MODULES:
+                counters |= {a.asname or a.name for a in node.names if a.name == "Counter"}
+            elif isinstance(node, ast.ImportFrom) and node.module in ("ray.serve", "ray.util"):
+                modules |= {a.asname or a.name for a in node.names if a.name == "metrics"}
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or not node.args:
+                continue
+            f = node.func
+            ray_counter = (isinstance(f, ast.Name) and f.id in counters) or (
+                isinstance(f, ast.Attribute)
+                and f.attr == "Counter"
+                and isinstance(f.value, ast.Name)
+                and f.value.id in modules
+            )
+            if not ray_counter:
+                continue
+            arg = node.args[0]
+            try:
+                name = eval(compile(ast.Expression(arg), str(path), "eval"), {"__builtins__": {}}, dict(ns))
+            except Exception as exc:
+                raise AssertionError(
+                    f"{path.name}:{arg.lineno}: a Counter whose name cannot be read statically"
+                ) from exc
+            names.add(name)
+    return frozenset(names)
+
+
+def event_counter_names() -> set[str]:
+    """Prometheus names of the serving code's event counters, as Ray exports them."""
+    return {ray_counter(n) for n in declared_counters()}
 
 
 def kube_state_metrics_names() -> set[str]:
@@ -103,16 +187,21 @@ def kube_state_metrics_names() -> set[str]:
 
 def unknown_names(exprs: dict[str, str], ray_names: set[str]) -> list[str]:
     """'where: name (why)' for every name no exporter provides."""
-    dcgm, ksm = monitoring.dcgm_metric_names(), kube_state_metrics_names()
+    dcgm, ksm, ca = monitoring.dcgm_metric_names(), kube_state_metrics_names(), cluster_autoscaler_names()
+    events = event_counter_names()
     problems = []
     for where, expr in exprs.items():
         for name in sorted(metric_names(expr)):
-            if name.startswith("ray_"):
-                ok, source = name in ray_names, "the live scrape of the local stack"
+            if name.startswith("ray_") and name in events:
+                ok, source = True, "the serving code's event counters"
+            elif name.startswith("ray_"):
+                ok, source = name in ray_names, "the live scrape of the local stack (nor a serving event counter)"
             elif name.startswith("DCGM_"):
                 ok, source = name in dcgm, "the deployed DCGM counter list"
             elif name.startswith("kube_"):
                 ok, source = name in ksm, "kube-state-metrics v2.20.0's pod metrics"
+            elif name.startswith("cluster_autoscaler_"):
+                ok, source = name in ca, "the Cluster Autoscaler's registered metrics"
             else:
                 ok, source = False, "any exporter this stack deploys"
             if not ok:

@@ -68,6 +68,10 @@ def _ttft_burn(role: str, bad_per_min: int) -> list[dict]:
 
 
 def _tests() -> list[dict]:
+    return _service_tests() + _hybrid_and_node_tests()
+
+
+def _service_tests() -> list[dict]:
     burn = "decode: time to first token above 2.5s for more than {b}x the error budget of a 99.00% SLO (window {w})"
     return [
         {  # Half the requests miss the TTFT SLO: both burn windows fire, on the role that burns.
@@ -263,6 +267,81 @@ def _tests() -> list[dict]:
                                 "PDEngineRestarts", "Replicas restarted in the last 30 minutes: llm-decode-x"
                             ),
                         },
+                    ],
+                },
+            ],
+        },
+    ]
+
+
+def _hybrid_and_node_tests() -> list[dict]:
+    usage = "ray_pd_usage_requests_total"
+    share = "{model}: more than 20% of requests answered by the external fallback for 10m ({pct})"
+    return [
+        {  # 30% of model m's answers come from the fallback, for good; model q's 10% stays quiet.
+            "interval": "1m",
+            "input_series": [
+                _series(usage, "0+70x30", application="llm", key="k-1", model="m", destination="cluster"),
+                _series(usage, "0+30x30", application="llm", key="k-1", model="m", destination="fallback"),
+                _series(usage, "0+90x30", application="llm", key="k-2", model="q", destination="cluster"),
+                _series(usage, "0+10x30", application="llm", key="k-2", model="q", destination="fallback"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "6m", "alertname": "PDFallbackShareHigh", "exp_alerts": []},
+                {
+                    "eval_time": "15m",
+                    "alertname": "PDFallbackShareHigh",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "model": "m"},
+                            "exp_annotations": _annotations("PDFallbackShareHigh", share.format(model="m", pct="30%")),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # The limits ledger stops answering: every request counts a limiter error.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_pd_limiter_errors_total", "0x5 1+2x20", application="llm", replica="a"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "5m", "alertname": "PDLimiterErrors", "exp_alerts": []},
+                {"eval_time": "8m", "alertname": "PDLimiterErrors", "exp_alerts": []},
+                {
+                    "eval_time": "14m",
+                    "alertname": "PDLimiterErrors",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning"},
+                            "exp_annotations": _annotations(
+                                "PDLimiterErrors",
+                                "The limits ledger does not answer: per-key request and token limits are not enforced",
+                            ),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # EC2 has no p5 capacity: the autoscaler's scale-up fails (counters start at 0).
+            "interval": "1m",
+            "input_series": [
+                _series("cluster_autoscaler_failed_scale_ups_total", "0 0 0 1 1 1 1 1", reason="cloudProviderError"),
+                _series("cluster_autoscaler_failed_scale_ups_total", "0x7", reason="timeout"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": "PDNodeScaleUpFailed", "exp_alerts": []},
+                {
+                    "eval_time": "5m",
+                    "alertname": "PDNodeScaleUpFailed",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "reason": "cloudProviderError"},
+                            "exp_annotations": _annotations(
+                                "PDNodeScaleUpFailed",
+                                "The node autoscaler failed to add a node in the last 15 minutes (cloudProviderError)",
+                            ),
+                        }
                     ],
                 },
             ],

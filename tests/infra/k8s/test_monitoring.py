@@ -7,7 +7,9 @@ What flows through here: each shipped stack's rendered manifests (Pulumi mocks) 
   only, tolerating the GPU taint; Prometheus on the system nodes with retention and encrypted
   storage from the stack file;
 - every PromQL expression of every rule and dashboard panel parsed by promql-parser, and
-  every metric name traced to its exporter (see tests/infra/k8s/metric_sources.py).
+  every metric name traced to its exporter (see tests/infra/k8s/metric_sources.py);
+- the node autoscaler's ServiceMonitor against the labels and port that the pinned
+  cluster-autoscaler chart gives its Service (kubernetes/autoscaler chart 9.59.0 templates).
 """
 
 from __future__ import annotations
@@ -118,6 +120,58 @@ def test_kuberay_operator_is_scraped_on_its_service_port(stack):
     assert sm["metadata"]["namespace"] == "kuberay-system"
 
 
+def _chart_service_labels(chart_name: str, release: str, values: dict) -> dict[str, str]:
+    """What kubernetes/autoscaler's cluster-autoscaler chart 9.59.0 puts on its Service and pods
+    (tag cluster-autoscaler-chart-9.59.0, cluster-autoscaler/charts/cluster-autoscaler/
+    templates/_helpers.tpl `cluster-autoscaler.instance-name`, used by templates/service.yaml's
+    labels and templates/deployment.yaml's pod labels): app.kubernetes.io/instance = the
+    release name; app.kubernetes.io/name = `cluster-autoscaler.name` = nameOverride, else
+    "<cloudProvider>-<chart name>" (values.yaml defaults: cloudProvider aws, nameOverride "")."""
+    name = values.get("nameOverride") or f"{values.get('cloudProvider', 'aws')}-{chart_name}"
+    return {"app.kubernetes.io/instance": release, "app.kubernetes.io/name": name}
+
+
+def test_node_autoscaler_is_scraped_on_its_charts_service(stack):
+    """The ServiceMonitor selects the Service that the pinned cluster-autoscaler chart (9.59.0)
+    renders, on the port it names: templates/service.yaml creates it unless service.create is
+    false, with one port named service.portName (default `http`, port and targetPort 8085,
+    where the container serves /metrics: templates/deployment.yaml `containerPort: 8085`), in
+    the release's namespace. A new chart version must be checked against its templates again."""
+    (chart,) = [
+        r for r in stack.result.of_type("kubernetes:helm.sh/v4:Chart") if r.inputs["chart"] == "cluster-autoscaler"
+    ]
+    assert chart.inputs["version"] == "9.59.0" == versions.CLUSTER_AUTOSCALER.version, "re-check the chart's templates"
+    values = chart.inputs["values"]
+    release = chart.inputs.get("name")
+    assert release, "the release name must be stated: the Service's instance label is the release name"
+    service = values.get("service", {})
+    assert service.get("create", True) is not False
+    assert "selector" not in service and "labels" not in service
+    assert not values.get("fullnameOverride") and not values.get("serviceMonitor", {}).get("enabled")
+    port = service.get("portName", "http")  # values.yaml default
+
+    (sm,) = [o for o in _objects(stack, "ServiceMonitor") if o["metadata"]["name"] == "cluster-autoscaler"]
+    assert sm["metadata"]["namespace"] == chart.inputs["namespace"] == "kube-system"
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [chart.inputs["namespace"]]}
+    want = sm["spec"]["selector"]["matchLabels"]
+    have = _chart_service_labels("cluster-autoscaler", release, values)
+    assert want.items() <= have.items(), (want, have)
+    assert want, "an empty selector would scrape every Service in kube-system"
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] == port and ep["path"] == "/metrics"
+
+
+def test_the_node_autoscaler_contract_can_fail(stack):
+    """A release renamed, or a chart rendered for another cloud provider, no longer matches."""
+    (sm,) = [o for o in _objects(stack, "ServiceMonitor") if o["metadata"]["name"] == "cluster-autoscaler"]
+    want = sm["spec"]["selector"]["matchLabels"]
+    for release, values in (
+        ("node-autoscaler-chart", {"cloudProvider": "aws"}),
+        ("cluster-autoscaler", {"cloudProvider": "gce"}),
+    ):
+        assert not want.items() <= _chart_service_labels("cluster-autoscaler", release, values).items()
+
+
 def test_every_monitor_and_rule_is_selected_by_prometheus(stack):
     values = _helm(stack, "kube-prometheus-stack")["values"]["prometheus"]["prometheusSpec"]
     for kind, sel in (
@@ -183,6 +237,14 @@ def test_dashboards_are_provisioned_configmaps_built_by_the_sdk(stack):
         "Power",
         "XID errors (last XID per GPU)",
         "Requests by status (ingress)",
+        "Fallback share",
+        "Requests per key and destination",
+        "Tokens per key and destination",
+        "Rate-limited requests (429) per key and limit",
+        "Fallback requests by reason and outcome",
+        "Limiter errors",
+        "Unschedulable pods (node autoscaler)",
+        "Node scale-ups per hour",
     ):
         assert needle in titles, needle
 
@@ -202,6 +264,40 @@ def test_a_renamed_metric_is_caught(rendered_stacks):
     assert any("ray_vllm_ttft_seconds_bucket" in p for p in ms.unknown_names(broken, ms.live_snapshot()))
     with pytest.raises(ValueError):
         ms.parse("sum(rate(ray_vllm_num_requests_running[5m])")
+
+
+def test_event_counters_are_checked_against_the_serving_codes_declarations(rendered_stacks):
+    """The usage/429/fallback/limiter counters have no series before their first event, so
+    they are found in the serving code's declarations, not the scrape; a renamed one fails."""
+    from infra.k8s.serving_metrics import ray_counter
+    from serving import limits
+
+    hybrid = {
+        limits.METRIC_REQUESTS,
+        limits.METRIC_PROMPT_TOKENS,
+        limits.METRIC_COMPLETION_TOKENS,
+        limits.METRIC_RATE_LIMITED,
+        limits.METRIC_FALLBACK,
+        limits.METRIC_LIMITER_ERRORS,
+    }
+    assert hybrid <= ms.declared_counters()
+    exprs = ms.shipped_expressions(rendered_stacks)
+    used = {n for e in exprs.values() for n in ms.metric_names(e)}
+    assert {ray_counter(n) for n in hybrid} <= used, "a hybrid-routing counter that no panel or rule reads"
+    assert not (ms.event_counter_names() & ms.live_snapshot()), "event counters do not belong in the live snapshot"
+    where = next(k for k, v in exprs.items() if ": rule " in k and "ray_pd_usage_requests_total" in v)
+    broken = {where: exprs[where].replace("ray_pd_usage_requests_total", "ray_pd_usage_request_total")}
+    assert any("ray_pd_usage_request_total" in p for p in ms.unknown_names(broken, ms.live_snapshot()))
+    # Ray's name for a counter: without `_total` the series is the deprecated gauge, not the counter.
+    bare = {where: exprs[where].replace("ray_pd_usage_requests_total", "ray_pd_usage_requests")}
+    assert ms.unknown_names(bare, ms.live_snapshot())
+
+
+def test_a_renamed_node_autoscaler_metric_is_caught(rendered_stacks):
+    exprs = ms.shipped_expressions(rendered_stacks)
+    where = next(k for k, v in exprs.items() if ": rule " in k and "cluster_autoscaler_failed_scale_ups_total" in v)
+    broken = {where: exprs[where].replace("failed_scale_ups_total", "failed_scaleups_total")}
+    assert any("cluster_autoscaler_failed_scaleups_total" in p for p in ms.unknown_names(broken, ms.live_snapshot()))
 
 
 def test_slo_thresholds_are_bucket_bounds_in_the_rules(stack):

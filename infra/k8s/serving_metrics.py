@@ -1,0 +1,55 @@
+"""The serving code's own metrics, as Prometheus names them, and the expressions that read them.
+
+What flows through here: the counter names that `serving/` declares (imported, never retyped:
+`serving.limits`'s usage, 429, fallback and limiter-error counters) -> their Prometheus
+names as Ray exports them (`ray_counter`) -> the expressions that the dashboard and the
+alerts share (one copy each, e.g. `fallback_share`). No Pulumi, no Ray import here.
+
+Ray exports an application's metrics under the `ray` namespace, and a counter
+(`ray.util.metrics.Counter`, which `ray.serve.metrics.Counter` extends) with Prometheus's
+`_total` suffix: "Since 2.10, this exports both counter (with a suffix "_total") and gauge
+metrics" (ray/util/metrics.py, `Counter`); `NAMESPACE = "ray"`
+(ray/_private/telemetry/open_telemetry_metric_recorder.py), Ray 2.60. Serve's own counters
+follow the same rule (`serve_num_http_requests` -> `ray_serve_num_http_requests_total`, in
+the live scrape). Ray Serve adds `application`, `deployment` and `replica` labels.
+
+A labelled counter has no series until its first event (a 429, a fallback, a fault), so
+these names are absent from an idle stack's scrape; tests/infra/k8s/metric_sources.py checks
+them against the serving code's declarations instead.
+"""
+
+from __future__ import annotations
+
+from serving.limits import (
+    METRIC_COMPLETION_TOKENS,
+    METRIC_FALLBACK,
+    METRIC_LIMITER_ERRORS,
+    METRIC_PROMPT_TOKENS,
+    METRIC_RATE_LIMITED,
+    METRIC_REQUESTS,
+)
+
+
+def ray_counter(name: str) -> str:
+    """The Prometheus name of a Ray counter declared as `name`."""
+    return f"ray_{name}_total"
+
+
+# serving.limits: labels key, model, destination (cluster, fallback) for the usage counters;
+# key, limit (rpm, tpm) for 429s; reason, outcome (ok, failed) for fallbacks; none for errors.
+REQUESTS = ray_counter(METRIC_REQUESTS)
+PROMPT_TOKENS = ray_counter(METRIC_PROMPT_TOKENS)
+COMPLETION_TOKENS = ray_counter(METRIC_COMPLETION_TOKENS)
+RATE_LIMITED = ray_counter(METRIC_RATE_LIMITED)
+FALLBACKS = ray_counter(METRIC_FALLBACK)
+LIMITER_ERRORS = ray_counter(METRIC_LIMITER_ERRORS)
+# The `destination` of a request the external fallback answered (serving/hybrid.py).
+FALLBACK_DESTINATION = "fallback"
+
+
+def fallback_share(by: str, window: str, sel: str = "") -> str:
+    """Requests the external fallback answered / all requests answered, per `by` labels."""
+    group = f" by ({by})" if by else ""
+    fallback = ", ".join(m for m in (f'destination="{FALLBACK_DESTINATION}"', sel) if m)
+    every = f"{{{sel}}}" if sel else ""
+    return f"sum{group} (rate({REQUESTS}{{{fallback}}}[{window}])) / sum{group} (rate({REQUESTS}{every}[{window}]))"
