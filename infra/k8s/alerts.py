@@ -2,10 +2,10 @@
 
 What flows through here: the serving spec's SLOs (`serving.slo`), the stack's
 `observability` block (how long replicas may stay Pending), the serving code's own counters
-(`infra.k8s.serving_metrics`: fallback share, limiter errors), the node autoscaler's
-failed scale-ups, and the KV-transfer alert groups of `infra.k8s.kv_alerts` -> one
-`monitoring.coreos.com/v1` PrometheusRule whose alerts each carry a `runbook_url` into
-docs/runbooks.md (one section per alert, same anchor).
+(`infra.k8s.serving_metrics`: fallback share, limiter errors, unservable refusals), the
+node autoscaler's failed scale-ups, and the KV-transfer alert groups of
+`infra.k8s.kv_alerts` -> one `monitoring.coreos.com/v1` PrometheusRule whose alerts each
+carry a `runbook_url` into docs/runbooks.md (one section per alert, same anchor).
 
 SLO burn follows the multi-window, multi-burn-rate recipe of Google's SRE workbook
 ("Alerting on SLOs"): the share of requests slower than the SLO threshold, read from the
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.k8s.monitoring import MONITORING_LABEL, ROLE
-from infra.k8s.serving_metrics import LIMITER_ERRORS, fallback_share
+from infra.k8s.serving_metrics import LIMITER_ERRORS, fallback_share, refusal_share
 from infra.model.config import Observability
 from serving.spec import SloSpec
 
@@ -34,6 +34,10 @@ ERROR_RATE_THRESHOLD = 0.05
 # A judgement, not a published figure; overflow that is meant to happen stays below it.
 FALLBACK_SHARE_THRESHOLD = 0.2
 FALLBACK_FOR = "10m"
+# Above this share of requests refused as unservable (serving.resilience: 503/504, or handed
+# to the fallback), for 5 minutes: capacity or a role is missing. A judgement, like the
+# fallback share: single refusals during a replica restart stay below it.
+REFUSAL_SHARE_THRESHOLD = 0.01
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,20 @@ def hybrid_rules() -> list[dict[str, Any]]:
     ]
 
 
+def fault_rules() -> list[dict[str, Any]]:
+    """Faults and overload (serving/resilience.py)."""
+    return [
+        _alert(
+            "PDRequestsRefused",
+            f"{refusal_share('5m')} > {REFUSAL_SHARE_THRESHOLD}",
+            "5m",
+            "warning",
+            f"More than {REFUSAL_SHARE_THRESHOLD:.0%} of requests refused as unservable (503/504, or sent to the "
+            "fallback) ({{ $value | humanizePercentage }})",
+        ),
+    ]
+
+
 def node_autoscaler_rules() -> list[dict[str, Any]]:
     """The Cluster Autoscaler (kubernetes/autoscaler cluster-autoscaler/metrics/metrics.go:
     `failed_scale_ups_total{reason}`, reasons cloudProviderError, apiCallError, timeout, each
@@ -209,6 +227,7 @@ def prometheus_rule(
         {"name": "pd-slo", "rules": slo_rules(slo)},
         {"name": "pd-service", "rules": service_rules(namespace, obs)},
         {"name": "pd-hybrid", "rules": hybrid_rules()},
+        {"name": "pd-faults", "rules": fault_rules()},
         {"name": "pd-nodes", "rules": node_autoscaler_rules()},
         *(extra_groups or []),
     ]

@@ -5,7 +5,8 @@ dashboard model built with Grafana's own SDK (no hand-written JSON), per engine 
 latency (TTFT, ITL, TPOT p50/p99), requests and errors by status, queues, KV cache and
 prefix-cache hits, NIXL KV transfer bytes and time per request, fallback share and per-key
 usage, 429s, fallbacks and limiter errors (hybrid routing: `serving.limits`'s counters, their
-names imported, not retyped), GPU utilisation, HBM, power and XID errors from DCGM, and the
+names imported, not retyped), faults (`serving.resilience`'s retries, local prefills and
+refusals), GPU utilisation, HBM, power and XID errors from DCGM, and the
 node autoscaler's view (unschedulable pods, scale-ups and failed scale-ups) ->
 `dashboard_configmaps()`, ConfigMaps labelled for Grafana's dashboard sidecar.
 
@@ -31,7 +32,11 @@ from infra.k8s.monitoring import DASHBOARD_LABEL, MONITORING_NAMESPACE, RAY_CLUS
 from infra.k8s.serving_metrics import (
     COMPLETION_TOKENS,
     FALLBACKS,
+    INGRESS_REFUSALS,
+    INGRESS_RETRIES,
     LIMITER_ERRORS,
+    LOCAL_PREFILLS,
+    PREFILL_RETRIES,
     PROMPT_TOKENS,
     RATE_LIMITED,
     REQUESTS,
@@ -270,6 +275,50 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "ops",
                 (Query(f"sum(rate({LIMITER_ERRORS}{{{CLUSTER_SEL}}}[{RATE}]))", "ledger unreachable"),),
                 "Limit checks skipped because the limits ledger did not answer: requests pass unlimited.",
+            ),
+        ),
+    ),
+    (
+        "Faults",
+        (
+            PanelSpec(
+                "Refused requests by reason and status (ingress)",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (reason, status) (rate({INGRESS_REFUSALS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "{{reason}} {{status}}",
+                    ),
+                ),
+                "Requests the cluster could not serve: 503 (decode_unavailable, overloaded) or 504 "
+                "(deadline), or handed to the fallback when it is configured for the reason.",
+            ),
+            PanelSpec(
+                "Ingress retries by reason",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (reason) (rate({INGRESS_RETRIES}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "{{reason}}",
+                    ),
+                ),
+                "Requests sent to decode again before their first byte (a decode replica died, an engine error).",
+            ),
+            PanelSpec(
+                "Prefill retries and local prefills (decode)",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (reason) (rate({PREFILL_RETRIES}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "retry {{reason}}",
+                    ),
+                    Query(
+                        f"sum by (reason) (rate({LOCAL_PREFILLS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        "local {{reason}}",
+                    ),
+                ),
+                "Decode re-sent the prefill call, or prefilled on its own engine (prefill failed, slow, its "
+                "circuit open, or the KV never arrived): served, but without disaggregation.",
             ),
         ),
     ),

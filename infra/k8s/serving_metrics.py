@@ -1,9 +1,10 @@
 """The serving code's own metrics, as Prometheus names them, and the expressions that read them.
 
 What flows through here: the counter names that `serving/` declares (imported, never retyped:
-`serving.limits`'s usage, 429, fallback and limiter-error counters) -> their Prometheus
-names as Ray exports them (`ray_counter`) -> the expressions that the dashboard and the
-alerts share (one copy each, e.g. `fallback_share`). No Pulumi, no Ray import here.
+`serving.limits`'s usage, 429, fallback and limiter-error counters; `serving.resilience`'s
+retry, local-prefill and refusal counters) -> their Prometheus names as Ray exports them
+(`ray_counter`) -> the expressions that the dashboard and the alerts share (one copy each,
+e.g. `fallback_share`, `refusal_share`). No Pulumi, no Ray import here.
 
 Ray exports an application's metrics under the `ray` namespace, and a counter
 (`ray.util.metrics.Counter`, which `ray.serve.metrics.Counter` extends) with Prometheus's
@@ -28,6 +29,7 @@ from serving.limits import (
     METRIC_RATE_LIMITED,
     METRIC_REQUESTS,
 )
+from serving.resilience import METRICS as RESILIENCE_METRICS
 
 
 def ray_counter(name: str) -> str:
@@ -45,6 +47,15 @@ FALLBACKS = ray_counter(METRIC_FALLBACK)
 LIMITER_ERRORS = ray_counter(METRIC_LIMITER_ERRORS)
 # The `destination` of a request the external fallback answered (serving/hybrid.py).
 FALLBACK_DESTINATION = "fallback"
+# serving.resilience (docs/resilience.md): label `reason` on all four, and `status` (503,
+# 504) on refusals. The ingress counts retries and refusals (head pods); the decode tier
+# counts prefill retries and local prefills (decode pods).
+INGRESS_RETRIES = ray_counter(RESILIENCE_METRICS["ingress_retries"])
+INGRESS_REFUSALS = ray_counter(RESILIENCE_METRICS["ingress_refusals"])
+PREFILL_RETRIES = ray_counter(RESILIENCE_METRICS["prefill_retries"])
+LOCAL_PREFILLS = ray_counter(RESILIENCE_METRICS["local_prefill"])
+# Serve's proxy counts every HTTP request (in the live scrape).
+HTTP_REQUESTS = "ray_serve_num_http_requests_total"
 
 
 def fallback_share(by: str, window: str, sel: str = "") -> str:
@@ -53,3 +64,9 @@ def fallback_share(by: str, window: str, sel: str = "") -> str:
     fallback = ", ".join(m for m in (f'destination="{FALLBACK_DESTINATION}"', sel) if m)
     every = f"{{{sel}}}" if sel else ""
     return f"sum{group} (rate({REQUESTS}{{{fallback}}}[{window}])) / sum{group} (rate({REQUESTS}{every}[{window}]))"
+
+
+def refusal_share(window: str) -> str:
+    """Requests the ingress found unservable (503/504, or handed to the fallback) / all HTTP
+    requests the proxies received."""
+    return f"sum(rate({INGRESS_REFUSALS}[{window}])) / sum(rate({HTTP_REQUESTS}[{window}]))"

@@ -323,6 +323,46 @@ def _hybrid_and_node_tests() -> list[dict]:
                 },
             ],
         },
+        {  # 3 of 100 requests a minute refused (decode unavailable, then deadlines); 0.5% stays quiet.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_serve_num_http_requests_total", "0+100x20", application="llm", status_code="200"),
+                _series(
+                    "ray_pd_ingress_refusals_total",
+                    "0+2x20",
+                    application="llm",
+                    reason="decode_unavailable",
+                    status="503",
+                ),
+                _series("ray_pd_ingress_refusals_total", "0+1x20", application="llm", reason="deadline", status="504"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "4m", "alertname": "PDRequestsRefused", "exp_alerts": []},
+                {
+                    "eval_time": "12m",
+                    "alertname": "PDRequestsRefused",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning"},
+                            "exp_annotations": _annotations(
+                                "PDRequestsRefused",
+                                "More than 1% of requests refused as unservable (503/504, or sent to the fallback) (3%)",
+                            ),
+                        }
+                    ],
+                },
+            ],
+        },
+        {
+            "interval": "1m",
+            "input_series": [
+                _series("ray_serve_num_http_requests_total", "0+200x20", application="llm", status_code="200"),
+                _series(
+                    "ray_pd_ingress_refusals_total", "0+1x20", application="llm", reason="overloaded", status="503"
+                ),
+            ],
+            "alert_rule_test": [{"eval_time": "15m", "alertname": "PDRequestsRefused", "exp_alerts": []}],
+        },
         {  # EC2 has no p5 capacity: the autoscaler's scale-up fails (counters start at 0).
             "interval": "1m",
             "input_series": [

@@ -243,6 +243,9 @@ def test_dashboards_are_provisioned_configmaps_built_by_the_sdk(stack):
         "Rate-limited requests (429) per key and limit",
         "Fallback requests by reason and outcome",
         "Limiter errors",
+        "Refused requests by reason and status (ingress)",
+        "Ingress retries by reason",
+        "Prefill retries and local prefills (decode)",
         "Unschedulable pods (node autoscaler)",
         "Node scale-ups per hour",
     ):
@@ -269,21 +272,21 @@ def test_a_renamed_metric_is_caught(rendered_stacks):
 def test_event_counters_are_checked_against_the_serving_codes_declarations(rendered_stacks):
     """The usage/429/fallback/limiter counters have no series before their first event, so
     they are found in the serving code's declarations, not the scrape; a renamed one fails."""
-    from infra.k8s.serving_metrics import ray_counter
-    from serving import limits
+    from serving import limits, resilience
 
-    hybrid = {
+    declared = ms.declared_counters()
+    assert {
         limits.METRIC_REQUESTS,
         limits.METRIC_PROMPT_TOKENS,
         limits.METRIC_COMPLETION_TOKENS,
         limits.METRIC_RATE_LIMITED,
         limits.METRIC_FALLBACK,
         limits.METRIC_LIMITER_ERRORS,
-    }
-    assert hybrid <= ms.declared_counters()
+        *resilience.METRICS.values(),
+    } <= declared
     exprs = ms.shipped_expressions(rendered_stacks)
     used = {n for e in exprs.values() for n in ms.metric_names(e)}
-    assert {ray_counter(n) for n in hybrid} <= used, "a hybrid-routing counter that no panel or rule reads"
+    assert ms.event_counter_names() <= used, "a declared serving counter that no panel or rule reads"
     assert not (ms.event_counter_names() & ms.live_snapshot()), "event counters do not belong in the live snapshot"
     where = next(k for k, v in exprs.items() if ": rule " in k and "ray_pd_usage_requests_total" in v)
     broken = {where: exprs[where].replace("ray_pd_usage_requests_total", "ray_pd_usage_request_total")}
