@@ -212,7 +212,7 @@ def span_hops(
         by_trace.setdefault(s.trace_id, []).append(s)
     p2i, i2e, d2p, leg = [], [], [], []
     for trace in by_trace.values():
-        proxy = min((s for s in trace if s.name == PROXY_SPAN), key=lambda s: s.start, default=None)
+        proxy = min((s for s in trace if s.name.startswith(PROXY_SPAN)), key=lambda s: s.start, default=None)
         if proxy is None or (window and not window[0] <= proxy.start <= window[1]):
             continue
         mine = [s for s in trace if _deployment(s) and s.attributes.get("app") == app]
@@ -295,8 +295,36 @@ def breakdown(
     return row
 
 
-def format_breakdown(table: Mapping[str, Mapping[int, Mapping[str, float | None]]]) -> str:
-    """Rows: hops; columns: target x concurrency. `table[target][conc][hop]` in ms."""
+# Rows read from vLLM's histograms (and the difference that subtracts one). Through Ray they
+# are approximations: Ray 2.60 re-exports a histogram's _sum rebuilt from bucket midpoints
+# (ray/_private/telemetry/open_telemetry_metric_recorder.py: "the histogram sum value will be
+# an approximation"), so a mean is only as fine as vLLM's buckets.
+ENGINE_HISTOGRAM_ROWS = frozenset(
+    {
+        "prefill_queue",
+        "prefill_compute",
+        "engine_ttft",
+        "engine_queue",
+        "kv_transfer",
+        "engine_compute",
+        "delivery_rest",
+    }
+)
+RAY_HISTOGRAM_NOTE = (
+    "~: from vLLM's histograms as Ray re-exports them; Ray 2.60 rebuilds a histogram's sum from "
+    "bucket midpoints, so these are only as fine as vLLM's buckets (queue and prefill time: "
+    "anything under 300 ms reads 150). Plain vLLM's own figures are exact."
+)
+
+
+def format_breakdown(
+    table: Mapping[str, Mapping[int, Mapping[str, float | None]]], approx_targets: Iterable[str] = ()
+) -> str:
+    """Rows: hops; columns: target x concurrency. `table[target][conc][hop]` in ms.
+
+    approx_targets: targets whose engine metrics came through Ray (their ENGINE_HISTOGRAM_ROWS
+    are marked `~`, and the note is printed under the table)."""
+    approx = set(approx_targets)
     cols = [(t, c) for t, by in table.items() for c in sorted(by)]
     width = max(len(label) for _, label in HOP_ROWS) + 2
     head = f"{'mean ms per request':<{width}}" + "".join(f"{t[:13]:>14}" for t, _ in cols)
@@ -306,5 +334,11 @@ def format_breakdown(table: Mapping[str, Mapping[int, Mapping[str, float | None]
         vals = [table[t][c].get(key) for t, c in cols]
         if all(v is None for v in vals):
             continue
-        lines.append(f"{label:<{width}}" + "".join(f"{'-' if v is None else f'{v:.1f}':>14}" for v in vals))
+        marks = ["~" if t in approx and key in ENGINE_HISTOGRAM_ROWS else "" for t, _ in cols]
+        lines.append(
+            f"{label:<{width}}"
+            + "".join(f"{'-' if v is None else f'{m}{v:.1f}':>14}" for v, m in zip(vals, marks, strict=True))
+        )
+    if approx:
+        lines.append(RAY_HISTOGRAM_NOTE)
     return "\n".join(lines)

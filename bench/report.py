@@ -78,11 +78,19 @@ def hops_table(rep: dict[str, Any], levels: tuple[str, ...] = ("1", "16")) -> st
     cols = [(t, c) for t in hops for c in levels if c in hops[t]]
     head = "| mean ms per request | " + " | ".join(f"{t} c{c}" for t, c in cols) + " |"
     rows = [head, "|---|" + "---|" * len(cols)]
+    approx_t = set(rep.get("hops_approx_targets") or ())
+    approx_r = set(rep.get("hops_approx_rows") or ())
     for key, label in labels.items():
         vals = [hops[t][c].get(key) for t, c in cols]
         if all(v is None for v in vals):
             continue
-        rows.append(f"| {label} | " + " | ".join(_f(v) for v in vals) + " |")
+        cells = [
+            ("~" if t in approx_t and key in approx_r and v is not None else "") + _f(v)
+            for (t, _), v in zip(cols, vals, strict=True)
+        ]
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    if rep.get("hops_note") and approx_t:
+        rows.append("\n" + rep["hops_note"])
     return "\n".join(rows)
 
 
