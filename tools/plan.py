@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.plan",
         description="Capacity plan for a stack: memory per GPU, KV cache, KV transfer time, "
-        "decode roofline, GPU count and on-demand cost.",
+        "decode roofline, GPU count and on-demand cost, and time to serve per role.",
     )
     parser.add_argument("--stack", required=True, help="stack name: stacks/Pulumi.<stack>.yaml")
     parser.add_argument(

@@ -3,16 +3,18 @@
 What flows through here: a validated `StackConfig` -> per engine role its pool's hardware,
 replica and node ranges (`infra.model.sizing`), GPU count and on-demand price at desiredSize
 and at maxSize, and, when the model's shape is known, the model figures of `infra.model.fit`
--> a `Plan`, printed by `format_plan()` for `make plan` and `make render`. Pure arithmetic on
-published figures: no Pulumi, Ray or vLLM import, nothing downloaded.
+and the time from a Pending pod to a serving replica on a new and on a warm node
+(`infra.model.startup`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
+render`. Pure arithmetic on published figures: no Pulumi, Ray or vLLM import, nothing
+downloaded.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from infra.model import catalog, sizing
-from infra.model.config import NodePool, StackConfig
+from infra.model import catalog, sizing, startup
+from infra.model.config import LocalStorage, NodePool, StackConfig
 from infra.model.fit import (
     GIB,
     HEADROOM_GIB,
@@ -25,6 +27,7 @@ from infra.model.fit import (
     model_figures,
     propose_layouts,
     resolve,
+    weights_gib,
 )
 from serving.spec import Mode
 
@@ -96,6 +99,7 @@ class RolePlan:
     network_gbps: float  # the replica's share of its nodes' line rate
     figures: ModelFigures | None
     scaling: RoleScaling | None = None
+    startup: startup.TimeToServe | None = None
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,18 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
             if shape is None
             else _scale_out_rps(role, spec, inst, shape, model, serving, figures_fn, workload or Workload()),
         )
+        time_to_serve = startup.time_to_serve(
+            role,
+            inst,
+            # The same rule as the node pool's NodeConfig (infra/components/gpu_node_pool.py).
+            raid0=pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0,
+            model_source=model.source,
+            # A new VPC gets an S3 gateway endpoint on its private route tables
+            # (infra/components/network.py); an existing VPC's routes are not known here.
+            s3_gateway_endpoint=config.existing_vpc is None,
+            checkpoint_gib=None if shape is None else weights_gib(shape, model),
+            weights_gib_per_gpu=None if figures is None else figures.weights_gib_per_gpu,
+        )
         roles.append(
             RolePlan(
                 role=role,
@@ -283,6 +299,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
                 network_gbps=inst.network_gbps * gpus / inst.gpus,
                 figures=figures,
                 scaling=scaling,
+                startup=time_to_serve,
             )
         )
     layouts: list[LayoutOption] = []
@@ -352,6 +369,21 @@ def _hops(nbytes: int | None, seconds: float | None) -> str:
     if nbytes is None or seconds is None:
         return "-"
     return f"{nbytes / 2**20:,.0f} MiB, {_duration(seconds)}"
+
+
+def _minutes(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds / 60:.1f} min"
+
+
+def _serve_parts(t: startup.TimeToServe) -> str:
+    if t.weights_s is None:
+        return "-"
+    return " + ".join(f"{x / 60:.1f}" for x in (t.node_s, t.image_s, t.weights_s, t.engine_s)) + " min"
+
+
+def _weights_path(t: startup.TimeToServe) -> str:
+    size = "" if t.checkpoint_gib is None else f"{t.checkpoint_gib:,.0f} GiB "
+    return f"{size}at {t.download_gibps:.2f} GiB/s ({t.bound_by})"
 
 
 def _ep(f: ModelFigures) -> str:
@@ -475,6 +507,14 @@ def format_plan(p: Plan) -> str:
             + (f" +${r.scaling.upgrade_extra_usd_per_hour:,.2f}/h" if r.scaling.upgrade_extra_nodes else ""),
         ),
         row("  peak nodes / maxSize", lambda r: f"{r.scaling.upgrade_peak_nodes}/{r.nodes_max}"),
+        # Pending pod -> serving replica (infra/model/startup.py, every constant sourced there).
+        row("Time to serve, new node", lambda r: _minutes(r.startup.new_node_s)),
+        row("  node+image+weights+engine", lambda r: _serve_parts(r.startup)),
+        row("  weights from", lambda r: f"{r.startup.source} to {r.startup.disk}"),
+        row("  download", lambda r: _weights_path(r.startup)),
+        row("  download, load to GPU", lambda r: f"{_minutes(r.startup.download_s)}, {_minutes(r.startup.load_s)}"),
+        row("Time to serve, warm node", lambda r: _minutes(r.startup.warm_node_s)),
+        row("  weights via Run:ai streamer", lambda r: _minutes(r.startup.streamer_s)),
     ]
     label_w = max(len(label) for label, _ in rows)
     col_w = [max(len(cells[i]) for _, cells in rows) for i in range(len(p.roles))]
