@@ -402,7 +402,9 @@ async def first_chunk(
 
     Retries (up to decode_attempts) when the decode replica died or answered 5xx before
     the first byte. While decode is degraded (a replica died and nothing has succeeded
-    since), a request waits at most fail_fast_s for a replica to take it.
+    since), a request waits at most fail_fast_s for a replica to take it. A request that no
+    replica takes within the first-token budget otherwise is overload (503), and leaves
+    the health as it was.
     """
     from ray.serve.exceptions import BackPressureError
 
@@ -431,13 +433,19 @@ async def first_chunk(
             raise Unservable(Reason.ENGINE_ERROR, 503, "The engine returned nothing.", cfg.retry_after_s) from None
         except TimeoutError:
             _cancel(stream)  # frees the queue slot or the engine work
-            if not admitted:
-                health.trouble()
+            if not admitted and health.degraded:
                 raise Unservable(
                     Reason.DECODE_UNAVAILABLE,
                     503,
                     "No model replica is available right now; retry shortly.",
                     cfg.retry_after_s,
+                ) from None
+            if not admitted:
+                # Queued past the first-token budget behind busy replicas: overload, not a
+                # death. Only a replica death (below) switches the ingress to fail-fast, else
+                # one slow queue on saturated replicas would refuse everything after it.
+                raise Unservable(
+                    Reason.OVERLOADED, 503, "The server is overloaded; retry later.", cfg.retry_after_s
                 ) from None
             raise Unservable(
                 Reason.DEADLINE,

@@ -125,7 +125,7 @@ LOCAL_RESILIENCE = {
     "prefillTimeoutS": 1.0,
     "prefillAttempts": 2,
     "kvReadyTimeoutS": 5.0,
-    "firstTokenTimeoutS": 20.0,
+    "firstTokenTimeoutS": 45.0,
     "totalTimeoutS": 120.0,
     "failFastS": 2.0,
     "decodeAttempts": 2,

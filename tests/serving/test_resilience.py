@@ -399,11 +399,17 @@ def test_degraded_but_a_live_replica_takes_it_gets_the_full_first_token_budget()
     assert first == "tok" and not health.degraded
 
 
-def test_no_replica_takes_it_within_the_first_token_budget_marks_decode_degraded():
+def test_queued_past_the_first_token_budget_is_overload_and_does_not_switch_to_fail_fast():
+    # Seen under `make bench`'s scaling run: replicas saturated on two cores took longer than
+    # the budget to take requests; marking decode degraded then refused every later request
+    # after 2 s (74 of 279 failed with 503) although no replica had died.
     health = DecodeHealth()
+    waiting = FakeStream(["tok"], assigned=False)
     with pytest.raises(Unservable) as e:
-        _first([FakeStream(["tok"], assigned=False)], health=health)
-    assert e.value.reason is Reason.DECODE_UNAVAILABLE and health.degraded
+        _first([waiting], health=health)
+    assert e.value.reason is Reason.OVERLOADED and e.value.status == 503
+    assert e.value.headers == {"Retry-After": "1"}
+    assert waiting.cancelled and not health.degraded
 
 
 def test_first_chunk_two_deaths_is_unservable_503():
