@@ -1,9 +1,15 @@
 """Every Ray, Serve and vLLM metric that the rules and dashboards use, found in a live scrape.
 
 What flows through here: the shared e2e stack (`make serve` with both apps) gets the
-traffic whose metrics the rules read (P/D and aggregated completions, a 401 and a 404) ->
-every Ray node's metrics endpoint (Ray's metrics export port: the one KubeRay exposes as the
-pod's `metrics` port) is scraped -> the metric names of every shipped rule and dashboard
+traffic whose metrics the rules read (a 401 and a 404, then streamed P/D and aggregated
+completions sharing a long prompt, kept running while the scrape goes on) -> every Ray
+node's metrics endpoint (Ray's metrics export port: the one KubeRay exposes as the pod's
+`metrics` port) is scraped every few seconds -> the metric names seen in any scrape
+(Prometheus also scrapes while the stack serves). Why under traffic: vLLM sets its gauges
+(running and waiting requests, KV-cache usage, KV fetches by stage) on engine steps, and
+Ray drops a gauge that has not been set for two export intervals (Ray 2.60
+ray/_private/telemetry/open_telemetry_metric_recorder.py, `_gauge_metric_ttl_s`), so an
+idle engine exports none of them. The metric names of every shipped rule and dashboard
 expression (parsed by promql-parser) must all be there; so must every name in the offline
 snapshot (tests/infra/k8s/data/ray-live-metric-names.txt) and the SLO thresholds as `le`
 bucket bounds of vLLM's histograms. `PD_UPDATE_METRIC_SNAPSHOT=1` rewrites the snapshot
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import time
 
 import httpx
@@ -41,19 +48,61 @@ def _names(text: str) -> set[str]:
     return {m.group(1) for line in text.splitlines() if (m := SERIES.match(line))}
 
 
-def _drive(stack) -> None:
+# Long enough to fill whole KV blocks, so the repeats are prefix-cache hits.
+SHARED_PROMPT = "Metrics for the dashboards, scraped while the engines work. " * 30
+
+
+def _refusals(stack) -> None:
     key = {"Authorization": f"Bearer {stack.api_key}"}
-    body = {"model": stack.model, "prompt": "Metrics for the dashboards. " * 8, "max_tokens": 8, "temperature": 0}
+    body = {"model": stack.model, "prompt": "Metrics.", "max_tokens": 4}
     for url in stack.urls.values():
-        for _ in range(3):
-            assert httpx.post(f"{url}/completions", json=body, headers=key, timeout=120).status_code == 200
         assert httpx.post(f"{url}/completions", json=body, timeout=60).status_code == 401
-        assert (
-            httpx.post(
-                f"{url}/completions", json={**body, "model": "no-such-model"}, headers=key, timeout=60
-            ).status_code
-            == 404
-        )
+        wrong = {**body, "model": "no-such-model"}
+        assert httpx.post(f"{url}/completions", json=wrong, headers=key, timeout=60).status_code == 404
+
+
+def _traffic(stack, stop: threading.Event, errors: list[str], streams_per_app: int = 3) -> list[threading.Thread]:
+    """Streamed completions to every app, back to back, until `stop` is set."""
+    key = {"Authorization": f"Bearer {stack.api_key}"}
+    body = {"model": stack.model, "prompt": SHARED_PROMPT, "max_tokens": 48, "temperature": 0, "stream": True}
+
+    def loop(url: str) -> None:
+        with httpx.Client(timeout=120) as client:
+            while not stop.is_set():
+                with client.stream("POST", f"{url}/completions", json=body, headers=key) as r:
+                    if r.status_code != 200:
+                        errors.append(f"{url}: HTTP {r.status_code}")
+                    for _ in r.iter_bytes():
+                        pass
+
+    threads = [
+        threading.Thread(target=loop, args=(url,), daemon=True)
+        for url in stack.urls.values()
+        for _ in range(streams_per_app)
+    ]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def _scrape_under_traffic(stack, want: set[str], timeout_s: float = 120) -> set[str]:
+    """Every metric name seen in any scrape while traffic runs, until `want` is covered."""
+    stop, errors = threading.Event(), []
+    threads = _traffic(stack, stop, errors)
+    seen: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            time.sleep(3)
+            seen |= _names(_scrape(stack))
+            if want <= seen or time.monotonic() > deadline:
+                break
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=150)
+    assert not errors, errors[:5]
+    return seen
 
 
 @pytest.mark.e2e
@@ -63,15 +112,8 @@ def test_every_metric_the_rules_and_dashboards_use_is_exported_by_the_live_stack
     events = ms.event_counter_names()
     used = {n for e in exprs.values() for n in ms.metric_names(e) if n.startswith("ray_")} - events
     assert used, "no Ray metric used: the expressions were not found"
-    _drive(stack)
-    # Ray exports engine metrics every few seconds: wait until everything used has arrived.
-    deadline, text = time.monotonic() + 90, ""
-    while True:
-        text = _scrape(stack)
-        live = _names(text)
-        if used <= live or time.monotonic() > deadline:
-            break
-        time.sleep(3)
+    _refusals(stack)
+    live = _scrape_under_traffic(stack, used | ms.live_snapshot())
     if os.environ.get("PD_UPDATE_METRIC_SNAPSHOT") == "1":
         ms.LIVE_SNAPSHOT.write_text(
             "# Ray/Serve/vLLM metric names the rules and dashboards use, seen in a live scrape of the local\n"
