@@ -123,6 +123,14 @@ def prefix_table(pre: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def _idle(serving: dict[str, Any] | None, target: str, process: str | None = None) -> str:
+    """Idle CPU (% of one core) of a target's processes, or of one process name, as sampled."""
+    per = ((serving or {}).get("idle_cpu_percent") or {}).get(target) or {}
+    if not per:
+        return "(not sampled)"
+    return f"{sum(v for k, v in per.items() if process is None or k == process):.0f}%"
+
+
 def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, template: str) -> str:
     parts = {
         "SERVING_DATE": serving["date"] if serving else "(no run)",
@@ -143,6 +151,8 @@ def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, templa
             if serving
             else ""
         ),
+        "IDLE_WORKERS": _idle(serving, "stack", "VLLM::Worker"),
+        "IDLE_VLLM": _idle(serving, "vllm"),
         "PREFIX_DATE": prefix["date"] if prefix else "(no run)",
         "PREFIX": prefix_table(prefix) if prefix else "(run `make bench-prefix`)",
         "PREFIX_WORKLOAD": json.dumps(prefix["workload"]) if prefix else "",
