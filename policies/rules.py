@@ -441,6 +441,13 @@ def _efa_interfaces(props: Mapping[str, Any]) -> list[Any]:
     return [ni for ni in as_list(props.get("networkInterfaces")) if dig(ni, "interfaceType") in ("efa", "efa-only")]
 
 
+def _offers_efa(props: Mapping[str, Any]) -> bool:
+    """A node group whose own launch template carries the EFA interfaces: the group says so in
+    the Cluster Autoscaler's node-template tag for the EFA resource (the program sets it)."""
+    tags = props.get("tags")
+    return isinstance(tags, Mapping) and any(str(k).endswith("/vpc.amazonaws.com/efa") for k in tags)
+
+
 def check_efa_single_zone(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
     if type_ == EKS_MNG:
         subnets = props.get("subnetIds")
@@ -460,6 +467,11 @@ def check_efa_single_zone(type_: str, props: dict[str, Any], ctx: Context) -> It
             yield (
                 f"a capacity-block node group spans {len(as_list(subnets))} subnets: a Capacity Block lives in one "
                 "zone; give the node group exactly one subnet, in that zone"
+            )
+        elif props.get("launchTemplate") and _offers_efa(props) and not one_subnet:
+            yield (
+                f"an EFA node group spans {len(as_list(subnets))} subnets: give it exactly one subnet, the private "
+                "subnet in the placement group's zone (EFA traffic does not cross zones)"
             )
     elif type_ == LAUNCH_TEMPLATE:
         efa = _efa_interfaces(props)

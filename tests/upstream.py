@@ -398,3 +398,81 @@ def mng_image(inputs: dict[str, Any]) -> dict[str, Any]:
         "value": inputs.get("releaseVersion"),
         "amiType": inputs.get("amiType"),
     }
+
+
+def mng_root_volume(inputs: dict[str, Any], templates: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The root EBS volume an eks.ManagedNodeGroup's nodes boot with, given its (camelCase)
+    inputs and the launch templates of the stack by id.
+
+    createMNGCustomLaunchTemplate (pulumi-eks v4, nodegroup.ts): when requiresCustomLaunchTemplate
+    holds (enableEfaSupport, enableIMDSv2, nodeadm options, ...), pulumi-eks builds the template;
+    its blockDeviceMappings are [{deviceName: /dev/xvda (AL2023), ebs: {volumeSize: diskSize}}]
+    when diskSize is set, and nothing else: no `encrypted`, so the volume is encrypted only if
+    the AMI's snapshot or the account's EBS default says so. With the user's launchTemplate,
+    its own /dev/xvda mapping applies. Without any template, EKS's default template (diskSize)."""
+    if inputs.get("launchTemplate"):
+        lt = templates[inputs["launchTemplate"]["id"]]
+        for m in lt.get("blockDeviceMappings") or []:
+            if m.get("deviceName") == "/dev/xvda":
+                ebs = m.get("ebs") or {}
+                return {"source": "own-template", "encrypted": str(ebs.get("encrypted")).lower() == "true"}
+        return {"source": "own-template", "encrypted": False}
+    if any(inputs.get(k) is not None for k in _CUSTOM_LAUNCH_TEMPLATE):
+        return {"source": "pulumi-eks-template", "encrypted": False, "volumeSize": inputs.get("diskSize")}
+    return {"source": "eks-default", "encrypted": False}
+
+
+def efa_network_interfaces(network_cards: int, security_groups: list[str]) -> list[dict[str, Any]]:
+    """getEfaNetworkInterfaces (pulumi-eks v4, nodejs/eks/nodes/instances.ts): one interface per
+    network card (maximumNetworkCards of DescribeInstanceTypes), card 0 "efa" at device index 0,
+    every other card "efa-only" at device index 1, deleted with the instance."""
+    return [
+        {
+            "deleteOnTermination": "true",
+            "networkCardIndex": i,
+            "deviceIndex": 0 if i == 0 else 1,
+            "interfaceType": "efa" if i == 0 else "efa-only",
+            "securityGroups": list(security_groups),
+        }
+        for i in range(max(network_cards, 1))
+    ]
+
+
+# --- awslabs/amazon-eks-ami (v20260724) AL2023: how a container's RLIMIT_MEMLOCK is set ----
+# nodeadm/internal/containerd/base-runtime-spec.json: the default base runtime spec's
+# process.rlimits; nodeadm/internal/containerd/base_runtime_spec.go writes it (merged with the
+# NodeConfig's containerd.baseRuntimeSpec, lists replaced whole: the e2e case
+# nodeadm/test/e2e/cases/containerd-base-runtime-spec) to /etc/containerd/base-runtime-spec.json.
+BASE_RUNTIME_SPEC_RLIMITS = ("RLIMIT_NOFILE",)
+# templates/al2023/runtime/rootfs/etc/systemd/system/nodeadm-run.service: After=cloud-final.service;
+# it restarts containerd (nodeadm/internal/containerd/daemon.go EnsureRunning -> RestartDaemon,
+# systemd D-Bus, no daemon-reload: a drop-in written before it counts only after a reload).
+CONTAINERD_DROP_IN_DIR = "/etc/systemd/system/containerd.service.d"
+
+
+def container_memlock(node_configs: list[dict[str, Any]], drop_ins: dict[str, str], reloaded: bool) -> str | None:
+    """RLIMIT_MEMLOCK of a container on an AL2023 node: the base runtime spec's entry if it has
+    one (the OCI runtime sets the listed rlimits), else inherited from containerd (runc and the
+    shim are its children): LimitMEMLOCK of its drop-ins when systemd reloaded them before
+    nodeadm-run restarted it, else None (systemd's finite default)."""
+    rlimits = [{"type": t} for t in BASE_RUNTIME_SPEC_RLIMITS]
+    for cfg in node_configs:
+        spec = (((cfg.get("spec") or {}).get("containerd") or {}).get("baseRuntimeSpec") or {}).get("process") or {}
+        if "rlimits" in spec:
+            rlimits = spec["rlimits"]
+    for r in rlimits:
+        if r.get("type") == "RLIMIT_MEMLOCK":
+            return str(r.get("hard"))
+    if not reloaded:
+        return None
+    limit = None
+    for path in sorted(drop_ins):  # systemd applies drop-ins in lexical order; the last wins
+        section = None
+        for line in drop_ins[path].splitlines():
+            line = line.strip()
+            if line.startswith("["):
+                section = line
+            elif section == "[Service]" and line.startswith("LimitMEMLOCK="):
+                limit = line.split("=", 1)[1]
+    return limit
+

@@ -5,12 +5,15 @@ the catalog entry of its type -> an `eks.ManagedNodeGroup` on the AL2023 NVIDIA 
 `nvidia.com/gpu=true:NoSchedule` and labelled with its role so only the Ray worker group of
 that role lands there.
 
-EFA types: on-demand and spot pools use pulumi-eks's own EFA support (`enableEfaSupport` +
-`placementGroupAvailabilityZone`): it builds the launch template with every EFA interface of
-the type (card 0 "efa", the rest "efa-only") and a cluster placement group, in one zone.
-Capacity Blocks need a launch template that targets the reservation, so this component builds
-that template itself with the same interfaces (the Block already carries its placement) and
-an EFA security group that allows all traffic to and from itself.
+EFA types and Capacity Blocks get a launch template this component builds itself: every EFA
+interface of the type (card 0 "efa", the rest "efa-only"), an EFA security group that allows
+all traffic to and from itself, an encrypted gp3 root volume, IMDSv2, and the node user data
+(the RAID0 NodeConfig, the containerd memlock drop-in). On-demand and spot EFA pools get a
+cluster placement group (the pool's one subnet puts it in the EFA zone); a Capacity Block
+already carries its placement and is targeted instead. pulumi-eks's own EFA support
+(`enableEfaSupport`) is not used: the launch template it builds sets only the root volume's
+size, never `encrypted` (pulumi/pulumi-eks nodejs/eks/nodes/nodegroup.ts,
+createMNGCustomLaunchTemplate). Pools of other types (g5, g6e) use pulumi-eks's options.
 """
 
 from __future__ import annotations
@@ -46,6 +49,29 @@ spec:
   instance:
     localStorage:
       strategy: RAID0
+"""
+
+# EFA registers (pins) memory, which counts against RLIMIT_MEMLOCK unless the process has
+# CAP_IPC_LOCK, which the non-root Ray containers lack. On the AL2023 AMIs a container's
+# rlimits come from containerd's base runtime spec, which sets only RLIMIT_NOFILE
+# (awslabs/amazon-eks-ami nodeadm/internal/containerd/base-runtime-spec.json), so the
+# memlock limit is inherited from containerd: systemd's default unless containerd.service
+# raises it. This drop-in does, before nodeadm starts containerd: cloud-init runs user-data
+# scripts in cloud-final, and nodeadm-run.service (which restarts containerd) runs
+# After=cloud-final.service (templates/al2023/runtime/rootfs/etc/systemd/system/). nodeadm
+# restarts containerd through systemd's D-Bus API without a daemon-reload, so the script
+# reloads. (nodeadm's `containerd.baseRuntimeSpec` cannot say "unlimited": it merges the spec
+# through JSON into map[string]interface{}, where RLIM_INFINITY, 2^64-1, does not survive
+# float64; nodeadm/internal/util/merge.go.)
+CONTAINERD_MEMLOCK_DROP_IN = "/etc/systemd/system/containerd.service.d/90-memlock.conf"
+MEMLOCK_SCRIPT = f"""#!/bin/bash
+set -euo pipefail
+mkdir -p {CONTAINERD_MEMLOCK_DROP_IN.rsplit("/", 1)[0]}
+cat > {CONTAINERD_MEMLOCK_DROP_IN} <<'EOF'
+[Service]
+LimitMEMLOCK=infinity
+EOF
+systemctl daemon-reload
 """
 
 
@@ -109,14 +135,29 @@ def efa_network_interfaces(instance: catalog.InstanceType, security_groups: Sequ
     ]
 
 
-def _mime_user_data(nodeconfig: str) -> str:
-    # EKS merges a launch template's MIME user data with its own nodeadm bootstrap.
-    body = (
-        'MIME-Version: 1.0\nContent-Type: multipart/mixed; boundary="BOUNDARY"\n\n'
-        "--BOUNDARY\nContent-Type: application/node.eks.aws\n\n"
-        f"{nodeconfig}\n--BOUNDARY--\n"
-    )
+def mime_user_data(parts: Sequence[tuple[str, str]]) -> str | None:
+    """Base64 MIME multi-part user data of (content type, body) parts; None without parts.
+
+    EKS merges a launch template's MIME user data with its own nodeadm bootstrap when the
+    template names no image (the node group's amiType and releaseVersion pick it)."""
+    if not parts:
+        return None
+    body = 'MIME-Version: 1.0\nContent-Type: multipart/mixed; boundary="BOUNDARY"\n\n'
+    for content_type, text in parts:
+        body += f"--BOUNDARY\nContent-Type: {content_type}\n\n{text}\n"
+    body += "--BOUNDARY--\n"
     return base64.b64encode(body.encode()).decode()
+
+
+def node_user_data_parts(raid: bool, efa: bool) -> list[tuple[str, str]]:
+    """The user-data parts of a node from this component's launch template: the RAID0
+    NodeConfig (instance-store NVMe), the containerd memlock drop-in (EFA)."""
+    parts = []
+    if raid:
+        parts.append(("application/node.eks.aws", RAID0_NODECONFIG))
+    if efa:
+        parts.append(("text/x-shellscript", MEMLOCK_SCRIPT))
+    return parts
 
 
 def node_group_name(cluster_name: str, role: str) -> str:
@@ -161,10 +202,13 @@ class GpuNodePool(pulumi.ComponentResource):
         # given (pulumi-eks nodejs/eks/nodes/nodegroup.ts createMNGCustomLaunchTemplate):
         # amiId is the pinned release's AMI then (amiId excludes gpu and amiType).
         self.ami_name = nvidia_ami_name(args.kubernetes_version, args.ami_release_version)
-        if pool.capacity_type is CapacityType.CAPACITY_BLOCK:
-            lt = self._capacity_block_template(name, args, raid, child)
+        if pool.capacity_type is CapacityType.CAPACITY_BLOCK or inst.efa:
+            # Our own launch template (module docstring); EKS picks the AMI from amiType and
+            # the pinned releaseVersion, as the template names no image.
+            lt = self._launch_template(name, args, raid, child)
             eks.ManagedNodeGroup(
                 f"{name}-ng",
+                # One subnet: EFA traffic stays in one zone; a Capacity Block lives in one.
                 subnet_ids=[args.efa_subnet_id],
                 launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
                 ami_type=AMI_TYPE,
@@ -185,23 +229,18 @@ class GpuNodePool(pulumi.ComponentResource):
                 )
             else:
                 extra.update(ami_type=AMI_TYPE, gpu=True, release_version=args.ami_release_version)
-            if inst.efa:
-                extra.update(
-                    enable_efa_support=True,
-                    placement_group_availability_zone=args.efa_zone,
-                    subnet_ids=[args.efa_subnet_id],
-                )
-            else:
-                extra["subnet_ids"] = args.subnet_ids
+            extra["subnet_ids"] = args.subnet_ids
             eks.ManagedNodeGroup(f"{name}-ng", opts=child, **common, **extra)
 
         self.node_group_name = group_name
         self.register_outputs({"nodeGroupName": self.node_group_name, "instanceType": inst.name})
 
-    def _capacity_block_template(
+    def _launch_template(
         self, name: str, args: GpuNodePoolArgs, raid: bool, child: pulumi.ResourceOptions
     ) -> aws.ec2.LaunchTemplate:
+        """The launch template of an EFA or Capacity Block pool (see the module docstring)."""
         pool, inst = args.pool, args.pool.instance
+        block = pool.capacity_type is CapacityType.CAPACITY_BLOCK
         sg_ids: list[pulumi.Input[str]] = []
         # The EKS-managed cluster security group: what MNG nodes get when EKS builds the template.
         cluster = aws.eks.get_cluster_output(
@@ -238,19 +277,32 @@ class GpuNodePool(pulumi.ComponentResource):
                     device_index=0, security_groups=sg_ids, delete_on_termination="true"
                 )
             ]
+        placement = None
+        if inst.efa and not block:
+            # EFA wants the nodes close together: a cluster placement group. Its zone is the
+            # one of the pool's only subnet (the EFA zone).
+            group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=args.tags, opts=child)
+            placement = aws.ec2.LaunchTemplatePlacementArgs(group_name=group.name)
+        market: dict[str, Any] = {}
+        if block:
+            market = dict(
+                instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block"),
+                capacity_reservation_specification=aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
+                    capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
+                        capacity_reservation_id=pool.capacity_reservation_id
+                    )
+                ),
+            )
+        where = f"capacity block {pool.capacity_reservation_id}" if block else f"EFA, {args.efa_zone}"
         return aws.ec2.LaunchTemplate(
             f"{name}-lt",
-            description=f"{args.role} GPU nodes on capacity block {pool.capacity_reservation_id}",
+            description=f"{args.role} GPU nodes ({inst.name}, {where})",
             network_interfaces=interfaces,
+            placement=placement,
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2
             ),
-            instance_market_options=aws.ec2.LaunchTemplateInstanceMarketOptionsArgs(market_type="capacity-block"),
-            capacity_reservation_specification=aws.ec2.LaunchTemplateCapacityReservationSpecificationArgs(
-                capacity_reservation_target=aws.ec2.LaunchTemplateCapacityReservationSpecificationCapacityReservationTargetArgs(
-                    capacity_reservation_id=pool.capacity_reservation_id
-                )
-            ),
+            **market,
             block_device_mappings=[
                 aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
                     device_name="/dev/xvda",
@@ -262,7 +314,7 @@ class GpuNodePool(pulumi.ComponentResource):
                     ),
                 )
             ],
-            user_data=_mime_user_data(RAID0_NODECONFIG) if raid else None,
+            user_data=mime_user_data(node_user_data_parts(raid, inst.efa)),
             tag_specifications=[
                 aws.ec2.LaunchTemplateTagSpecificationArgs(
                     resource_type="instance", tags={**args.tags, ROLE_LABEL: args.role}

@@ -6,6 +6,7 @@ __main__.py under Pulumi's mock runtime) -> assertions on the registered resourc
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
@@ -21,6 +22,7 @@ from tests.upstream import mng_image
 from tools import mock_runtime
 
 MNG = "eks:index:ManagedNodeGroup"
+LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
 CLUSTER = "eks:index:Cluster"
 CHART = "kubernetes:helm.sh/v4:Chart"
 
@@ -59,6 +61,16 @@ def test_registers_cluster_system_group_gpu_pools_plugins_and_operator(stack):
     }
 
 
+def _template_of(result, group):
+    """The aws.ec2.LaunchTemplate a node group's `launchTemplate` points at (mock ids are `<name>-id`)."""
+    lt_id = group.inputs["launchTemplate"]["id"]
+    return next(r for r in result.of_type(LAUNCH_TEMPLATE) if f"{r.name}-id" == lt_id)
+
+
+def _user_data(template) -> str:
+    return base64.b64decode(template.inputs["userData"]).decode() if template.inputs.get("userData") else ""
+
+
 def test_gpu_pools_efa_taint_label_ami(stack):
     cfg = stack.config
     pools = {"prefill": cfg.node_pools.prefill, "decode": cfg.node_pools.decode}
@@ -77,7 +89,6 @@ def test_gpu_pools_efa_taint_label_ami(stack):
             assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
         assert inp["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]
         assert inp["labels"] == {ROLE_LABEL: role}
-        assert inp["enableIMDSv2"] is True
         sizes = inp["scalingConfig"]
         assert (sizes["minSize"], sizes["desiredSize"], sizes["maxSize"]) == (
             pools[role].min_size,
@@ -85,14 +96,24 @@ def test_gpu_pools_efa_taint_label_ami(stack):
             pools[role].max_size,
         )
         if inst.efa:
-            assert inp["enableEfaSupport"] is True
-            assert inp["placementGroupAvailabilityZone"] == cfg.efa_zone_name
+            # Our own launch template (pulumi-eks's has no `encrypted`: test_efa_launch_template_contract.py).
+            assert not inp.get("enableEfaSupport") and not inp.get("enableIMDSv2")
+            lt = _template_of(stack.result, group).inputs
+            assert lt["metadataOptions"]["httpTokens"] == "required"
+            assert len(lt["networkInterfaces"]) == inst.efa_interfaces
+            assert lt["placement"]["groupName"], "EFA pools run in a cluster placement group"
             assert inp["subnetIds"] == [f"{efa_subnet.name}-id"], "EFA pools live in one zone"
+            assert inp["releaseVersion"] == cfg.ami_release_version
+            user_data = _user_data(_template_of(stack.result, group))
+            assert "LimitMEMLOCK=infinity" in user_data
+            if inst.nvme_disks:
+                assert "RAID0" in user_data
         else:
+            assert inp["enableIMDSv2"] is True
             assert not inp.get("enableEfaSupport")
             assert len(inp["subnetIds"]) == len(cfg.availability_zones)
-        if inst.nvme_disks:
-            assert "RAID0" in inp["nodeadmExtraOptions"][0]["content"]
+            if inst.nvme_disks:
+                assert "RAID0" in inp["nodeadmExtraOptions"][0]["content"]
 
 
 def test_p5_and_p4de_pools_have_efa(rendered_stacks):
@@ -101,7 +122,8 @@ def test_p5_and_p4de_pools_have_efa(rendered_stacks):
         for group in _gpu_groups(stack).values():
             if group.inputs["instanceTypes"][0].startswith(("p5", "p4de")):
                 seen.add(group.inputs["instanceTypes"][0])
-                assert group.inputs["enableEfaSupport"] is True
+                nics = _template_of(stack.result, group).inputs["networkInterfaces"]
+                assert {n["interfaceType"] for n in nics} == {"efa", "efa-only"}
     assert {"p5.48xlarge", "p4de.24xlarge"} <= seen
 
 
@@ -139,7 +161,7 @@ def test_device_plugins_tolerate_gpu_taint_and_efa_only_on_efa_types(stack):
 
 def test_cluster_encryption_logging_auth_and_endpoint(stack):
     cluster = stack.result.one(CLUSTER).inputs
-    key = stack.result.one("aws:kms/key:Key").inputs
+    key = stack.result.one("aws:kms/key:Key", "eks-secrets-key").inputs
     assert key["enableKeyRotation"] is True
     assert cluster["encryptionConfigKeyArn"].startswith("arn:")
     assert set(cluster["enabledClusterLogTypes"]) == {"api", "audit", "authenticator", "controllerManager", "scheduler"}
@@ -210,7 +232,7 @@ def test_existing_vpc_creates_no_network(rendered_stacks):
     assert not result.of_type("aws:ec2/vpc:Vpc") and not result.of_type("aws:ec2/subnet:Subnet")
     assert result.one(CLUSTER).inputs["vpcId"] == "vpc-0123456789abcdef0"
     for group in result.of_type(MNG):
-        if group.inputs.get("enableEfaSupport"):
+        if group.inputs["labels"][ROLE_LABEL] != "system":  # staging's pools are p4de: EFA
             assert group.inputs["subnetIds"] == ["subnet-0bbbbbbbbbbbbbbb2"]
 
 
@@ -223,7 +245,7 @@ def test_capacity_block_pool_builds_its_own_efa_launch_template():
     decode = next(r for r in result.of_type(MNG) if r.inputs["labels"].get(ROLE_LABEL) == "decode")
     assert decode.inputs["capacityType"] == "CAPACITY_BLOCK"
     assert "launchTemplate" in decode.inputs and not decode.inputs.get("enableEfaSupport")
-    lt = result.one("aws:ec2/launchTemplate:LaunchTemplate").inputs
+    lt = _template_of(result, decode).inputs
     nics = lt["networkInterfaces"]
     assert len(nics) == catalog.lookup("p5.48xlarge").efa_interfaces == 32
     assert nics[0]["interfaceType"] == "efa" and nics[0]["deviceIndex"] == 0
@@ -234,8 +256,13 @@ def test_capacity_block_pool_builds_its_own_efa_launch_template():
     assert lt["instanceMarketOptions"]["marketType"] == "capacity-block"
     target = lt["capacityReservationSpecification"]["capacityReservationTarget"]
     assert target["capacityReservationId"] == "cr-0123456789abcdef0"
-    sg = result.one("aws:ec2/securityGroup:SecurityGroup")
-    rules = result.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+    assert "placement" not in lt, "a Capacity Block carries its own placement"
+    sg = result.one("aws:ec2/securityGroup:SecurityGroup", "gpu-decode-efa-sg")
+    rules = [
+        r
+        for r in result.of_type("aws:vpc/securityGroupIngressRule:SecurityGroupIngressRule")
+        if r.name.startswith("gpu-")
+    ]
     assert rules and all(r.inputs["referencedSecurityGroupId"] == r.inputs["securityGroupId"] for r in rules)
     assert sg.name.endswith("efa-sg")
 

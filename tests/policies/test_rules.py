@@ -53,7 +53,7 @@ EXPECTED_ADVISORIES: dict[str, set[tuple[str, str]]] = {}
 
 @pytest.fixture(scope="module")
 def capacity_block() -> mock_runtime.RunResult:
-    """prod with its prefill pool on a Capacity Block: the program's own EFA launch template."""
+    """prod with its prefill pool on a Capacity Block (its launch template `gpu-prefill-lt` targets the Block)."""
     values, secrets, others = stackfile.read_as_deployed("prod")
     values = copy.deepcopy(values)
     values["nodePools"]["prefill"].update(capacityType="capacity-block", capacityReservationId="cr-0123456789abcdef0")
@@ -290,7 +290,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "nodes-imdsv2-required",
         "prod-capacity-block",
         rules.LAUNCH_TEMPLATE,
-        None,
+        "gpu-prefill-lt",
         lambda i: i["metadataOptions"].update(httpTokens="optional"),
         "set it to 'required'",
     ),
@@ -299,7 +299,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "nodes-imdsv2-required",
         "prod-capacity-block",
         rules.LAUNCH_TEMPLATE,
-        None,
+        "gpu-prefill-lt",
         lambda i: i.pop("metadataOptions"),
         "'required'",
     ),
@@ -340,13 +340,15 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "exactly one subnet",
     ),
     (
-        "efa-no-placement-zone",
+        # EFA pools run on the stack's own launch template (infra/components/gpu_node_pool.py):
+        # the placement group is the template's.
+        "efa-no-placement-group",
         "efa-single-zone",
         "staging",
-        rules.EKS_MNG,
-        "gpu-decode-ng",
-        lambda i: i.pop("placementGroupAvailabilityZone"),
-        "placementGroupAvailabilityZone",
+        rules.LAUNCH_TEMPLATE,
+        "gpu-decode-lt",
+        lambda i: i.pop("placement"),
+        "placement.groupName",
     ),
     (
         "capacity-block-two-subnets",
@@ -362,7 +364,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "efa-single-zone",
         "prod-capacity-block",
         rules.LAUNCH_TEMPLATE,
-        None,
+        "gpu-prefill-lt",
         lambda i: (i.pop("instanceMarketOptions"), i.pop("capacityReservationSpecification")),
         "placement.groupName",
     ),
@@ -595,7 +597,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "no-open-ingress",
         "prod-capacity-block",
         rules.SG_INGRESS_RULE,
-        None,
+        "gpu-prefill-efa-in",
         lambda i: (i.pop("referencedSecurityGroupId"), i.update(cidrIpv4="0.0.0.0/0")),
         "allow only the networks",
     ),
@@ -685,7 +687,7 @@ def test_unknown_values_pass_until_known(resources) -> None:
     rs.inputs["spec"] = UNKNOWN_OBJECT_VALUE
     pool = _one(resources, "prod", rules.EKS_MNG, "gpu-prefill-ng")
     pool.inputs["subnetIds"] = UNKNOWN_ARRAY_VALUE
-    lt = _one(resources, "prod-capacity-block", rules.LAUNCH_TEMPLATE)
+    lt = _one(resources, "prod-capacity-block", rules.LAUNCH_TEMPLATE, "gpu-prefill-lt")
     lt.inputs["metadataOptions"]["httpTokens"] = UNKNOWN_STRING_VALUE
     for res in (cluster, rs, pool, lt):
         for rule in rules.RULES:

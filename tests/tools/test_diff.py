@@ -124,8 +124,14 @@ def test_identical_resources_are_summarized_not_listed(staging_prod):
     assert "kubernetes:core/v1:Namespace" not in staging_prod
     assert "5 kubernetes:Namespace" in summary[0]
     # A change common to many resources (the environment tag) is said once.
-    common = [line for line in staging_prod.splitlines() if "tags.pd-inference/environment: staging -> prod" in line]
+    common = [line for line in staging_prod.splitlines() if "~ tags.pd-inference/environment: staging -> prod" in line]
     assert len(common) == 1 and "resources]" in common[0]
+    # The EFA launch templates' instance tags (tagSpecifications) are another path: fewer than
+    # COMMON_MIN resources carry it, so each is listed with its template.
+    nested = [
+        line for line in staging_prod.splitlines() if "tagSpecifications[0].tags.pd-inference/environment" in line
+    ]
+    assert len(nested) < diff.COMMON_MIN
 
 
 def test_identical_stacks_show_no_differences(tmp_path, monkeypatch):
