@@ -2,15 +2,17 @@
 
 What flows through here: Pulumi's config for this stack -> `infra.model.config.load` (one line
 naming the stack file and key on any error, before anything is registered) -> Network ->
-Cluster (and its kubernetes Provider) -> a GPU node pool per engine role -> device plugins
-and the KubeRay operator -> the LLM service -> observability (metrics pipeline, GPU metrics,
-monitors, alerts, dashboards) -> stack outputs. Only this file reads config.
+the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
+node pool per engine role -> device plugins and the KubeRay operator -> the LLM service ->
+observability (metrics pipeline, GPU metrics, monitors, alerts, dashboards) -> stack
+outputs. Only this file reads config.
 """
 
 import pulumi
 
 from infra.components.cluster import Cluster, ClusterArgs
 from infra.components.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
+from infra.components.gcs_redis import GcsRedis, GcsRedisArgs
 from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs, node_group_name
 from infra.components.kuberay import KubeRayOperator, KubeRayOperatorArgs
 from infra.components.llm_service import LlmService, LlmServiceArgs
@@ -21,7 +23,7 @@ from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.model import catalog
-from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, load
+from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.paths import stack_file
 
 
@@ -57,6 +59,22 @@ network = Network(
         tags=tags,
     ),
 )
+# gcsFaultTolerance managed: the stack's own ElastiCache (Valkey) group; its clients' security
+# group goes onto the system nodes, where the Ray head runs.
+gcs_redis = (
+    GcsRedis(
+        "gcs",
+        GcsRedisArgs(
+            cluster_name=cluster_name,
+            vpc_id=network.vpc_id,
+            subnet_ids=network.private_subnet_ids,
+            settings=cfg.gcs_redis,
+            tags=tags,
+        ),
+    )
+    if cfg.gcs_fault_tolerance is GcsFaultTolerance.MANAGED
+    else None
+)
 cluster = Cluster(
     "eks",
     ClusterArgs(
@@ -71,6 +89,7 @@ cluster = Cluster(
         view_role_arns=cfg.view_role_arns,
         ami_release_version=cfg.ami_release_version,
         system_nodes=cfg.system_nodes,
+        system_security_group_ids=[gcs_redis.client_security_group_id] if gcs_redis else [],
         deletion_protection=cfg.environment is Environment.PROD,
         tags=tags,
     ),
@@ -138,8 +157,8 @@ service = LlmService(
         api_keys=secrets["apiKeys"],
         fallback_api_key=secrets["fallbackApiKey"],
         hf_token=secrets["hfToken"],
-        redis_password=secrets["gcsRedisPassword"],
-        gcs_redis_address=cfg.gcs_redis_address,
+        redis_password=gcs_redis.password if gcs_redis else secrets["gcsRedisPassword"],
+        gcs_redis_address=gcs_redis.address if gcs_redis else cfg.gcs_redis_address,
         model_bucket=cfg.model_bucket,
         tags=tags,
     ),

@@ -476,3 +476,56 @@ def container_memlock(node_configs: list[dict[str, Any]], drop_ins: dict[str, st
                 limit = line.split("=", 1)[1]
     return limit
 
+
+# --- ElastiCache replication groups: what pulumi-aws (bridging hashicorp/terraform-provider-aws
+# internal/service/elasticache/replication_group.go, mirror of 2026-08) and the ElastiCache API
+# (CreateReplicationGroup, AuthToken; "Authenticating with the Valkey and Redis OSS AUTH command")
+# refuse, and the single-shard Redis KubeRay's GCS fault tolerance takes (ray-project/ray
+# doc/source/cluster/kubernetes/user-guides/kuberay-gcs-ft.md, Prerequisites).
+_AUTH_TOKEN_SPECIALS = set("!&#$^<>-")
+
+
+def elasticache_replication_group_errors(inputs: dict[str, Any]) -> list[str]:
+    """Why a `aws:elasticache/replicationGroup:ReplicationGroup` with these (camelCase) inputs
+    would be refused at preview/create time, or be no GCS store; [] when it passes."""
+    import re
+
+    errors = []
+    rid = str(inputs.get("replicationGroupId", ""))
+    # validateReplicationGroupID
+    if not (
+        1 <= len(rid) <= 40
+        and re.fullmatch(r"[0-9A-Za-z-]+", rid)
+        and rid[0].isalpha()
+        and "--" not in rid
+        and not rid.endswith("-")
+    ):
+        errors.append(
+            f"replicationGroupId {rid!r}: 1-40 letters, digits, hyphens; a letter first; no '--'; no '-' last"
+        )
+    # replicationGroupValidateMultiAZAutomaticFailover / ...AutomaticFailoverNumCacheClusters
+    if inputs.get("multiAzEnabled") and not inputs.get("automaticFailoverEnabled"):
+        errors.append("automatic_failover_enabled must be true if multi_az_enabled is true")
+    if inputs.get("automaticFailoverEnabled") and int(inputs.get("numCacheClusters") or 0) < 2:
+        errors.append('"num_cache_clusters": must be at least 2 if automatic_failover_enabled is true')
+    token = inputs.get("authToken")
+    if token is not None:
+        # validReplicationGroupAuthToken (provider) and the API's AuthToken constraints
+        if not 16 <= len(token) <= 128 or re.search(r'[@"/]', token):
+            errors.append('auth_token: 16 to 128 characters, excluding @, ", and /')
+        if any(not (c.isascii() and c.isprintable()) for c in token) or (
+            set(c for c in token if not c.isalnum()) - _AUTH_TOKEN_SPECIALS
+        ):
+            errors.append("AuthToken: printable ASCII; the only special characters allowed are !&#$^<>-")
+        if inputs.get("transitEncryptionEnabled") is not True:
+            errors.append("AuthToken can be specified only where TransitEncryptionEnabled is true")
+    if inputs.get("engine") not in ("redis", "valkey"):
+        errors.append(f"engine {inputs.get('engine')!r}: redis or valkey")
+    # validValkeyVersionString (engine_version.go): Valkey versions are <major>.<minor>, 7 to 9
+    version = inputs.get("engineVersion")
+    if inputs.get("engine") == "valkey" and version is not None and not re.fullmatch(r"[7-9]\.\d+", str(version)):
+        errors.append(f"engine_version {version!r} is invalid. For Valkey use <major>.<minor>.")
+    # KubeRay GCS fault tolerance: a single-shard Redis (cluster mode disabled), 1+ nodes
+    if inputs.get("clusterMode") == "enabled" or int(inputs.get("numNodeGroups") or 1) != 1:
+        errors.append("KubeRay's GCS fault tolerance takes a single-shard Redis (cluster mode disabled)")
+    return errors

@@ -45,6 +45,7 @@ class Registered:
     inputs: dict[str, Any]
     provider: str | None = None  # "urn::id" of an explicit provider, if any
     depends_on: list[str] = field(default_factory=list)  # names of explicit dependencies
+    secret_inputs: list[str] = field(default_factory=list)  # top-level inputs that are (or hold) Pulumi secrets
 
     def as_json(self) -> dict[str, Any]:
         return {"type": self.type, "name": self.name, "parent": self.parent, "inputs": self.inputs}
@@ -75,6 +76,16 @@ def _name_from_urn(urn: str) -> str | None:
     return urn.rsplit("::", 1)[-1]
 
 
+def _holds_secret(value: Any) -> bool:
+    if isinstance(value, dict) and value.get(rpc._special_sig_key) == rpc._special_secret_sig:
+        return True
+    if isinstance(value, dict):
+        return any(_holds_secret(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_secret(v) for v in value)
+    return False
+
+
 def _plain(value: Any) -> Any:
     """Inputs as JSON-able data (secrets unwrapped: offline they hold placeholders)."""
     if isinstance(value, dict) and value.get(rpc._special_sig_key) == rpc._special_secret_sig:
@@ -101,9 +112,16 @@ class _Mocks(pulumi.runtime.Mocks):
     def new_resource(self, args: pulumi.runtime.MockResourceArgs):
         parent = getattr(_local, "parent", None)
         deps = [n for n in map(_name_from_urn, getattr(_local, "dependencies", [])) if n]
+        secret_inputs = sorted(k for k, v in args.inputs.items() if _holds_secret(v))
         self.recorder.append(
             Registered(
-                args.typ, args.name, _name_from_urn(parent or ""), _plain(args.inputs), args.provider or None, deps
+                args.typ,
+                args.name,
+                _name_from_urn(parent or ""),
+                _plain(args.inputs),
+                args.provider or None,
+                deps,
+                secret_inputs,
             )
         )
         name = args.inputs.get("name") or args.name
@@ -149,6 +167,15 @@ class _Mocks(pulumi.runtime.Mocks):
             state.update(keyId=f"mock-key-{args.name}")
         elif args.typ == "aws:ec2/launchTemplate:LaunchTemplate":
             state.update(latestVersion=1)
+        elif args.typ == "random:index/randomPassword:RandomPassword":
+            # A stand-in of the requested length (the provider generates it at create time).
+            state.update(result=("MockAuth0" * 20)[: int(args.inputs.get("length") or 16)])
+        elif args.typ == "aws:elasticache/replicationGroup:ReplicationGroup":
+            rid = args.inputs.get("replicationGroupId") or args.name
+            state.update(
+                primaryEndpointAddress=f"master.{rid}.mock01.use1.cache.amazonaws.com",
+                readerEndpointAddress=f"replica.{rid}.mock01.use1.cache.amazonaws.com",
+            )
         elif args.typ == "aws:ecr/repository:Repository":
             state.update(
                 registryId=FAKE_ACCOUNT, repositoryUrl=f"{FAKE_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{name}"

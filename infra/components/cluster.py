@@ -59,6 +59,9 @@ class ClusterArgs:
     """IAM roles given read-only access entries (AmazonEKSViewPolicy), e.g. the CI preview role."""
     ami_release_version: str | None = None
     """EKS AMI release (`amiReleaseVersion`) of the system node group."""
+    system_security_group_ids: list[pulumi.Input[str]] = field(default_factory=list)
+    """Security groups the system nodes carry besides the EKS cluster security group (e.g. the
+    GCS Redis clients group: the Ray head runs there). Non-empty: a launch template of ours."""
     deletion_protection: bool = False
     """EKS deletion protection (on for prod)."""
     tags: dict[str, str] = field(default_factory=dict)
@@ -160,6 +163,9 @@ class Cluster(pulumi.ComponentResource):
         )
 
         system = args.system_nodes
+        template: dict = {"enable_imd_sv2": True}
+        if args.system_security_group_ids:
+            template = {"launch_template": self._system_template(name, args, child)}
         eks.ManagedNodeGroup(
             f"{name}-system",
             cluster=self.eks,
@@ -175,9 +181,9 @@ class Cluster(pulumi.ComponentResource):
                 min_size=system.min_size, desired_size=system.desired_size, max_size=system.max_size
             ),
             labels={ROLE_LABEL: SYSTEM_ROLE},
-            enable_imd_sv2=True,
             tags=tags,
             opts=child,
+            **template,
         )
         self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
 
@@ -197,3 +203,28 @@ class Cluster(pulumi.ComponentResource):
                 "systemNodeGroupName": self.system_node_group_name,
             }
         )
+
+    def _system_template(
+        self, name: str, args: ClusterArgs, child: pulumi.ResourceOptions
+    ) -> aws.eks.NodeGroupLaunchTemplateArgs:
+        """The system nodes' launch template: the extra security groups, IMDSv2, no image and
+        no user data (EKS still picks the AMI from amiType and releaseVersion and bootstraps).
+
+        A template that names security groups replaces the ones EKS would attach, so the EKS
+        cluster security group (node <-> control plane, node <-> node) is named here too, as
+        EKS's own template would have it (EKS user guide, "Customizing managed nodes with
+        launch templates": security groups)."""
+        cluster = aws.eks.get_cluster_output(
+            name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[self.eks])
+        )
+        lt = aws.ec2.LaunchTemplate(
+            f"{name}-system-lt",
+            description=f"System nodes of {args.cluster_name}: EKS cluster SG + {len(args.system_security_group_ids)} more",
+            vpc_security_group_ids=[cluster.vpc_config.cluster_security_group_id, *args.system_security_group_ids],
+            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
+                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2
+            ),
+            tags=dict(args.tags),
+            opts=child,
+        )
+        return aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str))

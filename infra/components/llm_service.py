@@ -68,9 +68,11 @@ class LlmServiceArgs:
     hf_token: pulumi.Output[str] | None = None
     """Secret: Hugging Face token for gated models."""
     redis_password: pulumi.Output[str] | None = None
-    """Secret: password of the GCS fault-tolerance Redis."""
-    gcs_redis_address: str | None = None
-    """`host:port` of that Redis; None keeps GCS fault tolerance off."""
+    """Secret: password of the GCS fault-tolerance Redis (the stack's gcsRedisPassword, or the
+    managed group's generated AUTH token)."""
+    gcs_redis_address: pulumi.Input[str] | None = None
+    """`host:port` or `redis(s)://host:port` of that Redis (an Output for the managed group);
+    None keeps GCS fault tolerance off."""
     model_bucket: str | None = None
     """S3 bucket the pods may read model weights from."""
     tags: dict[str, str] = field(default_factory=dict)
@@ -207,6 +209,9 @@ class LlmService(pulumi.ComponentResource):
         # A built image's reference is an Output; the manifest is plain data, so it carries a
         # stand-in that is swapped for the Output afterwards (everything else stays known).
         image_ref = args.image if isinstance(args.image, str) else _IMAGE_STAND_IN
+        # The managed Redis's address is an Output too: the same stand-in swap.
+        redis_address = args.gcs_redis_address
+        redis_ref = redis_address if isinstance(redis_address, str) or redis_address is None else _REDIS_STAND_IN
         svc_name = f"{name}-openai"
         inputs = RayServiceInputs(
             name=name,
@@ -221,7 +226,7 @@ class LlmService(pulumi.ComponentResource):
             fallback_api_key=fallback_key,
             hf_token=hf_token,
             redis_password=redis,
-            gcs_redis_address=args.gcs_redis_address,
+            gcs_redis_address=redis_ref,
             upgrade_strategy=args.upgrade_strategy,
             service_name=svc_name,
             **_exposure(args.exposure, args.allowed_cidrs),
@@ -229,6 +234,8 @@ class LlmService(pulumi.ComponentResource):
         # Everything but serveConfigV2 is known at preview, so policies see the pods even
         # before the code bucket exists; only the Serve config waits for the bucket's name.
         spec = _swap(rayservice_manifest(inputs)["spec"], _IMAGE_STAND_IN, args.image)
+        if redis_ref == _REDIS_STAND_IN:
+            spec = _swap(spec, _REDIS_STAND_IN, redis_address)
         spec["serveConfigV2"] = working_dir.apply(lambda wd: serve_config_yaml(replace(inputs, working_dir=wd)))
         k8s.apiextensions.CustomResource(
             f"{name}-rayservice",
@@ -276,6 +283,7 @@ class LlmService(pulumi.ComponentResource):
 
 
 _IMAGE_STAND_IN = "registry.invalid/built-worker-image:pending"
+_REDIS_STAND_IN = "rediss://gcs-redis.invalid:6379"
 
 
 def _swap(node: Any, old: str, new: Any) -> Any:

