@@ -163,9 +163,6 @@ class Cluster(pulumi.ComponentResource):
         )
 
         system = args.system_nodes
-        template: dict = {"enable_imd_sv2": True}
-        if args.system_security_group_ids:
-            template = {"launch_template": self._system_template(name, args, child)}
         eks.ManagedNodeGroup(
             f"{name}-system",
             cluster=self.eks,
@@ -183,7 +180,7 @@ class Cluster(pulumi.ComponentResource):
             labels={ROLE_LABEL: SYSTEM_ROLE},
             tags=tags,
             opts=child,
-            **template,
+            launch_template=self._system_template(name, args, child),
         )
         self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
 
@@ -207,8 +204,10 @@ class Cluster(pulumi.ComponentResource):
     def _system_template(
         self, name: str, args: ClusterArgs, child: pulumi.ResourceOptions
     ) -> aws.eks.NodeGroupLaunchTemplateArgs:
-        """The system nodes' launch template: the extra security groups, IMDSv2, no image and
-        no user data (EKS still picks the AMI from amiType and releaseVersion and bootstraps).
+        """The system nodes' launch template: an encrypted gp3 root volume sized for the
+        ray-llm image (EKS's default is 20 GiB, encrypted only if the account says so), the
+        extra security groups, IMDSv2, no image and no user data (EKS still picks the AMI from
+        amiType and releaseVersion and bootstraps).
 
         A template that names security groups replaces the ones EKS would attach, so the EKS
         cluster security group (node <-> control plane, node <-> node) is named here too, as
@@ -224,6 +223,17 @@ class Cluster(pulumi.ComponentResource):
             metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
                 http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2
             ),
+            block_device_mappings=[
+                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
+                    device_name="/dev/xvda",  # AL2023's root device
+                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
+                        volume_size=args.system_nodes.root_volume_gib,
+                        volume_type="gp3",
+                        encrypted="true",
+                        delete_on_termination="true",
+                    ),
+                )
+            ],
             tags=dict(args.tags),
             opts=child,
         )

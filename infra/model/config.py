@@ -249,6 +249,9 @@ class SystemNodes(SpecModel):
     min_size: int = Field(default=2, ge=1)
     desired_size: int = Field(default=2, ge=1)
     max_size: int = Field(default=4, ge=1)
+    # The Ray head runs the ray-llm image (tens of GB unpacked) beside the operators and
+    # Prometheus's images; EKS's default root volume is 20 GiB. Encrypted gp3 (cluster.py).
+    root_volume_gib: int = Field(default=100, ge=40, le=16384, alias="rootVolumeGiB")
 
     @field_validator("instance_type")
     @classmethod
