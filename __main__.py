@@ -20,10 +20,12 @@ from infra.components.network import Network, NetworkArgs
 from infra.components.node_autoscaler import NodeAutoscaler, NodeAutoscalerArgs
 from infra.components.observability import ObservabilityArgs, ObservabilityStack
 from infra.components.worker_image import WorkerImage, WorkerImageArgs
+from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
+from infra.model.planning import kv_link
 from infra.paths import stack_file
 
 
@@ -175,6 +177,8 @@ observability = ObservabilityStack(
         gpu_instance_types=sorted(catalog.CATALOG),
         # The monitor list is data: a component that exposes metrics adds its target here.
         targets=[kuberay_operator_target(KUBERAY_NAMESPACE), node_autoscaler.scrape_target],
+        # P/D only: KV bytes at zero while requests succeed, transfers slower than the plan's link.
+        extra_rule_groups=kv_rule_groups(link) if (link := kv_link(cfg)) else [],
         region=region,
         tags=tags,
     ),

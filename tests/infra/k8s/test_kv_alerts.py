@@ -95,3 +95,16 @@ def test_aggregated_stacks_have_no_kv_link() -> None:
     values["serving"]["mode"] = "aggregated"
     cfg = load(values, secret_keys=secrets, source="x", region=others.get("aws:region"))
     assert planning.kv_link(cfg) is None
+
+
+def test_every_disaggregated_stack_deploys_the_kv_rules_and_aggregated_ones_do_not(rendered_stacks):
+    """The program passes them to the observability stack (__main__.py): a rule that only
+    exists in this module would never fire."""
+    for stack, rendered in rendered_stacks.items():
+        rules = [o for o in rendered.manifests().values() if o.get("kind") == "PrometheusRule"]
+        alerts = {r.get("alert") for o in rules for g in o["spec"]["groups"] for r in g["rules"]}
+        kv = {"KVTransferMissing", "KVTransferSlow"}
+        if rendered.config.serving.mode.value == "disaggregated":
+            assert kv <= alerts, stack
+        else:
+            assert not kv & alerts, stack
