@@ -131,6 +131,45 @@ def _idle(serving: dict[str, Any] | None, target: str, process: str | None = Non
     return f"{sum(v for k, v in per.items() if process is None or k == process):.0f}%"
 
 
+def floor_text(rep: dict[str, Any]) -> str:
+    """The TTFT floor at concurrency 1: plain vLLM's TTFT p50 plus the hops Serve adds before
+    the engine sees the request (Serve's spans), as a ratio to plain vLLM, per Ray target."""
+    hops: dict[str, dict[str, dict[str, Any]]] = rep.get("hops_ms") or {}
+    # The bars compare TTFT p50s; the hops are means over the same requests.
+    base = ((rep.get("targets") or {}).get("vllm") or {}).get("1", {}).get("ttft_p50_ms")
+    if not base:
+        return "(no concurrency-1 breakdown in this run)"
+    parts = []
+    for target, keys in (
+        ("aggregated", ("proxy_to_ingress", "ingress_to_engine")),
+        ("disaggregated", ("proxy_to_ingress", "ingress_to_engine", "decode_to_prefill", "prefill_leg")),
+    ):
+        row = (hops.get(target) or {}).get("1") or {}
+        vals = [row.get(k) for k in keys]
+        if any(v is None for v in vals):
+            continue
+        added = sum(vals)
+        parts.append(
+            f"- **{target}**: the Serve hops before the engine sees the request "
+            f"({' + '.join(f'{v:.1f}' for v in vals)} = {added:.1f} ms at concurrency 1, from Serve's "
+            f"spans, means) on top of plain vLLM's TTFT p50 of {base:.1f} ms put the floor at "
+            f"{(base + added) / base:.2f}x, before any stream delivery."
+        )
+    head = (
+        "At concurrency 1 the time to first token is plain vLLM's plus the hops Ray Serve adds. "
+        "Those hops are Python on the same two cores: the proxy's actor call to the ingress, the "
+        "ingress's auth, parsing and routing (our API keys, limits, fallback and deadlines live "
+        "there), and in P/D the decode replica's call to prefill and the prefill itself:"
+    )
+    tail = (
+        "Removing the ingress hop needs Ray's direct streaming (`RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING` "
+        "with Serve's HAProxy mode), which moves the request into vLLM's own app and so would move "
+        "this project's ingress logic into ASGI middleware there (the switches table); the P/D "
+        "prefill leg is the design's own cost, smaller on a GPU where prefill is fast."
+    )
+    return "\n".join([head, "", *parts, "", tail])
+
+
 def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, template: str) -> str:
     parts = {
         "SERVING_DATE": serving["date"] if serving else "(no run)",
@@ -151,6 +190,7 @@ def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, templa
             if serving
             else ""
         ),
+        "FLOOR": floor_text(serving) if serving else "(run `make bench`)",
         "IDLE_WORKERS": _idle(serving, "stack", "VLLM::Worker"),
         "IDLE_VLLM": _idle(serving, "vllm"),
         "PREFIX_DATE": prefix["date"] if prefix else "(no run)",

@@ -90,3 +90,26 @@ def test_readme_block_is_replaced_between_the_markers_only():
     out = report.replace_block(text, report.headline(SERVING))
     assert out.startswith("intro\n") and out.endswith(f"{report.END}\noutro\n")
     assert "old figures" not in out and "2026-11-30 05:40 UTC" in out
+
+
+def test_floor_adds_the_serve_hops_to_plain_vllms_ttft_p50():
+    from bench.report import floor_text
+
+    rep = {
+        "targets": {"vllm": {"1": {"ttft_p50_ms": 40.0}}},
+        "hops_ms": {
+            "aggregated": {"1": {"proxy_to_ingress": 10.0, "ingress_to_engine": 30.0}},
+            "disaggregated": {
+                "1": {
+                    "proxy_to_ingress": 10.0,
+                    "ingress_to_engine": 30.0,
+                    "decode_to_prefill": 10.0,
+                    "prefill_leg": 70.0,
+                }
+            },
+        },
+    }
+    text = floor_text(rep)
+    assert "floor at 2.00x" in text  # (40 + 40) / 40
+    assert "floor at 4.00x" in text  # (40 + 120) / 40
+    assert "no concurrency-1 breakdown" in floor_text({"hops_ms": {}})
