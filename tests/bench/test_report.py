@@ -113,3 +113,18 @@ def test_floor_adds_the_serve_hops_to_plain_vllms_ttft_p50():
     assert "floor at 2.00x" in text  # (40 + 40) / 40
     assert "floor at 4.00x" in text  # (40 + 120) / 40
     assert "no concurrency-1 breakdown" in floor_text({"hops_ms": {}})
+
+
+def test_prefix_verdict_says_whether_affinity_cut_ttft():
+    from bench.report import prefix_verdict
+
+    def pre(aff_ttft):
+        return {
+            "apps": {
+                "p2c": {"router": "power-of-two", "prefix_cache_hit_rate": 0.4, "ttft_p50_ms": 100.0},
+                "affinity": {"router": "prefix-cache-affinity", "prefix_cache_hit_rate": 0.6, "ttft_p50_ms": aff_ttft},
+            }
+        }
+
+    assert "cut TTFT p50 from 100.0 to 80.0 ms" in prefix_verdict(pre(80.0))
+    assert "did not fall" in prefix_verdict(pre(110.0))
