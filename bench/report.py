@@ -166,9 +166,9 @@ def floor_text(rep: dict[str, Any]) -> str:
         ("disaggregated", ("proxy_to_ingress", "ingress_to_engine", "decode_to_prefill", "prefill_leg")),
     ):
         row = (hops.get(target) or {}).get("1") or {}
-        vals = [row.get(k) for k in keys]
-        if any(v is None for v in vals):
+        if any(row.get(k) is None for k in keys):
             continue
+        vals = [float(row[k]) for k in keys]
         added = sum(vals)
         parts.append(
             f"- **{target}**: the Serve hops before the engine sees the request "
