@@ -109,29 +109,11 @@ def kv_totals(samples: list[hops.Sample]) -> dict[str, float]:
 # --- vLLM's own server (target c) --------------------------------------------------------------
 @contextlib.contextmanager
 def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, str], log_path: Path):
-    from serving.local.config import HOST, MAX_MODEL_LEN
+    from serving.local.config import PLAIN_VLLM_ENV, plain_vllm_argv
     from serving.local.procs import interrupt_and_wait
 
-    env = {**os.environ, **env_extra, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_dir,
-        "--served-model-name",
-        model_id,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--disable-uvicorn-access-log",
-    ]
+    env = {**os.environ, **env_extra, **PLAIN_VLLM_ENV}
+    cmd = plain_vllm_argv(model_dir, model_id, port)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         try:

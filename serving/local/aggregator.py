@@ -13,9 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,15 +23,11 @@ from typing import Any
 
 import httpx
 
+from serving.local.config import HOST, PLAIN_VLLM_ENV, plain_vllm_argv
+from serving.local.procs import free_port
+
 EXTERNAL_MODEL = "tiny-llama-external"
 PROVIDER_KEY = "sk-provider-e2e-key"
-HOST = "127.0.0.1"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -98,32 +92,10 @@ def running_aggregator(
 ) -> Iterator[Aggregator]:
     import uvicorn
 
-    from serving.local.config import MAX_MODEL_LEN
-
-    vport, pport = _free_port(), _free_port()
-    env = {**os.environ, **(engine_env or {}), "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
-    cmd = [
-        "nice",
-        "-n",
-        "15",
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_dir,
-        "--served-model-name",
-        EXTERNAL_MODEL,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--host",
-        HOST,
-        "--port",
-        str(vport),
-        "--disable-uvicorn-access-log",
-    ]
+    vport, pport = free_port(), free_port()
+    env = {**os.environ, **(engine_env or {}), **PLAIN_VLLM_ENV}
+    # Niced: the provider shares this machine's cores with the cluster it stands beside.
+    cmd = ["nice", "-n", "15", *plain_vllm_argv(model_dir, EXTERNAL_MODEL, vport)]
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until the finally below
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     agg = Aggregator(url=f"http://{HOST}:{pport}/v1", vllm_url=f"http://{HOST}:{vport}/v1")

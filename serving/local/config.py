@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,34 @@ def hybrid_from_env(environ: dict[str, str]) -> dict[str, Any]:
     if limits:
         hybrid["limits"] = limits
     return hybrid
+
+
+# vLLM's own OpenAI server on the tiny model, with the engine settings the local stack uses:
+# the baseline `make bench` compares against and the stand-in external provider.
+PLAIN_VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def plain_vllm_argv(model_dir: str, served_name: str, port: int) -> list[str]:
+    """The command line of `python -m vllm.entrypoints.openai.api_server` for the tiny model."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_name,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_MODEL_LEN),
+        "--enforce-eager",
+        "--host",
+        HOST,
+        "--port",
+        str(port),
+        "--disable-uvicorn-access-log",
+    ]
 
 
 # Engine replicas per role: `--prefill-replicas/--decode-replicas`, or PD_REPLICAS=N for
