@@ -546,29 +546,35 @@ def _efa_worker_groups(cluster: Any) -> list[str] | None:
     return sorted(set(out))
 
 
+def _serve_doc(serve_config: Any) -> Any:
+    """A serveConfigV2 document (YAML text) parsed, or None when it is not readable YAML."""
+    if not isinstance(serve_config, str):
+        return None
+    try:
+        return yaml.safe_load(serve_config)
+    except yaml.YAMLError:
+        return None
+
+
+def _mappings(node: Any, path: str = "serveConfigV2") -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """(path, mapping) for every mapping in a parsed serveConfigV2 document, depth first."""
+    if isinstance(node, Mapping):
+        yield path, node
+        for k, v in node.items():
+            yield from _mappings(v, f"{path}.{k}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _mappings(v, f"{path}[{i}]")
+
+
 def _nixl_configs(serve_config: Any) -> Iterator[tuple[str, list[Any]]]:
     """(path, backends) of every NIXL kv_transfer_config in a serveConfigV2 document."""
-    if not isinstance(serve_config, str):
-        return
-    try:
-        doc = yaml.safe_load(serve_config)
-    except yaml.YAMLError:
-        return
-
-    def walk(node: Any, path: str) -> Iterator[tuple[str, list[Any]]]:
-        if isinstance(node, Mapping):
-            kv = node.get("kv_transfer_config")
-            if isinstance(kv, Mapping) and kv.get("kv_connector") in NIXL_CONNECTORS:
-                extra = kv.get("kv_connector_extra_config")
-                backends = extra.get("backends") if isinstance(extra, Mapping) else None
-                yield f"{path}.kv_transfer_config", list(backends) if backends else list(NIXL_DEFAULT_BACKENDS)
-            for k, v in node.items():
-                yield from walk(v, f"{path}.{k}")
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                yield from walk(v, f"{path}[{i}]")
-
-    yield from walk(doc, "serveConfigV2")
+    for path, node in _mappings(_serve_doc(serve_config)):
+        kv = node.get("kv_transfer_config")
+        if isinstance(kv, Mapping) and kv.get("kv_connector") in NIXL_CONNECTORS:
+            extra = kv.get("kv_connector_extra_config")
+            backends = extra.get("backends") if isinstance(extra, Mapping) else None
+            yield f"{path}.kv_transfer_config", list(backends) if backends else list(NIXL_DEFAULT_BACKENDS)
 
 
 def check_nixl_backend(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
@@ -604,26 +610,11 @@ def secret_like(name: Any) -> bool:
 
 def _serve_config_env(serve_config: Any) -> Iterator[tuple[str, str]]:
     """(path, env var name) of literal env vars in a serveConfigV2 document's runtime_env."""
-    if not isinstance(serve_config, str):
-        return
-    try:
-        doc = yaml.safe_load(serve_config)
-    except yaml.YAMLError:
-        return
-
-    def walk(node: Any, path: str) -> Iterator[tuple[str, str]]:
-        if isinstance(node, Mapping):
-            for k, v in node.items():
-                if k == "env_vars" and isinstance(v, Mapping):
-                    for name in v:
-                        yield f"{path}.env_vars", str(name)
-                else:
-                    yield from walk(v, f"{path}.{k}")
-        elif isinstance(node, list):
-            for i, v in enumerate(node):
-                yield from walk(v, f"{path}[{i}]")
-
-    yield from walk(doc, "serveConfigV2")
+    for path, node in _mappings(_serve_doc(serve_config)):
+        env = node.get("env_vars")
+        if isinstance(env, Mapping):
+            for name in env:
+                yield f"{path}.env_vars", str(name)
 
 
 def check_secrets_by_reference(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
@@ -715,12 +706,7 @@ def check_no_open_ingress(type_: str, props: dict[str, Any], ctx: Context) -> It
 def _fallback_urls(serve_config: Any) -> Iterator[tuple[str, str]]:
     """(application name, fallback base URL) in a serveConfigV2 document: the ingress
     deployment's user_config.fallback.base_url, as serving/spec.py renders it."""
-    if not isinstance(serve_config, str):
-        return
-    try:
-        doc = yaml.safe_load(serve_config)
-    except yaml.YAMLError:
-        return
+    doc = _serve_doc(serve_config)
     for app in as_list(dig(doc, "applications")):
         for dep in as_list(dig(app, "deployments")):
             url = dig(dep, "user_config", "fallback", "base_url")

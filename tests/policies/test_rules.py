@@ -273,7 +273,8 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "prod",
         rules.EKS_MNG,
         "eks-system",
-        lambda i: i.pop("enableIMDSv2"),
+        # The system nodes boot from the stack's template (IMDSv2 there); without it, IMDSv1.
+        lambda i: i.pop("launchTemplate"),
         "enableIMDSv2=True",
     ),
     (
