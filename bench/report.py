@@ -230,8 +230,11 @@ def headline(serving: dict[str, Any] | None) -> str:
     """A few lines for the README: the run's date and the issue's bars."""
     if not serving:
         return "No `make bench` run recorded yet."
+    machine = serving.get("machine") or {}
+    load = (machine.get("load_average_at_end") or [None])[0]
     return (
-        f"Latest `make bench` ({serving['date']}, 2-core CPU machine shared with other jobs; "
+        f"Latest `make bench` ({serving['date']}, {machine.get('cpus')}-core CPU machine, "
+        f"1-minute load average at the end {_f(load)}; "
         "ratios to plain vLLM in the same interleaved run; details in docs/performance.md):\n\n" + bars_table(serving)
     )
 
