@@ -47,7 +47,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.fallback import SERVED_BY
 from serving.hybrid import HybridRouting
-from serving.resilience import ResilientIngressMixin, Unservable
+from serving.resilience import OVERLOADED_MESSAGE, ResilientIngressMixin, Unservable
 from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
@@ -141,7 +141,7 @@ def _from_exception(exc: BaseException) -> JSONResponse:
         return error_response(exc.status, exc.message, code=exc.reason.value, headers=exc.headers)
     if isinstance(exc, BackPressureError):
         retry_after = int(getattr(exc, "retry_after_s", 0) or 1)
-        return error_response(503, "The server is overloaded; retry later.", headers={"Retry-After": str(retry_after)})
+        return error_response(503, OVERLOADED_MESSAGE, headers={"Retry-After": str(retry_after)})
     if isinstance(exc, DeploymentUnavailableError):
         return error_response(503, "The model is not available yet; retry later.", headers={"Retry-After": "5"})
     status = getattr(exc, "status_code", None)
@@ -151,7 +151,7 @@ def _from_exception(exc: BaseException) -> JSONResponse:
         if status >= 500:
             logger.error("ingress error %s: %s", status, message)
             if status == 503:
-                return error_response(503, "The server is overloaded; retry later.")
+                return error_response(503, OVERLOADED_MESSAGE)
             return error_response(status, "Internal server error.")
         return error_response(status, str(message))
     logger.exception("unhandled ingress error", exc_info=exc)

@@ -103,6 +103,18 @@ class Unservable(Exception):
         return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s else {}
 
 
+OVERLOADED_MESSAGE = "The server is overloaded; retry later."
+UNAVAILABLE_MESSAGE = "No model replica is available right now; retry shortly."
+
+
+def overloaded(retry_after_s: int) -> Unservable:
+    return Unservable(Reason.OVERLOADED, 503, OVERLOADED_MESSAGE, retry_after_s)
+
+
+def decode_unavailable(retry_after_s: int) -> Unservable:
+    return Unservable(Reason.DECODE_UNAVAILABLE, 503, UNAVAILABLE_MESSAGE, retry_after_s)
+
+
 class EngineRefused(Exception):
     """The engine answered the request with a client error (4xx): passed on as is.
     Carries status_code and message like Ray's OpenAIHTTPException."""
@@ -434,19 +446,12 @@ async def first_chunk(
         except TimeoutError:
             _cancel(stream)  # frees the queue slot or the engine work
             if not admitted and health.degraded:
-                raise Unservable(
-                    Reason.DECODE_UNAVAILABLE,
-                    503,
-                    "No model replica is available right now; retry shortly.",
-                    cfg.retry_after_s,
-                ) from None
+                raise decode_unavailable(cfg.retry_after_s) from None
             if not admitted:
                 # Queued past the first-token budget behind busy replicas: overload, not a
                 # death. Only a replica death (below) switches the ingress to fail-fast, else
                 # one slow queue on saturated replicas would refuse everything after it.
-                raise Unservable(
-                    Reason.OVERLOADED, 503, "The server is overloaded; retry later.", cfg.retry_after_s
-                ) from None
+                raise overloaded(cfg.retry_after_s) from None
             raise Unservable(
                 Reason.DEADLINE,
                 504,
@@ -455,7 +460,7 @@ async def first_chunk(
             ) from None
         except BackPressureError as exc:
             retry_after = int(getattr(exc, "retry_after_s", 0) or cfg.retry_after_s)
-            raise Unservable(Reason.OVERLOADED, 503, "The server is overloaded; retry later.", retry_after) from None
+            raise overloaded(retry_after) from None
         except Exception as exc:
             _cancel(stream)
             reason = classify(exc)
@@ -466,12 +471,7 @@ async def first_chunk(
             if attempts < cfg.decode_attempts:
                 on_retry(Reason.DECODE_DIED)
                 continue
-            raise Unservable(
-                Reason.DECODE_UNAVAILABLE,
-                503,
-                "No model replica is available right now; retry shortly.",
-                cfg.retry_after_s,
-            ) from None
+            raise decode_unavailable(cfg.retry_after_s) from None
         if is_server_error(_first(first)):
             _cancel(stream)
             if attempts < cfg.decode_attempts:
