@@ -18,6 +18,7 @@ import pulumi_eks as eks
 import pulumi_kubernetes as k8s
 
 from infra.components.iam import trusted_by
+from infra.components.launch_templates import IMDSV2, encrypted_root_volume
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
 from infra.model.config import EndpointAccess, SystemNodes
 
@@ -220,20 +221,8 @@ class Cluster(pulumi.ComponentResource):
             f"{name}-system-lt",
             description=f"System nodes of {args.cluster_name}: EKS cluster SG + {len(args.system_security_group_ids)} more",
             vpc_security_group_ids=[cluster.vpc_config.cluster_security_group_id, *args.system_security_group_ids],
-            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
-                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2
-            ),
-            block_device_mappings=[
-                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
-                    device_name="/dev/xvda",  # AL2023's root device
-                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
-                        volume_size=args.system_nodes.root_volume_gib,
-                        volume_type="gp3",
-                        encrypted="true",
-                        delete_on_termination="true",
-                    ),
-                )
-            ],
+            metadata_options=IMDSV2,
+            block_device_mappings=[encrypted_root_volume(args.system_nodes.root_volume_gib)],
             tags=dict(args.tags),
             opts=child,
         )

@@ -27,6 +27,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_eks as eks
 
+from infra.components.launch_templates import IMDSV2, encrypted_root_volume
 from infra.components.node_autoscaler import scale_from_zero_tags
 from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
 from infra.model import catalog
@@ -299,21 +300,9 @@ class GpuNodePool(pulumi.ComponentResource):
             description=f"{args.role} GPU nodes ({inst.name}, {where})",
             network_interfaces=interfaces,
             placement=placement,
-            metadata_options=aws.ec2.LaunchTemplateMetadataOptionsArgs(
-                http_endpoint="enabled", http_tokens="required", http_put_response_hop_limit=2
-            ),
+            metadata_options=IMDSV2,
             **market,
-            block_device_mappings=[
-                aws.ec2.LaunchTemplateBlockDeviceMappingArgs(
-                    device_name="/dev/xvda",
-                    ebs=aws.ec2.LaunchTemplateBlockDeviceMappingEbsArgs(
-                        volume_size=pool.root_volume_gib,
-                        volume_type="gp3",
-                        encrypted="true",
-                        delete_on_termination="true",
-                    ),
-                )
-            ],
+            block_device_mappings=[encrypted_root_volume(pool.root_volume_gib)],
             user_data=mime_user_data(node_user_data_parts(raid, inst.efa)),
             tag_specifications=[
                 aws.ec2.LaunchTemplateTagSpecificationArgs(
