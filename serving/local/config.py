@@ -53,11 +53,17 @@ LOCAL_SERVE_ENV = {
 }
 
 
+LOCAL_ENTRY_POINTS = Path(__file__).resolve().parent / "entry_points"
+
+
 def cluster_env() -> dict[str, str]:
     """Environment of the local Ray cluster (its raylets and workers inherit it)."""
     return {
         "RAY_AUTH_MODE": "disabled",  # local-only cluster on 127.0.0.1
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p),
+        # The repository, and the local-only vLLM plugin's entry point (serving/local/vllm_plugin.py).
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), str(LOCAL_ENTRY_POINTS), os.environ.get("PYTHONPATH", "")) if p
+        ),
         # Nothing may be downloaded: the model is on disk.
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
