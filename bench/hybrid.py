@@ -1,9 +1,10 @@
 """`make bench`, hybrid scenario: how much a burst overflows to the external fallback, and
 what each path's time to first token is.
 
-What flows through here: a local external provider (serving.local.aggregator: vLLM's own
-OpenAI server with the tiny model, at low CPU priority, behind a recording proxy) and the
-disaggregated local stack started the way `make serve` is, with the fallback configured by
+What flows through here: a local external provider (serving.local.aggregator, behind its
+recording proxy: by default the paced backend, which answers at a remote provider's pace
+without using our CPU; with `--provider vllm`, vLLM's own OpenAI server with the tiny model,
+niced, on the same cores) and the disaggregated local stack started the way `make serve` is, with the fallback configured by
 the environment (PD_FALLBACK_BASE_URL, PD_FALLBACK_MODEL, PD_FALLBACK_API_KEY,
 PD_FALLBACK_OVERFLOW_AT) -> an unloaded phase (requests one at a time: the cluster's own
 TTFT) -> a burst phase (many concurrent streamed requests, above the overflow threshold) ->
@@ -11,9 +12,11 @@ per request: the path that served it (`x-served-by`), TTFT, latency, tokens -> t
 served by the fallback, TTFT p50/p99 per path, and the cluster's burst p99 TTFT against its
 unloaded p99, on screen and in build/bench/hybrid.json.
 
-Both paths share this machine's two cores (a real provider does not share our GPUs); the
-provider runs niced so the cluster keeps its CPU share. A benchmark prints figures; it
-does not pass or fail.
+The issue's question is whether overflow keeps the cluster's own TTFT near its unloaded value;
+a real provider does not run on our GPUs, so the paced backend is the default, and the vLLM
+provider shows what a second engine on the same two cores costs. The ingress that relays
+the fallback streams does share the cores in both. A benchmark prints figures; it does not
+pass or fail.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import Any
 import httpx
 
 from bench.stats import RequestResult, percentile, summarize
+from serving.local.aggregator import Backend, Pace
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "hybrid.json"
@@ -103,8 +107,8 @@ def by_path(results: list[tuple[str, RequestResult]], duration: float) -> dict[s
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.hybrid", description=__doc__.split("\n")[0])
-    p.add_argument("--unloaded", type=int, default=12, help="requests sent one at a time (default %(default)s)")
-    p.add_argument("--burst", type=int, default=48, help="requests in the burst (default %(default)s)")
+    p.add_argument("--unloaded", type=int, default=24, help="requests sent one at a time (default %(default)s)")
+    p.add_argument("--burst", type=int, default=96, help="requests in the burst (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="burst concurrency (default %(default)s)")
     p.add_argument(
         "--overflow-at",
@@ -113,6 +117,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fallback.overflowAt: ongoing requests per decode replica (default %(default)s)",
     )
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--provider",
+        choices=[b.value for b in Backend],
+        default=Backend.PACED.value,
+        help="the stand-in provider's backend (default %(default)s)",
+    )
+    p.add_argument("--provider-ttft-ms", type=float, default=Pace().ttft_s * 1000, help="paced: time to first token")
+    p.add_argument("--provider-tokens-per-s", type=float, default=Pace().tokens_per_s, help="paced: tokens per second")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
 
@@ -132,8 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent
     model_dir = str(ensure_tiny_model())
-    say("starting the external provider (vLLM behind a recording proxy) and the local stack with a fallback")
-    with running_aggregator(model_dir, logs / "hybrid-aggregator.log", dict(local_target().engine_env)) as agg:
+    backend = Backend(args.provider)
+    pace = Pace(ttft_s=args.provider_ttft_ms / 1000, tokens_per_s=args.provider_tokens_per_s)
+    say(f"starting the external provider ({backend.value} backend) and the local stack with a fallback")
+    with running_aggregator(
+        model_dir, logs / "hybrid-aggregator.log", dict(local_target().engine_env), backend=backend, pace=pace
+    ) as agg:
         env = {
             "PD_FALLBACK_BASE_URL": agg.url,
             "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
@@ -168,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": args.concurrency,
             "overflow_at": args.overflow_at,
         },
+        "provider": {"backend": backend.value}
+        | ({"ttft_ms": pace.ttft_s * 1000, "tokens_per_s": pace.tokens_per_s} if backend is Backend.PACED else {}),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "unloaded": u,
         "burst": b,
@@ -189,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{name:10} {path:9} {s['requests']:>8} {_f(s.get('ttft_p50_ms')):>12} "
                 f"{_f(s.get('ttft_p99_ms')):>12} {s.get('errors', 0):>7}"
             )
-    print(f"\nfallback share in the burst: {n_fb}/{len(burst)} = {100 * share:.0f}%")
+    print(f"\nprovider: {report['provider']}")
+    print(f"fallback share in the burst: {n_fb}/{len(burst)} = {100 * share:.0f}%")
     if ratio is not None and p99_u is not None and p99_b is not None:
         print(f"cluster TTFT p99: burst {p99_b * 1000:.0f} ms vs unloaded {p99_u * 1000:.0f} ms = {ratio:.2f}x")
     print(f"client key seen by the provider: {'YES' if leaked else 'no'}")
