@@ -7,7 +7,9 @@ the external model name and NOTHING of the client's request but its body: the he
 built from scratch (the fallback's own key, content type, a user agent), so neither the
 client's API key nor any internal header can leave -> the answer comes back, streamed
 event by event when the client streams, with `model` rewritten to our model id and usage
-read off for metering -> a starlette Response marked `x-served-by: fallback`.
+read off for metering -> the first event at once, the rest joined per the streaming batch
+interval (`serving.streaming.eager_batches`, as the engines batch their tokens) -> a
+starlette Response marked `x-served-by: fallback`.
 
 Failures never pass the provider's body through: they become `FallbackError` (our status,
 our message, the reason the cluster was skipped), which the ingress turns into an
@@ -34,6 +36,7 @@ import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.spec import FALLBACK_API_KEY_ENV, FallbackWhen
+from serving.streaming import eager_batches
 
 logger = logging.getLogger("ray.serve")
 
@@ -55,6 +58,9 @@ class FallbackConfig:
     connect_timeout_s: float
     retries: int
     api_key_env: str = FALLBACK_API_KEY_ENV
+    # Relayed events are joined into one chunk per interval after the first (as Ray Serve
+    # LLM batches the cluster's tokens): fewer messages through Serve's proxy per stream.
+    batch_interval_ms: float = 0.0
 
     @classmethod
     def from_user_config(cls, cfg: Mapping[str, Any] | None) -> FallbackConfig | None:
@@ -70,6 +76,7 @@ class FallbackConfig:
             connect_timeout_s=float(cfg["connect_timeout_s"]),
             retries=int(cfg["retries"]),
             api_key_env=str(cfg.get("api_key_env") or FALLBACK_API_KEY_ENV),
+            batch_interval_ms=float(cfg.get("batch_interval_ms") or 0),
         )
 
     def wants(self, reason: FallbackWhen | str) -> bool:
@@ -310,7 +317,12 @@ class FallbackClient:
                 await resp.aclose()
                 on_done(rewriter.usage, ok)
 
-        return StreamingResponse(events(), media_type="text/event-stream", headers={SERVED_BY: "fallback"})
+        async def batched() -> AsyncIterator[str]:
+            async for batch in eager_batches(events(), self.config.batch_interval_ms):
+                yield "".join(batch)
+
+        body_iter = batched() if self.config.batch_interval_ms > 0 else events()
+        return StreamingResponse(body_iter, media_type="text/event-stream", headers={SERVED_BY: "fallback"})
 
     def _failed(self, reason: str, what: str, status: int) -> FallbackError:
         logger.warning("fallback failed (%s): %s", reason, what)

@@ -883,6 +883,8 @@ class ServingSpec(SpecModel):
                 "connect_timeout_s": fb.connect_timeout_s,
                 "retries": fb.retries,
                 "api_key_env": FALLBACK_API_KEY_ENV,
+                # The relay joins the provider's events as the engines batch their tokens.
+                "batch_interval_ms": self.streaming.batch_interval_ms,
             }
         limits = self.limits
         return {

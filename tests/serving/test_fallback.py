@@ -214,3 +214,32 @@ def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event(monk
     assert json.loads(chunks[0][6:])["model"] == "ours"
     assert '"fallback_failed"' in chunks[1] and chunks[-1] == "data: [DONE]\n\n"
     assert done[0][1] is False
+
+
+def test_a_streamed_answer_is_relayed_first_event_at_once_then_in_batches(monkeypatch):
+    n = 12
+
+    class Trickle(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            for i in range(n):
+                yield _sse({"model": "their/model", "choices": [{"text": f"t{i}"}]})
+                await asyncio.sleep(0.01)
+            yield _sse("[DONE]")
+
+    def relay(**over):
+        client, _ = _client(
+            lambda r: httpx.Response(200, stream=Trickle(), headers={"content-type": "text/event-stream"}),
+            monkeypatch,
+            **over,
+        )
+        _, chunks, done = _forward(client, "completions", {"model": "ours", "prompt": "x", "stream": True})
+        assert done[0][1] is True
+        return chunks
+
+    one_by_one = relay()
+    batched = relay(batch_interval_ms=50)
+    assert len(one_by_one) == n + 1
+    # The same bytes, fewer messages; the first event alone, not held for an interval.
+    assert "".join(batched) == "".join(one_by_one)
+    assert batched[0] == one_by_one[0]
+    assert len(batched) <= n // 3

@@ -45,6 +45,8 @@ def test_fallback_renders_into_the_ingress_user_config_not_the_args():
     assert fb["when"] == ["unavailable"]
     assert fb["overflow_at"] == 32  # default: decode's maxOngoingRequests
     assert fb["api_key_env"] == FALLBACK_API_KEY_ENV
+    # The relay batches as the engines do: the one streaming interval of the spec.
+    assert fb["batch_interval_ms"] == s.streaming.batch_interval_ms == 50
     limits = s.ingress_user_config()["limits"]
     assert limits["requests_per_minute"] == 60
     assert limits["keys"] == {key_id("sk-a"): {"requests_per_minute": 0, "tokens_per_minute": 1000}}
