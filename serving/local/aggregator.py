@@ -1,9 +1,11 @@
 """A local stand-in for an external LLM aggregator, for the hybrid-routing e2e tests and bench.
 
 What flows through here: requests from the ingress's fallback client -> a small recording
-proxy (Starlette on uvicorn, in a thread of the test process) that records every request's
-headers and JSON body and refuses any key but the provider key it was given (as a real
-provider does) -> one of two backends (`Backend`):
+proxy (Starlette on uvicorn, in a process of its own, so its work never holds the GIL of the
+test or benchmark client that measures the stack) that records every request's headers and
+JSON body (in a multiprocessing manager's list, written before the answer starts, so a test
+reads it as soon as its request returns) and refuses any key but the provider key (as a
+real provider does) -> one of two backends (`Backend`):
 
 - `vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the tiny
   model served under another name, at low CPU priority), relayed as is. A real engine and
@@ -20,13 +22,13 @@ import asyncio
 import contextlib
 import enum
 import json
+import multiprocessing
 import os
 import subprocess
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,11 +71,24 @@ class Recorded:
 class Aggregator:
     url: str  # the proxy's /v1 root: what the fallback's baseUrl points at
     vllm_url: str | None  # None with the paced backend
-    records: list[Recorded] = field(default_factory=list)
-    fail_with: int | None = None  # answer every request with this status instead
+    _records: Any  # a manager list of Recorded, shared with the proxy's process
+    _state: Any  # a manager dict: {"fail_with": status or 0}
+
+    @property
+    def records(self) -> list[Recorded]:
+        return list(self._records)
 
     def clear(self) -> None:
-        self.records.clear()
+        del self._records[:]
+
+    @property
+    def fail_with(self) -> int | None:
+        """Answer every request with this status instead (None: answer normally)."""
+        return self._state["fail_with"] or None
+
+    @fail_with.setter
+    def fail_with(self, status: int | None) -> None:
+        self._state["fail_with"] = status or 0
 
 
 def _words(text: Any) -> int:
@@ -124,7 +139,7 @@ def paced_document(chunks: list[dict[str, Any]], usage_event: dict[str, Any], ch
     return {**usage_event, "object": obj, "choices": [choice]}
 
 
-def _proxy_app(agg: Aggregator, upstream: str | None, pace: Pace):
+def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace):
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -161,13 +176,11 @@ def _proxy_app(agg: Aggregator, upstream: str | None, pace: Pace):
             body = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode(errors="replace")
-        agg.records.append(Recorded(request.method, request.url.path, dict(request.headers), body))
+        records.append(Recorded(request.method, request.url.path, dict(request.headers), body))
         if request.headers.get("authorization") != f"Bearer {PROVIDER_KEY}":
             return JSONResponse({"error": {"message": "Invalid API key", "type": "auth"}}, status_code=401)
-        if agg.fail_with:
-            return JSONResponse(
-                {"error": {"message": "provider internal detail", "type": "x"}}, status_code=agg.fail_with
-            )
+        if fail_with := state["fail_with"]:
+            return JSONResponse({"error": {"message": "provider internal detail", "type": "x"}}, status_code=fail_with)
         path = request.url.path.removeprefix("/v1")
         if client is None:
             return await paced(path, body)
@@ -186,6 +199,14 @@ def _proxy_app(agg: Aggregator, upstream: str | None, pace: Pace):
     return Starlette(routes=[Route("/v1/{rest:path}", relay, methods=["GET", "POST"])])
 
 
+def _serve_proxy(port: int, records: Any, state: Any, upstream: str | None, pace: Pace) -> None:
+    """The proxy's process (spawned): serve until terminated."""
+    import uvicorn
+
+    app = _proxy_app(records, state, upstream, pace)
+    uvicorn.run(app, host=HOST, port=port, log_level="warning", access_log=False)
+
+
 @contextlib.contextmanager
 def running_aggregator(
     model_dir: str,
@@ -195,8 +216,6 @@ def running_aggregator(
     backend: Backend = Backend.VLLM,
     pace: Pace = Pace(),  # noqa: B008 - frozen
 ) -> Iterator[Aggregator]:
-    import uvicorn
-
     vport, pport = free_port(), free_port()
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until the finally below
     proc = None
@@ -209,29 +228,35 @@ def running_aggregator(
         log.write(f"paced backend: first token after {pace.ttft_s}s, {pace.tokens_per_s} tokens/s\n")
         log.flush()
     vllm_url = f"http://{HOST}:{vport}/v1" if proc is not None else None
-    agg = Aggregator(url=f"http://{HOST}:{pport}/v1", vllm_url=vllm_url)
-    server = uvicorn.Server(
-        uvicorn.Config(_proxy_app(agg, vllm_url, pace), host=HOST, port=pport, log_level="warning", access_log=False)
+    ctx = multiprocessing.get_context("spawn")  # the caller may hold threads; fork would copy them
+    manager = ctx.Manager()
+    agg = Aggregator(
+        url=f"http://{HOST}:{pport}/v1", vllm_url=vllm_url, _records=manager.list(), _state=manager.dict(fail_with=0)
     )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    proxy = ctx.Process(
+        target=_serve_proxy, args=(pport, agg._records, agg._state, vllm_url, pace), name="aggregator-proxy"
+    )
+    proxy.start()
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"the aggregator's vLLM exited with {proc.returncode}; see {log_path}")
+            if not proxy.is_alive():
+                raise RuntimeError(f"the aggregator's proxy exited with {proxy.exitcode}")
             with contextlib.suppress(httpx.HTTPError):
-                if server.started and (
-                    proc is None or httpx.get(f"http://{HOST}:{vport}/health", timeout=5).status_code == 200
-                ):
+                httpx.get(f"{agg.url}/models", timeout=5)  # any answer (a 401 without the key): it listens
+                if proc is None or httpx.get(f"http://{HOST}:{vport}/health", timeout=5).status_code == 200:
                     break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the aggregator was not healthy after {timeout:.0f}s; see {log_path}")
             time.sleep(0.2 if proc is None else 2)
+        agg.clear()  # the readiness probes above
         yield agg
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+        proxy.terminate()
+        proxy.join(timeout=10)
+        manager.shutdown()
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
