@@ -88,6 +88,7 @@ chaos: venv
 bench: venv
 	$(PY) -m bench.serving_bench --out build/bench/serving.json
 	$(PY) -m bench.hybrid --out build/bench/hybrid.json
+	$(PY) -m bench.hybrid --provider vllm --out build/bench/hybrid-vllm.json
 	$(PY) -m bench.program --json build/bench/program.json
 	$(PY) -m bench.scaling --out build/bench/scaling.json
 

@@ -6,9 +6,10 @@ recording proxy: by default the paced backend, which answers at a remote provide
 without using our CPU; with `--provider vllm`, vLLM's own OpenAI server with the tiny model,
 niced, on the same cores) and the disaggregated local stack started the way `make serve` is, with the fallback configured by
 the environment (PD_FALLBACK_BASE_URL, PD_FALLBACK_MODEL, PD_FALLBACK_API_KEY,
-PD_FALLBACK_OVERFLOW_AT) -> an unloaded phase (requests one at a time: the cluster's own
-TTFT) -> a burst phase (many concurrent streamed requests, above the overflow threshold) ->
-per request: the path that served it (`x-served-by`), TTFT, latency, tokens -> the share
+PD_FALLBACK_OVERFLOW_AT) -> rounds of an unloaded phase (requests one at a time: the
+cluster's own TTFT) and a burst phase (many concurrent streamed requests, above the overflow
+threshold), interleaved on the same stack and pooled, so a p99 rests on more than a few
+dozen samples and both phases see the same machine -> per request: the path that served it (`x-served-by`), TTFT, latency, tokens -> the share
 served by the fallback, TTFT p50/p99 per path, and the cluster's burst p99 TTFT against its
 unloaded p99, on screen and in build/bench/hybrid.json.
 
@@ -110,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--unloaded", type=int, default=24, help="requests sent one at a time (default %(default)s)")
     p.add_argument("--burst", type=int, default=96, help="requests in the burst (default %(default)s)")
     p.add_argument("--concurrency", type=int, default=8, help="burst concurrency (default %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="unloaded + burst rounds, pooled (default %(default)s)")
     p.add_argument(
         "--overflow-at",
         type=int,
@@ -160,11 +162,16 @@ def main(argv: list[str] | None = None) -> int:
             mode="disaggregated", api_key="sk-bench-hybrid", log_path=logs / "hybrid-serve.log", extra_env=env
         ) as stack:
             url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
-            say("warming up; then the unloaded phase (one request at a time)")
+            say("warming up")
             asyncio.run(phase(url, key, model, 2, 1, args.max_tokens))
-            unloaded, d_unloaded = asyncio.run(phase(url, key, model, args.unloaded, 1, args.max_tokens))
-            say(f"burst: {args.burst} requests at concurrency {args.concurrency}, overflowAt {args.overflow_at}")
-            burst, d_burst = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
+            unloaded, burst, d_unloaded, d_burst = [], [], 0.0, 0.0
+            for i in range(args.rounds):
+                say(f"round {i + 1}/{args.rounds}: {args.unloaded} requests one at a time")
+                got, took = asyncio.run(phase(url, key, model, args.unloaded, 1, args.max_tokens))
+                unloaded, d_unloaded = unloaded + got, d_unloaded + took
+                say(f"round {i + 1}/{args.rounds}: burst of {args.burst} at concurrency {args.concurrency}")
+                got, took = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
+                burst, d_burst = burst + got, d_burst + took
             leaked = [r for r in agg.records if key in repr(r.headers) + repr(r.body)]
 
     u = by_path(unloaded, d_unloaded)
@@ -182,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "unloaded": args.unloaded,
             "burst": args.burst,
             "concurrency": args.concurrency,
+            "rounds": args.rounds,
             "overflow_at": args.overflow_at,
         },
         "provider": {"backend": backend.value}
