@@ -164,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
             url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
             say("warming up")
             asyncio.run(phase(url, key, model, 2, 1, args.max_tokens))
-            unloaded, burst, d_unloaded, d_burst = [], [], 0.0, 0.0
+            unloaded: list[tuple[str, RequestResult]] = []
+            burst: list[tuple[str, RequestResult]] = []
+            d_unloaded = d_burst = 0.0
             for i in range(args.rounds):
                 say(f"round {i + 1}/{args.rounds}: {args.unloaded} requests one at a time")
                 got, took = asyncio.run(phase(url, key, model, args.unloaded, 1, args.max_tokens))
