@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-PLUGIN_NAME = "pd_local_nixl"
+PLUGIN_NAME = "pd_local_nixl"  # its name in entry_points/*.dist-info/entry_points.txt
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 from serving.local.config import cluster_env
+from serving.local.vllm_plugin import PLUGIN_NAME
 
 PROBE = r"""
 import json, time
@@ -44,7 +45,7 @@ def _probe(env: dict[str, str]) -> dict:
 
 def test_a_local_vllm_process_builds_nixl_agents_that_idle():
     got = _probe({**os.environ, **cluster_env()})
-    assert "pd_local_nixl" in got["plugins"]
+    assert PLUGIN_NAME in got["plugins"]
     assert got["prog_thread"] is False
     # NIXL's own thread polls with a 0 ms timeout: about a whole core while idle.
     assert got["idle_cpu_share"] < 0.2, got
@@ -53,5 +54,5 @@ def test_a_local_vllm_process_builds_nixl_agents_that_idle():
 def test_without_the_local_pythonpath_vllm_keeps_nixl_defaults():
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     got = _probe(env)
-    assert "pd_local_nixl" not in got["plugins"]
+    assert PLUGIN_NAME not in got["plugins"]
     assert got["prog_thread"] is True
