@@ -4,13 +4,14 @@ what each path's time to first token is.
 What flows through here: a local external provider (serving.local.aggregator, behind its
 recording proxy: by default the paced backend, which answers at a remote provider's pace
 without using our CPU; with `--provider vllm`, vLLM's own OpenAI server with the tiny model,
-niced, on the same cores) and the disaggregated local stack started the way `make serve` is, with the fallback configured by
-the environment (PD_FALLBACK_BASE_URL, PD_FALLBACK_MODEL, PD_FALLBACK_API_KEY,
-PD_FALLBACK_OVERFLOW_AT) -> rounds of an unloaded phase (requests one at a time: the
-cluster's own TTFT) and a burst phase (many concurrent streamed requests, above the overflow
-threshold), interleaved on the same stack and pooled, so a p99 rests on more than a few
-dozen samples and both phases see the same machine -> per request: the path that served it (`x-served-by`), TTFT, latency, tokens -> the share
-served by the fallback, TTFT p50/p99 per path, and the cluster's burst p99 TTFT against its
+niced, on the same cores) and the disaggregated local stack started the way `make serve`
+is, with the fallback configured by the environment (PD_FALLBACK_BASE_URL,
+PD_FALLBACK_MODEL, PD_FALLBACK_API_KEY, PD_FALLBACK_OVERFLOW_AT) -> rounds of an unloaded
+phase (requests one at a time: the cluster's own TTFT) and a burst phase (many concurrent
+streamed requests, above the overflow threshold), interleaved on the same stack and pooled,
+so a p99 rests on more than a few dozen samples and both phases see the same machine -> per
+request: the path that served it (`x-served-by`), TTFT, latency, tokens -> the share served
+by the fallback, TTFT p50/p99 per path, and the cluster's burst p99 TTFT against its
 unloaded p99, on screen and in build/bench/hybrid.json.
 
 The issue's question is whether overflow keeps the cluster's own TTFT near its unloaded value;

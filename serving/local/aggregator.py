@@ -98,9 +98,8 @@ def _words(text: Any) -> int:
     return len(str(text or "").split())
 
 
-def paced_events(path: str, body: dict[str, Any], pace: Pace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def paced_events(chat: bool, body: dict[str, Any], pace: Pace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The chunks of a paced answer (OpenAI's streamed shape) and its usage, for `body`."""
-    chat = path.endswith("chat/completions")
     n = int(body.get("max_tokens") or body.get("max_completion_tokens") or pace.default_max_tokens)
     prompt_tokens = _words(body.get("messages") if chat else body.get("prompt"))
     base = {
@@ -150,11 +149,12 @@ def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace):
     async def paced(path: str, body: Any) -> Response:
         if not isinstance(body, dict) or not path.endswith("completions"):
             return JSONResponse({"error": {"message": "Not found", "type": "invalid_request_error"}}, status_code=404)
-        chunks, usage_event = paced_events(path, body, pace)
+        chat = path.endswith("chat/completions")
+        chunks, usage_event = paced_events(chat, body, pace)
         gap = 1.0 / pace.tokens_per_s
         if not body.get("stream"):
             await asyncio.sleep(pace.ttft_s + gap * (len(chunks) - 1))
-            return JSONResponse(paced_document(chunks, usage_event, path.endswith("chat/completions")))
+            return JSONResponse(paced_document(chunks, usage_event, chat))
         opts = body.get("stream_options")
         with_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
 
