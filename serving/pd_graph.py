@@ -24,9 +24,10 @@ from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
 from ray.serve.llm.ingress import make_fastapi_ingress
 
 from serving import ray_internals as ri
+from serving.circuit import Circuit
 from serving.resilience import (
     METRICS,
-    Circuit,
+    Path,
     Reason,
     ResilienceConfig,
     _is_server_error,
@@ -36,6 +37,11 @@ from serving.resilience import (
 from serving.streaming import EagerFirstChunkMixin
 
 logger = logging.getLogger("ray.serve")
+
+# vLLM's EngineArgs.max_num_seqs when the engine kwargs leave it unset (vllm/engine/arg_utils.py,
+# 0.29 and 0.32: 256 on GPUs; the CPU backend's default is lower, which only makes the KV-ready
+# deadline apply more often).
+DEFAULT_MAX_NUM_SEQS = 256
 
 
 class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
@@ -62,7 +68,17 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         if resilience is None:
             raise ValueError("ResilientPDDecodeServer needs the resilience values")
         self._res_cfg = ResilienceConfig.from_args(resilience)
-        self._prefill_circuit = Circuit(self._res_cfg.circuit_open_s)
+        self._prefill_circuit = Circuit(self._res_cfg.circuit_open_s, self._res_cfg.circuit_failures)
+        # Requests this replica has open, against the engine's sequence slots: the KV-ready
+        # deadline only runs while a new request can be scheduled at once (else a slow first
+        # token is queueing on a saturated decode, and rerunning it here would add load).
+        self._open_requests = 0
+        self._seq_slots = int(llm_config.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        self._path_counter = Counter(
+            METRICS["prefill_path"],
+            description="P/D requests by how they were prefilled (remote, remote_retry, local) and why.",
+            tag_keys=("model", "path", "reason"),
+        )
         self._prefill_retry_counter = Counter(
             METRICS["prefill_retries"],
             description="Prefill calls sent again (another replica) after a failure, by reason.",
@@ -133,18 +149,42 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             # The untouched request: no kv_transfer_params, so the decode engine prefills.
             return await local(self, request, raw_request_info)
 
-        def on_fallback(reason: Reason) -> None:
-            self._local_prefill_counter.inc(tags={"reason": reason.value})
+        model = self._llm_config.model_id
+        streamed = bool(getattr(request, "stream", False))
 
-        return orchestrate(
-            stream=bool(getattr(request, "stream", False)),
-            prefill=prefill,
-            decode_with=decode_with,
-            decode_local=decode_local,
-            is_server_error=_is_server_error,
-            cfg=cfg,
-            on_fallback=on_fallback,
+        def on_path(path: Path, reason: Reason | None) -> None:
+            self._path_counter.inc(tags={"model": model, "path": path.value, "reason": reason.value if reason else ""})
+            if reason is not None:
+                self._local_prefill_counter.inc(tags={"reason": reason.value})
+
+        def kv_ready_timeout_s() -> float | None:
+            # A non-streamed answer comes whole (the first item is the last): its time is not
+            # the KV transfer's; vLLM's kv_load_failure_policy and the ingress's total
+            # deadline bound it instead.
+            if not streamed or self._open_requests > self._seq_slots:
+                return None
+            return cfg.kv_ready_timeout_s
+
+        n = getattr(request, "n", None) or 1
+        return self._counted(
+            orchestrate(
+                prefill=prefill,
+                decode_with=decode_with,
+                decode_local=decode_local,
+                is_server_error=_is_server_error,
+                kv_ready_timeout_s=kv_ready_timeout_s,
+                on_path=on_path,
+                local_reason=Reason.PARALLEL_SAMPLING if n > 1 else None,
+            )
         )
+
+    async def _counted(self, gen):
+        self._open_requests += 1
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            self._open_requests -= 1
 
 
 def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]):

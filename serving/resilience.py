@@ -5,12 +5,14 @@ What flows through here: every chat/completions request of the P/D application.
             when the decode replica dies before the first byte, fail-fast (503 + Retry-After)
             while decode has no live replica, Serve's queue bound -> 503 + Retry-After, the
             downstream call cancelled when the client goes away or a deadline passes.
-         -> decode (ResilientPDDecodeServer): the prefill call under its own deadline,
+         -> decode (ResilientPDDecodeServer): the prefill call, first waiting for a replica
+            to take it (a queue bound), then under its own deadline from that moment,
             retried on another prefill replica, then -- or straight away while the prefill
-            circuit is open -- prefill done locally on the decode engine (the request runs
-            aggregated there, without kv_transfer_params); a streamed decode that gets no
-            first token within the KV-ready deadline is aborted (vLLM frees its blocks) and
-            rerun locally.
+            circuit (serving/circuit.py) is open -- prefill done locally on the decode engine
+            (the request runs aggregated there, without kv_transfer_params); a streamed
+            decode that gets no first token within the KV-ready deadline while the replica
+            had a free sequence slot is aborted (vLLM frees its blocks) and rerun locally.
+            Each request's path (remote, remote after a retry, local and why) is counted.
          -> prefill (Ray's PDPrefillServer, unchanged).
 Deadlines and attempts come from the spec (serving/spec.py, ResilienceSpec, where the
 defaults live) through args["resilience"]. Every retry, fallback and refusal is counted in a
@@ -35,10 +37,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from serving.circuit import Circuit
+
 logger = logging.getLogger("ray.serve")
 
 # Prometheus names, as Ray exports them: "ray_" + name + "_total" for counters.
 METRICS = {
+    "prefill_path": "pd_prefill_path",
     "prefill_retries": "pd_prefill_retries",
     "local_prefill": "pd_local_prefill_fallbacks",
     "ingress_retries": "pd_ingress_retries",
@@ -57,6 +62,12 @@ class Reason(str, enum.Enum):
     CIRCUIT_OPEN = "circuit_open"
     KV_TIMEOUT = "kv_timeout"
     KV_LOAD_ERROR = "kv_load_error"
+    # n > 1: vLLM's parallel sampling shallow-copies SamplingParams (vllm/v1/engine/
+    # parallel_sampling.py, ParentRequest), so the n children share ONE kv_transfer_params
+    # dict; NIXL's scheduler marks it consumed after the first child's transfer and the
+    # other n - 1 prefill on decode anyway. Such a request prefills locally from the start
+    # (its children then share the prompt's blocks through the prefix cache).
+    PARALLEL_SAMPLING = "parallel_sampling"
     # ingress hop
     DECODE_DIED = "decode_died"
     DECODE_UNAVAILABLE = "decode_unavailable"
@@ -69,6 +80,7 @@ class ResilienceConfig:
     """Runtime values rendered by serving.spec.ResilienceSpec.runtime_args() (seconds)."""
 
     prefill_timeout_s: float
+    prefill_queue_timeout_s: float
     prefill_attempts: int
     kv_ready_timeout_s: float
     first_token_timeout_s: float
@@ -76,6 +88,7 @@ class ResilienceConfig:
     fail_fast_s: float
     decode_attempts: int
     circuit_open_s: float
+    circuit_failures: int
     retry_after_s: int
 
     @classmethod
@@ -142,63 +155,17 @@ def classify(exc: BaseException) -> Reason:
     return Reason.ERROR
 
 
-class Circuit:
-    """Remote prefill on/off: opens on a failure, tries again after `open_s`.
-
-    While open, requests skip the remote prefill (no time lost waiting on a dead or
-    restarting replica) and prefill locally on decode; requests already waiting on a
-    prefill stop waiting the moment it opens. After `open_s`, one request at a time probes
-    the remote path (half-open); a success closes the circuit.
-    """
-
-    def __init__(self, open_s: float, clock: Callable[[], float] = time.monotonic):
-        self.open_s = open_s
-        self._clock = clock
-        self._opened_at: float | None = None
-        self._probing = False
-        self._tripped: asyncio.Event | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self._opened_at is not None
-
-    def allow(self) -> bool:
-        """May this request try the remote prefill? (True for the one half-open probe.)"""
-        if self._opened_at is None:
-            return True
-        if self._probing or self._clock() - self._opened_at < self.open_s:
-            return False
-        self._probing = True
-        return True
-
-    def success(self) -> None:
-        self._opened_at = None
-        self._probing = False
-        self._tripped = None  # waiters from now on wait for the next trip
-
-    def failure(self) -> None:
-        self._opened_at = self._clock()
-        self._probing = False
-        if self._tripped is not None:
-            self._tripped.set()
-
-    def release(self) -> None:
-        """The probe ended without a verdict (cancelled): let another request probe."""
-        self._probing = False
-
-    async def tripped(self) -> None:
-        """Returns when the circuit opens (now, if it is open and not being probed)."""
-        if self._tripped is None:
-            self._tripped = asyncio.Event()
-        await self._tripped.wait()
-
-
 class CircuitOpened(Exception):
     """Another request found the remote prefill broken while this one waited."""
 
 
-async def _first_or_trip(stream: Any, timeout_s: float, circuit: Circuit) -> Any:
-    nxt = asyncio.ensure_future(stream.__anext__())
+class QueueTimeout(TimeoutError):
+    """No prefill replica took the call within prefill_queue_timeout_s (busy, not broken)."""
+
+
+async def _race(aw: Awaitable[Any], timeout_s: float, circuit: Circuit) -> Any:
+    """`aw`'s result within `timeout_s`, unless the circuit opens first (CircuitOpened)."""
+    nxt = asyncio.ensure_future(aw)
     trip = asyncio.ensure_future(circuit.tripped())
     try:
         done, _ = await asyncio.wait({nxt, trip}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
@@ -213,6 +180,18 @@ async def _first_or_trip(stream: Any, timeout_s: float, circuit: Circuit) -> Any
     if trip in done:
         raise CircuitOpened
     raise TimeoutError
+
+
+async def _prefill_first(stream: Any, cfg: ResilienceConfig, circuit: Circuit) -> Any:
+    """The prefill call's first (only) chunk. Two clocks: a replica must take the call within
+    prefill_queue_timeout_s (else QueueTimeout: the prefill tier is busy), and then answer
+    within prefill_timeout_s, timed from when it took the call, so queueing under load is
+    never mistaken for a broken replica."""
+    try:
+        await _race(_assigned(stream), cfg.prefill_queue_timeout_s, circuit)
+    except TimeoutError:
+        raise QueueTimeout from None
+    return await _race(stream.__anext__(), cfg.prefill_timeout_s, circuit)
 
 
 class DecodeHealth:
@@ -236,10 +215,25 @@ class DecodeHealth:
 
 
 # --- decode side: the prefill hop ------------------------------------------------------
+class Path(str, enum.Enum):
+    """How a P/D request was prefilled (the `path` label of pd_prefill_path)."""
+
+    REMOTE = "remote"  # the prefill tier, first attempt: the designed mode
+    REMOTE_RETRY = "remote_retry"  # the prefill tier, after a failed attempt
+    LOCAL = "local"  # on the decode engine (aggregated); the reason label says why
+
+
 @dataclass
 class PrefillOutcome:
     chunk: Any = None
     reason: Reason | None = None  # set when falling back to local prefill
+    attempts: int = 0  # prefill calls made
+
+    @property
+    def path(self) -> Path:
+        if self.reason is not None:
+            return Path.LOCAL
+        return Path.REMOTE if self.attempts <= 1 else Path.REMOTE_RETRY
 
 
 async def remote_prefill(
@@ -250,28 +244,32 @@ async def remote_prefill(
     circuit: Circuit,
     on_retry: Callable[[Reason], None],
 ) -> PrefillOutcome:
-    """Run the prefill call under its deadline, retrying; the outcome says fall back or not.
+    """Run the prefill call under its deadlines, retrying; the outcome says fall back or not.
 
     `call()` starts one prefill request and returns its response stream (a Serve
     DeploymentResponseGenerator: async-iterable with .cancel()). A failed or late call is
-    cancelled, so the prefill engine drops it. A replica death or an error is retried (Serve
-    routes the retry away from a dead replica); a timeout is not (nothing answered within
-    the deadline, so the circuit opens and this and the waiting requests go local);
-    backpressure is not either (prefill is busy, not broken: the circuit stays closed).
+    cancelled, so the prefill engine drops it. A replica death, an error or a stall (no
+    answer within prefill_timeout_s after a replica took the call) counts against the
+    circuit and is retried (Serve routes the retry away from a dead replica); a call no
+    replica takes in time, or Serve's back-pressure, means the prefill tier is busy, not
+    broken: no retry, no verdict on the circuit (except for the probe, which must prove the
+    tier works). The probe is never retried: its failure opens the circuit again.
     """
     if not circuit.allow():
         return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
-    probe = circuit.is_open  # allowed while open: this request is the half-open probe
+    probe = circuit.probing  # allowed while not closed: this request is the half-open probe
     reason = Reason.ERROR
     verdict = False
+    attempts = 0
     try:
         for attempt in range(cfg.prefill_attempts):
             if attempt and circuit.is_open:
                 reason = Reason.CIRCUIT_OPEN
                 break
+            attempts += 1
             stream = call()
             try:
-                chunk = await _first_or_trip(stream, cfg.prefill_timeout_s, circuit)
+                chunk = await _prefill_first(stream, cfg, circuit)
             except asyncio.CancelledError:
                 _cancel(stream)
                 raise
@@ -279,6 +277,9 @@ async def remote_prefill(
                 _cancel(stream)
                 reason = Reason.CIRCUIT_OPEN
                 break
+            except QueueTimeout:
+                _cancel(stream)
+                reason = Reason.OVERLOADED
             except Exception as exc:
                 _cancel(stream)
                 reason = classify(exc)
@@ -287,17 +288,18 @@ async def remote_prefill(
                 if not is_error(chunk):
                     circuit.success()
                     verdict = True
-                    return PrefillOutcome(chunk=chunk)
+                    return PrefillOutcome(chunk=chunk, attempts=attempts)
                 reason = Reason.ERROR
                 logger.warning("prefill attempt %d returned an error: %s", attempt + 1, chunk)
-            if reason is Reason.OVERLOADED:
+            if reason is Reason.OVERLOADED and not probe:
                 break
-            if reason is Reason.TIMEOUT or attempt + 1 == cfg.prefill_attempts:
-                circuit.failure()
+            circuit.failure(probe=probe)
+            if probe:
                 verdict = True
                 break
-            on_retry(reason)
-        return PrefillOutcome(reason=reason)
+            if attempt + 1 < cfg.prefill_attempts and not circuit.is_open:
+                on_retry(reason)
+        return PrefillOutcome(reason=reason, attempts=attempts)
     finally:
         if probe and not verdict:
             circuit.release()
@@ -314,27 +316,32 @@ async def first_then_rest(gen: AsyncIterator[Any], timeout_s: float | None) -> t
 
 async def orchestrate(
     *,
-    stream: bool,
     prefill: Callable[[], Awaitable[PrefillOutcome]],
     decode_with: Callable[[Any], Awaitable[AsyncIterator[Any]]],
     decode_local: Callable[[], Awaitable[AsyncIterator[Any]]],
     is_server_error: Callable[[Any], bool],
-    cfg: ResilienceConfig,
-    on_fallback: Callable[[Reason], None],
+    kv_ready_timeout_s: Callable[[], float | None],
+    on_path: Callable[[Path, Reason | None], None],
+    local_reason: Reason | None = None,
 ) -> AsyncIterator[Any]:
     """Remote prefill then decode; local prefill on decode when the remote path fails.
 
-    Nothing is yielded before the decode engine produced its first item, so a fallback
-    never duplicates output.
+    `kv_ready_timeout_s()` is asked when the decode request starts: the time its first item
+    may take (KV pulled from prefill), or None for no bound. `local_reason` set: prefill
+    locally straight away (a request the remote path cannot serve well). `on_path` is told
+    once how the request was prefilled. Nothing is yielded before the decode engine
+    produced its first item, so a fallback never duplicates output.
     """
-    outcome = await prefill()
+    if local_reason is not None:
+        outcome = PrefillOutcome(reason=local_reason)
+    else:
+        outcome = await prefill()
     if outcome.reason is None:
         gen = await decode_with(outcome.chunk)
         try:
-            # Streamed: the first token must come within the KV-ready deadline (KV pulled
-            # from prefill). Non-streamed: the first item is the whole answer.
-            first, gen = await first_then_rest(gen, cfg.kv_ready_timeout_s if stream else None)
+            first, gen = await first_then_rest(gen, kv_ready_timeout_s())
         except StopAsyncIteration:
+            on_path(outcome.path, None)
             return
         except asyncio.CancelledError:
             await _aclose(gen)
@@ -347,11 +354,13 @@ async def orchestrate(
                 await _aclose(gen)
                 outcome.reason = Reason.KV_LOAD_ERROR
             else:
+                on_path(outcome.path, None)
                 yield first
                 async for item in gen:
                     yield item
                 return
-    on_fallback(outcome.reason)
+    assert outcome.reason is not None
+    on_path(Path.LOCAL, outcome.reason)
     logger.warning("prefill locally on decode (%s)", outcome.reason.value)
     async for item in await decode_local():
         yield item
@@ -634,6 +643,31 @@ def _call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:
 
 
 def _is_server_error(item: Any) -> bool:
+    """An engine answer that is a server-side failure: Ray's ErrorResponse object, or (in a
+    stream) vLLM's in-stream error event, `data: {"error": {...}}` (vLLM's
+    OpenAIServing.create_streaming_error_response), with a 5xx code (none: 500)."""
     from serving import ray_internals as ri
 
-    return isinstance(item, ri.ErrorResponse) and (item.error.code or 500) >= 500
+    if isinstance(item, ri.ErrorResponse):
+        return (item.error.code or 500) >= 500
+    code = sse_error_code(item)
+    return code is not None and code >= 500
+
+
+def sse_error_code(item: Any) -> int | None:
+    """The code of an SSE error event (`data: {"error": ...}`), else None."""
+    if isinstance(item, bytes):
+        item = item.decode(errors="replace")
+    if not isinstance(item, str) or '"error"' not in item[:64]:
+        return None
+    for line in item.split("\n"):
+        if not line.startswith("data:"):
+            continue
+        try:
+            msg = json.loads(line[5:])
+        except ValueError:
+            continue
+        if isinstance(msg, dict) and isinstance(msg.get("error"), dict):
+            code = msg["error"].get("code")
+            return code if isinstance(code, int) else 500
+    return None

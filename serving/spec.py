@@ -358,8 +358,12 @@ class ResilienceSpec(SpecModel):
     (prefill well under 5 s); raise prefillTimeoutS for longer prompts or slower GPUs.
     """
 
-    # ingress -> prefill: one prefill call, queueing included.
+    # decode -> prefill: one prefill call, from the moment a prefill replica took it.
     prefill_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    # decode -> prefill: how long a prefill call may wait for a replica to take it. Past it
+    # the prefill tier is busy (not broken: the circuit does not count it) and the request
+    # prefills on decode.
+    prefill_queue_timeout_s: float = Field(default=4.0, gt=0, le=600)
     # prefill calls per request (the next one lands on another replica when one is
     # healthy); then decode prefills locally.
     prefill_attempts: int = Field(default=2, ge=1, le=5)
@@ -374,18 +378,22 @@ class ResilienceSpec(SpecModel):
     fail_fast_s: float = Field(default=2.0, gt=0, le=60)
     # decode calls per request before the first byte (another replica on retry).
     decode_attempts: int = Field(default=2, ge=1, le=5)
-    # after a prefill failure, skip remote prefill this long (then probe with one request).
+    # after circuitFailures prefill failures in a row, skip remote prefill this long (then
+    # probe with one request; its success closes the circuit).
     circuit_open_s: float = Field(default=5.0, gt=0, le=600)
+    circuit_failures: int = Field(default=3, ge=1, le=100)
     # Retry-After on 503/504 answers.
     retry_after_s: int = Field(default=1, ge=1, le=3600)
 
     @model_validator(mode="after")
     def _order(self) -> ResilienceSpec:
-        worst_prefill = self.prefill_timeout_s * self.prefill_attempts + self.kv_ready_timeout_s
+        worst_prefill = (
+            self.prefill_queue_timeout_s + self.prefill_timeout_s
+        ) * self.prefill_attempts + self.kv_ready_timeout_s
         if worst_prefill >= self.first_token_timeout_s:
             raise ValueError(
                 f"firstTokenTimeoutS ({self.first_token_timeout_s}) must exceed "
-                f"prefillTimeoutS x prefillAttempts + kvReadyTimeoutS ({worst_prefill}), or "
+                f"(prefillQueueTimeoutS + prefillTimeoutS) x prefillAttempts + kvReadyTimeoutS ({worst_prefill}), or "
                 "the ingress gives up before decode can fall back to local prefill"
             )
         if self.first_token_timeout_s > self.total_timeout_s:

@@ -35,6 +35,7 @@ def test_defaults_render_into_args_and_the_proxy_timeout():
     assert args["resilience"] == ResilienceSpec().runtime_args()
     assert set(args["resilience"]) == {
         "prefill_timeout_s",
+        "prefill_queue_timeout_s",
         "prefill_attempts",
         "kv_ready_timeout_s",
         "first_token_timeout_s",
@@ -42,6 +43,7 @@ def test_defaults_render_into_args_and_the_proxy_timeout():
         "fail_fast_s",
         "decode_attempts",
         "circuit_open_s",
+        "circuit_failures",
         "retry_after_s",
     }
     cfg = s.serve_config(Target(accelerator_type="H100"))
