@@ -47,6 +47,7 @@ from starlette.responses import JSONResponse, Response
 
 from serving.fallback import SERVED_BY
 from serving.hybrid import HybridRouting
+from serving.request_fields import refused_field
 from serving.resilience import OVERLOADED_MESSAGE, ResilientIngressMixin, Unservable
 from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec, parse_api_keys
 
@@ -252,11 +253,16 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
             return body
+        endpoint = _HYBRID_ENDPOINTS.get(model_cls)
+        if endpoint is not None:
+            # Before anything reads the body: no client field reaches engine internals.
+            refused = refused_field(endpoint, body)
+            if refused is not None:
+                return error_response(400, refused[1], param=refused[0], code="unsupported_parameter")
         try:
             typed = _adapter(model_cls).validate_python(body)
         except ValidationError as err:
             return _validation_error(err)
-        endpoint = _HYBRID_ENDPOINTS.get(model_cls)
         try:
             if endpoint is None:
                 return await parent_method(typed, request)

@@ -446,6 +446,26 @@ def test_malformed_request_gets_a_json_400_and_serving_continues(stack):
 
 
 @pytest.mark.e2e
+def test_a_client_cannot_hand_the_engines_kv_transfer_params(stack):
+    """Before 2026-12-01 this was a 500 (Ray's prepare_prefill_request asserts it empty), and
+    on the local-prefill path decode answered with its NIXL engine id, host and port."""
+    url = stack.urls["disaggregated"]
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    steer = {"do_remote_decode": True}
+    for path, body in (
+        ("chat/completions", {"model": stack.model, "messages": PROMPT_MESSAGES, "max_tokens": 4}),
+        ("completions", {"model": stack.model, "prompt": "hello", "max_tokens": 4}),
+    ):
+        for stream in (False, True):
+            r = httpx.post(
+                f"{url}/{path}", json={**body, "stream": stream, "kv_transfer_params": steer}, headers=headers
+            )
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == "kv_transfer_params" and "remote" not in r.text
+
+
+@pytest.mark.e2e
 @pytest.mark.parametrize("app", ["disaggregated", "aggregated"])
 def test_request_without_a_valid_key_gets_401(stack, app):
     import openai
@@ -509,3 +529,62 @@ def test_push_connector_is_found_in_rendered_args():
     assert _kv_connectors(spec.app_args(Target(accelerator_type="H100"))) == {PUSH_CONNECTOR}
     pull = ServingSpec.model_validate({"model": {"id": "m", "source": "a/b"}})
     assert PUSH_CONNECTOR not in _kv_connectors(pull.app_args(Target(accelerator_type="H100")))
+
+
+# --- unit: fields a client may send (serving/request_fields.py) -----------------------------------
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("kv_transfer_params", {"do_remote_decode": True}),
+        ("kv_transfer_params", {"do_remote_prefill": True, "remote_host": "10.0.0.1", "remote_port": 5600}),
+        ("ec_transfer_params", {"do_remote_decode": True}),
+        ("vllm_xargs", {"kv_transfer_params": {"do_remote_decode": True}}),
+        ("request_id", "someone-elses-id"),
+        ("priority", -100),
+        ("chat_template", "{{ raise('x') }}"),
+        ("store", True),
+        ("metadata", {"a": "b"}),
+        ("no_such_field", 1),
+    ],
+)
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_field_we_did_not_choose_is_a_400_naming_it_and_never_reaches_the_engine(
+    monkeypatch, field, value, endpoint, stream
+):
+    ingress, handle = make_ingress(monkeypatch)
+    body = CHAT if endpoint == "chat" else {"model": MODEL, "prompt": "hello", "max_tokens": 4}
+    resp = run(
+        getattr(ingress, endpoint)(make_request({**body, "stream": stream, field: value}, path=f"/v1/{endpoint}"))
+    )
+    status, err = error_of(resp)
+    assert status == 400 and err["param"] == field and f"'{field}'" in err["message"]
+    assert err["type"] == "invalid_request_error"
+    assert handle.calls == []
+
+
+def test_the_fields_we_chose_pass_and_reach_the_engine(monkeypatch):
+    ingress, handle = make_ingress(monkeypatch)
+    chosen = {"top_k": 5, "min_p": 0.1, "ignore_eos": True, "seed": 3, "stop": ["\n"], "user": "u-1"}
+    resp = run(ingress.chat(make_request({**CHAT, **chosen})))
+    assert resp.status_code == 200
+    sent = handle.calls[0][1]
+    assert sent.top_k == 5 and sent.ignore_eos and sent.seed == 3
+
+
+def test_every_internal_field_of_vllms_request_models_is_refused():
+    """The engine-internal fields are read from vLLM's own request models (the installed
+    vLLM, 0.32 here; the cluster's 0.29 has a subset of them): any field of those models
+    that steers transfer, identity or scheduling must not be on an allow-list."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
+
+    from serving.request_fields import ALLOWED, INTERNAL
+
+    for cls, endpoint in ((ChatCompletionRequest, "chat"), (CompletionRequest, "completions")):
+        fields = set(cls.model_fields)
+        steering = {f for f in fields if f.endswith("_transfer_params") or f in ("vllm_xargs", "request_id")}
+        assert steering, "vLLM's request model changed shape: review serving/request_fields.py"
+        assert steering <= INTERNAL
+        assert not (ALLOWED[endpoint] & INTERNAL)
+        # Everything we allow is a field vLLM parses (a typo would let nothing through).
+        assert ALLOWED[endpoint] <= fields, sorted(ALLOWED[endpoint] - fields)
