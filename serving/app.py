@@ -338,7 +338,6 @@ def _adapter(model_cls) -> TypeAdapter:
 _HYBRID_ENDPOINTS = {ChatCompletionRequest: "chat", CompletionRequest: "completions"}
 _UNSERVABLE = {
     "decode_unavailable": "unavailable",
-    "decode_died": "unavailable",
     "engine_error": "unavailable",
     "overloaded": "overloaded",
     "deadline": "deadline",

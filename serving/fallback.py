@@ -16,14 +16,10 @@ our message, the reason the cluster was skipped), which the ingress turns into a
 OpenAI-style error. The HTTP client is httpx: pooled keep-alive connections, connect and
 read timeouts, and transport-level retries of failed connections (never of a request the
 provider has started to answer, so nothing is generated twice).
-
-Also here: `ClusterWatch`, which keeps the running-replica counts of the application's
-deployments fresh (Serve's own status, polled in the background) for the routing rules.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import os
@@ -357,72 +353,3 @@ class FallbackClient:
                 retry_after_s=_retry_after(resp),
             )
         return self._failed(reason, f"the fallback failed (HTTP {status})", 502 if status < 500 else 503)
-
-
-# --- what Serve says about the application ------------------------------------------------------
-@dataclass
-class ClusterState:
-    """Running replicas per deployment of this application, as Serve's controller last said."""
-
-    running: dict[str, int] = field(default_factory=dict)
-    updated: float = 0.0
-    error: str | None = None
-
-
-class ClusterWatch:
-    """Polls `serve.status()` every `period_s` in a thread (it blocks on the controller)."""
-
-    def __init__(self, app_name: str, own_deployment: str, period_s: float = 1.0):
-        self.app_name = app_name
-        self.own = own_deployment
-        self.period_s = period_s
-        self.state = ClusterState()
-        self._task: asyncio.Task | None = None
-
-    def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.get_event_loop().create_task(self._run())
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            self._task = None
-
-    def _poll(self) -> dict[str, int]:
-        from ray import serve
-
-        app = serve.status().applications.get(self.app_name)
-        if app is None:
-            return {}
-        return {
-            name: sum(n for state, n in d.replica_states.items() if state == "RUNNING")
-            for name, d in app.deployments.items()
-        }
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                running = await asyncio.to_thread(self._poll)
-                self.state = ClusterState(running=running, updated=time.monotonic())
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:
-                self.state.error = repr(exc)
-            await asyncio.sleep(self.period_s)
-
-    def fresh(self, max_age_s: float = 10.0) -> bool:
-        return bool(self.state.running) and time.monotonic() - self.state.updated < max_age_s
-
-    def engines(self) -> dict[str, int]:
-        return {k: v for k, v in self.state.running.items() if k != self.own}
-
-    def unavailable(self) -> list[str]:
-        """Engine deployments with no running replica (empty when unknown: do not guess)."""
-        if not self.fresh():
-            return []
-        return sorted(k for k, v in self.engines().items() if v == 0)
-
-    def replicas(self, deployment: str) -> int | None:
-        if not self.fresh():
-            return None
-        return self.state.running.get(deployment)

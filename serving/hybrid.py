@@ -4,7 +4,9 @@ What flows through here, per chat or completion request that passed auth and par
   1. the key id (hash of the API key) is checked against its requests- and tokens-per-minute
      limits in the application's shared ledger (serving.limits) -> 429 + Retry-After when over;
   2. the routing rules pick a destination:
-       unavailable  an engine deployment of the app has no running replica (Serve's status)
+       unavailable  the deployment that serves the model's tokens (decode, or the aggregated
+                    engine) has no running replica (Serve's status); prefill down is not
+                    unavailable: decode prefills locally, at no provider cost
        overloaded   ongoing cluster requests per running decode replica >= fallback.overflowAt
      -> the external fallback (serving.fallback) when the rule's name is in `fallback.when`;
   3. otherwise the cluster (Ray Serve LLM's own path); if it fails BEFORE its first byte
@@ -32,9 +34,9 @@ from typing import Any
 
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from serving.cluster_watch import ClusterWatch
 from serving.fallback import (
     SERVED_BY,
-    ClusterWatch,
     FallbackClient,
     FallbackConfig,
     FallbackError,
@@ -181,15 +183,23 @@ class HybridRouting:
         )
 
     # --- the routing rules ------------------------------------------------------------------
+    def decode_down(self, model: str) -> str | None:
+        """The deployment that serves `model`'s tokens when Serve says it has no running
+        replica (None when it runs, or when Serve's status is not fresh: do not guess)."""
+        decode = self._engine_deployment(model)
+        if self.watch is None or not decode:
+            return None
+        return decode if self.watch.replicas(decode) == 0 else None
+
     def pre_route(self, model: str) -> tuple[str, str] | None:
         """(reason, detail) when the request should skip the cluster, else None."""
         cfg = self.fallback.config if self.fallback else None
         if cfg is None or self.watch is None:
             return None
         if cfg.wants(UNAVAILABLE):
-            down = self.watch.unavailable()
+            down = self.decode_down(model)
             if down:
-                return UNAVAILABLE, f"no running replica of {', '.join(down)}"
+                return UNAVAILABLE, f"no running replica of {down}"
         if cfg.wants(OVERLOADED) and cfg.overflow_at:
             decode = self._engine_deployment(model)
             replicas = self.watch.replicas(decode) if decode else None
@@ -232,7 +242,7 @@ class HybridRouting:
         ticket = self.inflight.open()
         handed_off = False
         try:
-            resp = await self._cluster(call_cluster(body), cfg, bool(body.get("stream")))
+            resp = await self._cluster(call_cluster(body), cfg, bool(body.get("stream")), model)
             handed_off = True
         except Exception as exc:
             reason = exc.reason if isinstance(exc, _SkipCluster) else reason_for(exc)
@@ -246,7 +256,9 @@ class HybridRouting:
                 self.inflight.close(ticket)
         return self._metered(resp, model, kid, decision, asked_usage, ticket)
 
-    async def _cluster(self, call: Awaitable[Response], cfg: FallbackConfig | None, stream: bool) -> Response:
+    async def _cluster(
+        self, call: Awaitable[Response], cfg: FallbackConfig | None, stream: bool, model: str
+    ) -> Response:
         """Await Ray's ingress path (it returns once the first chunk exists), but give up
         when the fallback would take the request: the engines went away while it waited
         (e.g. queued for a replica that is restarting), or a stream's first token is late."""
@@ -262,9 +274,9 @@ class HybridRouting:
                 if done:
                     return task.result()
                 if self.watch is not None and cfg.wants(UNAVAILABLE):
-                    down = self.watch.unavailable()
+                    down = self.decode_down(model)
                     if down:
-                        raise _SkipCluster(UNAVAILABLE, f"no running replica of {', '.join(down)}")
+                        raise _SkipCluster(UNAVAILABLE, f"no running replica of {down}")
                 if deadline is not None and loop.time() >= deadline:
                     raise _SkipCluster(DEADLINE, f"no first token within {cfg.first_token_timeout_s:g}s")
         finally:

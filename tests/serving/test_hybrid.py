@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
 from starlette.responses import JSONResponse, StreamingResponse
 
 from serving import hybrid
+from serving.cluster_watch import ClusterState, ClusterWatch
 from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig
 from serving.limits import Decision
 
@@ -46,15 +48,16 @@ class _Request:
         self.headers = {"authorization": f"Bearer {key}"}
 
 
-class _Watch:
+class _Watch(ClusterWatch):
+    """The real watch with Serve's answer given (always fresh) instead of polled."""
+
     def __init__(self, running):
-        self.running = running
+        super().__init__("llm", "Ingress")
+        self.state = ClusterState(running=running, updated=time.monotonic())
+        self.running = self.state.running
 
-    def unavailable(self):
-        return sorted(k for k, v in self.running.items() if v == 0 and k != "Ingress")
-
-    def replicas(self, name):
-        return self.running.get(name)
+    def fresh(self, max_age_s: float = 10.0) -> bool:
+        return True
 
 
 PROVIDER_ANSWER = {
@@ -239,6 +242,21 @@ def test_no_running_engine_skips_the_cluster(monkeypatch):
 
     resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
     assert resp.headers[SERVED_BY] == "fallback" and meter.fallbacks == [("unavailable", "ok")]
+
+
+def test_prefill_down_is_not_unavailable_decode_serves_it_and_no_provider_is_paid(monkeypatch):
+    """Prefill with no replica: decode prefills locally (serving/pd_graph.py), so the
+    request stays on the cluster and an in-flight one is not cancelled."""
+    watch = _Watch({"Decode": 1, "Prefill": 0, "Ingress": 1})
+    r, meter, calls = _routing(monkeypatch, watch=watch, when=("unavailable",))
+    assert r.pre_route("ours") is None
+
+    async def call(body):
+        await asyncio.sleep(2 * hybrid.WATCH_TICK_S)  # long enough for the watch to look again
+        return JSONResponse({"model": "ours", "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}})
+
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.headers[SERVED_BY] == "cluster" and calls == [] and meter.fallbacks == []
 
 
 def test_engines_that_go_away_while_a_request_waits_release_it_to_the_fallback(monkeypatch):
