@@ -32,6 +32,7 @@ from typing import Any
 
 import httpx
 
+from bench.prefill_mode import TARGET_SHARE, ModeSampler
 from bench.stats import percentile
 from infra.paths import BUILD_DIR
 
@@ -290,6 +291,7 @@ class Ctx:
     during_max_s: float
     recover_timeout_s: float
     capacity: int
+    metrics_urls: list[str] = field(default_factory=list)
     say: Callable[[str], None] = print
     notes: dict[str, Any] = field(default_factory=dict)
 
@@ -299,7 +301,7 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
     `want` healthy replicas again (at most during_max_s), then after_s more."""
     t0 = time.monotonic()
     recovered: float | None = None
-    async with Load(ctx.url, ctx.api_key, concurrency, t0) as load:
+    async with ModeSampler(ctx.metrics_urls, t0) as modes, Load(ctx.url, ctx.api_key, concurrency, t0) as load:
         await asyncio.sleep(ctx.before_s)
         procs = replica_processes(ctx.root_pid, marker)
         if not procs:
@@ -316,7 +318,16 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         healthy_at = time.monotonic() - t0
         if recovered is not None:
             await asyncio.sleep(ctx.after_s)
+        end = time.monotonic() - t0
     phases = by_phase(load.outcomes, fault_at, healthy_at)
+    # The designed mode: the share of requests prefilled remotely, per phase, and how long
+    # after the killed replica was back that share reached the target again.
+    shares = {
+        "before": modes.share_between(0, fault_at)[0],
+        "during": modes.share_between(fault_at, healthy_at)[0],
+        "after": modes.share_between(healthy_at, end)[0],
+    }
+    back = modes.back_to_remote_after(healthy_at) if recovered is not None else None
     if recovered is None:
         phases.pop("after")
     # The next scenario starts from a healthy stack (this wait is not measured).
@@ -329,6 +340,8 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         "healthy_at_s": healthy_at,
         "recovered_after_s": recovered,
         "phases": phases,
+        "remote_prefill_share": shares,
+        "back_to_remote_prefill_s": back,
     }
 
 
@@ -420,6 +433,10 @@ def verdicts(results: dict[str, dict]) -> dict[str, Any]:
         out["kill-prefill: p99 during <= 2x before"] = (
             d["p99_s"] <= 2 * b["p99_s"] if d["p99_s"] and b["p99_s"] else None
         )
+        # A stack that answers everything but stopped doing P/D fails here.
+        out[f"kill-prefill: back to >= {TARGET_SHARE:.0%} remote prefill after recovery"] = (
+            kp.get("back_to_remote_prefill_s") is not None
+        )
     kd = results.get("kill-decode")
     if kd:
         out["kill-decode: 0 failed before streaming"] = all(
@@ -474,6 +491,7 @@ async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) 
         during_max_s=args.during_max,
         recover_timeout_s=args.recover_timeout,
         capacity=admission_bound(stack.state["config"]),
+        metrics_urls=[n["metrics_url"] for n in stack.nodes],
         say=say,
     )
     results: dict[str, dict] = {}
@@ -496,6 +514,14 @@ async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) 
         results[name] = res
         (args.out / f"{name}.json").write_text(json.dumps(res, indent=2))
         print(table(name, res["phases"]), flush=True)
+        if "remote_prefill_share" in res:
+            sh = res["remote_prefill_share"]
+            print(
+                "remote prefill share: "
+                + ", ".join(f"{k} {_f(v if v is None else round(v, 3))}" for k, v in sh.items())
+                + f"; back to >= {TARGET_SHARE:.0%} {_f(res['back_to_remote_prefill_s'])} s after recovery",
+                flush=True,
+            )
         if name == "overload":
             pr = res["probes_while_full"]
             print(

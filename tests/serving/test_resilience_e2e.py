@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from bench import chaos
+from bench import chaos, prefill_mode
 from serving.resilience import METRICS, Reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
@@ -41,7 +41,59 @@ def _metric_total(stack, name: str) -> dict[str, float]:
     return out
 
 
-def test_prefill_killed_under_streamed_load_costs_no_request(stack):
+# After the killed prefill replica is back, the stack must be doing P/D again within this
+# long (the circuit reopens remote prefill after circuitOpenS, 3 s locally, with one probe).
+# A bound on recovery, not a speed figure: `make chaos` reports the measured time.
+BACK_TO_PD_WITHIN_S = 180
+BATCH = 6
+
+
+def _prefill_prompt_tokens(stack) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for node in stack.nodes:
+        if node["label"] != "prefill":
+            continue
+        text = httpx.get(node["metrics_url"], timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == "ray_vllm_prompt_tokens_by_source_total" and s.labels.get("source") == "local_compute":
+                    total += s.value
+    return total
+
+
+def _back_to_remote_prefill(stack, url: str) -> float:
+    """Seconds until a batch of requests is prefilled entirely by the prefill tier again
+    (pd_prefill_path) and the prefill engine's prompt-token count rises with it."""
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    urls = [n["metrics_url"] for n in stack.nodes]
+    body = {"model": stack.model, "messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 4}
+    t = time.monotonic()
+    seen = []
+    while True:
+        before, prompt_before = prefill_mode.read_counts(urls), _prefill_prompt_tokens(stack)
+        for _ in range(BATCH):
+            r = httpx.post(url, json=body, headers=headers, timeout=60)
+            assert r.status_code == 200, r.text
+        # Ray exports counters every few seconds: wait until the batch shows.
+        settle = time.monotonic() + 30
+        while True:
+            after = prefill_mode.read_counts(urls)
+            share, n = prefill_mode.remote_share(before, after)
+            if n >= BATCH or time.monotonic() > settle:
+                break
+            time.sleep(1)
+        seen.append((round(time.monotonic() - t), share, n))
+        if share == 1.0 and n >= BATCH and _prefill_prompt_tokens(stack) > prompt_before:
+            return time.monotonic() - t
+        assert time.monotonic() - t < BACK_TO_PD_WITHIN_S, (
+            f"still not back to remote prefill {BACK_TO_PD_WITHIN_S}s after the prefill replica returned: "
+            f"(seconds, remote share, requests) per batch: {seen}"
+        )
+
+
+def test_prefill_killed_under_streamed_load_costs_no_request_and_pd_comes_back(stack):
     url = stack.urls["disaggregated"] + "/chat/completions"
     dashboard = stack.state["dashboard_url"]
 
@@ -73,6 +125,8 @@ def test_prefill_killed_under_streamed_load_costs_no_request(stack):
     finally:
         # Leave the shared stack as we found it: the prefill replica running again.
         asyncio.run(chaos.wait_healthy(dashboard, ":Prefill:", 1, timeout=600, dead_pid=dead))
+    # The designed state, not only answers: requests are prefilled remotely again.
+    _back_to_remote_prefill(stack, url)
 
 
 def test_overload_burst_is_refused_fast_and_nothing_hangs(stack):
