@@ -20,10 +20,12 @@ provider has started to answer, so nothing is generated twice).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
+import uuid
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +33,7 @@ from typing import Any
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from serving.request_fields import openai_fields
 from serving.spec import FALLBACK_API_KEY_ENV, FallbackWhen
 from serving.streaming import eager_batches
 
@@ -114,6 +117,8 @@ class SseRewriter:
     usage: Usage = field(default_factory=Usage)
     _buf: str = ""
     done: bool = False
+    finished: bool = False  # a choice carried a finish_reason
+    text_chars: int = 0  # generated text seen, for an estimate when no usage arrives
 
     def feed(self, text: str) -> list[str]:
         self._buf += text.replace("\r\n", "\n")
@@ -145,6 +150,7 @@ class SseRewriter:
         except json.JSONDecodeError:
             return f"data: {data}\n\n"
         if isinstance(msg, dict):
+            self._look(msg)
             if msg.get("usage"):
                 self.usage.take(msg["usage"])
                 if not self.keep_usage_event and not msg.get("choices"):
@@ -155,6 +161,17 @@ class SseRewriter:
                 msg["model"] = self.model
             return f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
         return f"data: {data}\n\n"
+
+    def _look(self, msg: dict[str, Any]) -> None:
+        for choice in msg.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.finished = True
+            delta = choice.get("delta") or choice.get("message")
+            text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+            if isinstance(text, str):
+                self.text_chars += len(text)
 
 
 def ask_for_usage(body: dict[str, Any]) -> bool:
@@ -177,6 +194,7 @@ def _retry_after(resp: httpx.Response, default: int = 5) -> int:
 
 
 def _upstream_message(resp_body: bytes) -> str:
+    """The provider's error text, for our log only (never the client's answer)."""
     try:
         err = json.loads(resp_body).get("error")
         msg = err.get("message") if isinstance(err, dict) else err
@@ -185,11 +203,21 @@ def _upstream_message(resp_body: bytes) -> str:
         return ""
 
 
+def _names_include_usage(resp_body: bytes) -> bool:
+    text = _upstream_message(resp_body) or resp_body[:2000].decode(errors="replace")
+    return "stream_options" in text or "include_usage" in text
+
+
 class FallbackClient:
-    """One per ingress replica: a pooled httpx client to the fallback's /v1 root."""
+    """One per ingress configuration: a pooled httpx client to the fallback's /v1 root.
+
+    A reconfiguration retires the client (`retire`); it closes when its last answer ends,
+    so a live stream is never cut by a configuration change."""
 
     def __init__(self, config: FallbackConfig, transport: httpx.AsyncBaseTransport | None = None):
         self.config = config
+        self._active = 0
+        self._retired = False
         key = os.environ.get(config.api_key_env, "")
         if not key:
             logger.warning("fallback configured but %s is empty: the provider will likely refuse", config.api_key_env)
@@ -210,6 +238,34 @@ class FallbackClient:
     async def aclose(self) -> None:
         await self._client.aclose()
 
+    @property
+    def active(self) -> int:
+        """Answers still being relayed through this client."""
+        return self._active
+
+    @property
+    def closed(self) -> bool:
+        return self._client.is_closed
+
+    def retire(self) -> None:
+        """No new requests; close once the answers in flight have ended."""
+        self._retired = True
+        if self._active == 0:
+            self._close_soon()
+
+    def _begin(self) -> None:
+        self._active += 1
+
+    def _end(self) -> None:
+        self._active -= 1
+        if self._retired and self._active == 0:
+            self._close_soon()
+
+    def _close_soon(self) -> None:
+        task = asyncio.get_running_loop().create_task(self.aclose())
+        _closing.add(task)
+        task.add_done_callback(_closing.discard)
+
     def external_model(self, model: str) -> str | None:
         return self.config.models.get(model)
 
@@ -223,7 +279,13 @@ class FallbackClient:
         client_asked_usage: bool,
         on_done,
     ) -> Response:
-        """Send `body` upstream; `on_done(usage: Usage, ok: bool)` runs when the answer ends."""
+        """Send `body` upstream; `on_done(usage: Usage, ok: bool)` runs when the answer ends.
+
+        Only OpenAI's documented fields go (serving.request_fields.openai_fields). The whole
+        answer must end within `timeout_s` and a stream's first event come within
+        `first_token_timeout_s` (keep-alive comments do not count). A stream always ends with
+        [DONE]; one the provider cut before its finish_reason ends with an error event first.
+        """
         external = self.external_model(model)
         if external is None:
             raise FallbackError(
@@ -232,52 +294,92 @@ class FallbackClient:
                 code="fallback_unavailable",
                 retry_after_s=5,
             )
-        payload = dict(body)
+        payload = openai_fields(endpoint, body)
         payload["model"] = external
         stream = bool(payload.get("stream"))
-        t0 = time.monotonic()
-        req = self._client.build_request("POST", ENDPOINTS[endpoint], json=payload)
+        rid = uuid.uuid4().hex[:12]  # ties our log lines to the client's error
+        deadline = time.monotonic() + self.config.timeout_s
+        self._begin()
+        handed_off = False
         try:
-            resp = await self._client.send(req, stream=True)
-        except httpx.TimeoutException as exc:
-            raise self._failed(reason, f"the fallback did not answer in time ({type(exc).__name__})", 504) from exc
-        except httpx.HTTPError as exc:
-            raise self._failed(reason, f"the fallback could not be reached ({type(exc).__name__})", 503) from exc
+            resp = await self._send(endpoint, payload, reason, rid, added_usage=stream and not client_asked_usage)
+            if not stream:
+                return await self._whole(resp, model, reason, rid, deadline, on_done)
+            out = await self._stream(resp, model, reason, rid, deadline, client_asked_usage, on_done)
+            handed_off = True
+            return out
+        finally:
+            if not handed_off:
+                self._end()
 
-        if resp.status_code != 200:
+    async def _send(
+        self, endpoint: str, payload: dict[str, Any], reason: str, rid: str, *, added_usage: bool
+    ) -> httpx.Response:
+        """POST, retried once without stream_options when a provider refuses the usage
+        option we added (some OpenAI-compatible APIs do not know it)."""
+        for attempt in (0, 1):
+            req = self._client.build_request("POST", ENDPOINTS[endpoint], json=payload)
+            try:
+                resp = await self._client.send(req, stream=True)
+            except httpx.TimeoutException as exc:
+                raise self._failed(reason, f"the fallback did not answer in time ({type(exc).__name__})", 504) from exc
+            except httpx.HTTPError as exc:
+                raise self._failed(reason, f"the fallback could not be reached ({type(exc).__name__})", 503) from exc
+            if resp.status_code == 200:
+                return resp
             raw = await resp.aread()
             await resp.aclose()
-            raise self._from_status(resp, raw, reason)
+            if attempt == 0 and added_usage and resp.status_code == 400 and _names_include_usage(raw):
+                logger.info("fallback [%s] refused stream_options; retrying without it", rid)
+                payload = {k: v for k, v in payload.items() if k != "stream_options"}
+                continue
+            raise self._from_status(resp, raw, reason, rid)
+        raise AssertionError("unreachable")
 
-        if not stream:
-            try:
-                raw = await resp.aread()
-            except httpx.HTTPError as exc:
-                raise self._failed(reason, f"the fallback's answer broke off ({type(exc).__name__})", 502) from exc
-            finally:
-                await resp.aclose()
-            try:
-                doc = json.loads(raw)
-            except ValueError as exc:
-                raise self._failed(reason, "the fallback answered with something that is not JSON", 502) from exc
-            if isinstance(doc, dict) and "model" in doc:
-                doc["model"] = model
-            usage = Usage()
-            usage.take(doc.get("usage") if isinstance(doc, dict) else None)
-            on_done(usage, True)
-            logger.info("fallback (%s) answered in %.2fs", reason, time.monotonic() - t0)
-            return JSONResponse(doc, headers={SERVED_BY: "fallback"})
+    async def _whole(self, resp: httpx.Response, model, reason, rid, deadline: float, on_done) -> Response:
+        t0 = time.monotonic()
+        try:
+            raw = await asyncio.wait_for(resp.aread(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError as exc:
+            raise self._failed(reason, "the fallback did not answer in time", 504) from exc
+        except httpx.HTTPError as exc:
+            raise self._failed(reason, f"the fallback's answer broke off ({type(exc).__name__})", 502) from exc
+        finally:
+            await resp.aclose()
+        try:
+            doc = json.loads(raw)
+        except ValueError as exc:
+            raise self._failed(reason, "the fallback answered with something that is not JSON", 502) from exc
+        if isinstance(doc, dict) and "model" in doc:
+            doc["model"] = model
+        usage = Usage()
+        usage.take(doc.get("usage") if isinstance(doc, dict) else None)
+        if not usage.seen and isinstance(doc, dict):  # a provider without usage: estimate it
+            seen = SseRewriter(model=None, keep_usage_event=False)
+            seen._look(doc)
+            usage = _estimated(seen)
+        on_done(usage, True)
+        logger.info("fallback [%s] (%s) answered in %.2fs", rid, reason, time.monotonic() - t0)
+        return JSONResponse(doc, headers={SERVED_BY: "fallback"})
 
+    async def _stream(
+        self, resp: httpx.Response, model, reason, rid, deadline: float, client_asked_usage: bool, on_done
+    ) -> Response:
         rewriter = SseRewriter(model=model, keep_usage_event=client_asked_usage)
         lines = resp.aiter_text()
-        # Read until the first event, so a provider that fails before it is still an HTTP error.
+        # Read until the first event, so a provider that fails before it is still an HTTP
+        # error; keep-alive comments are dropped by the rewriter and do not extend the wait.
         first: list[str] = []
+        first_by = min(deadline, time.monotonic() + self.config.first_token_timeout_s)
         try:
             while not first and not rewriter.done:
-                chunk = await lines.__anext__()
+                chunk = await asyncio.wait_for(lines.__anext__(), max(0.0, first_by - time.monotonic()))
                 first = rewriter.feed(chunk)
         except StopAsyncIteration:
             first = rewriter.flush()
+        except TimeoutError as exc:
+            await resp.aclose()
+            raise self._failed(reason, "the fallback sent no event in time", 504) from exc
         except httpx.HTTPError as exc:
             await resp.aclose()
             raise self._failed(reason, f"the fallback's stream broke off ({type(exc).__name__})", 502) from exc
@@ -287,31 +389,38 @@ class FallbackClient:
 
         async def events() -> AsyncIterator[str]:
             ok = True
+            problem = None
             try:
                 for e in first:
                     yield e
-                async for chunk in lines:
+                while True:
+                    try:
+                        chunk = await asyncio.wait_for(lines.__anext__(), max(0.0, deadline - time.monotonic()))
+                    except StopAsyncIteration:
+                        break
                     for e in rewriter.feed(chunk):
                         yield e
                 for e in rewriter.flush():
                     yield e
+                if not rewriter.done and not rewriter.finished:
+                    problem = "The fallback's stream ended before the answer was complete."
+            except TimeoutError:
+                problem = "The fallback did not finish the answer in time."
             except httpx.HTTPError as exc:
-                ok = False
-                logger.warning("fallback stream broke off after the first event: %s", exc)
-                err = {
-                    "error": {
-                        "message": "The fallback's stream broke off.",
-                        "type": "server_error",
-                        "param": None,
-                        "code": "fallback_failed",
-                    }
-                }
-                yield f"data: {json.dumps(err)}\n\n"
-                if not rewriter.done:
-                    yield "data: [DONE]\n\n"
+                logger.warning("fallback [%s] stream broke off after the first event: %s", rid, exc)
+                problem = "The fallback's stream broke off."
             finally:
+                if problem is not None:
+                    ok = False
+                    logger.warning("fallback [%s] (%s): %s", rid, reason, problem)
                 await resp.aclose()
-                on_done(rewriter.usage, ok)
+                on_done(rewriter.usage if rewriter.usage.seen else _estimated(rewriter), ok)
+                self._end()
+            if problem is not None:
+                err = {"error": {"message": problem, "type": "server_error", "param": None, "code": "fallback_failed"}}
+                yield f"data: {json.dumps(err)}\n\n"
+            if not rewriter.done:
+                yield "data: [DONE]\n\n"
 
         async def batched() -> AsyncIterator[str]:
             # An interval of 0 gives every event its own chunk (Ray's Batcher, interval 0).
@@ -330,16 +439,16 @@ class FallbackClient:
             retry_after_s=5,
         )
 
-    def _from_status(self, resp: httpx.Response, raw: bytes, reason: str) -> FallbackError:
+    def _from_status(self, resp: httpx.Response, raw: bytes, reason: str, rid: str) -> FallbackError:
         status = resp.status_code
-        detail = _upstream_message(raw)
-        logger.warning("fallback answered HTTP %s (%s): %s", status, reason, detail)
+        # The provider's words go to our log with the request id, never to the client: they
+        # can name the provider, its account or its model.
+        logger.warning("fallback [%s] answered HTTP %s (%s): %s", rid, status, reason, _upstream_message(raw))
         if status in (400, 404, 413, 422):
-            # The body itself was refused: the client can fix it; say what was wrong.
             return FallbackError(
                 400,
                 f"The cluster cannot serve this request ({reason}) and the fallback refused it "
-                f"(HTTP {status}){': ' + detail if detail else ''}.",
+                f"(HTTP {status}, reference {rid}).",
                 code="fallback_rejected",
             )
         if status in (401, 403):
@@ -353,3 +462,14 @@ class FallbackClient:
                 retry_after_s=_retry_after(resp),
             )
         return self._failed(reason, f"the fallback failed (HTTP {status})", 502 if status < 500 else 503)
+
+
+_closing: set[asyncio.Future[None]] = set()  # keeps close tasks alive until they finish
+
+
+def _estimated(rewriter: SseRewriter) -> Usage:
+    """Usage of a stream cut before its usage event: the completion from the text relayed
+    (~4 characters a token, serving.limits' estimate), so the tokens are still limited."""
+    from serving.limits import CHARS_PER_TOKEN
+
+    return Usage(completion_tokens=-(-rewriter.text_chars // CHARS_PER_TOKEN), seen=False)

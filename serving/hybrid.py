@@ -164,9 +164,7 @@ class HybridRouting:
         old = self.fallback
         self.fallback = FallbackClient(cfg) if cfg else None
         if old is not None:
-            # Answers still streaming through the old client keep it until they are done.
-            loop = asyncio.get_running_loop()
-            loop.call_later(old.config.timeout_s + 5, lambda: loop.create_task(old.aclose()))
+            old.retire()  # closes when the answers it is relaying have ended
         if cfg and (cfg.wants(UNAVAILABLE) or cfg.wants(OVERLOADED)):
             if self.watch is None:
                 self.watch = ClusterWatch(self.app_name, self.own_deployment)
