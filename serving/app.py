@@ -41,7 +41,6 @@ from ray.serve.llm.ingress import OpenAiIngress
 from ray.serve.llm.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
-    TranscriptionRequest,
 )
 from starlette.responses import JSONResponse, Response
 
@@ -301,32 +300,40 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
                 return error_response(404, f"The model '{model}' does not exist.", param="model")
             return resp
 
+    # Endpoints a chat model's P/D stack does not serve: refused (after auth, so the answer
+    # says nothing to a client without a key), rather than reaching the engines around the
+    # limits and routing of chat/completions.
     async def embeddings(self, request: Request) -> Response:
-        return await self._typed_call(request, _body_type("embeddings"), super().embeddings)
+        return self._not_served(request, "/v1/embeddings")
 
     async def score(self, request: Request) -> Response:
-        return await self._typed_call(request, _body_type("score"), super().score)
-
-    async def tokenize(self, request: Request) -> Response:
-        return await self._typed_call(request, _body_type("tokenize"), super().tokenize)
-
-    async def detokenize(self, request: Request) -> Response:
-        return await self._typed_call(request, _body_type("detokenize"), super().detokenize)
+        return self._not_served(request, "/v1/score")
 
     async def transcriptions(self, request: Request) -> Response:
+        return self._not_served(request, "/v1/audio/transcriptions")
+
+    # tokenize/detokenize are cheap and useful to clients: behind auth and the key's
+    # requests-per-minute limit (they generate nothing, so no tokens are reserved).
+    async def tokenize(self, request: Request) -> Response:
+        return await self._limited_call(request, "tokenize")
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self._limited_call(request, "detokenize")
+
+    def _not_served(self, request: Request, path: str) -> Response:
         denied = self._auth.check(request)
         if denied is not None:
             return denied
-        try:
-            typed = TranscriptionRequest.model_validate(dict(await request.form()))
-        except ValidationError as err:
-            return _validation_error(err)
-        except Exception as exc:
-            return error_response(400, f"Invalid form body: {exc}")
-        try:
-            return await super().transcriptions(typed, request)
-        except Exception as exc:
-            return _from_exception(exc)
+        return error_response(404, f"{path} is not served by this deployment.", code="endpoint_not_served")
+
+    async def _limited_call(self, request: Request, endpoint: str) -> Response:
+        denied = self._auth.check(request)
+        if denied is not None:
+            return denied
+        refused = await self._hybrid.admit_only(request)
+        if refused is not None:
+            return refused
+        return await self._typed_call(request, _body_type(endpoint), getattr(super(), endpoint))
 
 
 @cache

@@ -114,6 +114,9 @@ class SseRewriter:
 
     model: str | None
     keep_usage_event: bool
+    # Usage carried by chunks that also carry choices (vLLM's continuous_usage_stats, or a
+    # provider's last chunk): kept for the client when None (the usage-event rule decides).
+    keep_chunk_usage: bool | None = None
     usage: Usage = field(default_factory=Usage)
     _buf: str = ""
     done: bool = False
@@ -153,9 +156,11 @@ class SseRewriter:
             self._look(msg)
             if msg.get("usage"):
                 self.usage.take(msg["usage"])
-                if not self.keep_usage_event and not msg.get("choices"):
-                    return None
-                if not self.keep_usage_event:
+                keep_chunk = self.keep_usage_event if self.keep_chunk_usage is None else self.keep_chunk_usage
+                if not msg.get("choices"):
+                    if not self.keep_usage_event:
+                        return None
+                elif not keep_chunk:
                     msg["usage"] = None
             if self.model is not None and "model" in msg:
                 msg["model"] = self.model
@@ -357,7 +362,7 @@ class FallbackClient:
         if not usage.seen and isinstance(doc, dict):  # a provider without usage: estimate it
             seen = SseRewriter(model=None, keep_usage_event=False)
             seen._look(doc)
-            usage = _estimated(seen)
+            usage = estimated_usage(seen)
         on_done(usage, True)
         logger.info("fallback [%s] (%s) answered in %.2fs", rid, reason, time.monotonic() - t0)
         return JSONResponse(doc, headers={SERVED_BY: "fallback"})
@@ -414,7 +419,7 @@ class FallbackClient:
                     ok = False
                     logger.warning("fallback [%s] (%s): %s", rid, reason, problem)
                 await resp.aclose()
-                on_done(rewriter.usage if rewriter.usage.seen else _estimated(rewriter), ok)
+                on_done(rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter), ok)
                 self._end()
             if problem is not None:
                 err = {"error": {"message": problem, "type": "server_error", "param": None, "code": "fallback_failed"}}
@@ -467,7 +472,7 @@ class FallbackClient:
 _closing: set[asyncio.Future[None]] = set()  # keeps close tasks alive until they finish
 
 
-def _estimated(rewriter: SseRewriter) -> Usage:
+def estimated_usage(rewriter: SseRewriter) -> Usage:
     """Usage of a stream cut before its usage event: the completion from the text relayed
     (~4 characters a token, serving.limits' estimate), so the tokens are still limited."""
     from serving.limits import CHARS_PER_TOKEN

@@ -43,6 +43,7 @@ from serving.fallback import (
     SseRewriter,
     Usage,
     ask_for_usage,
+    estimated_usage,
 )
 from serving.limits import Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
 from serving.spec import FallbackWhen
@@ -55,6 +56,16 @@ DEADLINE = FallbackWhen.DEADLINE.value
 ErrorFn = Callable[..., JSONResponse]
 # How often a request waiting for the cluster's first byte looks at the routing rules again.
 WATCH_TICK_S = 0.5
+
+
+def _with_running_usage(body: dict[str, Any]) -> dict[str, Any]:
+    """The cluster's copy of a streamed body asks vLLM for usage in every chunk
+    (stream_options.continuous_usage_stats), so the tokens of a stream that ends early are
+    known; the rewriter strips it from the chunks again. The provider never sees the option."""
+    opts = body.get("stream_options")
+    if not body.get("stream") or not isinstance(opts, dict):
+        return body
+    return {**body, "stream_options": {**opts, "continuous_usage_stats": True}}
 
 
 def reason_for(exc: BaseException) -> str | None:
@@ -212,6 +223,25 @@ class HybridRouting:
         return None
 
     # --- one request --------------------------------------------------------------------------
+    async def admit_only(self, request: Any) -> Response | None:
+        """The key's limits for a request that generates nothing (tokenize): None to go on,
+        else the 429/503 to send. It counts as one request and no tokens."""
+        kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
+        decision = await self.limiter.admit(kid, {})
+        if decision.ok:
+            self.limiter.settle(kid, decision, 0)
+            return None
+        return self._refusal(decision)
+
+    def _refusal(self, decision: Decision) -> Response:
+        unchecked = decision.limit == "unavailable"  # the ledger is down and the policy refuses
+        return self._error(
+            503 if unchecked else 429,
+            decision.message,
+            code="limits_unavailable" if unchecked else "rate_limit_exceeded",
+            headers={"Retry-After": str(decision.retry_after_s), SERVED_BY: "cluster"},
+        )
+
     async def handle(
         self,
         request: Any,
@@ -222,12 +252,7 @@ class HybridRouting:
         kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
         decision = await self.limiter.admit(kid, body)
         if not decision.ok:
-            return self._error(
-                429,
-                decision.message,
-                code="rate_limit_exceeded",
-                headers={"Retry-After": str(decision.retry_after_s), SERVED_BY: "cluster"},
-            )
+            return self._refusal(decision)
         model = body.get("model") or self._default_model() or ""
         asked_usage = ask_for_usage(body)
 
@@ -240,7 +265,7 @@ class HybridRouting:
         ticket = self.inflight.open()
         handed_off = False
         try:
-            resp = await self._cluster(call_cluster(body), cfg, bool(body.get("stream")), model)
+            resp = await self._cluster(call_cluster(_with_running_usage(body)), cfg, bool(body.get("stream")), model)
             handed_off = True
         except Exception as exc:
             reason = exc.reason if isinstance(exc, _SkipCluster) else reason_for(exc)
@@ -332,7 +357,7 @@ class HybridRouting:
         resp.headers[SERVED_BY] = "cluster"
         if isinstance(resp, StreamingResponse):
             inner = resp.body_iterator
-            rewriter = SseRewriter(model=None, keep_usage_event=asked_usage)
+            rewriter = SseRewriter(model=None, keep_usage_event=asked_usage, keep_chunk_usage=False)
 
             async def metered():
                 try:
@@ -344,7 +369,10 @@ class HybridRouting:
                         yield e
                 finally:
                     self.inflight.close(ticket)
-                    self._count(kid, model, "cluster", decision, rewriter.usage)
+                    # Usage so far comes with every chunk: a stream cut before its usage
+                    # event (the client went away) still counts what was generated.
+                    usage = rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter)
+                    self._count(kid, model, "cluster", decision, usage)
 
             resp.body_iterator = metered()
             return resp

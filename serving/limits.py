@@ -12,13 +12,21 @@ destination (cluster or fallback) as Ray metrics (Prometheus, through Ray's metr
 Windows are sliding minutes in one-second buckets. Tokens are reserved at admission
 (prompt estimate + max_tokens) and corrected when the request ends, so a burst of
 concurrent requests cannot spend a minute's budget many times over before any finishes.
-If the ledger cannot be reached within `LEDGER_TIMEOUT_S`, requests pass (fail open): a
-limiter outage must not become a serving outage; `pd_limiter_errors` counts those.
+The ledger is a detached named actor (it outlives the ingress replicas, so the counts do
+not reset when one restarts). Its name carries a hash of its own code (`LEDGER_VERSION`), so
+a deploy that changes the ledger gets a new actor instead of calling an old one whose
+methods no longer match. It is looked up in a thread (creating or finding a named actor
+blocks on the GCS) and asked with a deadline (`LEDGER_TIMEOUT_S`). While it does not answer,
+`limits.whenLedgerUnreachable` decides, without asking again for `LEDGER_RETRY_S`: "allow"
+(the default: served unmetered, a limiter outage is no serving outage) or "refuse" (503 with
+Retry-After, limits never exceeded); `pd_limiter_errors` counts each such decision.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import inspect
 import logging
 import math
 import time
@@ -33,6 +41,9 @@ logger = logging.getLogger("ray.serve")
 
 WINDOW_S = 60
 LEDGER_TIMEOUT_S = 1.0
+# After the ledger failed to answer: decide by the policy, without asking, for this long.
+LEDGER_RETRY_S = 5.0
+ALLOW, REFUSE = "allow", "refuse"
 ANONYMOUS = "anonymous"  # the key id when auth is disabled
 # Rough prompt-size guess before the engine tokenizes: ~4 characters per token in English;
 # only used for the reservation, corrected by the real count when the request ends.
@@ -53,6 +64,7 @@ class KeyLimit:
 class LimitsConfig:
     default: KeyLimit
     keys: Mapping[str, KeyLimit]
+    when_ledger_unreachable: str = ALLOW
 
     @classmethod
     def from_user_config(cls, cfg: Mapping[str, Any] | None) -> LimitsConfig:
@@ -62,7 +74,10 @@ class LimitsConfig:
             for k, v in (cfg.get("keys") or {}).items()
         }
         default = KeyLimit(int(cfg.get("requests_per_minute", 0)), int(cfg.get("tokens_per_minute", 0)))
-        return cls(default, keys)
+        policy = str(cfg.get("when_ledger_unreachable") or ALLOW)
+        if policy not in (ALLOW, REFUSE):
+            raise ValueError(f"limits.when_ledger_unreachable {policy!r} is not {ALLOW!r} or {REFUSE!r}")
+        return cls(default, keys, policy)
 
     def for_key(self, kid: str) -> KeyLimit:
         return self.keys.get(kid, self.default)
@@ -82,7 +97,7 @@ class Decision:
 
 
 # --- the window arithmetic (pure; the actor only holds it) ------------------------------------
-class Windows:
+class SlidingWindows:
     """Sliding one-minute windows of (requests, tokens) per key, in one-second buckets."""
 
     def __init__(self, window_s: int = WINDOW_S):
@@ -186,7 +201,7 @@ class LimitsLedger:
     """The Ray actor every ingress replica asks; one per application (a named actor)."""
 
     def __init__(self) -> None:
-        self._w = Windows()
+        self._w = SlidingWindows()
         self._calls = 0
 
     def admit(self, kid: str, rpm: int, tpm: int, tokens: int) -> Decision:
@@ -202,15 +217,29 @@ class LimitsLedger:
         return self._w.totals(kid, int(time.time()))
 
 
+def _ledger_version() -> str:
+    """A hash of the ledger's own code: the actor's API and window arithmetic."""
+    try:
+        code = inspect.getsource(LimitsLedger) + inspect.getsource(SlidingWindows)
+    except (OSError, TypeError):  # no source on disk (a frozen build): the module's version
+        code = __name__ + str(WINDOW_S)
+    return hashlib.sha256(code.encode()).hexdigest()[:10]
+
+
+LEDGER_VERSION = _ledger_version()
+
+
 def ledger_name(app_name: str) -> str:
-    return f"pd-limits-{app_name}"
+    return f"pd-limits-{app_name}-{LEDGER_VERSION}"
 
 
 def get_ledger(app_name: str, label_selector: Mapping[str, str] | None = None):
     """The application's ledger actor, created by whichever ingress replica asks first.
 
     Detached, so it outlives the replica that created it (replicas come and go; the
-    counts must not); named per application, so two apps in one cluster do not share.
+    counts must not); named per application and ledger version, so two apps in one cluster
+    do not share and a deploy with a changed ledger never calls an old one. Blocks on the
+    GCS: call it off the event loop.
     """
     import ray
 
@@ -231,43 +260,63 @@ async def _awaited(ref: Any) -> Any:
     return await ref
 
 
+UNREACHABLE_MESSAGE = "Rate limits cannot be checked right now; retry shortly."
+
+
 class Limiter:
     """The ingress side: one per replica; asks the ledger only for keys that have limits."""
 
-    def __init__(self, config: LimitsConfig, ledger_factory, metrics: UsageMeter):
+    def __init__(self, config: LimitsConfig, ledger_factory, metrics: UsageMeter, clock=time.monotonic):
         self.config = config
         self._factory = ledger_factory
-        self._ledger = None
+        self._ledger: Any = None
         self._metrics = metrics
+        self._clock = clock
+        self._down_until = 0.0  # while the ledger is known unreachable: decide by the policy
 
-    def _handle(self):
+    async def _handle(self):
         if self._ledger is None:
-            self._ledger = self._factory()
+            self._ledger = await asyncio.to_thread(self._factory)
         return self._ledger
+
+    def _unreachable(self, exc: BaseException | None) -> Decision:
+        if exc is not None:
+            logger.warning(
+                "limits ledger unreachable (%r); %s requests of limited keys for %.0fs",
+                exc,
+                "letting through" if self.config.when_ledger_unreachable == ALLOW else "refusing",
+                LEDGER_RETRY_S,
+            )
+            self._ledger = None  # look it up again (it may have restarted)
+            self._down_until = self._clock() + LEDGER_RETRY_S
+        self._metrics.limiter_error()
+        if self.config.when_ledger_unreachable == REFUSE:
+            return Decision(False, int(LEDGER_RETRY_S), "unavailable", UNREACHABLE_MESSAGE)
+        return Decision(True)
 
     async def admit(self, kid: str, body: Mapping[str, Any]) -> Decision:
         limit = self.config.for_key(kid)
         if limit.unlimited:
             return Decision(True)
+        if self._clock() < self._down_until:
+            return self._unreachable(None)
         tokens = estimate_tokens(body) if limit.tokens_per_minute > 0 else 0
         try:
-            ref = self._handle().admit.remote(kid, limit.requests_per_minute, limit.tokens_per_minute, tokens)
+            ledger = await asyncio.wait_for(self._handle(), LEDGER_TIMEOUT_S)
+            ref = ledger.admit.remote(kid, limit.requests_per_minute, limit.tokens_per_minute, tokens)
             decision = await asyncio.wait_for(_awaited(ref), LEDGER_TIMEOUT_S)
         except Exception as exc:
-            logger.warning("limits ledger unreachable (%s); letting the request through", exc)
-            self._metrics.limiter_error()
-            self._ledger = None  # look it up again next time (it may have restarted)
-            return Decision(True)
+            return self._unreachable(exc)
         if not decision.ok:
             self._metrics.rate_limited(kid, decision.limit or "")
         return decision
 
     def settle(self, kid: str, decision: Decision, used: int) -> None:
         """Fire and forget: the answer has been sent already."""
-        if decision.ticket is None:
+        if decision.ticket is None or self._ledger is None:
             return
         try:
-            self._handle().settle.remote(kid, decision.ticket, used)
+            self._ledger.settle.remote(kid, decision.ticket, used)
         except Exception as exc:
             logger.warning("limits ledger settle failed: %s", exc)
 
@@ -339,19 +388,3 @@ def request_key_id(authorization: str | None, auth_enabled: bool) -> str:
     _, _, token = (authorization or "").partition(" ")
     token = token.strip()
     return key_id(token) if token else ANONYMOUS
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m serving.limits < keys.txt`: the key id of each API key (one per line) on
-    stdin, for `serving.limits.keys` in a stack and for reading the usage metrics. Keys are
-    read from stdin so they stay out of shell history and process lists."""
-    import sys
-
-    for line in sys.stdin:
-        if line.strip():
-            print(key_id(line.strip()))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

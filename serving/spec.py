@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import pairwise
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -601,10 +601,16 @@ class KeyLimitSpec(SpecModel):
 
 class LimitsSpec(KeyLimitSpec):
     """Per-API-key limits: the defaults above for every key, `keys` overriding them by key id
-    (`k-` + 12 hex of the key's SHA-256, as in the usage metrics; `python -m serving.limits`
+    (`k-` + 12 hex of the key's SHA-256, as in the usage metrics; `python -m tools.keyid`
     prints a key's id)."""
 
     keys: dict[str, KeyLimitSpec] = Field(default_factory=dict)
+    when_ledger_unreachable: Literal["allow", "refuse"] = Field(
+        default="allow",
+        description="What a limited key's request gets while the shared limits ledger does not answer: "
+        "'allow' (served unmetered, counted in pd_limiter_errors: a limiter outage is no serving outage) "
+        "or 'refuse' (503 with Retry-After: limits are never exceeded).",
+    )
 
     @field_validator("keys")
     @classmethod
@@ -613,7 +619,7 @@ class LimitsSpec(KeyLimitSpec):
         if bad:
             raise ValueError(
                 f"{bad[0]!r} is not a key id (k- and 12 hex digits): never put an API key itself in a "
-                "stack; get its id with `python -m serving.limits`"
+                "stack; get its id with `python -m tools.keyid`"
             )
         return v
 
@@ -904,6 +910,7 @@ class ServingSpec(SpecModel):
                     k: {"requests_per_minute": v.requests_per_minute, "tokens_per_minute": v.tokens_per_minute}
                     for k, v in sorted(limits.keys.items())
                 },
+                "when_ledger_unreachable": limits.when_ledger_unreachable,
                 # Where the shared limits actor lives: with the ingress, on the head.
                 "label_selector": {self.placement.label_key: self.placement.head},
             },

@@ -588,3 +588,31 @@ def test_every_internal_field_of_vllms_request_models_is_refused():
         assert not (ALLOWED[endpoint] & INTERNAL)
         # Everything we allow is a field vLLM parses (a typo would let nothing through).
         assert ALLOWED[endpoint] <= fields, sorted(ALLOWED[endpoint] - fields)
+
+
+# --- unit: the other endpoints --------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["embeddings", "score", "transcriptions"])
+def test_endpoints_the_stack_does_not_serve_are_refused_after_auth(monkeypatch, endpoint):
+    ingress, handle = make_ingress(monkeypatch)
+    status, err = error_of(run(getattr(ingress, endpoint)(make_request({"model": MODEL, "input": "x"}))))
+    assert status == 404 and err["code"] == "endpoint_not_served"
+    status, _ = error_of(run(getattr(ingress, endpoint)(make_request({"model": MODEL}, key="wrong"))))
+    assert status == 401
+    assert handle.calls == []
+
+
+def test_tokenize_is_behind_the_keys_request_limit(monkeypatch):
+    from serving.limits import Decision
+
+    ingress, handle = make_ingress(monkeypatch)
+    asked = []
+
+    async def refuse(kid, body):
+        asked.append((kid, body))
+        return Decision(False, 9, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
+
+    ingress._hybrid.limiter.admit = refuse
+    resp = run(ingress.tokenize(make_request({"model": MODEL, "prompt": "hello"}, path="/tokenize")))
+    status, err = error_of(resp)
+    assert status == 429 and resp.headers["retry-after"] == "9" and err["code"] == "rate_limit_exceeded"
+    assert len(asked) == 1 and handle.calls == []

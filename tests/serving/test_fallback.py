@@ -309,7 +309,7 @@ def test_a_provider_that_refuses_stream_options_is_asked_again_without_it(monkey
 
     client, _ = _client(provider, monkeypatch)
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
-    resp, chunks, done = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
+    resp, chunks, _done = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
     assert resp.status_code == 200 and len(calls) == 2 and "stream_options" not in calls[1]
     assert "".join(chunks).rstrip().endswith("data: [DONE]")
 

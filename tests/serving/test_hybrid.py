@@ -163,13 +163,43 @@ def test_cluster_stream_hides_the_usage_event_it_asked_for_and_counts_it(monkeyp
         return StreamingResponse(gen(), media_type="text/event-stream")
 
     resp, chunks = _run(r, {"model": "ours", "prompt": "x", "stream": True}, call)
-    assert seen["stream_options"] == {"include_usage": True}
+    # Usage asked for at the end and, from the engines only, in every chunk.
+    assert seen["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert resp.headers[SERVED_BY] == "cluster"
     assert (
         len(chunks) == 2 and chunks[-1] == "data: [DONE]\n\n" and '"usage"' not in chunks[0].replace('"usage":null', "")
     )
     assert meter.calls[0][2:] == ("cluster", 4, 1)
     assert r.inflight.count() == 0
+
+
+def test_a_cluster_stream_cut_before_its_usage_event_still_counts_the_tokens_generated(monkeypatch):
+    """A client that disconnects early must not get its tokens free of limits and metering."""
+    r, meter, _ = _routing(monkeypatch)
+    settled = []
+    r.limiter.settle = lambda kid, decision, used: settled.append(used)
+
+    async def call(body):
+        async def gen():
+            for i in range(1, 4):  # vLLM's continuous_usage_stats: cumulative usage per chunk
+                yield (
+                    f'data: {{"model":"ours","choices":[{{"text":"t{i}"}}],'
+                    f'"usage":{{"prompt_tokens":4,"completion_tokens":{i}}}}}\n\n'
+                )
+            await asyncio.sleep(30)  # the client goes away here
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    async def go():
+        resp = await r.handle(_Request(), {"model": "ours", "prompt": "x", "stream": True}, "completions", call)
+        it = resp.body_iterator.__aiter__()
+        got = [await it.__anext__() for _ in range(3)]
+        await it.aclose()  # Starlette closes the body iterator when the client disconnects
+        return got
+
+    got = asyncio.run(go())
+    assert all('"usage":null' in c for c in got)  # the client did not ask for per-chunk usage
+    assert meter.calls[0][2:] == ("cluster", 4, 3) and settled == [7]
 
 
 def test_back_pressure_goes_to_the_fallback_when_configured_for_overload(monkeypatch):

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from serving import limits
-from serving.limits import Decision, KeyLimit, LimitsConfig, Windows, estimate_tokens
+from serving.limits import Decision, KeyLimit, LimitsConfig, SlidingWindows, estimate_tokens
 from serving.spec import KEY_ID_RE, key_id
 
 
@@ -18,7 +18,7 @@ def test_key_id_is_a_short_hash_never_the_key():
 
 
 def test_rpm_refuses_the_request_over_the_limit_with_the_seconds_until_room():
-    w = Windows()
+    w = SlidingWindows()
     lim = KeyLimit(requests_per_minute=3)
     assert [w.admit("k", 1000.2, lim, 0).ok for _ in range(3)] == [True, True, True]
     d = w.admit("k", 1010.0, lim, 0)
@@ -30,7 +30,7 @@ def test_rpm_refuses_the_request_over_the_limit_with_the_seconds_until_room():
 
 
 def test_keys_are_counted_apart():
-    w = Windows()
+    w = SlidingWindows()
     lim = KeyLimit(requests_per_minute=1)
     assert w.admit("a", 0, lim, 0).ok
     assert not w.admit("a", 1, lim, 0).ok
@@ -38,7 +38,7 @@ def test_keys_are_counted_apart():
 
 
 def test_retry_after_counts_only_the_buckets_that_must_leave():
-    w = Windows()
+    w = SlidingWindows()
     lim = KeyLimit(requests_per_minute=2)
     assert w.admit("k", 100, lim, 0).ok
     assert w.admit("k", 130, lim, 0).ok
@@ -47,7 +47,7 @@ def test_retry_after_counts_only_the_buckets_that_must_leave():
 
 
 def test_tpm_reserves_then_settles_to_what_was_used():
-    w = Windows()
+    w = SlidingWindows()
     lim = KeyLimit(tokens_per_minute=100)
     d1 = w.admit("k", 10, lim, 80)
     assert d1.ok
@@ -65,7 +65,7 @@ def test_tpm_reserves_then_settles_to_what_was_used():
 
 
 def test_settle_after_the_reservation_left_the_window_counts_the_tokens_now():
-    w = Windows()
+    w = SlidingWindows()
     lim = KeyLimit(tokens_per_minute=1000)
     d = w.admit("k", 0, lim, 50)
     w.settle("k", 90, d.ticket, 70)
@@ -156,9 +156,58 @@ def test_limiter_refusal_is_counted_per_key_and_limit():
     assert ledger.calls == [("k-abc", 1, 0, 0)]  # tokens are not estimated without a TPM limit
 
 
-def test_key_ids_from_stdin(capsys, monkeypatch):
-    import io
+def test_while_the_ledger_is_down_the_policy_decides_at_once_and_refuse_keeps_limits(monkeypatch):
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    now = [0.0]
+    meter = _Meter()
+    ledger = _Ledger(Decision(True), delay=1.0)  # never answers in time
+    cfg = LimitsConfig.from_user_config({"requests_per_minute": 1, "when_ledger_unreachable": "refuse"})
+    lim = limits.Limiter(cfg, lambda: ledger, meter, clock=lambda: now[0])
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("sk-a\n\nsk-b\n"))
-    assert limits.main([]) == 0
-    assert capsys.readouterr().out.split() == [key_id("sk-a"), key_id("sk-b")]
+    async def go():
+        return [await lim.admit("k-1", {}) for _ in range(3)]
+
+    decisions = asyncio.run(go())
+    assert [d.ok for d in decisions] == [False, False, False]
+    assert all(d.retry_after_s >= 1 for d in decisions)
+    assert len(ledger.calls) == 1  # asked once; the next two decided without waiting on it
+    assert meter.errors == 3
+    now[0] = limits.LEDGER_RETRY_S + 1  # later it is asked again
+    asyncio.run(lim.admit("k-1", {}))
+    assert len(ledger.calls) == 2
+
+
+def test_an_unknown_unreachable_policy_is_refused():
+    with pytest.raises(ValueError, match="when_ledger_unreachable"):
+        LimitsConfig.from_user_config({"when_ledger_unreachable": "maybe"})
+
+
+def test_the_ledger_is_looked_up_off_the_event_loop():
+    import threading
+
+    seen = []
+
+    def factory():
+        seen.append(threading.current_thread() is threading.main_thread())
+        return _Ledger(Decision(True))
+
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 5}), factory, _Meter())
+    assert asyncio.run(lim.admit("k-1", {})).ok
+    assert seen == [False]
+
+
+def test_the_ledger_name_changes_with_its_code():
+    """A detached ledger outlives deploys: a deploy that changes its code must not call the
+    old actor (whose methods may no longer match), so the name carries a hash of the code."""
+    name = limits.ledger_name("llm")
+    assert name.startswith("pd-limits-llm-") and name.endswith(limits.LEDGER_VERSION)
+    original = limits.inspect.getsource
+
+    def changed(obj):
+        return original(obj) + ("# changed\n" if obj is limits.LimitsLedger else "")
+
+    limits.inspect.getsource = changed
+    try:
+        assert limits._ledger_version() != limits.LEDGER_VERSION
+    finally:
+        limits.inspect.getsource = original
