@@ -1,7 +1,7 @@
 """`make bench`, hybrid scenario: how much a burst overflows to the external fallback, and
 what each path's time to first token is.
 
-What flows through here: a local external provider (serving.local.aggregator, behind its
+What flows through here: a local external provider (serving.local.provider, behind its
 recording proxy: by default the paced backend, which answers at a remote provider's pace
 without using our CPU; with `--provider vllm`, vLLM's own OpenAI server with the tiny model,
 niced, on the same cores) and the disaggregated local stack started the way `make serve`
@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from bench.stats import RequestResult, percentile, summarize
-from serving.local.aggregator import Backend, Pace
+from serving.local.provider import Backend, Pace
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "hybrid.json"
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", flush=True)
 
-    from serving.local.aggregator import EXTERNAL_MODEL, PROVIDER_KEY, running_aggregator
     from serving.local.background import background_stack
     from serving.local.config import local_target
+    from serving.local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
     from serving.local.tiny_model import ensure_tiny_model
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend(args.provider)
     pace = Pace(ttft_s=args.provider_ttft_ms / 1000, tokens_per_s=args.provider_tokens_per_s)
     say(f"starting the external provider ({backend.value} backend) and the local stack with a fallback")
-    with running_aggregator(
-        model_dir, logs / "hybrid-aggregator.log", dict(local_target().engine_env), backend=backend, pace=pace
-    ) as agg:
+    with running_provider(
+        model_dir, logs / "hybrid-provider.log", dict(local_target().engine_env), backend=backend, pace=pace
+    ) as provider:
         env = {
-            "PD_FALLBACK_BASE_URL": agg.url,
+            "PD_FALLBACK_BASE_URL": provider.url,
             "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
             "PD_FALLBACK_API_KEY": PROVIDER_KEY,
             "PD_FALLBACK_OVERFLOW_AT": str(args.overflow_at),
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"round {i + 1}/{args.rounds}: burst of {args.burst} at concurrency {args.concurrency}")
                 got, took = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
                 burst, d_burst = burst + got, d_burst + took
-            leaked = [r for r in agg.records if key in repr(r.headers) + repr(r.body)]
+            leaked = [r for r in provider.records if key in repr(r.headers) + repr(r.body)]
 
     u = by_path(unloaded, d_unloaded)
     b = by_path(burst, d_burst)

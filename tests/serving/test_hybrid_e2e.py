@@ -1,6 +1,6 @@
 """Hybrid routing for real: the shared local stack, and vLLM's own server as the external provider.
 
-The provider (serving.local.aggregator) is plain vLLM serving the tiny model under another
+The provider (serving.local.provider) is plain vLLM serving the tiny model under another
 name, behind a proxy that records every request it gets and accepts only the provider key.
 Each phase hands the `llm` app's ingress a new user_config (a lightweight Serve update: no
 engine restarts) and puts the original back at the end. The kill test runs after every
@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from serving.local.aggregator import EXTERNAL_MODEL, PROVIDER_KEY, running_aggregator
+from serving.local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
 from serving.spec import INGRESS_DEPLOYMENT, key_id
 from tests.serving.conftest import E2E_KEY, E2E_KEY_2, LOG_DIR
 
@@ -29,15 +29,15 @@ KILL_WINDOW_S = float(os.environ.get("PD_HYBRID_KILL_WINDOW_S", "60"))
 
 
 @pytest.fixture(scope="module")
-def aggregator(stack):
+def provider(stack):
     from serving.local.config import local_target
     from serving.local.tiny_model import ensure_tiny_model
 
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with running_aggregator(
-        str(ensure_tiny_model()), LOG_DIR / "aggregator.log", dict(local_target().engine_env)
-    ) as agg:
-        yield agg
+    with running_provider(
+        str(ensure_tiny_model()), LOG_DIR / "provider.log", dict(local_target().engine_env)
+    ) as provider:
+        yield provider
 
 
 def _apps(stack) -> dict:
@@ -72,10 +72,10 @@ def base_user_config(stack) -> dict:
     return next(d["user_config"] for d in app["deployments"] if d["name"] == INGRESS_DEPLOYMENT)
 
 
-def with_fallback(stack, agg, **over) -> dict:
+def with_fallback(stack, provider, **over) -> dict:
     cfg = copy.deepcopy(base_user_config(stack))
     cfg["fallback"] = {
-        "base_url": agg.url,
+        "base_url": provider.url,
         "models": {stack.model: EXTERNAL_MODEL},
         "when": ["unavailable", "overloaded", "deadline"],
         "overflow_at": 64,
@@ -135,12 +135,12 @@ def _openai(stack, key=E2E_KEY):
     return OpenAI(base_url=stack.urls["disaggregated"], api_key=key, max_retries=0, timeout=120)
 
 
-def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stack, aggregator, restore):
+def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stack, provider, restore):
     # A first-token deadline no engine can meet: every stream goes to the provider.
-    set_user_config(stack, with_fallback(stack, aggregator, when=["deadline"], first_token_timeout_s=0.001))
+    set_user_config(stack, with_fallback(stack, provider, when=["deadline"], first_token_timeout_s=0.001))
     kid = key_id(E2E_KEY)
     before = usage_totals(stack, kid, "fallback")
-    aggregator.clear()
+    provider.clear()
     client = _openai(stack)
     prompt, completion, n = 0, 0, 0
     with client.chat.completions.with_streaming_response.create(
@@ -175,12 +175,12 @@ def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stac
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     n += 1
     completion += 7
-    sent = [r.body for r in aggregator.records]
+    sent = [r.body for r in provider.records]
     assert [b["model"] for b in sent] == [EXTERNAL_MODEL, EXTERNAL_MODEL]
     assert all(b["stream_options"]["include_usage"] is True for b in sent)
     # The provider's own count of the second prompt, asked directly.
     p2 = httpx.post(
-        f"{aggregator.vllm_url}/completions",
+        f"{provider.vllm_url}/completions",
         json={"model": EXTERNAL_MODEL, "prompt": "Once upon a time", "max_tokens": 1},
         timeout=60,
     ).json()
@@ -192,11 +192,11 @@ def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stac
     assert after["pd_usage_completion_tokens"] - before["pd_usage_completion_tokens"] == completion
 
 
-def test_cluster_answers_are_marked_and_metered_too(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator))
+def test_cluster_answers_are_marked_and_metered_too(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider))
     kid = key_id(E2E_KEY)
     before = usage_totals(stack, kid, "cluster")
-    aggregator.clear()
+    provider.clear()
     r = httpx.post(
         f"{stack.urls['disaggregated']}/completions",
         headers={"Authorization": f"Bearer {E2E_KEY}"},
@@ -204,15 +204,15 @@ def test_cluster_answers_are_marked_and_metered_too(stack, aggregator, restore):
         timeout=120,
     )
     assert r.status_code == 200 and r.headers["x-served-by"] == "cluster"
-    assert aggregator.records == []
+    assert provider.records == []
     u = r.json()["usage"]
     after = settled_usage(stack, kid, "cluster", before["pd_usage_requests"] + 1)
     assert after["pd_usage_prompt_tokens"] - before["pd_usage_prompt_tokens"] == u["prompt_tokens"]
     assert after["pd_usage_completion_tokens"] - before["pd_usage_completion_tokens"] == u["completion_tokens"]
 
 
-def test_429_per_key_with_retry_after(stack, aggregator, restore):
-    cfg = with_fallback(stack, aggregator)
+def test_429_per_key_with_retry_after(stack, provider, restore):
+    cfg = with_fallback(stack, provider)
     cfg["limits"] = {**cfg["limits"], "keys": {key_id(E2E_KEY_2): {"requests_per_minute": 3, "tokens_per_minute": 0}}}
     set_user_config(stack, cfg)
     url = f"{stack.urls['disaggregated']}/completions"
@@ -265,8 +265,8 @@ def _burst(stack, n: int, max_tokens: int = 24) -> list[tuple[str, float, int]]:
     return asyncio.run(go())
 
 
-def test_overflow_under_a_burst_keeps_the_cluster_ttft(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator, when=["overloaded"], overflow_at=2))
+def test_overflow_under_a_burst_keeps_the_cluster_ttft(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider, when=["overloaded"], overflow_at=2))
     unloaded = [t for s, t, _ in (_burst(stack, 1)[0] for _ in range(5)) if s == "cluster"]
     assert len(unloaded) == 5
     results = _burst(stack, 10)
@@ -287,9 +287,9 @@ def test_overflow_under_a_burst_keeps_the_cluster_ttft(stack, aggregator, restor
     print(f"overflow burst: cluster TTFT max {max(by['cluster']):.3f}s vs unloaded {max(unloaded):.3f}s")
 
 
-def test_provider_failure_gives_our_error_with_the_reason(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator, when=["deadline"], first_token_timeout_s=0.001))
-    aggregator.fail_with = 500
+def test_provider_failure_gives_our_error_with_the_reason(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider, when=["deadline"], first_token_timeout_s=0.001))
+    provider.fail_with = 500
     try:
         r = httpx.post(
             f"{stack.urls['disaggregated']}/completions",
@@ -298,7 +298,7 @@ def test_provider_failure_gives_our_error_with_the_reason(stack, aggregator, res
             timeout=120,
         )
     finally:
-        aggregator.fail_with = None
+        provider.fail_with = None
     err = r.json()["error"]
     # A deadline that the fallback cannot rescue either is a 504 (503 for the other reasons).
     assert r.status_code == 504 and r.headers["x-served-by"] == "fallback"
@@ -306,10 +306,10 @@ def test_provider_failure_gives_our_error_with_the_reason(stack, aggregator, res
     assert err["code"] == "fallback_failed"
 
 
-def test_no_client_key_ever_reached_the_provider(stack, aggregator):
+def test_no_client_key_ever_reached_the_provider(stack, provider):
     """Runs after the other fallback tests of this module: every request the provider got."""
-    assert aggregator.records, "the provider received nothing: the fallback tests did not run"
-    for rec in aggregator.records:
+    assert provider.records, "the provider received nothing: the fallback tests did not run"
+    for rec in provider.records:
         dump = repr(rec.headers) + repr(rec.body)
         assert E2E_KEY not in dump and E2E_KEY_2 not in dump
         assert rec.headers["authorization"] == f"Bearer {PROVIDER_KEY}"
@@ -338,8 +338,8 @@ def _engine_pids(app: str) -> list[int]:
 
 
 @pytest.mark.disruptive
-def test_with_every_engine_killed_the_next_minute_is_served_by_the_fallback(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator))
+def test_with_every_engine_killed_the_next_minute_is_served_by_the_fallback(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider))
     pids = _engine_pids(APP)
     assert len(pids) >= 2, "no Prefill/Decode replica processes found"
     for pid in pids:
