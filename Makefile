@@ -90,7 +90,7 @@ bench: venv
 	$(PY) -m bench.hybrid --out build/bench/hybrid.json
 	$(PY) -m bench.hybrid --provider vllm --out build/bench/hybrid-vllm.json
 	$(PY) -m bench.program --json build/bench/program.json
-	$(PY) -m bench.scaling --out build/bench/scaling.json
+	$(PY) -m bench.decode_autoscale --out build/bench/decode-autoscale.json
 
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
