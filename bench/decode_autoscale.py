@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-from infra.paths import BUILD_DIR
+from bench import BENCH_DIR
 
-DEFAULT_OUT = BUILD_DIR / "bench" / "decode-autoscale.json"
+DEFAULT_OUT = BENCH_DIR / "decode-autoscale.json"
 
 
 def main(argv: list[str] | None = None) -> int:
