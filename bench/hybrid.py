@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -35,11 +36,12 @@ from typing import Any
 
 import httpx
 
+from bench import BENCH_DIR
+from bench.sse import stream_request
 from bench.stats import RequestResult, percentile, summarize
 from serving.local.provider import Backend, Pace
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "hybrid.json"
+DEFAULT_OUT = BENCH_DIR / "hybrid.json"
 OVERFLOW_AT = 2
 PROMPT = "Tell me a long story about a cat who learned to fly over the sea"
 
@@ -54,38 +56,19 @@ async def one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) 
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    res = RequestResult(ok=False)
-    served = "?"
-    t0 = time.perf_counter()
-    last = t0
-    try:
-        async with client.stream("POST", f"{url}/completions", json=body) as r:
-            served = r.headers.get("x-served-by", "?")
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return served, res
-            chunks = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                msg = json.loads(line[5:])
-                if msg.get("usage"):
-                    res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
-                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
-                if not msg.get("choices") or not msg["choices"][0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    res.ttft_s = now - t0
-                else:
-                    res.itl_s.append(now - last)
-                last = now
-                chunks += 1
-            res.latency_s = time.perf_counter() - t0
-            res.ok = chunks > 0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return served, res
+    got = await stream_request(client, f"{url}/completions", body)
+    usage = got.usage or {}
+    times = got.token_times
+    res = RequestResult(
+        ok=got.status == 200 and got.error is None and bool(times),
+        ttft_s=got.ttft_s or 0.0,
+        latency_s=got.latency_s,
+        itl_s=[b - a for a, b in itertools.pairwise(times)],
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        output_tokens=usage.get("completion_tokens", 0),
+        error=(f"HTTP {got.status}: " if got.status not in (0, 200) else "") + (got.error or ""),
+    )
+    return got.served_by or "?", res
 
 
 async def phase(url: str, key: str, model: str, n: int, concurrency: int, max_tokens: int):

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from bench import chaos
+from bench import chaos, hops
 from serving.resilience import METRICS, Reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
@@ -32,12 +32,10 @@ def _metric_total(stack, name: str) -> dict[str, float]:
             text = httpx.get(node["metrics_url"], timeout=10).text
         except httpx.HTTPError:
             continue
-        for line in text.splitlines():
-            if not line.startswith(name + "{"):
-                continue
-            labels, value = line.rsplit(" ", 1)
-            reason = labels.split('reason="', 1)[1].split('"', 1)[0] if 'reason="' in labels else ""
-            out[reason] = out.get(reason, 0.0) + float(value)
+        for series, labels, value in hops.parse_prometheus(text):
+            if series == name:
+                reason = labels.get("reason", "")
+                out[reason] = out.get(reason, 0.0) + value
     return out
 
 
@@ -47,7 +45,7 @@ def test_prefill_killed_under_streamed_load_costs_no_request(stack):
 
     async def scenario():
         t0 = time.monotonic()
-        async with chaos.Load(url, stack.api_key, 4, t0) as load:
+        async with chaos.Load(url, stack.api_key, 4, t0, model=stack.model) as load:
             await asyncio.sleep(5)
             victims = chaos.replica_processes(stack.proc.pid, ":Prefill:")
             assert victims, "no prefill replica process under the stack"
@@ -86,7 +84,7 @@ def test_overload_burst_is_refused_with_retry_after_and_nothing_hangs(stack):
         t0 = time.monotonic()
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=burst_n + 8)) as c:
             return await asyncio.gather(
-                *(chaos.one_request(c, url, headers, t0, max_tokens=16) for _ in range(burst_n))
+                *(chaos.one_request(c, url, headers, t0, model=stack.model, max_tokens=16) for _ in range(burst_n))
             )
 
     outcomes = asyncio.run(burst())
