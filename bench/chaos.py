@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from bench.prefill_mode import TARGET_SHARE, ModeSampler
+from bench.sse import stream_request
 from bench.stats import percentile
 from infra.paths import BUILD_DIR
 
@@ -68,67 +69,34 @@ class Outcome:
 
 
 async def one_request(
-    client: httpx.AsyncClient, url: str, headers: dict, t0: float, *, max_tokens: int = MAX_TOKENS
+    client: httpx.AsyncClient, url: str, headers: dict, t0: float, *, model: str, max_tokens: int = MAX_TOKENS
 ) -> Outcome:
     body = {
-        "model": "tiny-llama",
+        "model": model,
         "messages": [{"role": "user", "content": PROMPT}],
         "max_tokens": max_tokens,
         "stream": True,
         "temperature": 0,
     }
-    start = time.monotonic()
-    first: float | None = None
-    status = 0
-    kind = "conn_error"
-    retry_after = None
-    ok = False
-    try:
-        async with client.stream(
-            "POST", url, json=body, headers=headers, timeout=httpx.Timeout(HUNG_AFTER_S, connect=5)
-        ) as resp:
-            status = resp.status_code
-            retry_after = resp.headers.get("retry-after")
-            if status != 200:
-                await resp.aread()
-                kind = f"http_{status}"
-            else:
-                done = False
-                errored = False
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    if first is None:
-                        first = time.monotonic()
-                    payload = line[5:].strip()
-                    if payload == "[DONE]":
-                        done = True
-                    elif payload.startswith('{"error"'):
-                        errored = True
-                ok = done and not errored
-                kind = "ok" if ok else "stream_error"
-    except httpx.ReadTimeout:
-        kind = "hung"
-    except httpx.HTTPError:
-        kind = "hung" if status == 200 and first is None else "conn_error"
-    end = time.monotonic()
+    got = await stream_request(client, url, body, headers=headers, timeout=httpx.Timeout(HUNG_AFTER_S, connect=5))
     return Outcome(
-        start=start - t0,
-        end=end - t0,
-        status=status,
-        ok=ok,
-        began_streaming=first is not None,
-        ttfb_s=(first - start) if first is not None else None,
-        kind=kind,
-        retry_after=retry_after,
+        start=got.start - t0,
+        end=got.end - t0,
+        status=got.status,
+        ok=got.ok,
+        began_streaming=got.first_event_at is not None,
+        ttfb_s=got.ttfb_s,
+        kind=got.kind,
+        retry_after=got.retry_after,
     )
 
 
 class Load:
     """C clients, each sending one request after another until stopped."""
 
-    def __init__(self, url: str, api_key: str | None, concurrency: int, t0: float):
+    def __init__(self, url: str, api_key: str | None, concurrency: int, t0: float, *, model: str):
         self.url = url
+        self.model = model
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.concurrency = concurrency
         self.t0 = t0
@@ -138,7 +106,7 @@ class Load:
 
     async def _client(self, client: httpx.AsyncClient) -> None:
         while not self._stop.is_set():
-            out = await one_request(client, self.url, self.headers, self.t0)
+            out = await one_request(client, self.url, self.headers, self.t0, model=self.model)
             self.outcomes.append(out)
             if not out.ok:
                 await asyncio.sleep(0.2)  # a refused client backs off a little, as SDKs do
@@ -283,6 +251,7 @@ def table(name: str, phases: dict[str, Any]) -> str:
 @dataclass
 class Ctx:
     url: str
+    model: str  # the served model id (the stack's, as its state file says)
     api_key: str | None
     dashboard_url: str
     root_pid: int
@@ -301,7 +270,10 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
     `want` healthy replicas again (at most during_max_s), then after_s more."""
     t0 = time.monotonic()
     recovered: float | None = None
-    async with ModeSampler(ctx.metrics_urls, t0) as modes, Load(ctx.url, ctx.api_key, concurrency, t0) as load:
+    async with (
+        ModeSampler(ctx.metrics_urls, t0) as modes,
+        Load(ctx.url, ctx.api_key, concurrency, t0, model=ctx.model) as load,
+    ):
         await asyncio.sleep(ctx.before_s)
         procs = replica_processes(ctx.root_pid, marker)
         if not procs:
@@ -349,20 +321,22 @@ async def overload_scenario(ctx: Ctx) -> dict:
     """Steady load, then a burst of 3x the admission bound, all at once."""
     t0 = time.monotonic()
     burst_n = 3 * ctx.capacity
-    async with Load(ctx.url, ctx.api_key, CONCURRENCY, t0) as load:
+    async with Load(ctx.url, ctx.api_key, CONCURRENCY, t0, model=ctx.model) as load:
         await asyncio.sleep(ctx.before_s)
         fault_at = time.monotonic() - t0
         ctx.say(f"burst of {burst_n} concurrent requests (3 x admission bound {ctx.capacity})")
         headers = {"Authorization": f"Bearer {ctx.api_key}"} if ctx.api_key else {}
         async with httpx.AsyncClient(limits=httpx.Limits(max_connections=burst_n + 8)) as c:
-            burst_task = asyncio.gather(*(one_request(c, ctx.url, headers, t0) for _ in range(burst_n)))
+            burst_task = asyncio.gather(
+                *(one_request(c, ctx.url, headers, t0, model=ctx.model) for _ in range(burst_n))
+            )
             # While the burst holds every slot: single requests, one after another. Their
             # answer time is what a client sees when the bound is reached.
             await asyncio.sleep(2)
             probes = []
             async with httpx.AsyncClient() as pc:
                 for _ in range(10):
-                    probes.append(await one_request(pc, ctx.url, headers, t0))
+                    probes.append(await one_request(pc, ctx.url, headers, t0, model=ctx.model))
             burst = await burst_task
         healthy_at = time.monotonic() - t0
         await asyncio.sleep(ctx.after_s)
@@ -394,7 +368,7 @@ async def overload_scenario(ctx: Ctx) -> dict:
 async def soak_scenario(ctx: Ctx, duration_s: float, warmup_s: float = 60.0) -> dict:
     t0 = time.monotonic()
     samples: list[dict[str, Any]] = []
-    async with Load(ctx.url, ctx.api_key, SOAK_CONCURRENCY, t0) as load:
+    async with Load(ctx.url, ctx.api_key, SOAK_CONCURRENCY, t0, model=ctx.model) as load:
         while time.monotonic() - t0 < duration_s:
             await asyncio.sleep(10)
             rss = engine_rss_mb(ctx.root_pid)
@@ -483,6 +457,7 @@ async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) 
         names.append(SOAK)
     ctx = Ctx(
         url=stack.urls["disaggregated"] + "/chat/completions",
+        model=stack.model,
         api_key=stack.api_key,
         dashboard_url=stack.state["dashboard_url"],
         root_pid=stack.proc.pid,

@@ -26,32 +26,22 @@ Means, not medians: histograms give sums and counts. Nothing here starts anythin
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 Sample = tuple[str, dict[str, str], float]
 
 
 def parse_prometheus(text: str) -> list[Sample]:
-    """Prometheus text exposition -> (name, labels, value) per sample line."""
-    out: list[Sample] = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        try:
-            value = float(m.group(3))
-        except ValueError:
-            continue
-        out.append((m.group(1), dict(_LABEL.findall(m.group(2) or "")), value))
-    return out
+    """Prometheus text exposition -> (name, labels, value) per sample, by prometheus_client's
+    own parser (`prometheus_client.parser`, the library Ray and vLLM export with). Sample names
+    are the series' names as exposed: a counter's `_total`, a histogram's `_bucket`/`_sum`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [
+        (s.name, dict(s.labels), float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples
+    ]
 
 
 def metric_total(

@@ -1,7 +1,7 @@
 """`make bench`, hybrid scenario: how much a burst overflows to the external fallback, and
 what each path's time to first token is.
 
-What flows through here: a local external provider (serving.local.aggregator, behind its
+What flows through here: a local external provider (serving.local.provider, behind its
 recording proxy: by default the paced backend, which answers at a remote provider's pace
 without using our CPU; with `--provider vllm`, vLLM's own OpenAI server with the tiny model,
 niced, on the same cores) and the disaggregated local stack started the way `make serve`
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import platform
@@ -35,11 +36,12 @@ from typing import Any
 
 import httpx
 
+from bench import BENCH_DIR
+from bench.sse import stream_request
 from bench.stats import RequestResult, percentile, summarize
-from serving.local.aggregator import Backend, Pace
+from serving.local.provider import Backend, Pace
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "hybrid.json"
+DEFAULT_OUT = BENCH_DIR / "hybrid.json"
 OVERFLOW_AT = 2
 PROMPT = "Tell me a long story about a cat who learned to fly over the sea"
 
@@ -54,38 +56,19 @@ async def one(client: httpx.AsyncClient, url: str, model: str, max_tokens: int) 
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
     }
-    res = RequestResult(ok=False)
-    served = "?"
-    t0 = time.perf_counter()
-    last = t0
-    try:
-        async with client.stream("POST", f"{url}/completions", json=body) as r:
-            served = r.headers.get("x-served-by", "?")
-            if r.status_code != 200:
-                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
-                return served, res
-            chunks = 0
-            async for line in r.aiter_lines():
-                if not line.startswith("data:") or line.strip() == "data: [DONE]":
-                    continue
-                msg = json.loads(line[5:])
-                if msg.get("usage"):
-                    res.prompt_tokens = msg["usage"].get("prompt_tokens", 0)
-                    res.output_tokens = msg["usage"].get("completion_tokens", 0)
-                if not msg.get("choices") or not msg["choices"][0].get("text"):
-                    continue
-                now = time.perf_counter()
-                if chunks == 0:
-                    res.ttft_s = now - t0
-                else:
-                    res.itl_s.append(now - last)
-                last = now
-                chunks += 1
-            res.latency_s = time.perf_counter() - t0
-            res.ok = chunks > 0
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        res.error = f"{type(exc).__name__}: {exc}"
-    return served, res
+    got = await stream_request(client, f"{url}/completions", body)
+    usage = got.usage or {}
+    times = got.token_times
+    res = RequestResult(
+        ok=got.status == 200 and got.error is None and bool(times),
+        ttft_s=got.ttft_s or 0.0,
+        latency_s=got.latency_s,
+        itl_s=[b - a for a, b in itertools.pairwise(times)],
+        prompt_tokens=usage.get("prompt_tokens", 0),
+        output_tokens=usage.get("completion_tokens", 0),
+        error=(f"HTTP {got.status}: " if got.status not in (0, 200) else "") + (got.error or ""),
+    )
+    return got.served_by or "?", res
 
 
 async def phase(url: str, key: str, model: str, n: int, concurrency: int, max_tokens: int):
@@ -139,9 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", flush=True)
 
-    from serving.local.aggregator import EXTERNAL_MODEL, PROVIDER_KEY, running_aggregator
     from serving.local.background import background_stack
     from serving.local.config import local_target
+    from serving.local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
     from serving.local.tiny_model import ensure_tiny_model
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -150,11 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend(args.provider)
     pace = Pace(ttft_s=args.provider_ttft_ms / 1000, tokens_per_s=args.provider_tokens_per_s)
     say(f"starting the external provider ({backend.value} backend) and the local stack with a fallback")
-    with running_aggregator(
-        model_dir, logs / "hybrid-aggregator.log", dict(local_target().engine_env), backend=backend, pace=pace
-    ) as agg:
+    with running_provider(
+        model_dir, logs / "hybrid-provider.log", dict(local_target().engine_env), backend=backend, pace=pace
+    ) as provider:
         env = {
-            "PD_FALLBACK_BASE_URL": agg.url,
+            "PD_FALLBACK_BASE_URL": provider.url,
             "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
             "PD_FALLBACK_API_KEY": PROVIDER_KEY,
             "PD_FALLBACK_OVERFLOW_AT": str(args.overflow_at),
@@ -175,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 say(f"round {i + 1}/{args.rounds}: burst of {args.burst} at concurrency {args.concurrency}")
                 got, took = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
                 burst, d_burst = burst + got, d_burst + took
-            leaked = [r for r in agg.records if key in repr(r.headers) + repr(r.body)]
+            leaked = [r for r in provider.records if key in repr(r.headers) + repr(r.body)]
 
     u = by_path(unloaded, d_unloaded)
     b = by_path(burst, d_burst)

@@ -22,8 +22,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
+from bench.hops import parse_prometheus
 from serving.resilience import METRICS, Path
 
 # Ray exports a Serve Counter named N as ray_N_total.
@@ -36,11 +36,10 @@ def path_counts(metrics_texts: Iterable[str]) -> dict[str, float]:
     """{path: requests} summed over the nodes' metrics pages."""
     out: dict[str, float] = {}
     for text in metrics_texts:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == PATH_METRIC:
-                    path = s.labels.get("path", "")
-                    out[path] = out.get(path, 0.0) + s.value
+        for name, labels, value in parse_prometheus(text):
+            if name == PATH_METRIC:
+                path = labels.get("path", "")
+                out[path] = out.get(path, 0.0) + value
     return out
 
 

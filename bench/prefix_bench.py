@@ -24,12 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import hops, vllm_load
+from bench import BENCH_DIR, hops, vllm_load
 from bench.serving_bench import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
-from infra.paths import ROOT
 
-DEFAULT_OUT = ROOT / "build" / "bench" / "prefix.json"
+DEFAULT_OUT = BENCH_DIR / "prefix.json"
 ROUTERS = {"p2c": "power-of-two", "affinity": "prefix-cache-affinity"}
 REPLICAS = 2
 # The shared-prefix workload (vLLM's prefix_repetition dataset).

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from infra.paths import BUILD_DIR, ROOT
+from bench import BENCH_DIR
+from infra.paths import ROOT
 from tools import mock_runtime, render, stackfile
 
 BASELINE_PROGRAM = """
@@ -94,7 +95,7 @@ def table(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.program", description="Time the Pulumi program per stack.")
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--json", type=Path, default=BUILD_DIR / "bench" / "program.json")
+    ap.add_argument("--json", type=Path, default=BENCH_DIR / "program.json")
     args = ap.parse_args(argv)
     result = measure(max(1, args.repeat))
     print(table(result))

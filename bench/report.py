@@ -15,9 +15,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench import BENCH_DIR
 from infra.paths import ROOT
 
-BUILD = ROOT / "build" / "bench"
+BUILD = BENCH_DIR
 DOC = ROOT / "docs" / "performance.md"
 README = ROOT / "README.md"
 # The README's headline figures live between these markers and are rewritten from the JSON.

@@ -37,11 +37,11 @@ from typing import Any
 
 import httpx
 
-from bench import hops, plots, vllm_load
+from bench import BENCH_DIR, hops, plots, vllm_load
 from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_per_request, ratios, samples, summarize
 from infra.paths import ROOT as REPO_ROOT
 
-DEFAULT_OUT = REPO_ROOT / "build" / "bench" / "serving.json"
+DEFAULT_OUT = BENCH_DIR / "serving.json"
 TARGETS = ("disaggregated", "aggregated", "vllm")
 BASELINE = "vllm"
 

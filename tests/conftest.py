@@ -8,6 +8,17 @@ from tools import render, stackfile
 
 STACKS = stackfile.stacks()
 
+# Per-test bound for e2e tests (pytest-timeout; the default for the rest is in pytest.ini). It
+# covers fixture setup: the shared stack's READY wait (tests/serving/conftest.py, 480 s + 60 s)
+# plus a disruptive test's recovery wait (up to 600 s) fit in it.
+E2E_TIMEOUT_S = 1800
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+
 
 @pytest.fixture(scope="session")
 def rendered_stacks() -> dict[str, render.Rendered]:

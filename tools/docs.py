@@ -9,15 +9,12 @@ so a change that alters an output fails until `make docs` is run and the result 
 Generators (each prints what the named command prints, or a stated part of it):
 - `plan <stack>`: `make plan STACK=<stack>`;
 - `costs <stack>...`: the GPU-pool lines of `make render STACK=<stack>` for each stack;
-- `diff <a> <b>`: the stack-file part and the resource totals of `make diff A=<a> B=<b>`;
-- `json-table <path> <key>`: a Markdown table from a committed results file (figures of a
-  dated benchmark run), rows under `<key>` as a list of objects.
+- `diff <a> <b>`: the stack-file part and the resource totals of `make diff A=<a> B=<b>`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import sys
 from collections.abc import Callable
@@ -55,19 +52,10 @@ def gen_diff(a: str, b: str) -> str:
     return _fenced("\n".join(lines[: cut + 1]))
 
 
-def gen_json_table(path: str, key: str) -> str:
-    rows = json.loads((ROOT / path).read_text())[key]
-    cols = list(rows[0])
-    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-    out += ["| " + " | ".join("" if r.get(c) is None else str(r[c]) for c in cols) + " |" for r in rows]
-    return "\n".join(out) + "\n"
-
-
 GENERATORS: dict[str, Callable[..., str]] = {
     "plan": gen_plan,
     "costs": gen_costs,
     "diff": gen_diff,
-    "json-table": gen_json_table,
 }
 
 

@@ -237,7 +237,3 @@ def prometheus_rule(
         "metadata": {"name": name, "namespace": namespace, "labels": dict(MONITORING_LABEL)},
         "spec": {"groups": groups},
     }
-
-
-def rule_exprs(rule: dict[str, Any]) -> list[str]:
-    return [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]

@@ -377,11 +377,6 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
 )
 
 
-def panel_exprs() -> list[str]:
-    """Every PromQL expression of every dashboard panel."""
-    return [q.expr for _, panels in ROWS for p in panels for q in p.queries]
-
-
 def _panel(spec: PanelSpec, ds: DataSourceRef) -> TimeSeries:
     panel = TimeSeries().title(spec.title).unit(spec.unit).datasource(ds).height(8).span(8)
     if spec.description:

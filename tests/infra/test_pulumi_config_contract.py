@@ -39,8 +39,10 @@ def _new_stack_doc() -> dict[str, Any]:
     return yaml.safe_load(newstack.text_for("team-x"))
 
 
-# --- the rule itself, on cases whose answer is known -------------------------------------------
-def test_rule_reports_missing_declared_keys_like_pulumi():
+# --- mirror sanity tests: tests.upstream.merge_config alone, on cases whose answer Pulumi's
+# source gives (the messages are Pulumi's). They test the mirror, not the project; the tests
+# under "what we ship" apply the same mirror to Pulumi.yaml, every stack and both templates.
+def test_mirror_sanity_missing_declared_keys_are_reported_like_pulumi():
     project = {
         "name": "p",
         "config": {"a": {"type": "string"}, "b": {"type": "string"}, "c": {"type": "string", "default": ""}},
@@ -50,7 +52,7 @@ def test_rule_reports_missing_declared_keys_like_pulumi():
     assert merge_config(project, {"config": {"p:a": "x", "p:b": "y"}}, "dev")["p:c"] == ""
 
 
-def test_rule_refuses_placeholder_ciphertext_and_undeclared_secret_defaults():
+def test_mirror_sanity_placeholder_ciphertext_and_undeclared_secret_defaults_are_refused():
     project = {"name": "p", "config": {"k": {"type": "string", "secret": True, "default": ""}}}
     # Today's stacks carried this: not base64, so no secrets provider can decrypt it.
     fake = {"config": {"p:k": {"secure": "v1:placeholder:replace-with-pulumi-config-set-secret-apiKeys"}}}
@@ -63,7 +65,7 @@ def test_rule_refuses_placeholder_ciphertext_and_undeclared_secret_defaults():
     merge_config(project, real, "dev")
 
 
-def test_rule_type_checks_declared_keys():
+def test_mirror_sanity_declared_keys_are_type_checked():
     project = {"name": "p", "config": {"zones": {"type": "array", "items": {"type": "string"}}}}
     with pytest.raises(PulumiConfigError, match="must be of type"):
         merge_config(project, {"config": {"p:zones": "us-east-2a"}}, "dev")

@@ -34,7 +34,7 @@ def stack():
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / "serve-e2e.log"
     log.write_text("")
-    from serving.local.aggregator import PROVIDER_KEY
+    from serving.local.provider import PROVIDER_KEY
     from serving.spec import FALLBACK_API_KEY_ENV
 
     with background_stack(

@@ -16,6 +16,7 @@ import httpx
 import pytest
 from starlette.requests import Request
 
+from bench import hops
 from serving import app as app_mod
 from serving.app import AuthenticatedIngress, build_app, error_response
 from serving.spec import parse_api_keys
@@ -376,13 +377,10 @@ def test_models_lists_the_served_model(stack):
 
 
 def _metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    """Sum of the series `name` whose labels include `labels` (prometheus_client's parser)."""
+    return hops.metric_total(
+        hops.parse_prometheus(text), name, lambda got: all(got.get(k) == v for k, v in labels.items())
+    )
 
 
 def _scrape(stack, label: str) -> str:

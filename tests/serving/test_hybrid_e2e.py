@@ -1,6 +1,6 @@
 """Hybrid routing for real: the shared local stack, and vLLM's own server as the external provider.
 
-The provider (serving.local.aggregator) is plain vLLM serving the tiny model under another
+The provider (serving.local.provider) is plain vLLM serving the tiny model under another
 name, behind a proxy that records every request it gets and accepts only the provider key.
 Each phase hands the `llm` app's ingress a new user_config (a lightweight Serve update: no
 engine restarts) and puts the original back at the end. The kill test runs after every
@@ -19,7 +19,9 @@ import time
 import httpx
 import pytest
 
-from serving.local.aggregator import EXTERNAL_MODEL, PROVIDER_KEY, running_aggregator
+from bench import hops
+from bench.sse import Streamed, stream_request
+from serving.local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
 from serving.spec import INGRESS_DEPLOYMENT, key_id
 from tests.serving.conftest import E2E_KEY, E2E_KEY_2, LOG_DIR
 
@@ -29,15 +31,15 @@ KILL_WINDOW_S = float(os.environ.get("PD_HYBRID_KILL_WINDOW_S", "60"))
 
 
 @pytest.fixture(scope="module")
-def aggregator(stack):
+def provider(stack):
     from serving.local.config import local_target
     from serving.local.tiny_model import ensure_tiny_model
 
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with running_aggregator(
-        str(ensure_tiny_model()), LOG_DIR / "aggregator.log", dict(local_target().engine_env)
-    ) as agg:
-        yield agg
+    with running_provider(
+        str(ensure_tiny_model()), LOG_DIR / "provider.log", dict(local_target().engine_env)
+    ) as provider:
+        yield provider
 
 
 def _apps(stack) -> dict:
@@ -72,10 +74,10 @@ def base_user_config(stack) -> dict:
     return next(d["user_config"] for d in app["deployments"] if d["name"] == INGRESS_DEPLOYMENT)
 
 
-def with_fallback(stack, agg, **over) -> dict:
+def with_fallback(stack, provider, **over) -> dict:
     cfg = copy.deepcopy(base_user_config(stack))
     cfg["fallback"] = {
-        "base_url": agg.url,
+        "base_url": provider.url,
         "models": {stack.model: EXTERNAL_MODEL},
         "when": ["unavailable", "overloaded", "deadline"],
         "overflow_at": 64,
@@ -101,20 +103,15 @@ def _metrics(stack) -> str:
 
 
 def usage_totals(stack, kid: str, destination: str) -> dict[str, float]:
-    text = _metrics(stack)
+    samples = hops.parse_prometheus(_metrics(stack))
+    want = {"key": kid, "destination": destination, "application": APP}
     out = {}
     for name in ("pd_usage_requests", "pd_usage_prompt_tokens", "pd_usage_completion_tokens"):
-        total = 0.0
-        for line in text.splitlines():
-            m = re.match(rf"^ray_{name}(?:_total)?{{(.*)}} (\S+)$", line)
-            if (
-                m
-                and f'key="{kid}"' in m.group(1)
-                and f'destination="{destination}"' in m.group(1)
-                and f'application="{APP}"' in m.group(1)
-            ):
-                total += float(m.group(2))
-        out[name] = total
+        out[name] = sum(
+            value
+            for series, labels, value in samples
+            if series in (f"ray_{name}", f"ray_{name}_total") and all(labels.get(k) == v for k, v in want.items())
+        )
     return out
 
 
@@ -135,12 +132,12 @@ def _openai(stack, key=E2E_KEY):
     return OpenAI(base_url=stack.urls["disaggregated"], api_key=key, max_retries=0, timeout=120)
 
 
-def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stack, aggregator, restore):
+def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stack, provider, restore):
     # A first-token deadline no engine can meet: every stream goes to the provider.
-    set_user_config(stack, with_fallback(stack, aggregator, when=["deadline"], first_token_timeout_s=0.001))
+    set_user_config(stack, with_fallback(stack, provider, when=["deadline"], first_token_timeout_s=0.001))
     kid = key_id(E2E_KEY)
     before = usage_totals(stack, kid, "fallback")
-    aggregator.clear()
+    provider.clear()
     client = _openai(stack)
     prompt, completion, n = 0, 0, 0
     with client.chat.completions.with_streaming_response.create(
@@ -175,12 +172,12 @@ def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stac
     assert "".join(c.choices[0].text for c in chunks if c.choices)
     n += 1
     completion += 7
-    sent = [r.body for r in aggregator.records]
+    sent = [r.body for r in provider.records]
     assert [b["model"] for b in sent] == [EXTERNAL_MODEL, EXTERNAL_MODEL]
     assert all(b["stream_options"]["include_usage"] is True for b in sent)
     # The provider's own count of the second prompt, asked directly.
     p2 = httpx.post(
-        f"{aggregator.vllm_url}/completions",
+        f"{provider.vllm_url}/completions",
         json={"model": EXTERNAL_MODEL, "prompt": "Once upon a time", "max_tokens": 1},
         timeout=60,
     ).json()
@@ -192,11 +189,11 @@ def test_streams_through_the_fallback_in_openai_format_and_usage_is_metered(stac
     assert after["pd_usage_completion_tokens"] - before["pd_usage_completion_tokens"] == completion
 
 
-def test_cluster_answers_are_marked_and_metered_too(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator))
+def test_cluster_answers_are_marked_and_metered_too(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider))
     kid = key_id(E2E_KEY)
     before = usage_totals(stack, kid, "cluster")
-    aggregator.clear()
+    provider.clear()
     r = httpx.post(
         f"{stack.urls['disaggregated']}/completions",
         headers={"Authorization": f"Bearer {E2E_KEY}"},
@@ -204,15 +201,15 @@ def test_cluster_answers_are_marked_and_metered_too(stack, aggregator, restore):
         timeout=120,
     )
     assert r.status_code == 200 and r.headers["x-served-by"] == "cluster"
-    assert aggregator.records == []
+    assert provider.records == []
     u = r.json()["usage"]
     after = settled_usage(stack, kid, "cluster", before["pd_usage_requests"] + 1)
     assert after["pd_usage_prompt_tokens"] - before["pd_usage_prompt_tokens"] == u["prompt_tokens"]
     assert after["pd_usage_completion_tokens"] - before["pd_usage_completion_tokens"] == u["completion_tokens"]
 
 
-def test_429_per_key_with_retry_after(stack, aggregator, restore):
-    cfg = with_fallback(stack, aggregator)
+def test_429_per_key_with_retry_after(stack, provider, restore):
+    cfg = with_fallback(stack, provider)
     cfg["limits"] = {**cfg["limits"], "keys": {key_id(E2E_KEY_2): {"requests_per_minute": 3, "tokens_per_minute": 0}}}
     set_user_config(stack, cfg)
     url = f"{stack.urls['disaggregated']}/completions"
@@ -230,24 +227,15 @@ def test_429_per_key_with_retry_after(stack, aggregator, restore):
     # Another key is not affected.
     assert post(E2E_KEY).status_code == 200
     deadline = time.monotonic() + 30
-    while not any(key_id(E2E_KEY_2) in ln and "pd_rate_limited" in ln for ln in _metrics(stack).splitlines()):
+    while not any(
+        "pd_rate_limited" in name and key_id(E2E_KEY_2) in labels.values()
+        for name, labels, _ in hops.parse_prometheus(_metrics(stack))
+    ):
         assert time.monotonic() < deadline, "pd_rate_limited_requests never showed the refused key"
         time.sleep(2)
 
 
-async def _stream_ttft(client: httpx.AsyncClient, url: str, body: dict) -> tuple[str, float, int]:
-    t0 = time.perf_counter()
-    async with client.stream("POST", url, json=body) as r:
-        served = r.headers.get("x-served-by", "?")
-        status = r.status_code
-        ttft = None
-        async for line in r.aiter_lines():
-            if line.startswith("data:") and '"text"' in line and ttft is None:
-                ttft = time.perf_counter() - t0
-        return served, ttft if ttft is not None else float("nan"), status
-
-
-def _burst(stack, n: int, max_tokens: int = 24) -> list[tuple[str, float, int]]:
+def _burst(stack, n: int, max_tokens: int = 24) -> list[Streamed]:
     url = f"{stack.urls['disaggregated']}/completions"
     body = {
         "model": stack.model,
@@ -260,36 +248,28 @@ def _burst(stack, n: int, max_tokens: int = 24) -> list[tuple[str, float, int]]:
 
     async def go():
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {E2E_KEY}"}, timeout=180) as c:
-            return await asyncio.gather(*(_stream_ttft(c, url, body) for _ in range(n)))
+            return await asyncio.gather(*(stream_request(c, url, body) for _ in range(n)))
 
     return asyncio.run(go())
 
 
-def test_overflow_under_a_burst_keeps_the_cluster_ttft(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator, when=["overloaded"], overflow_at=2))
-    unloaded = [t for s, t, _ in (_burst(stack, 1)[0] for _ in range(5)) if s == "cluster"]
-    assert len(unloaded) == 5
+def test_overflow_under_a_burst_sends_what_is_over_overflow_at_to_the_fallback(stack, provider, restore):
+    # overflowAt 2 with one decode replica: at most 2 of a burst's requests are the cluster's.
+    set_user_config(stack, with_fallback(stack, provider, when=["overloaded"], overflow_at=2))
+    unloaded = [_burst(stack, 1)[0] for _ in range(5)]
+    assert [r.served_by for r in unloaded] == ["cluster"] * 5, "one request at a time is under overflowAt"
     results = _burst(stack, 10)
-    assert all(status == 200 for _, _, status in results)
-    by = {
-        "cluster": [t for s, t, _ in results if s == "cluster"],
-        "fallback": [t for s, t, _ in results if s == "fallback"],
-    }
-    print(
-        f"\nunloaded cluster TTFT max {max(unloaded):.3f}s; burst of 10: "
-        f"{len(by['cluster'])} cluster (TTFT max {max(by['cluster']):.3f}s), "
-        f"{len(by['fallback'])} fallback"
-    )
-    assert by["fallback"] and by["cluster"]
-    assert len(by["cluster"]) <= 2 + 1  # at most overflowAt per decode replica, plus a racing one
-    # The cluster's TTFT under the burst against its unloaded TTFT is a speed figure: make bench's
-    # hybrid scenario reports it (a timed assertion here would only measure this machine's load).
-    print(f"overflow burst: cluster TTFT max {max(by['cluster']):.3f}s vs unloaded {max(unloaded):.3f}s")
+    assert all(r.ok for r in results), [(r.kind, r.error) for r in results if not r.ok]
+    served = [r.served_by for r in results]
+    assert set(served) == {"cluster", "fallback"}, served
+    assert served.count("cluster") <= 2 + 1, served  # overflowAt per decode replica, plus a racing one
+    # What the overflow does to the cluster's own TTFT is a speed figure: `make bench`'s hybrid
+    # scenario (bench/hybrid.py) measures it against the unloaded TTFT.
 
 
-def test_provider_failure_gives_our_error_with_the_reason(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator, when=["deadline"], first_token_timeout_s=0.001))
-    aggregator.fail_with = 500
+def test_provider_failure_gives_our_error_with_the_reason(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider, when=["deadline"], first_token_timeout_s=0.001))
+    provider.fail_with = 500
     try:
         r = httpx.post(
             f"{stack.urls['disaggregated']}/completions",
@@ -298,7 +278,7 @@ def test_provider_failure_gives_our_error_with_the_reason(stack, aggregator, res
             timeout=120,
         )
     finally:
-        aggregator.fail_with = None
+        provider.fail_with = None
     err = r.json()["error"]
     # A deadline that the fallback cannot rescue either is a 504 (503 for the other reasons).
     assert r.status_code == 504 and r.headers["x-served-by"] == "fallback"
@@ -306,10 +286,27 @@ def test_provider_failure_gives_our_error_with_the_reason(stack, aggregator, res
     assert err["code"] == "fallback_failed"
 
 
-def test_no_client_key_ever_reached_the_provider(stack, aggregator):
-    """Runs after the other fallback tests of this module: every request the provider got."""
-    assert aggregator.records, "the provider received nothing: the fallback tests did not run"
-    for rec in aggregator.records:
+def test_no_client_key_ever_reached_the_provider(stack, provider, restore):
+    """Every request the provider gets, whichever client key, path and shape sent it. Streams
+    only: the deadline rule (a first-token budget no engine meets) applies to streams."""
+    set_user_config(stack, with_fallback(stack, provider, when=["deadline"], first_token_timeout_s=0.001))
+    provider.clear()
+    url = stack.urls["disaggregated"]
+    for key in (E2E_KEY, E2E_KEY_2):
+        for path, body in (
+            ("/completions", {"prompt": "Hi", "stream": True}),
+            ("/completions", {"prompt": "Hi", "stream": True, "stream_options": {"include_usage": True}}),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True}),
+        ):
+            r = httpx.post(
+                url + path,
+                headers={"Authorization": f"Bearer {key}"},
+                json={"model": stack.model, "max_tokens": 2, **body},
+                timeout=120,
+            )
+            assert r.status_code == 200 and r.headers["x-served-by"] == "fallback", (path, body, r.text[:200])
+    assert len(provider.records) >= 6, "the provider did not get every fallback request"
+    for rec in provider.records:
         dump = repr(rec.headers) + repr(rec.body)
         assert E2E_KEY not in dump and E2E_KEY_2 not in dump
         assert rec.headers["authorization"] == f"Bearer {PROVIDER_KEY}"
@@ -338,15 +335,15 @@ def _engine_pids(app: str) -> list[int]:
 
 
 @pytest.mark.disruptive
-def test_with_every_engine_killed_the_next_minute_is_served_by_the_fallback(stack, aggregator, restore):
-    set_user_config(stack, with_fallback(stack, aggregator))
+def test_with_every_engine_killed_every_request_is_answered_and_the_fallback_takes_over(stack, provider, restore):
+    set_user_config(stack, with_fallback(stack, provider))
     pids = _engine_pids(APP)
     assert len(pids) >= 2, "no Prefill/Decode replica processes found"
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()
     url = f"{stack.urls['disaggregated']}/completions"
-    results = []
+    results: list[tuple[float, int, str | None, str]] = []  # (sent, status, x-served-by, body head)
 
     async def one(client, i):
         body = {
@@ -356,9 +353,9 @@ def test_with_every_engine_killed_the_next_minute_is_served_by_the_fallback(stac
             "temperature": 0,
             "stream": bool(i % 2),
         }
-        t0 = time.monotonic()
+        sent = time.monotonic()
         r = await client.post(url, json=body)
-        results.append((r.status_code, r.headers.get("x-served-by"), time.monotonic() - t0, r.text[:200]))
+        results.append((sent, r.status_code, r.headers.get("x-served-by"), r.text[:200]))
 
     async def load():
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {E2E_KEY}"}, timeout=120) as c:
@@ -368,14 +365,13 @@ def test_with_every_engine_killed_the_next_minute_is_served_by_the_fallback(stac
                 i += 2
 
     asyncio.run(load())
-    bad = [r for r in results if r[0] != 200]
-    served = {s for _, s, _, _ in results}
-    print(
-        f"\n{len(results)} requests in the {KILL_WINDOW_S:.0f}s after killing {len(pids)} engine replicas: "
-        f"{len(bad)} not 200; served by {served}; slowest {max(r[2] for r in results):.1f}s"
-    )
+    bad = [r for r in results if r[1] != 200]
     assert not bad, bad[:3]
-    assert served == {"fallback"} or _engines_came_back(stack)
+    # The first requests after the kill cannot reach an engine (a vLLM engine restarts in tens
+    # of seconds on this CPU): the fallback served them. Later ones may be the cluster's again.
+    first = sorted(results)[:2]
+    assert [served for _, _, served, _ in first] == ["fallback", "fallback"], first
+    assert {served for _, _, served, _ in results} <= {"fallback", "cluster"}
 
     # Restore health before returning: Serve restarts the replicas; wait for a cluster answer.
     set_user_config(stack, base_user_config(stack))
@@ -394,8 +390,3 @@ def test_with_every_engine_killed_the_next_minute_is_served_by_the_fallback(stac
             pass
         assert time.monotonic() < deadline, "the engines did not come back within 5 minutes"
         time.sleep(3)
-
-
-def _engines_came_back(stack) -> bool:
-    deps = _apps(stack)[APP]["deployments"]
-    return all(any(r["state"] == "RUNNING" for r in deps[d]["replicas"]) for d in deps if d != INGRESS_DEPLOYMENT)

@@ -28,16 +28,14 @@ are left out of the snapshot.
 from __future__ import annotations
 
 import os
-import re
 import threading
 import time
 
 import httpx
 import pytest
 
+from bench import hops
 from tests.infra.k8s import metric_sources as ms
-
-SERIES = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s")
 
 
 def _scrape(stack) -> str:
@@ -45,7 +43,8 @@ def _scrape(stack) -> str:
 
 
 def _names(text: str) -> set[str]:
-    return {m.group(1) for line in text.splitlines() if (m := SERIES.match(line))}
+    """Every series name in a scrape (prometheus_client's parser)."""
+    return {name for name, _, _ in hops.parse_prometheus(text)}
 
 
 # Long enough to fill whole KV blocks, so the repeats are prefix-cache hits.
@@ -144,6 +143,6 @@ def test_slo_thresholds_are_bucket_bounds_of_the_live_histograms(stack):
         ("ray_vllm_time_to_first_token_seconds_bucket", TTFT_BUCKETS_S),
         ("ray_vllm_inter_token_latency_seconds_bucket", ITL_BUCKETS_S),
     ):
-        les = set(re.findall(rf'^{metric}\{{[^}}]*le="([^"]+)"', text, flags=re.M))
+        les = {labels["le"] for name, labels, _ in hops.parse_prometheus(text) if name == metric}
         assert les, f"{metric} not exported"
         assert {repr(float(b)) for b in bounds} <= les, (metric, sorted(les))

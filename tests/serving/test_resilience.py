@@ -183,7 +183,9 @@ def test_a_prefill_call_no_replica_takes_is_overload_not_retried_and_leaves_the_
 
 def test_waiting_prefills_go_local_the_moment_another_request_trips_the_circuit():
     circuit = Circuit(10, failures_to_open=1)
-    cfg = ResilienceConfig(**{**CFG.__dict__, "prefill_timeout_s": 5.0})
+    # A prefill budget of an hour: the wait can only end this soon because the circuit opened
+    # (a hang is ended by the suite's per-test timeout, pytest.ini), and the reason says so.
+    cfg = ResilienceConfig(**{**CFG.__dict__, "prefill_timeout_s": 3600.0, "total_timeout_s": 3600.0})
     waiting = FakeStream(["hang"])
 
     async def go():
@@ -531,10 +533,13 @@ def test_first_chunk_fails_fast_while_decode_is_degraded_and_no_replica_takes_it
     health = DecodeHealth()
     health.trouble()
     waiting = FakeStream(["tok"], assigned=False)
+    # First-token and total budgets of an hour, failFastS 0.1 s: the call can only end now
+    # because the degraded ingress waited failFastS, not the budget (a hang is ended by the
+    # suite's per-test timeout, pytest.ini); the reason (decode unavailable, not overloaded)
+    # says which rule ended it.
+    cfg = ResilienceConfig(**{**CFG.__dict__, "first_token_timeout_s": 3600.0, "total_timeout_s": 3600.0})
     with pytest.raises(Unservable) as e:
-        _first([waiting], health=health)
-    # DECODE_UNAVAILABLE (fail fast), not OVERLOADED, which is what the full first-token
-    # budget would have ended in.
+        _first([waiting], health=health, cfg=cfg)
     assert e.value.reason is Reason.DECODE_UNAVAILABLE and e.value.status == 503
     assert e.value.headers == {"Retry-After": "1"}
     assert waiting.cancelled

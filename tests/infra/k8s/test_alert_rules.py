@@ -5,8 +5,8 @@ Prometheus rule file) -> `promtool check rules` (syntax, as Prometheus loads it)
 `promtool test rules` with synthetic series for each alert: it fires on the failure it names,
 after its `for`, with its labels and annotations, and stays quiet on healthy series.
 
-promtool comes from Debian's `prometheus` package (`make test` extracts the binary into
-.cache/ when it is not on PATH; see the Makefile). Runbook sections: docs/runbooks.md.
+promtool comes from Debian's `prometheus` package (before the tests run, `make test` extracts
+the binary into .cache/ when it is not on PATH; see the Makefile). Runbook sections: docs/runbooks.md.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ def promtool() -> str:
     found = os.environ.get("PROMTOOL") or shutil.which("promtool")
     cached = ROOT / ".cache" / "prometheus" / "usr" / "bin" / "promtool"
     if not found and not cached.exists():
-        # The same step as `make test`: promtool from Debian's prometheus package, no service.
-        subprocess.run(["make", "-s", str(cached.relative_to(ROOT))], cwd=ROOT, check=True)
+        # Installed by the Makefile as a prerequisite of `make test` and `make test-fast`
+        # (promtool from Debian's prometheus package, no service); a test downloads nothing.
+        pytest.fail(f"promtool is not on PATH nor in .cache/: `make {cached.relative_to(ROOT)}` extracts it")
     return found or str(cached)
 
 

@@ -19,12 +19,12 @@ Contracts (reproduced in tests/upstream.py, each from ray-project/kuberay v1.7.0
 
 from __future__ import annotations
 
-import copy
+from pathlib import Path
 
 import pytest
 import yaml
 
-from serving.local.config import local_target
+from serving.local.config import render_local_config
 from serving.spec import SERVE_PORT
 from tests.conftest import STACKS
 from tests.upstream import (
@@ -82,8 +82,10 @@ def test_serve_service_port_is_the_heads_serve_port(rs):
     assert svc["spec"]["ports"][0].get("targetPort", SERVE_PORT) == SERVE_PORT
 
 
-def test_the_old_selector_matched_no_pod(rs):
-    """Today's bug, reproduced: the label it selected on is not on any pod KubeRay builds."""
+def test_mirror_sanity_a_selector_on_the_cr_name_label_matches_no_pod(rs):
+    """Mirror sanity test (tests.upstream.rayservice_pod alone): the selector we once rendered,
+    on `ray.io/originated-from-cr-name`, matches none of the pods KubeRay builds. The mirror is
+    applied to the project's own Service selector above."""
     old_selector = {
         "ray.io/originated-from-cr-name": rs["metadata"]["name"],
         "ray.io/node-type": "head",
@@ -164,13 +166,14 @@ def test_workers_are_serve_endpoints_so_each_must_run_a_proxy(rs):
         assert selects(svc["spec"]["selector"], worker["metadata"]["labels"]), group
 
 
-def test_head_only_would_leave_workers_unready(rs):
-    """The rule bites: yesterday's HeadOnly render never gets a worker Ready."""
-    headonly = copy.deepcopy(rs)
-    for group in _groups(headonly):
-        assert not _worker_ready(headonly, group, "HeadOnly")
+def test_mirror_sanity_head_only_would_leave_workers_unready(rs):
+    """Mirror sanity test (this module's _worker_ready alone): with HeadOnly proxies no worker
+    gets Ready. test_every_worker_group_becomes_ready applies it to the rendered proxy_location."""
+    for group in _groups(rs):
+        assert not _worker_ready(rs, group, "HeadOnly")
 
 
-def test_local_run_keeps_head_only():
+def test_local_serve_config_keeps_head_only():
     # Several Ray nodes on one host would clash on the proxy port; no KubeRay probes there.
-    assert local_target().proxy_location == "HeadOnly"
+    rendered = render_local_config("both", Path("/models/tiny"), port=8000)
+    assert rendered["proxy_location"] == "HeadOnly"

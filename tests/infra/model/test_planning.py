@@ -15,9 +15,9 @@ from tools.stackfile import read_as_deployed as read
 
 GIB = 2**30
 
-# Llama 3 70B (and 3.1 / 3.3): 80 layers, 8 KV heads of dim 128, 70.6B parameters.
-KV_BYTES_PER_TOKEN = 2 * 80 * 8 * 128 * 2  # K and V x layers x KV heads x head dim x bf16
-WEIGHTS_PER_GPU_TP8 = 70.6e9 * 2 / 8  # bytes
+# Llama 3 70B (and 3.1 / 3.3; its Hugging Face config.json): 80 layers, 8 KV heads of dim 128,
+# 70.6B parameters. KV per token = K and V x layers x KV heads x head dim x 2 B (bf16)
+# = 2 x 80 x 8 x 128 x 2 = 327,680 B; weights per GPU at TP 8 = 70.6e9 x 2 B / 8 = 17.65e9 B.
 
 
 def _values(stack: str) -> tuple[dict, set[str]]:
@@ -35,7 +35,6 @@ def _model(source: str, **kw) -> ModelSpec:
 
 # --- hand-computed figures --------------------------------------------------------------
 def test_kv_bytes_per_token_by_hand():
-    assert KV_BYTES_PER_TOKEN == 327_680
     shape = fit.BUILTIN_MODELS["llama-3-70b"]
     figs = fit.model_figures(
         shape,
@@ -45,7 +44,7 @@ def test_kv_bytes_per_token_by_hand():
         lookup("p5.48xlarge"),
     )
     assert figs.kv_bytes_per_token == 327_680
-    assert figs.kv_bytes_per_token_per_gpu == 327_680 // 8 == 40_960
+    assert figs.kv_bytes_per_token_per_gpu == 40_960  # 327,680 B / 8 GPUs
 
 
 def test_llama3_70b_on_p5_at_tp8():
@@ -58,7 +57,6 @@ def test_llama3_70b_on_p5_at_tp8():
         lookup("p5.48xlarge"),
     )
     # Weights: 70.6e9 params x 2 B / 8 GPUs = 17.65e9 B = 16.438 GiB per GPU.
-    assert WEIGHTS_PER_GPU_TP8 == 17.65e9
     assert figs.weights_gib_per_gpu == pytest.approx(17.65e9 / GIB)
     assert figs.weights_gib_per_gpu == pytest.approx(16.438, abs=1e-3)
     # H100 on p5: 81,559 MiB; at 0.9 that is 71.683 GiB, minus weights and 2 GiB headroom.

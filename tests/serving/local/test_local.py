@@ -19,16 +19,31 @@ from serving.spec import APP_IMPORT_PATH, SERVING_ENV, Mode
 MODEL_DIR = Path("/models/tiny")
 
 
-# --- unit: the rendered config is the spec's, with the stated local overrides ----------------
+# --- unit: the rendered config carries the local differences docs/local-serving.md lists -------
+# Expected values from that page's "What changes" list (and docs/scaling.md "Locally" for the
+# decode autoscaling), not from the renderer.
 @pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
-def test_local_config_is_serve_config_with_only_the_host_changed(mode):
-    target = local_config.local_target()
-    rendered = local_config.render_local_config(mode, MODEL_DIR, port=8123, target=target)
-    expected = local_config.local_spec(Mode(mode), MODEL_DIR).serve_config(target, port=8123)
-    assert rendered["http_options"]["host"] == "127.0.0.1"
-    assert rendered["http_options"]["port"] == 8123
-    rendered["http_options"]["host"] = expected["http_options"]["host"]
-    assert rendered == expected
+def test_local_config_has_the_documented_local_values(mode):
+    rendered = local_config.render_local_config(mode, MODEL_DIR, port=8123)
+    assert rendered["http_options"]["host"] == "127.0.0.1" and rendered["http_options"]["port"] == 8123
+    assert rendered["proxy_location"] == "HeadOnly"
+    (app,) = rendered["applications"]
+    args = app["args"]
+    engines = [args["prefill_config"], args["decode_config"]] if mode == "disaggregated" else args["llm_configs"]
+    for engine in engines:
+        assert engine["accelerator_config"] == {"kind": "cpu"}
+        kw = engine["engine_kwargs"]
+        assert (kw["dtype"], kw["max_model_len"], kw["enforce_eager"]) == ("float32", 1024, True)
+        assert engine["model_loading_config"]["model_source"] == str(MODEL_DIR)
+    if mode == "disaggregated":
+        for side, group in (("prefill_config", "prefill"), ("decode_config", "decode")):
+            cfg = args[side]
+            assert cfg["engine_kwargs"]["kv_transfer_config"]["kv_connector"] == "NixlConnector"
+            assert cfg["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
+            assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [{"ray.io/node-group": group}]
+        scaling = args["decode_config"]["deployment_config"]["autoscaling_config"]
+        assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 8)
+        assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (2, 10)
 
 
 def test_both_adds_the_aggregated_app_under_its_own_name_and_prefix():
@@ -143,14 +158,13 @@ def test_port_in_use_detects_a_listener():
     assert not local_procs.port_in_use(local_procs.free_port())
 
 
-def test_second_run_on_a_busy_port_exits_nonzero_at_once():
+def test_second_run_on_a_busy_port_exits_nonzero_before_starting_anything():
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        t0 = time.monotonic()
         r = subprocess.run(
             [sys.executable, "-m", "serving.local", "--port", str(port)],
             capture_output=True,
@@ -160,7 +174,9 @@ def test_second_run_on_a_busy_port_exits_nonzero_at_once():
         )
     assert r.returncode == 1
     assert f"port {port} on 127.0.0.1 is already in use" in r.stderr
-    assert time.monotonic() - t0 < 30
+    # It stopped at the port check: no model built, no Ray started (each step prints a progress
+    # line on stdout first, serving/local/__main__.py).
+    assert "tiny model" not in r.stdout and "Ray" not in r.stdout, r.stdout
 
 
 # --- e2e: the running command ----------------------------------------------------------------

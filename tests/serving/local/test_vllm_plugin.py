@@ -18,7 +18,7 @@ from serving.local.config import cluster_env
 from serving.local.vllm_plugin import PLUGIN_NAME
 
 PROBE = r"""
-import json, time
+import json
 from importlib.metadata import entry_points
 from vllm.plugins import load_general_plugins
 load_general_plugins()
@@ -26,12 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import nixl_a
 from nixl._api import nixl_agent
 cfg = nixl_agent_config(num_threads=4, capture_telemetry=True)  # as base_worker calls it
 agent = nixl_agent("probe", cfg)
-c0, t0 = time.process_time(), time.monotonic()
-time.sleep(2)
 print(json.dumps({
     "plugins": sorted(e.name for e in entry_points(group="vllm.general_plugins")),
     "prog_thread": cfg.enable_pthread,
-    "idle_cpu_share": (time.process_time() - c0) / (time.monotonic() - t0),
 }))
 """
 
@@ -43,12 +40,13 @@ def _probe(env: dict[str, str]) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def test_a_local_vllm_process_builds_nixl_agents_that_idle():
+def test_a_local_vllm_process_builds_nixl_agents_without_a_progress_thread():
     got = _probe({**os.environ, **cluster_env()})
     assert PLUGIN_NAME in got["plugins"]
+    # No progress thread: NIXL's own polls with a 0 ms timeout, about a whole core while idle.
+    # What the engines then use while idle is a figure, sampled by `make bench`
+    # (bench/serving_bench.py idle_cpu, "idle engine workers" in docs/performance.md).
     assert got["prog_thread"] is False
-    # NIXL's own thread polls with a 0 ms timeout: about a whole core while idle.
-    assert got["idle_cpu_share"] < 0.2, got
 
 
 def test_without_the_local_pythonpath_vllm_keeps_nixl_defaults():

@@ -1,10 +1,10 @@
 """`make bench` (part): how long the local decode role takes to scale out, and back in.
 
 What flows through here: a fresh local stack (`python -m serving.local`, the disaggregated
-app, decode autoscaling 1-2 as `make serve` runs it) -> `serving.local.scaling`: 24
+app, decode autoscaling 1-2 as `make serve` runs it) -> `serving.local.decode_autoscale`: 24
 concurrent streamed completions until a second decode replica RUNS, then idle until one is
 left -> the scale-out delay (and when Serve decided), the scale-in delay, request outcomes
--> a few lines on screen and build/bench/scaling.json. A benchmark prints figures; it does
+-> a few lines on screen and build/bench/decode-autoscale.json. A benchmark prints figures; it does
 not pass or fail. On this CPU the scale-out time is mostly a vLLM engine starting.
 """
 
@@ -17,23 +17,23 @@ import sys
 import time
 from pathlib import Path
 
-from infra.paths import BUILD_DIR
+from bench import BENCH_DIR
 
-DEFAULT_OUT = BUILD_DIR / "bench" / "scaling.json"
+DEFAULT_OUT = BENCH_DIR / "decode-autoscale.json"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.scaling", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_autoscale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--clients", type=int, default=24)
     args = ap.parse_args(argv)
 
     from serving.local.background import background_stack
-    from serving.local.scaling import measure_decode_scaling
+    from serving.local.decode_autoscale import measure_decode_scaling
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with background_stack(
-        mode="disaggregated", api_key="sk-bench", log_path=args.out.parent / "scaling-serve.log"
+        mode="disaggregated", api_key="sk-bench", log_path=args.out.parent / "decode-autoscale-serve.log"
     ) as stack:
         run = measure_decode_scaling(
             stack.state["dashboard_url"], stack.urls["disaggregated"], stack.api_key, stack.model, clients=args.clients

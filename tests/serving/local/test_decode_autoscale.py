@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from serving.local import scaling
+from serving.local import decode_autoscale
 
 
 def _status(replica_states):
@@ -35,7 +35,7 @@ def test_decode_replicas_counts_running_and_all(monkeypatch, states, counts):
     monkeypatch.setattr(
         httpx, "get", lambda url, timeout: httpx.Response(200, json=body, request=httpx.Request("GET", url))
     )
-    assert scaling.decode_replicas("http://127.0.0.1:1") == counts
+    assert decode_autoscale.decode_replicas("http://127.0.0.1:1") == counts
 
 
 def test_no_decode_deployment_is_an_error(monkeypatch):
@@ -44,4 +44,4 @@ def test_no_decode_deployment_is_an_error(monkeypatch):
         httpx, "get", lambda url, timeout: httpx.Response(200, json=body, request=httpx.Request("GET", url))
     )
     with pytest.raises(RuntimeError, match="expected one decode deployment"):
-        scaling.decode_replicas("http://127.0.0.1:1")
+        decode_autoscale.decode_replicas("http://127.0.0.1:1")

@@ -1,4 +1,4 @@
-"""A local stand-in for an external LLM aggregator, for the hybrid-routing e2e tests and bench.
+"""A local stand-in for an external OpenAI-compatible provider (hybrid-routing e2e tests, bench).
 
 What flows through here: requests from the ingress's fallback client -> a small recording
 proxy (Starlette on uvicorn, in a process of its own, so its work never holds the GIL of the
@@ -68,7 +68,7 @@ class Recorded:
 
 
 @dataclass
-class Aggregator:
+class StandInProvider:
     url: str  # the proxy's /v1 root: what the fallback's baseUrl points at
     vllm_url: str | None  # None with the paced backend
     _records: Any  # a manager list of Recorded, shared with the proxy's process
@@ -208,14 +208,14 @@ def _serve_proxy(port: int, records: Any, state: Any, upstream: str | None, pace
 
 
 @contextlib.contextmanager
-def running_aggregator(
+def running_provider(
     model_dir: str,
     log_path: Path,
     engine_env: dict[str, str] | None = None,
     timeout: float = 300,
     backend: Backend = Backend.VLLM,
     pace: Pace = Pace(),  # noqa: B008 - frozen
-) -> Iterator[Aggregator]:
+) -> Iterator[StandInProvider]:
     vport, pport = free_port(), free_port()
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it until the finally below
     proc = None
@@ -230,29 +230,29 @@ def running_aggregator(
     vllm_url = f"http://{HOST}:{vport}/v1" if proc is not None else None
     ctx = multiprocessing.get_context("spawn")  # the caller may hold threads; fork would copy them
     manager = ctx.Manager()
-    agg = Aggregator(
+    provider = StandInProvider(
         url=f"http://{HOST}:{pport}/v1", vllm_url=vllm_url, _records=manager.list(), _state=manager.dict(fail_with=0)
     )
     proxy = ctx.Process(
-        target=_serve_proxy, args=(pport, agg._records, agg._state, vllm_url, pace), name="aggregator-proxy"
+        target=_serve_proxy, args=(pport, provider._records, provider._state, vllm_url, pace), name="provider-proxy"
     )
     proxy.start()
     try:
         deadline = time.monotonic() + timeout
         while True:
             if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"the aggregator's vLLM exited with {proc.returncode}; see {log_path}")
+                raise RuntimeError(f"the stand-in provider's vLLM exited with {proc.returncode}; see {log_path}")
             if not proxy.is_alive():
-                raise RuntimeError(f"the aggregator's proxy exited with {proxy.exitcode}")
+                raise RuntimeError(f"the stand-in provider's proxy exited with {proxy.exitcode}")
             with contextlib.suppress(httpx.HTTPError):
-                httpx.get(f"{agg.url}/models", timeout=5)  # any answer (a 401 without the key): it listens
+                httpx.get(f"{provider.url}/models", timeout=5)  # any answer (a 401 without the key): it listens
                 if proc is None or httpx.get(f"http://{HOST}:{vport}/health", timeout=5).status_code == 200:
                     break
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the aggregator was not healthy after {timeout:.0f}s; see {log_path}")
+                raise TimeoutError(f"the stand-in provider was not healthy after {timeout:.0f}s; see {log_path}")
             time.sleep(0.2 if proc is None else 2)
-        agg.clear()  # the readiness probes above
-        yield agg
+        provider.clear()  # the readiness probes above
+        yield provider
     finally:
         proxy.terminate()
         proxy.join(timeout=10)
