@@ -419,6 +419,9 @@ def _data_parallel(args: Mapping[str, Any]) -> bool:
 
 def build_app(args: dict) -> Application:
     """Serve's application builder: `args` as rendered by ServingSpec.app_args()."""
+    from serving import ray_internals
+
+    ray_internals.check_hooks()  # a Ray without our hooks fails here, loudly, not later in silence
     args = dict(args)
     mode = args.get("mode", "disaggregated")
     builder: Callable[[dict], Application] | None

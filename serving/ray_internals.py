@@ -16,6 +16,7 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/llm/_internal/common/dict_utils.py             (maybe_apply_llm_deployment_config_defaults)
   python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py (PDServingArgs)
   python/ray/serve/_private/http_util.py                    (session_id_from_headers)
+  python/ray/llm/_internal/serve/utils/batcher.py           (Batcher)
 Methods and attributes of public classes that the resilience layer relies on, also checked
 by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle,
 PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once, the
@@ -47,13 +48,47 @@ from ray.llm._internal.serve.core.protocol import RawRequestInfo
 from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import (
     PDServingArgs,
 )
+from ray.llm._internal.serve.utils.batcher import Batcher
 from ray.serve._private.http_util import session_id_from_headers
 
+# Private methods of public classes that the serving code overrides or calls: (class path,
+# method). `check_hooks` fails at application build time when one is gone, instead of the
+# override silently never running (a renamed `_batch_output_stream` would just stop the eager
+# first chunk; a missing `_fetch_future_result_async` would make every call count as taken).
+HOOKS = (
+    ("ray.serve.llm.deployment:LLMServer", "_batch_output_stream"),
+    ("ray.serve.llm.deployment:LLMServer", "_get_batch_interval_ms"),
+    ("ray.serve.handle:DeploymentResponseGenerator", "_fetch_future_result_async"),
+    ("ray.serve.llm.deployment:PDDecodeServer", "_get_connector_backend"),
+    ("ray.serve.llm.ingress:OpenAiIngress", "_get_model_id"),
+    ("ray.serve.llm.ingress:OpenAiIngress", "_get_configured_serve_handle"),
+)
+
+
+def check_hooks() -> None:
+    """Raise RuntimeError naming every private hook of HOOKS that this Ray lacks."""
+    import importlib
+
+    missing = []
+    for path, name in HOOKS:
+        module, _, cls = path.partition(":")
+        if not callable(getattr(getattr(importlib.import_module(module), cls), name, None)):
+            missing.append(f"{path}.{name}")
+    if missing:
+        raise RuntimeError(
+            "this Ray lacks private methods the serving code relies on (serving/ray_internals.py HOOKS): "
+            + ", ".join(missing)
+        )
+
+
 __all__ = [
+    "HOOKS",
     "NON_STREAMING_RESPONSE_TYPES",
+    "Batcher",
     "ErrorResponse",
     "PDServingArgs",
     "RawRequestInfo",
+    "check_hooks",
     "maybe_apply_llm_deployment_config_defaults",
     "openai_sse_packet",
     "sanitize_chat_request",

@@ -839,11 +839,13 @@ class ServingSpec(SpecModel):
         return config
 
     def _kv_role(self, role: str) -> str:
-        # The push connector keys decode's checks on kv_consumer (a PP decode is refused there),
-        # and vLLM asks for producer/consumer roles over kv_both (deprecated, nixl/connector.py).
-        if self.kv_transfer.connector is KvConnector.NIXL_PUSH:
-            return "kv_producer" if role == "prefill" else "kv_consumer"
-        return "kv_both"
+        # Prefill produces KV, decode consumes it, for both NIXL connectors: vLLM deprecates
+        # kv_both for NIXL (NixlBaseConnector.__init__, 0.29 and 0.32: "set kv_role='kv_producer'
+        # for prefill instances and kv_role='kv_consumer' for decode instances"), and the push
+        # connector keys decode's checks on kv_consumer (a PP decode is refused there). A
+        # consumer still prefills a request that carries no kv_transfer_params itself, which is
+        # what local prefill on decode relies on (the transfer direction comes from the params).
+        return "kv_producer" if role == "prefill" else "kv_consumer"
 
     def app_args(self, target: Target) -> dict[str, Any]:
         """The `args` of the application: what serving.app:build_app receives."""

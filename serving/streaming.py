@@ -14,7 +14,8 @@ by a third at 16 concurrent streams on this project's CPU stack (docs/performanc
 Sending the first chunk alone and batching the rest keeps both.
 
 The mixin overrides one method of Ray's server class (`_batch_output_stream`, Ray 2.60);
-tests/serving/test_streaming.py pins that the method still exists with that signature.
+serving.ray_internals.check_hooks refuses to build the application when it is gone, and
+tests/serving/test_streaming.py pins its signature.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from __future__ import annotations
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from ray.llm._internal.serve.utils.batcher import Batcher
 from ray.serve.llm.deployment import LLMServer
 
+from serving.ray_internals import Batcher
 from serving.spec import FIRST_CHUNK_KEY, FirstChunk
 
 

@@ -181,10 +181,11 @@ def test_kv_transfer_config_is_valid_for_vllm(case):
     from vllm.config import KVTransferConfig
 
     spec, target = CASES[case]
-    for raw in engine_configs(spec.app_args(target)).values():
+    for role, raw in engine_configs(spec.app_args(target)).items():
         kv = KVTransferConfig(**raw["engine_kwargs"]["kv_transfer_config"])
         assert kv.kv_connector == "NixlConnector"
-        assert kv.kv_role == "kv_both"
+        # vLLM's own reading of the role (prefill produces, decode consumes).
+        assert (kv.is_kv_producer, kv.is_kv_consumer) == ((True, False) if "prefill" in role else (False, True))
         assert kv.is_kv_transfer_instance
         assert kv.kv_buffer_device == ("cpu" if target.cpu else "cuda")
         assert kv.kv_load_failure_policy == "recompute"
@@ -368,9 +369,11 @@ def test_prefill_pipeline_parallel_with_push_renders_the_layout():
     assert len(p["deployment_config"]["placement_group_bundle_label_selector"]) == 16
 
 
-def test_pull_connector_keeps_kv_both():
+def test_pull_connector_roles_are_producer_and_consumer_not_the_deprecated_kv_both():
+    """vLLM 0.29/0.32 NixlBaseConnector.__init__ warns that kv_both is deprecated for NIXL."""
     args = make_spec().app_args(GPU)
-    assert args["prefill_config"]["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_both"
+    assert args["prefill_config"]["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_producer"
+    assert args["decode_config"]["engine_kwargs"]["kv_transfer_config"]["kv_role"] == "kv_consumer"
 
 
 def test_data_and_expert_parallel_render_per_rank_bundles():
