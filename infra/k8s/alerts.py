@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.k8s.monitoring import MONITORING_LABEL, ROLE
-from infra.k8s.serving_metrics import LIMITER_ERRORS, fallback_share, refusal_share
+from infra.k8s.serving_metrics import LIMITER_ERRORS, fallback_share, local_prefill_share, refusal_share
 from infra.model.config import Observability
 from serving.spec import SloSpec
 
@@ -38,6 +38,12 @@ FALLBACK_FOR = "10m"
 # to the fallback), for 5 minutes: capacity or a role is missing. A judgement, like the
 # fallback share: single refusals during a replica restart stay below it.
 REFUSAL_SHARE_THRESHOLD = 0.01
+# Above this share of P/D requests prefilled on decode because the remote path failed, for
+# LOCAL_PREFILL_FOR, the stack has quietly become aggregated (prefill GPUs idle, decode doing
+# both). A fault trips the circuit for circuitOpenS and a probe closes it, so even a prefill
+# restart stays far below this over 10 minutes. A judgement, like the fallback share.
+LOCAL_PREFILL_SHARE_THRESHOLD = 0.2
+LOCAL_PREFILL_FOR = "10m"
 
 
 @dataclass(frozen=True)
@@ -194,6 +200,14 @@ def hybrid_rules() -> list[dict[str, Any]]:
 def fault_rules() -> list[dict[str, Any]]:
     """Faults and overload (serving/resilience.py)."""
     return [
+        _alert(
+            "PDRunningAggregated",
+            f"{local_prefill_share('model', '5m')} > {LOCAL_PREFILL_SHARE_THRESHOLD}",
+            LOCAL_PREFILL_FOR,
+            "warning",
+            f"{{{{ $labels.model }}}}: more than {LOCAL_PREFILL_SHARE_THRESHOLD:.0%} of P/D requests prefilled on "
+            f"decode for {LOCAL_PREFILL_FOR} ({{{{ $value | humanizePercentage }}}}): the stack is serving aggregated",
+        ),
         _alert(
             "PDRequestsRefused",
             f"{refusal_share('5m')} > {REFUSAL_SHARE_THRESHOLD}",

@@ -41,6 +41,7 @@ from infra.k8s.serving_metrics import (
     RATE_LIMITED,
     REQUESTS,
     fallback_share,
+    local_prefill_share,
 )
 
 DATASOURCE = "datasource"
@@ -303,6 +304,14 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                     ),
                 ),
                 "Requests sent to decode again before their first byte (a decode replica died, an engine error).",
+            ),
+            PanelSpec(
+                "Remote prefill share (the P/D mode)",
+                "percentunit",
+                (Query(f"1 - ({local_prefill_share('model', RATE, CLUSTER_SEL)})", "{{model}}"),),
+                "Share of P/D requests prefilled by the prefill tier (remote, or remote after a retry). Near 100% "
+                "is the designed mode; a dip during a prefill fault must come back once the replica is back "
+                "(alert PDRunningAggregated).",
             ),
             PanelSpec(
                 "Prefill retries and local prefills (decode)",

@@ -54,6 +54,11 @@ INGRESS_RETRIES = ray_counter(RESILIENCE_METRICS["ingress_retries"])
 INGRESS_REFUSALS = ray_counter(RESILIENCE_METRICS["ingress_refusals"])
 PREFILL_RETRIES = ray_counter(RESILIENCE_METRICS["prefill_retries"])
 LOCAL_PREFILLS = ray_counter(RESILIENCE_METRICS["local_prefill"])
+# serving.resilience Path: one count per P/D request, labels model, path (remote,
+# remote_retry, local) and reason (why local; empty otherwise). Decode pods.
+PREFILL_PATH = ray_counter(RESILIENCE_METRICS["prefill_path"])
+# n > 1 prefills on decode by design (serving.resilience.Reason.PARALLEL_SAMPLING): not a fault.
+DESIGNED_LOCAL_REASON = "parallel_sampling"
 # Serve's proxy counts every HTTP request (in the live scrape).
 HTTP_REQUESTS = "ray_serve_num_http_requests_total"
 
@@ -64,6 +69,17 @@ def fallback_share(by: str, window: str, sel: str = "") -> str:
     fallback = ", ".join(m for m in (f'destination="{FALLBACK_DESTINATION}"', sel) if m)
     every = f"{{{sel}}}" if sel else ""
     return f"sum{group} (rate({REQUESTS}{{{fallback}}}[{window}])) / sum{group} (rate({REQUESTS}{every}[{window}]))"
+
+
+def local_prefill_share(by: str, window: str, sel: str = "") -> str:
+    """P/D requests prefilled on decode because the remote path failed (not by design) / all
+    P/D requests, per `by` labels: above a few percent for long, the stack runs aggregated."""
+    group = f" by ({by})" if by else ""
+    local = ", ".join(m for m in ('path="local"', f'reason!="{DESIGNED_LOCAL_REASON}"', sel) if m)
+    every = f"{{{sel}}}" if sel else ""
+    return (
+        f"sum{group} (rate({PREFILL_PATH}{{{local}}}[{window}])) / sum{group} (rate({PREFILL_PATH}{every}[{window}]))"
+    )
 
 
 def refusal_share(window: str) -> str:

@@ -21,7 +21,7 @@ def test_every_hook_exists_on_this_ray():
 
 def test_a_missing_hook_fails_loudly_naming_it(monkeypatch):
     monkeypatch.setattr(ri, "HOOKS", (*ri.HOOKS, ("ray.serve.llm.deployment:LLMServer", "_renamed_upstream")))
-    with pytest.raises(RuntimeError, match="LLMServer._renamed_upstream"):
+    with pytest.raises(RuntimeError, match=r"LLMServer\._renamed_upstream"):
         ri.check_hooks()
 
 

@@ -364,6 +364,48 @@ def _hybrid_and_node_tests() -> list[dict]:
             ],
             "alert_rule_test": [{"eval_time": "15m", "alertname": "PDRequestsRefused", "exp_alerts": []}],
         },
+        {  # The 2026-12-01 defect: every request answered, all prefilled on decode, for good.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_pd_prefill_path_total", "0+10x4 40x25", model="tiny", path="remote", reason=""),
+                _series("ray_pd_prefill_path_total", "0x4 0+10x25", model="tiny", path="local", reason="circuit_open"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "PDRunningAggregated", "exp_alerts": []},
+                {
+                    "eval_time": "22m",
+                    "alertname": "PDRunningAggregated",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "model": "tiny"},
+                            "exp_annotations": _annotations(
+                                "PDRunningAggregated",
+                                "tiny: more than 20% of P/D requests prefilled on decode for 10m (100%): "
+                                "the stack is serving aggregated",
+                            ),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # A prefill restart: two minutes of local prefill, then the circuit closes again.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_pd_prefill_path_total", "0+10x5 50x2 50+10x20", model="tiny", path="remote", reason=""),
+                _series(
+                    "ray_pd_prefill_path_total", "0x5 0+10x2 20x20", model="tiny", path="local", reason="circuit_open"
+                ),
+            ],
+            "alert_rule_test": [{"eval_time": "25m", "alertname": "PDRunningAggregated", "exp_alerts": []}],
+        },
+        {  # n > 1 prefills on decode by design: a steady 30% of such requests is not a fault.
+            "interval": "1m",
+            "input_series": [
+                _series("ray_pd_prefill_path_total", "0+7x25", model="tiny", path="remote", reason=""),
+                _series("ray_pd_prefill_path_total", "0+3x25", model="tiny", path="local", reason="parallel_sampling"),
+            ],
+            "alert_rule_test": [{"eval_time": "25m", "alertname": "PDRunningAggregated", "exp_alerts": []}],
+        },
         {  # EC2 has no p5 capacity: the autoscaler's scale-up fails (counters start at 0).
             "interval": "1m",
             "input_series": [
