@@ -529,3 +529,23 @@ def elasticache_replication_group_errors(inputs: dict[str, Any]) -> list[str]:
     if inputs.get("clusterMode") == "enabled" or int(inputs.get("numNodeGroups") or 1) != 1:
         errors.append("KubeRay's GCS fault tolerance takes a single-shard Redis (cluster mode disabled)")
     return errors
+
+# --- kubernetes/autoscaler cluster-autoscaler-1.35.2 (chart cluster-autoscaler-9.59.0) --------
+# cloudprovider/aws/aws_cloud_provider.go GPULabel; utils/gpu/gpu.go GPUVendorResourceNames,
+# NodeHasGpuAllocatable; processors/customresources/gpu_processor.go
+# FilterOutNodesWithUnreadyResources. The only custom-resource processors are GPU, DRA and CSI
+# (processors/customresources/): no other extended resource, such as vpc.amazonaws.com/efa,
+# is waited for.
+CA_AWS_GPU_LABEL = "k8s.amazonaws.com/accelerator"
+CA_GPU_RESOURCES = ("nvidia.com/gpu", "habana.ai/gaudi", "gpu.intel.com/xe", "amd.com/gpu", "microsoft.com/directx")
+
+
+def ca_counts_node_ready(node_labels: dict[str, str], allocatable: dict[str, int]) -> bool:
+    """Whether the Cluster Autoscaler treats a Kubernetes-Ready node as ready capacity. A node
+    with the GPU label and no GPU allocatable yet becomes "unready" (ResourceUnready): capacity
+    still coming, which the pending pods are expected to use. A ready node they do not fit on
+    leaves them unschedulable, and the autoscaler scales up again."""
+    has_label = CA_AWS_GPU_LABEL in node_labels
+    has_gpu = any(int(allocatable.get(r, 0)) > 0 for r in CA_GPU_RESOURCES)
+    return not (has_label and not has_gpu)
+
