@@ -549,3 +549,23 @@ def ca_counts_node_ready(node_labels: dict[str, str], allocatable: dict[str, int
     has_gpu = any(int(allocatable.get(r, 0)) > 0 for r in CA_GPU_RESOURCES)
     return not (has_label and not has_gpu)
 
+# --- ray-project/ray 2.60.0: the GCS Redis client over TLS -----------------------------------
+# src/ray/common/ray_config_def.h REDIS_CA_CERT (env RAY_REDIS_CA_CERT, default ""), used by
+# src/ray/gcs/store_client/redis_context.cc to build hiredis's SSL context: an empty value is
+# passed as a NULL CA file, and BoringSSL then has no trust anchors, so verifying ElastiCache's
+# certificate fails (ray#41161, CERTIFICATE_VERIFY_FAILED; fixed by the maintainers with the
+# system bundle). KubeRay v1.7.0 raycluster_controller.go buildRedisCleanupJob builds the Redis
+# cleanup Job from the head pod (its Ray container, env included).
+def ray_redis_ca_file(env: list[dict[str, Any]]) -> str | None:
+    """The CA file Ray's Redis client verifies the GCS server against; None: no trust anchors."""
+    for e in env:
+        if e.get("name") == "RAY_REDIS_CA_CERT" and e.get("value"):
+            return str(e["value"])
+    return None
+
+
+def redis_cleanup_job_env(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Ray container env of KubeRay's Redis cleanup Job: the head's, plus KubeRay's own."""
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    return [*copy.deepcopy(head.get("env") or []), {"name": "RAY_redis_db_connect_retries", "value": "120"}]
+

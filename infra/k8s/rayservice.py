@@ -71,6 +71,20 @@ def efa_engine_env(instances: list[catalog.InstanceType]) -> dict[str, str]:
 # are NIXL's and harmless to NCCL. NCCL_SOCKET_IFNAME above only picks the bootstrap interface.
 NCCL_EFA_ENV = {"NCCL_NET_PLUGIN": "ofi"}
 
+# GCS over TLS (`rediss://`): Ray's C++ Redis client verifies the server against the CA file
+# named by RAY_REDIS_CA_CERT and passes none when it is unset (ray src/ray/common/
+# ray_config_def.h REDIS_CA_CERT, Ray 2.60), so ElastiCache's certificate fails with
+# CERTIFICATE_VERIFY_FAILED (ray#41161, fixed there by naming the system bundle). The ray-llm
+# images are Ubuntu: the bundle is at Debian's path. KubeRay's Redis cleanup Job is built from
+# the head pod (kuberay v1.7.0 raycluster_controller.go buildRedisCleanupJob), so it inherits it.
+REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def gcs_uses_tls(address: str | None) -> bool:
+    """Whether Ray talks TLS to this GCS Redis address (Ray needs the `rediss://` form)."""
+    return bool(address) and str(address).startswith("rediss://")
+
 
 @dataclass(frozen=True)
 class SecretRef:
@@ -177,6 +191,8 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     env = [inp.api_keys.env(API_KEYS_ENV)] if inp.api_keys else []
     if inp.fallback_api_key:
         env.append(inp.fallback_api_key.env(FALLBACK_API_KEY_ENV))
+    if gcs_uses_tls(inp.gcs_redis_address):
+        env.append({"name": REDIS_CA_CERT_ENV, "value": SYSTEM_CA_BUNDLE})
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
