@@ -530,6 +530,7 @@ def elasticache_replication_group_errors(inputs: dict[str, Any]) -> list[str]:
         errors.append("KubeRay's GCS fault tolerance takes a single-shard Redis (cluster mode disabled)")
     return errors
 
+
 # --- kubernetes/autoscaler cluster-autoscaler-1.35.2 (chart cluster-autoscaler-9.59.0) --------
 # cloudprovider/aws/aws_cloud_provider.go GPULabel; utils/gpu/gpu.go GPUVendorResourceNames,
 # NodeHasGpuAllocatable; processors/customresources/gpu_processor.go
@@ -548,6 +549,7 @@ def ca_counts_node_ready(node_labels: dict[str, str], allocatable: dict[str, int
     has_label = CA_AWS_GPU_LABEL in node_labels
     has_gpu = any(int(allocatable.get(r, 0)) > 0 for r in CA_GPU_RESOURCES)
     return not (has_label and not has_gpu)
+
 
 # --- ray-project/ray 2.60.0: the GCS Redis client over TLS -----------------------------------
 # src/ray/common/ray_config_def.h REDIS_CA_CERT (env RAY_REDIS_CA_CERT, default ""), used by
@@ -569,3 +571,23 @@ def redis_cleanup_job_env(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
     head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     return [*copy.deepcopy(head.get("env") or []), {"name": "RAY_redis_db_connect_retries", "value": "120"}]
 
+
+# --- ray-project/ray 2.60.0 python/ray/_private/label_utils.py, ray_constants.py --------------
+# validate_node_labels (called by parse_node_labels_json and by ray.init's labels): custom node
+# label keys may not start with RAY_DEFAULT_LABEL_KEYS_PREFIX "ray.io/", reserved for the labels
+# Ray sets itself (resource_and_label_spec.py _get_default_labels: ray.io/node-group from
+# RAY_NODE_TYPE_NAME, which KubeRay v1.7.0 pod.go fills from the pod's ray.io/group label,
+# "headgroup" on the head; ray.io/market-type, zone, region, accelerator-type). KubeRay passes a
+# group's `labels` as `ray start --labels k=v,...` (pod.go updateRayStartParamsLabels), whose
+# string parser (parse_node_labels_string) checks only the syntax, and Ray's own label then
+# yields to the custom value (_resolve_labels).
+RAY_RESERVED_LABEL_PREFIX = "ray.io/"
+
+
+def ray_custom_label_errors(labels: dict[str, str]) -> list[str]:
+    """What validate_node_labels refuses among these custom node labels ([] if nothing)."""
+    return [
+        f"Custom label keys `{k}` cannot start with the prefix `{RAY_RESERVED_LABEL_PREFIX}`"
+        for k in labels
+        if k.startswith(RAY_RESERVED_LABEL_PREFIX)
+    ]

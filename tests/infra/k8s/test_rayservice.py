@@ -324,7 +324,7 @@ def test_ingress_fits_on_a_head_that_offers_no_cpus(stack):
     ingress = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["ingress_deployment_config"]
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert ingress["ray_actor_options"]["num_cpus"] == 0
-    assert ingress["ray_actor_options"]["label_selector"] == {"ray.io/node-group": "head"}
+    assert ingress["ray_actor_options"]["label_selector"] == {"pd-inference/node-group": "head"}
 
 
 def test_s3_model_source_uses_ray_mirror_config(rendered_stacks):
