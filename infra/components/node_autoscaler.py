@@ -189,6 +189,9 @@ class NodeAutoscalerArgs:
     """The cluster's Kubernetes provider (the Helm release goes through it)."""
     depends_on: list[pulumi.Resource] = field(default_factory=list)
     """The node groups: their Auto Scaling groups must exist to be discovered."""
+    pod_identity_agent: pulumi.Resource | None = None
+    """The EKS Pod Identity agent add-on: it serves the autoscaler's credentials, which the
+    webhook wires in only at pod admission (with the association, created here first)."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
 
@@ -208,7 +211,7 @@ class NodeAutoscaler(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        aws.iam.RolePolicy(
+        policy = aws.iam.RolePolicy(
             f"{name}-policy",
             role=role.id,
             policy=json.dumps(autoscaler_policy(args.cluster_name, args.node_group_names)),
@@ -231,7 +234,14 @@ class NodeAutoscaler(pulumi.ComponentResource):
             NAMESPACE,
             values,
             args.provider,
-            depends_on=[identity, *args.depends_on],
+            # Credentials are wired in at pod admission: the association, its policy and the
+            # agent that serves them exist first.
+            depends_on=[
+                identity,
+                policy,
+                *args.depends_on,
+                *([args.pod_identity_agent] if args.pod_identity_agent else []),
+            ],
             release_name=RELEASE_NAME,
         )
         self.role_arn = role.arn
