@@ -118,10 +118,12 @@ def test_worker_groups_ask_for_every_gpu_and_efa_interface_of_their_pool(stack):
             assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in env
         else:
             assert EFA_RESOURCE not in res["limits"]
-        # The pod lands on its pool: selector = the pool's labels, toleration = its taint.
+        # The pod lands on its pool: its role label and instance type (any other selector key
+        # is the pool's too), toleration = its taint.
         mng = mngs[role]
-        for k, v in mng["labels"].items():
-            assert pod["nodeSelector"][k] == v
+        assert pod["nodeSelector"][ROLE_LABEL] == mng["labels"][ROLE_LABEL] == role
+        for k, v in pod["nodeSelector"].items():
+            assert k == "node.kubernetes.io/instance-type" or mng["labels"][k] == v, k
         assert pod["nodeSelector"]["node.kubernetes.io/instance-type"] == inst.name
         for taint in mng["taints"]:
             assert any(
