@@ -127,6 +127,7 @@ node_autoscaler = NodeAutoscaler(
         node_group_names=[node_group_name(cluster_name, role) for role in pools],
         provider=cluster.provider,
         depends_on=list(pools.values()),
+        pod_identity_agent=cluster.pod_identity_agent,
         tags=tags,
     ),
 )
@@ -162,6 +163,7 @@ service = LlmService(
         redis_password=gcs_redis.password if gcs_redis else secrets["gcsRedisPassword"],
         gcs_redis_address=gcs_redis.address if gcs_redis else cfg.gcs_redis_address,
         model_bucket=cfg.model_bucket,
+        pod_identity_agent=cluster.pod_identity_agent,
         tags=tags,
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),

@@ -32,7 +32,11 @@ SERVE_PORT = 8000
 # ingress replicas; in the cloud it is fed from a Kubernetes Secret.
 API_KEYS_ENV = "PD_API_KEYS"
 
-DEFAULT_LABEL_KEY = "ray.io/node-group"
+# A Ray node label of our own: `ray.io/` is Ray's reserved prefix (ray/_private/label_utils.py
+# `validate_node_labels`, Ray 2.60, rejects custom keys there), and Ray already sets
+# `ray.io/node-group` itself from the pod's KubeRay group ("headgroup" on the head).
+DEFAULT_LABEL_KEY = "pd-inference/node-group"
+RAY_RESERVED_LABEL_PREFIX = "ray.io/"
 # Ray Serve LLM's prefix-cache affinity router (public API: ray.serve.llm.request_router).
 PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
 # The engine server class that sends the first streamed chunk at once (serving/streaming.py).
@@ -420,6 +424,8 @@ class PlacementSpec(SpecModel):
     def _key(cls, v: str) -> str:
         if not _LABEL_KEY.match(v):
             raise ValueError(f"{v!r} is not a valid label key")
+        if v.startswith(RAY_RESERVED_LABEL_PREFIX):
+            raise ValueError(f"{v!r}: the {RAY_RESERVED_LABEL_PREFIX} prefix is reserved for Ray's own node labels")
         return v
 
     @field_validator("head", "prefill", "decode")

@@ -529,3 +529,141 @@ def elasticache_replication_group_errors(inputs: dict[str, Any]) -> list[str]:
     if inputs.get("clusterMode") == "enabled" or int(inputs.get("numNodeGroups") or 1) != 1:
         errors.append("KubeRay's GCS fault tolerance takes a single-shard Redis (cluster mode disabled)")
     return errors
+
+
+# --- kubernetes/autoscaler cluster-autoscaler-1.35.2 (chart cluster-autoscaler-9.59.0) --------
+# cloudprovider/aws/aws_cloud_provider.go GPULabel; utils/gpu/gpu.go GPUVendorResourceNames,
+# NodeHasGpuAllocatable; processors/customresources/gpu_processor.go
+# FilterOutNodesWithUnreadyResources. The only custom-resource processors are GPU, DRA and CSI
+# (processors/customresources/): no other extended resource, such as vpc.amazonaws.com/efa,
+# is waited for.
+CA_AWS_GPU_LABEL = "k8s.amazonaws.com/accelerator"
+CA_GPU_RESOURCES = ("nvidia.com/gpu", "habana.ai/gaudi", "gpu.intel.com/xe", "amd.com/gpu", "microsoft.com/directx")
+
+
+def ca_counts_node_ready(node_labels: dict[str, str], allocatable: dict[str, int]) -> bool:
+    """Whether the Cluster Autoscaler treats a Kubernetes-Ready node as ready capacity. A node
+    with the GPU label and no GPU allocatable yet becomes "unready" (ResourceUnready): capacity
+    still coming, which the pending pods are expected to use. A ready node they do not fit on
+    leaves them unschedulable, and the autoscaler scales up again."""
+    has_label = CA_AWS_GPU_LABEL in node_labels
+    has_gpu = any(int(allocatable.get(r, 0)) > 0 for r in CA_GPU_RESOURCES)
+    return not (has_label and not has_gpu)
+
+
+# --- ray-project/ray 2.60.0: the GCS Redis client over TLS -----------------------------------
+# src/ray/common/ray_config_def.h REDIS_CA_CERT (env RAY_REDIS_CA_CERT, default ""), used by
+# src/ray/gcs/store_client/redis_context.cc to build hiredis's SSL context: an empty value is
+# passed as a NULL CA file, and BoringSSL then has no trust anchors, so verifying ElastiCache's
+# certificate fails (ray#41161, CERTIFICATE_VERIFY_FAILED; fixed by the maintainers with the
+# system bundle). KubeRay v1.7.0 raycluster_controller.go buildRedisCleanupJob builds the Redis
+# cleanup Job from the head pod (its Ray container, env included).
+def ray_redis_ca_file(env: list[dict[str, Any]]) -> str | None:
+    """The CA file Ray's Redis client verifies the GCS server against; None: no trust anchors."""
+    for e in env:
+        if e.get("name") == "RAY_REDIS_CA_CERT" and e.get("value"):
+            return str(e["value"])
+    return None
+
+
+def redis_cleanup_job_env(rayservice: dict[str, Any]) -> list[dict[str, Any]]:
+    """The Ray container env of KubeRay's Redis cleanup Job: the head's, plus KubeRay's own."""
+    head = rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    return [*copy.deepcopy(head.get("env") or []), {"name": "RAY_redis_db_connect_retries", "value": "120"}]
+
+
+# --- Ray 2.60.0 Serve: where HTTP proxies run ------------------------------------------------
+# serve/_private/controller.py _update_proxy_nodes: with proxy_location EveryNode, proxies run
+# on the head and on the nodes returned by deployment_state get_active_node_ids (nodes holding
+# a replica actor). serve/_private/deployment_scheduler.py _schedule_replica: a replica with
+# placement bundles is pinned to bundle 0 of its placement group (PACK by default); a gang
+# (Ray Serve LLM data parallelism, serving_patterns/data_parallel/dp_server.py: one replica per
+# DP rank, one gang placement group, PACK) puts rank r's actor on bundle r x bundles_per_rank.
+def serve_replica_nodes(
+    node_gpus: int, nodes: int, replicas: int, bundles_per_replica: int, gang_size: int = 1
+) -> set[int]:
+    """Indices of the nodes (0..nodes-1, `node_gpus` one-GPU bundles each) that hold a replica
+    actor, when `replicas` replicas of `bundles_per_replica` one-GPU bundles are packed onto them
+    in order (gangs of `gang_size` replicas share one placement group, packed the same way)."""
+    holding: set[int] = set()
+    slot = 0  # next free one-GPU slot, counted across nodes in order
+    for _ in range(replicas // gang_size):
+        # PACK: a placement group that fits no partly used node starts on a fresh one.
+        need = bundles_per_replica * gang_size
+        if slot % node_gpus and slot % node_gpus + need > node_gpus:
+            slot += node_gpus - slot % node_gpus
+        for rank in range(gang_size):
+            first_bundle = slot + rank * bundles_per_replica
+            holding.add(first_bundle // node_gpus)
+        slot += need
+    if slot > nodes * node_gpus:
+        raise ValueError(f"{replicas} replicas of {bundles_per_replica} GPUs do not fit {nodes} x {node_gpus}")
+    return holding
+
+
+# --- KubeRay v1.7.0 + Ray 2.60.0: does a container's readiness probe pass? -----------------------
+# KubeRay's injected RayService worker probe (mirrored above as {"checks": [...]}) needs the
+# raylet (the dashboard agent's api/local_raylet_healthz) and the Serve proxy's /-/healthz. A
+# probe of the container's own: an httpGet on the dashboard agent's port (KubeRay's default
+# 52365, utils.DefaultDashboardAgentListenPort) path /api/healthz answers 200 when the local
+# raylet is alive, and on the head also the GCS (ray dashboard/modules/reporter/healthz_agent.py
+# unified_health; public without token auth, dashboard/http_server_agent.py PUBLIC_EXACT_PATHS);
+# one on the serve port's /-/healthz needs a proxy there.
+DASHBOARD_AGENT_PORT = 52365
+
+
+def readiness_passes(probe: dict[str, Any], raylet_alive: bool, proxy_port: int | None) -> bool:
+    """The probe's verdict on a node whose raylet is (not) alive and whose Serve proxy listens
+    on `proxy_port` (None: no proxy on this node)."""
+    if "checks" in probe:  # KubeRay's injected probe
+        ok = raylet_alive
+        for check in probe["checks"]:
+            if check.startswith("serve-proxy:"):
+                port = int(check.split(":")[1].split("/")[0])
+                ok = ok and proxy_port == port
+        return ok
+    http = probe.get("httpGet")
+    if http is None:
+        raise ValueError(f"probe not modelled: {probe}")
+    if http.get("path") == "/api/healthz" and int(http.get("port")) == DASHBOARD_AGENT_PORT:
+        return raylet_alive
+    if http.get("path") == "/" + SERVE_PROXY_HEALTH_PATH.lstrip("/"):
+        return raylet_alive and proxy_port == int(http.get("port"))
+    return False
+
+
+# --- kubernetes/kubernetes staging/src/k8s.io/endpointslice/utils.go (commit e637659d) ---------
+# getEndpointPorts + findPort: a Service port whose targetPort is a NAME resolves, per pod, to
+# the container port of that name (and protocol); a pod without it gets no endpoint port for
+# that Service port, so no traffic for it. A numeric targetPort goes to every selected pod.
+def endpoint_port(service_port: dict[str, Any], pod: dict[str, Any]) -> int | None:
+    target = service_port.get("targetPort", service_port["port"])
+    if isinstance(target, int):
+        return target
+    protocol = service_port.get("protocol", "TCP")
+    for c in pod["spec"]["containers"]:
+        for p in c.get("ports") or []:
+            if p.get("name") == target and p.get("protocol", "TCP") == protocol:
+                return int(p["containerPort"])
+    return None
+
+
+# --- ray-project/ray 2.60.0 python/ray/_private/label_utils.py, ray_constants.py --------------
+# validate_node_labels (called by parse_node_labels_json and by ray.init's labels): custom node
+# label keys may not start with RAY_DEFAULT_LABEL_KEYS_PREFIX "ray.io/", reserved for the labels
+# Ray sets itself (resource_and_label_spec.py _get_default_labels: ray.io/node-group from
+# RAY_NODE_TYPE_NAME, which KubeRay v1.7.0 pod.go fills from the pod's ray.io/group label,
+# "headgroup" on the head; ray.io/market-type, zone, region, accelerator-type). KubeRay passes a
+# group's `labels` as `ray start --labels k=v,...` (pod.go updateRayStartParamsLabels), whose
+# string parser (parse_node_labels_string) checks only the syntax, and Ray's own label then
+# yields to the custom value (_resolve_labels).
+RAY_RESERVED_LABEL_PREFIX = "ray.io/"
+
+
+def ray_custom_label_errors(labels: dict[str, str]) -> list[str]:
+    """What validate_node_labels refuses among these custom node labels ([] if nothing)."""
+    return [
+        f"Custom label keys `{k}` cannot start with the prefix `{RAY_RESERVED_LABEL_PREFIX}`"
+        for k in labels
+        if k.startswith(RAY_RESERVED_LABEL_PREFIX)
+    ]

@@ -77,6 +77,7 @@ class Cluster(pulumi.ComponentResource):
     kubeconfig: pulumi.Output[str]
     oidc_issuer: pulumi.Output[str]
     system_node_group_name: pulumi.Output[str]
+    pod_identity_agent: aws.eks.Addon
 
     def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:cluster:Cluster", name, None, opts)
@@ -156,7 +157,8 @@ class Cluster(pulumi.ComponentResource):
         self.cluster_name = pulumi.Output.from_input(args.cluster_name)
 
         # Pod Identity: how the Ray pods get their S3 role without node-wide credentials.
-        aws.eks.Addon(
+        # Pods whose credentials come from it wait for it (LlmService, NodeAutoscaler).
+        self.pod_identity_agent = aws.eks.Addon(
             f"{name}-pod-identity-agent",
             cluster_name=self.cluster_name,
             addon_name="eks-pod-identity-agent",

@@ -28,7 +28,7 @@ import pulumi_aws as aws
 import pulumi_eks as eks
 
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
-from infra.components.node_autoscaler import scale_from_zero_tags
+from infra.components.node_autoscaler import gpu_node_labels, scale_from_zero_tags
 from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
 from infra.model import catalog
 from infra.model.config import CapacityType, LocalStorage, NodePool
@@ -176,7 +176,9 @@ class GpuNodePool(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         pool, inst = args.pool, args.pool.instance
         self.instance = inst
-        self.labels = {ROLE_LABEL: args.role}
+        # The role (what the engine pods select) and the GPU label the Cluster Autoscaler
+        # needs to wait for the device plugin instead of adding another node.
+        self.labels = {ROLE_LABEL: args.role, **gpu_node_labels(inst)}
         group_name = pulumi.Output.from_input(args.cluster_name).apply(lambda c: node_group_name(c, args.role))
         raid = pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0
         common: dict[str, Any] = dict(

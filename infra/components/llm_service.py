@@ -10,7 +10,10 @@ What flows through here: the serving spec, the pools' instance types, the secret
 - the RayService (`infra.k8s.rayservice.rayservice_manifest`) whose `serveService` is the
   OpenAI API's Service (ClusterIP or an internal NLB limited to the allowed CIDRs; KubeRay
   points it at the active cluster's serving pods), and a NetworkPolicy.
-Its output `endpoint` is the API's base URL.
+The RayService waits for everything its pods need at admission: the Pod Identity
+associations, the role's policy, the ServiceAccounts, the Secrets and the Pod Identity agent
+(the webhook wires credentials in only when a pod is admitted). Its output `endpoint` is the
+API's base URL.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ class LlmServiceArgs:
     None keeps GCS fault tolerance off."""
     model_bucket: str | None = None
     """S3 bucket the pods may read model weights from."""
+    pod_identity_agent: pulumi.Resource | None = None
+    """The EKS Pod Identity agent add-on, which serves the pods' credentials: the RayService
+    waits for it (and for its associations, ServiceAccounts and Secrets)."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
 
@@ -89,197 +95,269 @@ class LlmService(pulumi.ComponentResource):
         super().__init__("pd-inference:serving:LlmService", name, None, opts)
         aws_opts = pulumi.ResourceOptions(parent=self)
         k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
-        ns = args.namespace
         self.rayservice_name = name
-        tags = dict(args.tags)
+        code = create_code_bucket(name, dict(args.tags), aws_opts)
+        self.code_bucket = code.bucket.bucket
+        identity = create_pod_identity(name, args, code.bucket, aws_opts, k8s_opts)
+        secrets = create_secrets(name, args, k8s_opts)
+        self.service_name = f"{name}-openai"
+        # Pod Identity mutates a pod only at admission and only if its association exists
+        # (aws/amazon-eks-pod-identity-webhook handler.go), and KubeRay creates the pods as
+        # soon as the RayService exists: everything the pods use comes first.
+        ready: list[pulumi.Resource] = [args.operator, code.object, *identity.resources, *secrets.resources]
+        if args.pod_identity_agent is not None:
+            ready.append(args.pod_identity_agent)
+        create_rayservice(name, args, code, identity, secrets, self.service_name, ready, self)
+        # KubeRay, not Pulumi, owns the serve Service (spec.serveService): an NLB's hostname is
+        # read with kubectl (kubectl -n <ns> get svc <name>-openai); the in-cluster name works
+        # from inside the VPC.
+        self.endpoint = pulumi.Output.from_input(
+            f"http://{self.service_name}.{args.namespace}.svc.cluster.local:{SERVE_PORT}/v1"
+        )
+        create_network_policies(name, args, k8s_opts)
+        self.register_outputs({"endpoint": self.endpoint, "codeBucket": self.code_bucket})
 
-        # --- serving/ code in a private bucket --------------------------------------------
-        bucket = aws.s3.Bucket(
-            f"{name}-code", bucket_prefix=f"{name}-code-", force_destroy=True, tags=tags, opts=aws_opts
-        )
-        aws.s3.BucketPublicAccessBlock(
-            f"{name}-code-pab",
-            bucket=bucket.id,
-            block_public_acls=True,
-            block_public_policy=True,
-            ignore_public_acls=True,
-            restrict_public_buckets=True,
-            opts=aws_opts,
-        )
-        aws.s3.BucketOwnershipControls(
-            f"{name}-code-owner",
-            bucket=bucket.id,
-            rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
-            opts=aws_opts,
-        )
-        aws.s3.BucketServerSideEncryptionConfiguration(
-            f"{name}-code-sse",
-            bucket=bucket.id,
-            rules=[
-                aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
-                    apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
-                        sse_algorithm="aws:kms"
-                    ),
-                    bucket_key_enabled=True,
-                )
-            ],
-            opts=aws_opts,
-        )
-        aws.s3.BucketVersioning(
-            f"{name}-code-versioning",
-            bucket=bucket.id,
-            versioning_configuration=aws.s3.BucketVersioningVersioningConfigurationArgs(status="Enabled"),
-            opts=aws_opts,
-        )
-        zip_path, sha = write_serving_zip(ROOT / "build" / "package")
-        key = f"serving/{sha}.zip"
-        code = aws.s3.BucketObjectv2(
-            f"{name}-code-zip",
-            bucket=bucket.id,
-            key=key,
-            source=pulumi.FileAsset(str(Path(zip_path))),
-            content_type="application/zip",
-            server_side_encryption="aws:kms",
-            tags=tags,
-            opts=aws_opts,
-        )
-        self.code_bucket = bucket.bucket
-        working_dir = pulumi.Output.concat("s3://", bucket.bucket, "/", key)
 
-        # --- who the Ray pods are, and what they may read ----------------------------------
-        head_sa, worker_sa = f"{name}-head", f"{name}-worker"
-        role = aws.iam.Role(
-            f"{name}-pods",
-            assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
-            tags=tags,
-            opts=aws_opts,
-        )
-        model_bucket = args.model_bucket
-        aws.iam.RolePolicy(
-            f"{name}-pods-read",
-            role=role.id,
-            policy=bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket))),
-            opts=aws_opts,
-        )
-        for sa in (head_sa, worker_sa):
+@dataclass
+class CodeBucket:
+    bucket: aws.s3.Bucket
+    object: aws.s3.BucketObjectv2
+    """The content-hashed zip of serving/."""
+    working_dir: pulumi.Output[str]
+    """Its s3:// URL: the RayService's runtime_env working_dir."""
+
+
+def create_code_bucket(name: str, tags: dict[str, str], opts: pulumi.ResourceOptions) -> CodeBucket:
+    """serving/ as a content-hashed zip in a private, KMS-encrypted, versioned bucket."""
+    bucket = aws.s3.Bucket(f"{name}-code", bucket_prefix=f"{name}-code-", force_destroy=True, tags=tags, opts=opts)
+    aws.s3.BucketPublicAccessBlock(
+        f"{name}-code-pab",
+        bucket=bucket.id,
+        block_public_acls=True,
+        block_public_policy=True,
+        ignore_public_acls=True,
+        restrict_public_buckets=True,
+        opts=opts,
+    )
+    aws.s3.BucketOwnershipControls(
+        f"{name}-code-owner",
+        bucket=bucket.id,
+        rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
+        opts=opts,
+    )
+    aws.s3.BucketServerSideEncryptionConfiguration(
+        f"{name}-code-sse",
+        bucket=bucket.id,
+        rules=[
+            aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
+                apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
+                    sse_algorithm="aws:kms"
+                ),
+                bucket_key_enabled=True,
+            )
+        ],
+        opts=opts,
+    )
+    aws.s3.BucketVersioning(
+        f"{name}-code-versioning",
+        bucket=bucket.id,
+        versioning_configuration=aws.s3.BucketVersioningVersioningConfigurationArgs(status="Enabled"),
+        opts=opts,
+    )
+    zip_path, sha = write_serving_zip(ROOT / "build" / "package")
+    key = f"serving/{sha}.zip"
+    obj = aws.s3.BucketObjectv2(
+        f"{name}-code-zip",
+        bucket=bucket.id,
+        key=key,
+        source=pulumi.FileAsset(str(Path(zip_path))),
+        content_type="application/zip",
+        server_side_encryption="aws:kms",
+        tags=tags,
+        opts=opts,
+    )
+    return CodeBucket(bucket, obj, pulumi.Output.concat("s3://", bucket.bucket, "/", key))
+
+
+@dataclass
+class PodIdentity:
+    head_service_account: str
+    worker_service_account: str
+    resources: list[pulumi.Resource]
+    """The role's policy, the associations and the ServiceAccounts: what pods need at admission."""
+
+
+def create_pod_identity(
+    name: str,
+    args: LlmServiceArgs,
+    code_bucket: aws.s3.Bucket,
+    aws_opts: pulumi.ResourceOptions,
+    k8s_opts: pulumi.ResourceOptions,
+) -> PodIdentity:
+    """The IAM role the Ray pods assume through EKS Pod Identity (read the code zip and, if
+    set, the model bucket; nothing else), its association with the head's and the workers'
+    ServiceAccounts, and those accounts."""
+    head_sa, worker_sa = f"{name}-head", f"{name}-worker"
+    role = aws.iam.Role(
+        f"{name}-pods",
+        assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
+        tags=dict(args.tags),
+        opts=aws_opts,
+    )
+    model_bucket = args.model_bucket
+    policy = aws.iam.RolePolicy(
+        f"{name}-pods-read",
+        role=role.id,
+        policy=code_bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket))),
+        opts=aws_opts,
+    )
+    created: list[pulumi.Resource] = [policy]
+    for sa in (head_sa, worker_sa):
+        created.append(
             aws.eks.PodIdentityAssociation(
                 f"{name}-{sa.removeprefix(name + '-')}-identity",
                 cluster_name=args.cluster_name,
-                namespace=ns,
+                namespace=args.namespace,
                 service_account=sa,
                 role_arn=role.arn,
-                tags=tags,
+                tags=dict(args.tags),
                 opts=aws_opts,
             )
+        )
+    created.append(
         k8s.core.v1.ServiceAccount(
             f"{name}-head-sa",
-            metadata={"name": head_sa, "namespace": ns},
+            metadata={"name": head_sa, "namespace": args.namespace},
             # The head's autoscaler talks to the API server; KubeRay binds its Role to this account.
             automount_service_account_token=True,
             opts=k8s_opts,
         )
+    )
+    created.append(
         k8s.core.v1.ServiceAccount(
             f"{name}-worker-sa",
-            metadata={"name": worker_sa, "namespace": ns},
+            metadata={"name": worker_sa, "namespace": args.namespace},
             automount_service_account_token=False,
             opts=k8s_opts,
         )
+    )
+    return PodIdentity(head_sa, worker_sa, created)
 
-        # --- secrets: Pulumi secret config -> Kubernetes Secret -> secretKeyRef ------------
-        def secret(suffix: str, value: pulumi.Output[str] | None, data_key: str) -> SecretRef | None:
-            if value is None:
-                return None
-            sname = f"{name}-{suffix}"
+
+@dataclass
+class Secrets:
+    api_keys: SecretRef | None
+    fallback_api_key: SecretRef | None
+    hf_token: SecretRef | None
+    redis_password: SecretRef | None
+    resources: list[pulumi.Resource]
+
+
+def create_secrets(name: str, args: LlmServiceArgs, opts: pulumi.ResourceOptions) -> Secrets:
+    """Pulumi secret config -> a Kubernetes Secret each -> references for the pods' env."""
+    created: list[pulumi.Resource] = []
+
+    def secret(suffix: str, value: pulumi.Output[str] | None, data_key: str) -> SecretRef | None:
+        if value is None:
+            return None
+        sname = f"{name}-{suffix}"
+        created.append(
             k8s.core.v1.Secret(
                 f"{name}-{suffix}-secret",
-                metadata={"name": sname, "namespace": ns},
+                metadata={"name": sname, "namespace": args.namespace},
                 type="Opaque",
                 # Output.secret's generic parameter defeats mypy's inference (pulumi 3.272).
                 string_data={data_key: pulumi.Output.secret(value)},  # type: ignore[arg-type]
-                opts=k8s_opts,
+                opts=opts,
             )
-            return SecretRef(sname, data_key)
-
-        api_keys = secret("api-keys", args.api_keys, API_KEYS_SECRET_KEY)
-        hf_token = secret("hf-token", args.hf_token, "token")
-        fallback_key = secret("fallback-api-key", args.fallback_api_key if args.serving.fallback else None, "api-key")
-        redis = secret("redis", args.redis_password, "password")
-
-        # --- the RayService ------------------------------------------------------------------
-        # A built image's reference is an Output; the manifest is plain data, so it carries a
-        # stand-in that is swapped for the Output afterwards (everything else stays known).
-        image_ref = args.image if isinstance(args.image, str) else _IMAGE_STAND_IN
-        # The managed Redis's address is an Output too: the same stand-in swap.
-        redis_address = args.gcs_redis_address
-        redis_ref = redis_address if isinstance(redis_address, str) or redis_address is None else _REDIS_STAND_IN
-        svc_name = f"{name}-openai"
-        inputs = RayServiceInputs(
-            name=name,
-            namespace=ns,
-            image=image_ref,
-            serving=args.serving,
-            instances=args.instances,
-            working_dir="",
-            head_service_account=head_sa,
-            worker_service_account=worker_sa,
-            api_keys=api_keys,
-            fallback_api_key=fallback_key,
-            hf_token=hf_token,
-            redis_password=redis,
-            gcs_redis_address=redis_ref,
-            upgrade_strategy=args.upgrade_strategy,
-            service_name=svc_name,
-            **_exposure(args.exposure, args.allowed_cidrs),
         )
-        # Everything but serveConfigV2 is known at preview, so policies see the pods even
-        # before the code bucket exists; only the Serve config waits for the bucket's name.
-        spec = _swap(rayservice_manifest(inputs)["spec"], _IMAGE_STAND_IN, args.image)
-        if redis_ref == _REDIS_STAND_IN:
-            spec = _swap(spec, _REDIS_STAND_IN, redis_address)
-        spec["serveConfigV2"] = working_dir.apply(lambda wd: serve_config_yaml(replace(inputs, working_dir=wd)))
-        k8s.apiextensions.CustomResource(
-            f"{name}-rayservice",
-            api_version="ray.io/v1",
-            kind="RayService",
-            metadata={"name": name, "namespace": ns, "labels": {"app.kubernetes.io/name": name}},
-            spec=spec,
-            opts=pulumi.ResourceOptions(parent=self, provider=args.provider, depends_on=[args.operator, code]),
-        )
+        return SecretRef(sname, data_key)
 
-        # --- the endpoint: KubeRay's serve Service (spec.serveService, in the manifest) --------
-        in_cluster = f"http://{svc_name}.{ns}.svc.cluster.local:{SERVE_PORT}/v1"
-        # KubeRay, not Pulumi, owns that Service: an NLB's hostname is read with kubectl
-        # (kubectl -n <ns> get svc <name>-openai); the in-cluster name works from inside the VPC.
-        self.endpoint = pulumi.Output.from_input(in_cluster)
-        self.service_name = svc_name
+    return Secrets(
+        api_keys=secret("api-keys", args.api_keys, API_KEYS_SECRET_KEY),
+        fallback_api_key=secret(
+            "fallback-api-key", args.fallback_api_key if args.serving.fallback else None, "api-key"
+        ),
+        hf_token=secret("hf-token", args.hf_token, "token"),
+        redis_password=secret("redis", args.redis_password, "password"),
+        resources=created,
+    )
 
-        # Only Ray's own pods, the operator, and the API's clients may reach the namespace.
-        api_sources = [{"ipBlock": {"cidr": c}} for c in (args.allowed_cidrs or [args.vpc_cidr])]
-        k8s.networking.v1.NetworkPolicy(  # type: ignore[call-overload]  # TypedDict inputs, as above
-            f"{name}-netpol",
-            metadata={"name": f"{name}-ingress", "namespace": ns},
-            spec={
-                "podSelector": {},
-                "policyTypes": ["Ingress"],
-                "ingress": [
-                    {"from": [{"podSelector": {}}]},
-                    {
-                        "from": [
-                            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": KUBERAY_NAMESPACE}}}
-                        ]
-                    },
-                    {"from": api_sources, "ports": [{"port": SERVE_PORT, "protocol": "TCP"}]},
-                ],
-            },
-            opts=k8s_opts,
+
+def create_rayservice(
+    name: str,
+    args: LlmServiceArgs,
+    code: CodeBucket,
+    identity: PodIdentity,
+    secrets: Secrets,
+    service_name: str,
+    depends_on: list[pulumi.Resource],
+    parent: pulumi.Resource,
+) -> k8s.apiextensions.CustomResource:
+    """The RayService (`infra.k8s.rayservice.rayservice_manifest`), after `depends_on`."""
+    # A built image's reference is an Output; the manifest is plain data, so it carries a
+    # stand-in that is swapped for the Output afterwards (everything else stays known).
+    image_ref = args.image if isinstance(args.image, str) else _IMAGE_STAND_IN
+    # The managed Redis's address is an Output too: the same stand-in swap.
+    redis_address = args.gcs_redis_address
+    redis_ref = redis_address if isinstance(redis_address, str) or redis_address is None else _REDIS_STAND_IN
+    inputs = RayServiceInputs(
+        name=name,
+        namespace=args.namespace,
+        image=image_ref,
+        serving=args.serving,
+        instances=args.instances,
+        working_dir="",
+        head_service_account=identity.head_service_account,
+        worker_service_account=identity.worker_service_account,
+        api_keys=secrets.api_keys,
+        fallback_api_key=secrets.fallback_api_key,
+        hf_token=secrets.hf_token,
+        redis_password=secrets.redis_password,
+        gcs_redis_address=redis_ref,
+        upgrade_strategy=args.upgrade_strategy,
+        service_name=service_name,
+        **_exposure(args.exposure, args.allowed_cidrs),
+    )
+    # Everything but serveConfigV2 is known at preview, so policies see the pods even
+    # before the code bucket exists; only the Serve config waits for the bucket's name.
+    spec = _swap(rayservice_manifest(inputs)["spec"], _IMAGE_STAND_IN, args.image)
+    if redis_ref == _REDIS_STAND_IN:
+        spec = _swap(spec, _REDIS_STAND_IN, redis_address)
+    spec["serveConfigV2"] = code.working_dir.apply(lambda wd: serve_config_yaml(replace(inputs, working_dir=wd)))
+    return k8s.apiextensions.CustomResource(
+        f"{name}-rayservice",
+        api_version="ray.io/v1",
+        kind="RayService",
+        metadata={"name": name, "namespace": args.namespace, "labels": {"app.kubernetes.io/name": name}},
+        spec=spec,
+        opts=pulumi.ResourceOptions(parent=parent, provider=args.provider, depends_on=depends_on),
+    )
+
+
+def create_network_policies(name: str, args: LlmServiceArgs, opts: pulumi.ResourceOptions) -> None:
+    """Only Ray's own pods, the operator and the API's clients may reach the namespace; with
+    an external fallback, the ingress pods' egress too (infra/k8s/egress.py)."""
+    api_sources = [{"ipBlock": {"cidr": c}} for c in (args.allowed_cidrs or [args.vpc_cidr])]
+    k8s.networking.v1.NetworkPolicy(  # type: ignore[call-overload]  # TypedDict inputs
+        f"{name}-netpol",
+        metadata={"name": f"{name}-ingress", "namespace": args.namespace},
+        spec={
+            "podSelector": {},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {}}]},
+                {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": KUBERAY_NAMESPACE}}}]},
+                {"from": api_sources, "ports": [{"port": SERVE_PORT, "protocol": "TCP"}]},
+            ],
+        },
+        opts=opts,
+    )
+    if args.serving.fallback is not None:
+        egress = fallback_egress_policy(name, args.namespace, args.vpc_cidr, args.serving.fallback.port)
+        k8s.networking.v1.NetworkPolicy(
+            f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=opts
         )
-        # With an external fallback, the ingress pods' egress: see infra/k8s/egress.py.
-        if args.serving.fallback is not None:
-            egress = fallback_egress_policy(name, ns, args.vpc_cidr, args.serving.fallback.port)
-            k8s.networking.v1.NetworkPolicy(
-                f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=k8s_opts
-            )
-        self.register_outputs({"endpoint": self.endpoint, "codeBucket": self.code_bucket})
 
 
 _IMAGE_STAND_IN = "registry.invalid/built-worker-image:pending"

@@ -47,6 +47,25 @@ EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # prefix on the Auto Scaling group, or on the EKS node group (read through DescribeNodegroup),
 # set the capacity of the template node of an empty group.
 NODE_TEMPLATE_RESOURCES = "k8s.io/cluster-autoscaler/node-template/resources/"
+# kubernetes/autoscaler cluster-autoscaler/cloudprovider/aws/aws_cloud_provider.go `GPULabel`
+# (CA 1.35): a node with this label but no allocatable GPU yet is counted as not ready
+# (processors/customresources/gpu_processor.go FilterOutNodesWithUnreadyResources), i.e. as
+# capacity still coming; without it a new GPU node whose device plugin has not registered is
+# a ready node without GPUs, and the autoscaler adds another one (its AWS README, "Special
+# note on GPU instances"). EKS applies a managed node group's labels at registration, and
+# for an empty group CA reads them through DescribeNodegroup (aws_manager.go
+# buildNodeFromTemplate), so the group's labels carry it both ways.
+GPU_LABEL = "k8s.amazonaws.com/accelerator"
+# Values per GPU model: the names CA's AWS provider lists (availableGPUTypes: nvidia-tesla-a100,
+# nvidia-a10g, nvidia-l40s) where it has one, else the same form. The value only names the
+# type in CA's metrics; presence is what counts.
+GPU_LABEL_VALUES = {
+    "A100": "nvidia-tesla-a100",
+    "A10G": "nvidia-a10g",
+    "L40S": "nvidia-l40s",
+    "H100": "nvidia-h100",
+    "H200": "nvidia-h200",
+}
 # The tags EKS puts on every managed node group's Auto Scaling group.
 ASG_NODEGROUP_TAG = "eks:nodegroup-name"
 ASG_CLUSTER_TAG = "eks:cluster-name"
@@ -78,6 +97,11 @@ def scale_from_zero_tags(instance: catalog.InstanceType) -> dict[str, str]:
     if instance.efa:
         tags[f"{NODE_TEMPLATE_RESOURCES}{EFA_RESOURCE}"] = str(instance.efa_interfaces)
     return tags
+
+
+def gpu_node_labels(instance: catalog.InstanceType) -> dict[str, str]:
+    """Node labels a GPU pool carries for the autoscaler (see GPU_LABEL)."""
+    return {GPU_LABEL: GPU_LABEL_VALUES[instance.ray_accelerator]}
 
 
 def autoscaler_policy(cluster_name: str, node_group_names: list[str]) -> dict:
@@ -165,6 +189,9 @@ class NodeAutoscalerArgs:
     """The cluster's Kubernetes provider (the Helm release goes through it)."""
     depends_on: list[pulumi.Resource] = field(default_factory=list)
     """The node groups: their Auto Scaling groups must exist to be discovered."""
+    pod_identity_agent: pulumi.Resource | None = None
+    """The EKS Pod Identity agent add-on: it serves the autoscaler's credentials, which the
+    webhook wires in only at pod admission (with the association, created here first)."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
 
@@ -184,7 +211,7 @@ class NodeAutoscaler(pulumi.ComponentResource):
             tags=args.tags,
             opts=child,
         )
-        aws.iam.RolePolicy(
+        policy = aws.iam.RolePolicy(
             f"{name}-policy",
             role=role.id,
             policy=json.dumps(autoscaler_policy(args.cluster_name, args.node_group_names)),
@@ -207,7 +234,14 @@ class NodeAutoscaler(pulumi.ComponentResource):
             NAMESPACE,
             values,
             args.provider,
-            depends_on=[identity, *args.depends_on],
+            # Credentials are wired in at pod admission: the association, its policy and the
+            # agent that serves them exist first.
+            depends_on=[
+                identity,
+                policy,
+                *args.depends_on,
+                *([args.pod_identity_agent] if args.pod_identity_agent else []),
+            ],
             release_name=RELEASE_NAME,
         )
         self.role_arn = role.arn

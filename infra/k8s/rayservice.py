@@ -27,6 +27,14 @@ GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
 RAY_UID = 1000  # the `ray` user of Ray's images
 HF_TOKEN_ENV = "HF_TOKEN"
+# Ray's dashboard agent port and unified node health path (KubeRay v1.7.0 utils
+# DefaultDashboardAgentListenPort, RayNodeHealthPath; Ray 2.60 dashboard/modules/reporter/
+# healthz_agent.py: 200 while the local raylet lives, public without token auth).
+DASHBOARD_AGENT_PORT = 52365
+NODE_HEALTH_PATH = "/api/healthz"
+# The head's and proxy-running workers' container port name; the serve Service targets it by
+# name, so only pods that declare it receive API traffic.
+SERVE_PORT_NAME = "serve"
 
 # libfabric over EFA for NIXL's LIBFABRIC backend (and NCCL's aws-ofi-nccl). Each entry
 # says where it comes from.
@@ -71,6 +79,20 @@ def efa_engine_env(instances: list[catalog.InstanceType]) -> dict[str, str]:
 # are NIXL's and harmless to NCCL. NCCL_SOCKET_IFNAME above only picks the bootstrap interface.
 NCCL_EFA_ENV = {"NCCL_NET_PLUGIN": "ofi"}
 
+# GCS over TLS (`rediss://`): Ray's C++ Redis client verifies the server against the CA file
+# named by RAY_REDIS_CA_CERT and passes none when it is unset (ray src/ray/common/
+# ray_config_def.h REDIS_CA_CERT, Ray 2.60), so ElastiCache's certificate fails with
+# CERTIFICATE_VERIFY_FAILED (ray#41161, fixed there by naming the system bundle). The ray-llm
+# images are Ubuntu: the bundle is at Debian's path. KubeRay's Redis cleanup Job is built from
+# the head pod (kuberay v1.7.0 raycluster_controller.go buildRedisCleanupJob), so it inherits it.
+REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def gcs_uses_tls(address: str | None) -> bool:
+    """Whether Ray talks TLS to this GCS Redis address (Ray needs the `rediss://` form)."""
+    return bool(address) and str(address).startswith("rediss://")
+
 
 @dataclass(frozen=True)
 class SecretRef:
@@ -113,7 +135,10 @@ def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
     named "serve" like the head's container port, which KubeRay merges by name."""
     spec: dict[str, Any] = {
         "type": inp.service_type,
-        "ports": [{"name": "serve", "port": SERVE_PORT, "targetPort": SERVE_PORT, "protocol": "TCP"}],
+        # Targeted by name: pods without a "serve" container port (workers whose replicas
+        # span pods, where most pods run no proxy) get no traffic (Kubernetes EndpointSlice
+        # controller, staging/src/k8s.io/endpointslice/utils.go getEndpointPorts/findPort).
+        "ports": [{"name": "serve", "port": SERVE_PORT, "targetPort": SERVE_PORT_NAME, "protocol": "TCP"}],
     }
     if inp.load_balancer_source_ranges:
         spec["loadBalancerSourceRanges"] = list(inp.load_balancer_source_ranges)
@@ -134,6 +159,29 @@ def accelerator_resource(inst: catalog.InstanceType) -> str:
 def pods_for(role: RoleSpec, inst: catalog.InstanceType, replicas: int) -> int:
     """Worker pods (= nodes) that hold `replicas` engine replicas of `role` on `inst`."""
     return sizing.nodes_for(replicas, role.gpus_per_replica, inst.gpus)
+
+
+def replicas_span_pods(role: RoleSpec, inst: catalog.InstanceType) -> bool:
+    """Whether one Serve replica of the role (TP x PP GPUs; a DP rank is a replica of its own)
+    spans several worker pods. Ray Serve puts the replica actor on its placement group's bundle
+    0 and starts a proxy only on nodes holding a replica actor (Ray 2.60 deployment_scheduler.py,
+    controller.py _update_proxy_nodes), so the other pods of such a replica never run a proxy."""
+    return role.gpus_per_rank > inst.gpus
+
+
+def node_readiness_probe() -> dict[str, Any]:
+    """The readiness probe of a worker that may run no Serve proxy: the node's own health
+    (raylet alive), the check KubeRay itself gives plain RayCluster workers on Ray >= 2.53
+    (pod.go initLivenessAndReadinessProbe, v1.7.0); KubeRay injects its proxy check only into
+    containers without a probe. Timings are KubeRay's defaults (utils/constant.go)."""
+    return {
+        "httpGet": {"path": NODE_HEALTH_PATH, "port": DASHBOARD_AGENT_PORT},
+        "initialDelaySeconds": 10,
+        "timeoutSeconds": 2,
+        "periodSeconds": 5,
+        "successThreshold": 1,
+        "failureThreshold": 10,
+    }
 
 
 def _security_context() -> dict[str, Any]:
@@ -177,6 +225,8 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     env = [inp.api_keys.env(API_KEYS_ENV)] if inp.api_keys else []
     if inp.fallback_api_key:
         env.append(inp.fallback_api_key.env(FALLBACK_API_KEY_ENV))
+    if gcs_uses_tls(inp.gcs_redis_address):
+        env.append({"name": REDIS_CA_CERT_ENV, "value": SYSTEM_CA_BUNDLE})
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
@@ -198,7 +248,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
                             {"containerPort": 6379, "name": "gcs"},
                             {"containerPort": 8265, "name": "dashboard"},
                             {"containerPort": 10001, "name": "client"},
-                            {"containerPort": SERVE_PORT, "name": "serve"},
+                            {"containerPort": SERVE_PORT, "name": SERVE_PORT_NAME},
                         ],
                         "env": env,
                         "resources": {
@@ -232,6 +282,24 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
     initial = spec.initial_replicas or spec.min_replicas
+    container: dict[str, Any] = {
+        "name": f"ray-{role}",
+        "image": inp.image,
+        "env": env,
+        "resources": {"requests": dict(limits), "limits": dict(limits)},
+        "securityContext": _security_context(),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "ray-tmp", "mountPath": "/tmp/ray"},
+        ],
+    }
+    if replicas_span_pods(spec, inst):
+        # Only bundle 0's pod of a replica runs a proxy: every pod is Ready on its node's
+        # health, and none is a serve endpoint (no "serve" port for the Service to target).
+        container["readinessProbe"] = node_readiness_probe()
+    else:
+        # Every pod holds a replica, so a proxy: KubeRay's probe (node + proxy) and an endpoint.
+        container["ports"] = [{"containerPort": SERVE_PORT, "name": SERVE_PORT_NAME}]
     return {
         "groupName": role,
         "replicas": pods_for(spec, inst, initial),
@@ -255,19 +323,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
                 "nodeSelector": {ROLE_LABEL: role, INSTANCE_TYPE_LABEL: inst.name},
                 "tolerations": [GPU_TOLERATION],
                 "securityContext": _pod_security(),
-                "containers": [
-                    {
-                        "name": f"ray-{role}",
-                        "image": inp.image,
-                        "env": env,
-                        "resources": {"requests": dict(limits), "limits": dict(limits)},
-                        "securityContext": _security_context(),
-                        "volumeMounts": [
-                            {"name": "dshm", "mountPath": "/dev/shm"},
-                            {"name": "ray-tmp", "mountPath": "/tmp/ray"},
-                        ],
-                    }
-                ],
+                "containers": [container],
                 "volumes": [
                     {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
                     {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},

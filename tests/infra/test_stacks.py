@@ -88,7 +88,8 @@ def test_gpu_pools_efa_taint_label_ami(stack):
         else:
             assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
         assert inp["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]
-        assert inp["labels"] == {ROLE_LABEL: role}
+        # The role, and the Cluster Autoscaler's GPU label (test_node_autoscaler.py, GPU contract).
+        assert inp["labels"][ROLE_LABEL] == role and set(inp["labels"]) == {ROLE_LABEL, "k8s.amazonaws.com/accelerator"}
         sizes = inp["scalingConfig"]
         assert (sizes["minSize"], sizes["desiredSize"], sizes["maxSize"]) == (
             pools[role].min_size,

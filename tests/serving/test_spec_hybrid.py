@@ -50,7 +50,7 @@ def test_fallback_renders_into_the_ingress_user_config_not_the_args():
     limits = s.ingress_user_config()["limits"]
     assert limits["requests_per_minute"] == 60
     assert limits["keys"] == {key_id("sk-a"): {"requests_per_minute": 0, "tokens_per_minute": 1000}}
-    assert limits["label_selector"] == {"ray.io/node-group": "head"}
+    assert limits["label_selector"] == {"pd-inference/node-group": "head"}
 
 
 def test_the_rendered_config_passes_ray_serves_schema():

@@ -9,6 +9,12 @@ Upstream rules encoded here (kubernetes/autoscaler, tag cluster-autoscaler-1.35.
   group's tags read through DescribeNodegroup), the node group's labels and its taints
   (`aws_wrapper.go getManagedNodegroupInfo`, EKS `NO_SCHEDULE` -> `NoSchedule`).
 - cloudprovider/aws/README.md: the IAM actions the autoscaler calls.
+- cloudprovider/aws/aws_cloud_provider.go `GPULabel` (k8s.amazonaws.com/accelerator) and
+  processors/customresources/gpu_processor.go `FilterOutNodesWithUnreadyResources` (chart
+  cluster-autoscaler-9.59.0 runs this 1.35 line): a new node with the label and no GPU
+  allocatable yet is capacity still coming; without the label it is a ready node without GPUs
+  and the pending engine pod makes the autoscaler add another (its AWS README, "Special note on
+  GPU instances"). Reproduced in tests.upstream.ca_counts_node_ready.
 pulumi/pulumi-eks `ManagedNodeGroup.ignoreScalingChanges`: ignore desiredSize changes made
 by the Cluster Autoscaler.
 """
@@ -30,6 +36,7 @@ from infra.components.node_autoscaler import (
 from infra.k8s.labels import INSTANCE_TYPE_LABEL, ROLE_LABEL, SYSTEM_ROLE
 from infra.model import catalog, versions
 from tests.conftest import STACKS
+from tests.upstream import CA_AWS_GPU_LABEL, ca_counts_node_ready
 
 MNG = "eks:index:ManagedNodeGroup"
 CHART = "kubernetes:helm.sh/v4:Chart"
@@ -186,3 +193,60 @@ def test_without_the_efa_tag_an_empty_efa_pool_looks_useless(rendered_stacks):
 )
 def test_autoscaler_release_follows_the_cluster_version(k8s, tag):
     assert versions.cluster_autoscaler_tag(k8s) == tag
+
+
+def _engine_pod(stack, role: str) -> dict:
+    rs = next(o for o in stack.manifests().values() if o.get("kind") == "RayService")
+    group = next(g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == role)
+    return group["template"]["spec"]
+
+
+def _joined_node(group, inst: catalog.InstanceType, gpus: int, efa: int) -> dict:
+    """A node of the group just after it registers: the group's labels (EKS applies them at
+    registration), and only the device resources whose plugins have registered."""
+    capacity = {"cpu": inst.vcpus, "memory_gib": inst.memory_gib, "pods": 110}
+    if gpus:
+        capacity["nvidia.com/gpu"] = gpus
+    if efa:
+        capacity["vpc.amazonaws.com/efa"] = efa
+    labels = {INSTANCE_TYPE_LABEL: inst.name, **group.inputs["labels"]}
+    taints = [{**t, "effect": EKS_EFFECTS[t["effect"]]} for t in group.inputs.get("taints") or []]
+    return {"capacity": capacity, "labels": labels, "taints": taints}
+
+
+def test_a_new_gpu_node_counts_as_coming_until_its_gpus_register(stack):
+    """No second scale-up while a node's device plugin starts: the autoscaler holds the new node
+    as unready capacity (the pending pod will land there) until its GPUs are allocatable."""
+    for role, group in _gpu_groups(stack).items():
+        inst = getattr(stack.config.node_pools, role).instance
+        assert group.inputs["labels"].get(CA_AWS_GPU_LABEL), role
+        fresh = _joined_node(group, inst, gpus=0, efa=0)
+        assert not ca_counts_node_ready(fresh["labels"], fresh["capacity"]), role
+        up = _joined_node(group, inst, gpus=inst.gpus, efa=inst.efa_interfaces)
+        assert ca_counts_node_ready(up["labels"], up["capacity"]) and _fits(_engine_pod(stack, role), up) == []
+        # Scale from zero: the template node (DescribeNodegroup labels) carries it too.
+        assert CA_AWS_GPU_LABEL in _template_node(group, inst)["labels"], role
+
+
+def test_without_the_gpu_label_a_fresh_node_looks_useless(rendered_stacks):
+    """The rule bites: without the label, the fresh node is ready capacity on which the engine
+    pod does not fit, so the autoscaler scales out again (at p5 prices, until scale-down)."""
+    stack = rendered_stacks["prod"]
+    group = _gpu_groups(stack)["prefill"]
+    inst = stack.config.node_pools.prefill.instance
+    fresh = _joined_node(group, inst, gpus=0, efa=0)
+    fresh["labels"].pop(CA_AWS_GPU_LABEL)
+    assert ca_counts_node_ready(fresh["labels"], fresh["capacity"])
+    assert f"nvidia.com/gpu {inst.gpus} > 0" in _fits(_engine_pod(stack, "prefill"), fresh)
+
+
+def test_efa_has_no_such_grace(rendered_stacks):
+    """What stays exposed (docs/scaling.md): the autoscaler waits for GPUs only. A node whose
+    NVIDIA plugin registered before the EFA plugin is ready capacity the EFA pod does not fit."""
+    stack = rendered_stacks["prod"]
+    group = _gpu_groups(stack)["decode"]
+    inst = stack.config.node_pools.decode.instance
+    assert inst.efa
+    half = _joined_node(group, inst, gpus=inst.gpus, efa=0)
+    assert ca_counts_node_ready(half["labels"], half["capacity"])
+    assert _fits(_engine_pod(stack, "decode"), half) == [f"vpc.amazonaws.com/efa {inst.efa_interfaces} > 0"]

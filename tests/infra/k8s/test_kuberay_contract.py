@@ -12,9 +12,15 @@ Contracts (reproduced in tests/upstream.py, each from ray-project/kuberay v1.7.0
   NewClusterWithIncrementalUpgrade.
 - `common/pod.go` `initLivenessAndReadinessProbe`: a RayService WORKER container without its
   own readinessProbe gets one that also wgets the Serve proxy's /-/healthz on its "serve" port
-  (default 8000). Ray 2.60 `serve/_private/controller.py` `_update_proxy_nodes`: with
-  proxy_location EveryNode a proxy runs on the head and on every node holding a replica; with
-  HeadOnly only on the head. A worker is Ready only if a proxy runs on it.
+  (default 8000); a container with its own probe keeps it. Ray 2.60
+  `serve/_private/controller.py` `_update_proxy_nodes`: with proxy_location EveryNode a proxy
+  runs on the head and on every NODE holding a replica actor; with HeadOnly only on the head.
+  `serve/_private/deployment_scheduler.py` `_schedule_replica`: a replica's actor sits on bundle
+  0 of its placement group, so the other pods of a replica spanning pods (TP x PP over nodes)
+  run no proxy. A worker under KubeRay's probe is Ready only if a proxy runs on it.
+- kubernetes/kubernetes `staging/src/k8s.io/endpointslice/utils.go` (commit e637659d)
+  `getEndpointPorts`/`findPort`: a Service port with a named targetPort reaches only the pods
+  that declare a container port of that name.
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ from serving.spec import SERVE_PORT
 from tests.conftest import STACKS
 from tests.upstream import (
     RAY_SERVE_LABEL,
+    endpoint_port,
     incremental_upgrade,
     rayservice_pod,
+    readiness_passes,
     selects,
+    serve_replica_nodes,
     serve_service,
 )
 
@@ -79,7 +88,8 @@ def test_serve_service_port_is_the_heads_serve_port(rs):
     serve_ports = [p for p in head["ports"] if p["name"] == "serve"]
     assert serve_ports == [{"containerPort": SERVE_PORT, "name": "serve"}]
     assert [p["port"] for p in svc["spec"]["ports"]] == [SERVE_PORT]
-    assert svc["spec"]["ports"][0].get("targetPort", SERVE_PORT) == SERVE_PORT
+    head_pod = rayservice_pod(rs, _cluster(rs, "x7k2p"), None)
+    assert endpoint_port(svc["spec"]["ports"][0], head_pod) == SERVE_PORT
 
 
 def test_mirror_sanity_a_selector_on_the_cr_name_label_matches_no_pod(rs):
@@ -112,65 +122,117 @@ def test_nlb_settings_ride_on_the_serve_service(rendered_stacks):
         assert not [o for o in rendered.manifests().values() if o.get("kind") == "Service"]
 
 
-# --- item 4: workers become Ready, so the Service's worker endpoints answer ----------------------------
-def _proxy_nodes(proxy_location: str, replica_nodes: set[str]) -> set[str]:
-    """Ray 2.60 Serve controller: which nodes run an HTTP proxy."""
-    if proxy_location == "HeadOnly":
-        return {"head"}
-    if proxy_location == "EveryNode":
-        return {"head", *replica_nodes}
-    return set()  # Disabled
+# --- item 4: every pod becomes Ready; only pods that run a proxy get API traffic -------------------
+def _engines(rs: dict) -> list[dict]:
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    return [args[k] for k in ("prefill_config", "decode_config") if k in args] + list(args.get("llm_configs", []))
 
 
-def _replica_groups(rs: dict) -> set[str]:
-    """Worker groups that Serve places engine replicas on (the placement label selectors)."""
+def _group_of(rs: dict, engine: dict) -> str:
+    """The worker group an engine's placement bundles select (by the groups' Ray labels)."""
+    labels = {
+        (k, v): g["groupName"]
+        for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+        for k, v in g["labels"].items()
+    }
+    groups = {
+        labels[(k, v)]
+        for sel in engine["deployment_config"]["placement_group_bundle_label_selector"]
+        for k, v in sel.items()
+        if (k, v) in labels
+    }
+    assert len(groups) == 1, groups
+    return groups.pop()
+
+
+def _pods_per_group(rs: dict, size: str) -> dict[str, int]:
+    field = {"min": "minReplicas", "max": "maxReplicas"}[size]
+    return {g["groupName"]: int(g[field]) for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+
+
+def _proxy_pods(rs: dict, proxy_location: str, size: str) -> dict[str, set[int]]:
+    """Per worker group, the pods (by index) that run a Serve proxy when the engines are at
+    their min or max replicas, under Ray 2.60's rule: per node, where a replica actor sits."""
+    pods = _pods_per_group(rs, size)
+    out: dict[str, set[int]] = {g: set() for g in pods}
+    if proxy_location != "EveryNode":
+        return out
+    groups = {g["groupName"]: g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
+    for engine in _engines(rs):
+        group = _group_of(rs, engine)
+        kw = engine["engine_kwargs"]
+        bundles = int(kw.get("tensor_parallel_size") or 1) * int(kw.get("pipeline_parallel_size") or 1)
+        dp = int(kw.get("data_parallel_size") or 1)
+        auto = engine["deployment_config"].get("autoscaling_config") or {}
+        replicas = int(auto.get(f"{size}_replicas") or engine["deployment_config"].get("num_replicas") or 1)
+        node_gpus = int(groups[group]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"])
+        # Ray Serve LLM DP: one Serve replica per rank, the ranks of a group as one gang.
+        out[group] |= serve_replica_nodes(node_gpus, pods[group], replicas * dp, bundles, gang_size=dp)
+    return out
+
+
+def _readiness(rs: dict, proxy_location: str, size: str) -> dict[tuple[str, int], bool]:
+    """Every worker pod's readiness, raylets alive, proxies where Ray 2.60 starts them."""
     config = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    args = config["applications"][0]["args"]
-    engines = [args[k] for k in ("prefill_config", "decode_config") if k in args] + list(args.get("llm_configs", []))
-    labels = {}
-    for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
-        labels.update({(k, v): g["groupName"] for k, v in g["labels"].items()})
-    groups = set()
-    for engine in engines:
-        for selector in engine["deployment_config"]["placement_group_bundle_label_selector"]:
-            groups |= {labels[(k, v)] for k, v in selector.items() if (k, v) in labels}
-    return groups
+    port = config["http_options"]["port"]
+    cluster = _cluster(rs, "x7k2p")
+    ready = {}
+    for group, proxies in _proxy_pods(rs, proxy_location, size).items():
+        probe = rayservice_pod(rs, cluster, group)["spec"]["containers"][0]["readinessProbe"]
+        for i in range(_pods_per_group(rs, size)[group]):
+            ready[(group, i)] = readiness_passes(probe, raylet_alive=True, proxy_port=port if i in proxies else None)
+    return ready
 
 
-def _worker_ready(rs: dict, group: str, proxy_location: str) -> bool:
-    pod = rayservice_pod(rs, _cluster(rs, "x7k2p"), group)
-    probe = pod["spec"]["containers"][0]["readinessProbe"]
-    needs_proxy = [c for c in probe.get("checks", []) if c.startswith("serve-proxy:")]
-    if not needs_proxy:
-        return True  # our own probe (none is set today: KubeRay injects its own)
-    port = int(needs_proxy[0].split(":")[1].split("/")[0])
-    config = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    proxy_here = group in _proxy_nodes(proxy_location, _replica_groups(rs))
-    return proxy_here and config["http_options"]["port"] == port
-
-
-def test_every_worker_group_becomes_ready(rs):
+@pytest.mark.parametrize("size", ["min", "max"])
+def test_every_worker_group_becomes_ready(rs, size):
+    """Per node, not per group: each pod of each group passes its readiness probe, including the
+    pods of a multi-node replica that hold no replica actor (bundle 0 is elsewhere)."""
     config = yaml.safe_load(rs["spec"]["serveConfigV2"])
     assert config["proxy_location"] == "EveryNode"
-    assert set(_groups(rs)) <= _replica_groups(rs), "a worker group without replicas would run no proxy"
-    for group in _groups(rs):
-        assert _worker_ready(rs, group, config["proxy_location"]), group
+    readiness = _readiness(rs, "EveryNode", size)
+    assert readiness and all(readiness.values()), [p for p, ok in readiness.items() if not ok]
 
 
-def test_workers_are_serve_endpoints_so_each_must_run_a_proxy(rs):
+def test_a_multi_node_replica_leaves_pods_without_a_proxy(rendered_stacks):
+    """The case the rule is about: deepseek-p5's prefill (TP 8 x PP 2 on 8-GPU nodes) has one
+    pod with the replica actor and one without, which would fail KubeRay's proxy probe."""
+    rs = next(o for o in rendered_stacks["deepseek-p5"].manifests().values() if o.get("kind") == "RayService")
+    proxies = _proxy_pods(rs, "EveryNode", "min")
+    assert _pods_per_group(rs, "min")["prefill"] == 2 and proxies["prefill"] == {0}
+    # Decode there is DP 16 x TP 1: every pod holds ranks, so every pod runs a proxy.
+    assert proxies["decode"] == {0, 1}
+    yesterday = copy.deepcopy(rs)
+    for g in yesterday["spec"]["rayClusterConfig"]["workerGroupSpecs"]:
+        g["template"]["spec"]["containers"][0].pop("readinessProbe", None)
+    assert _readiness(yesterday, "EveryNode", "min")[("prefill", 1)] is False
+
+
+def test_only_pods_that_run_a_proxy_receive_api_traffic(rs):
+    """Workers are selected by KubeRay's serve Service; a Ready worker that declares the
+    targeted port must run a proxy, or a share of the requests would be refused."""
     cluster = _cluster(rs, "x7k2p")
     svc = serve_service(rs, cluster)
     assert svc is not None
-    for group in _groups(rs):
-        worker = rayservice_pod(rs, cluster, group)
-        assert selects(svc["spec"]["selector"], worker["metadata"]["labels"]), group
+    for size in ("min", "max"):
+        proxies = _proxy_pods(rs, "EveryNode", size)
+        readiness = _readiness(rs, "EveryNode", size)
+        for (group, i), ready in readiness.items():
+            pod = rayservice_pod(rs, cluster, group)
+            assert selects(svc["spec"]["selector"], pod["metadata"]["labels"]), group
+            gets_traffic = ready and endpoint_port(svc["spec"]["ports"][0], pod) is not None
+            assert not gets_traffic or i in proxies[group], (group, i)
 
 
-def test_mirror_sanity_head_only_would_leave_workers_unready(rs):
-    """Mirror sanity test (this module's _worker_ready alone): with HeadOnly proxies no worker
-    gets Ready. test_every_worker_group_becomes_ready applies it to the rendered proxy_location."""
-    for group in _groups(rs):
-        assert not _worker_ready(rs, group, "HeadOnly")
+def test_head_only_would_leave_proxy_probed_workers_unready(rs):
+    """The rule bites: under yesterday's HeadOnly no worker runs a proxy, so every pod that
+    relies on KubeRay's injected probe stays unready."""
+    cluster = _cluster(rs, "x7k2p")
+    readiness = _readiness(rs, "HeadOnly", "min")
+    for (group, i), ready in readiness.items():
+        probe = rayservice_pod(rs, cluster, group)["spec"]["containers"][0]["readinessProbe"]
+        if "checks" in probe:
+            assert not ready, (group, i)
 
 
 def test_local_serve_config_keeps_head_only():

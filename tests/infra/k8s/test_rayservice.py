@@ -118,10 +118,12 @@ def test_worker_groups_ask_for_every_gpu_and_efa_interface_of_their_pool(stack):
             assert "VLLM_NIXL_SIDE_CHANNEL_HOST" in env
         else:
             assert EFA_RESOURCE not in res["limits"]
-        # The pod lands on its pool: selector = the pool's labels, toleration = its taint.
+        # The pod lands on its pool: its role label and instance type (any other selector key
+        # is the pool's too), toleration = its taint.
         mng = mngs[role]
-        for k, v in mng["labels"].items():
-            assert pod["nodeSelector"][k] == v
+        assert pod["nodeSelector"][ROLE_LABEL] == mng["labels"][ROLE_LABEL] == role
+        for k, v in pod["nodeSelector"].items():
+            assert k == "node.kubernetes.io/instance-type" or mng["labels"][k] == v, k
         assert pod["nodeSelector"]["node.kubernetes.io/instance-type"] == inst.name
         for taint in mng["taints"]:
             assert any(
@@ -324,7 +326,7 @@ def test_ingress_fits_on_a_head_that_offers_no_cpus(stack):
     ingress = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["ingress_deployment_config"]
     assert head["rayStartParams"]["num-cpus"] == "0"
     assert ingress["ray_actor_options"]["num_cpus"] == 0
-    assert ingress["ray_actor_options"]["label_selector"] == {"ray.io/node-group": "head"}
+    assert ingress["ray_actor_options"]["label_selector"] == {"pd-inference/node-group": "head"}
 
 
 def test_s3_model_source_uses_ray_mirror_config(rendered_stacks):

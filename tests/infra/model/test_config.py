@@ -94,6 +94,10 @@ def test_issue_example_message(prod):
         (lambda v: v["nodePools"]["prefill"].update(minSize=3), "nodePools.prefill: sizes must satisfy"),
         (lambda v: v.update(efaZone="us-east-1d"), "efaZone: 'us-east-1d' is not one of availabilityZones"),
         (
+            lambda v: v["serving"].update(placement={"labelKey": "ray.io/node-group"}),
+            "serving.placement.labelKey: 'ray.io/node-group': the ray.io/ prefix is reserved for Ray's own node labels",
+        ),
+        (
             lambda v: v["serving"].update(engineKwargs={"trust_remote_code": True}),
             "serving.engineKwargs: trust_remote_code runs Python code from the model repository",
         ),
