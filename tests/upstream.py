@@ -13,6 +13,7 @@ import base64
 import binascii
 import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 # --- pulumi/pulumi pkg/workspace/config.go (mergeConfig, validateStackConfigValues) ------
@@ -529,3 +530,109 @@ def elasticache_replication_group_errors(inputs: dict[str, Any]) -> list[str]:
     if inputs.get("clusterMode") == "enabled" or int(inputs.get("numNodeGroups") or 1) != 1:
         errors.append("KubeRay's GCS fault tolerance takes a single-shard Redis (cluster mode disabled)")
     return errors
+
+
+# --- Where each mirror above was read (issue 24 item 10) ---------------------------------------
+# Every public function of this module names the upstream repository, the paths and the tag or
+# commit its logic was read from, and, where the project pins that upstream (a chart, an image,
+# an AMI release, a Python package), the pin's value at the time of reading. A pin that moves
+# without its mirrors being re-read and updated here fails tests/test_upstream_mirrors.py.
+# `pin` names an attribute path in infra/model/versions.py ("KUBERAY_OPERATOR.version") or a
+# package of requirements.txt ("requirements.txt:pulumi-eks").
+
+
+@dataclass(frozen=True)
+class Mirror:
+    repo: str
+    paths: tuple[str, ...]
+    ref: str  # a tag, or a commit (12+ hex digits) of the default branch
+    pin: tuple[str, str] | None  # (where the project pins it, the value the mirror was checked against)
+    note: str = ""
+
+
+_PULUMI = Mirror(
+    "pulumi/pulumi",
+    (
+        "sdk/go/common/workspace/config.go",
+        "sdk/go/common/workspace/project.go",
+        "sdk/go/common/resource/config/crypt.go",
+    ),
+    "v3.272.0",
+    ("requirements.txt:pulumi", "3.272.0"),
+    "read in 2026-08 against the pinned SDK/CLI release (deploy.yml PULUMI_VERSION)",
+)
+_KUBERAY = Mirror(
+    "ray-project/kuberay",
+    ("ray-operator/controllers/ray/common/pod.go", "ray-operator/controllers/ray/common/service.go"),
+    "v1.7.0",
+    ("KUBERAY_OPERATOR.version", "1.7.0"),
+)
+_EFA_CHART = Mirror(
+    "aws/eks-charts",
+    ("stable/aws-efa-k8s-device-plugin/templates/daemonset.yaml",),
+    "v0.5.30",
+    ("EFA_DEVICE_PLUGIN.version", "v0.5.30"),
+)
+_KUBERNETES = Mirror(
+    "kubernetes/kubernetes",
+    ("pkg/apis/core/v1/helper/helpers.go (MatchNodeSelectorTerms)", "staging/src/k8s.io/apimachinery/pkg/labels"),
+    "v1.35.0",
+    ("DEFAULT_KUBERNETES_VERSION", "1.35"),
+    "label selectors and required node affinity: terms ORed, expressions ANDed",
+)
+_POD_IDENTITY = Mirror(
+    "aws/amazon-eks-pod-identity-webhook",
+    ("pkg/handler/handler.go", "main.go"),
+    "v0.6.17",
+    ("DEFAULT_KUBERNETES_VERSION", "1.35"),
+    "EKS runs the webhook; its release follows the cluster's Kubernetes version",
+)
+_BOTOCORE = Mirror(
+    "boto/botocore",
+    ("botocore/credentials.py (ContainerProvider)", "botocore/utils.py (ContainerMetadataFetcher)"),
+    "0e6e2404b85d",
+    ("RAY_IMAGE", "rayproject/ray-llm:2.60.0-py312-cu130"),
+    "botocore 1.43.67 (2026-08-07); the image's boto3 fetches the S3 working_dir",
+)
+_PULUMI_EKS = Mirror(
+    "pulumi/pulumi-eks",
+    ("nodejs/eks/nodes/nodegroup.ts", "nodejs/eks/nodes/instances.ts"),
+    "v4.4.0",
+    ("requirements.txt:pulumi-eks", "4.4.0"),
+)
+_EKS_AMI = Mirror(
+    "awslabs/amazon-eks-ami",
+    (
+        "nodeadm/internal/containerd/base-runtime-spec.json",
+        "nodeadm/internal/containerd/base_runtime_spec.go",
+        "templates/al2023/runtime/rootfs/etc/systemd/system/nodeadm-run.service",
+    ),
+    "v20260724",
+    ("AMI_RELEASE_VERSION", "1.35.6-20260714"),
+    "read at v20260724; unchanged from the pinned v20260714 in these files",
+)
+_ELASTICACHE = Mirror(
+    "pulumi/pulumi-aws",
+    ("bridged hashicorp/terraform-provider-aws internal/service/elasticache/replication_group.go",),
+    "v7.51.1",
+    ("requirements.txt:pulumi-aws", "7.51.1"),
+    "read in 2026-08 against the pinned provider; plus the ElastiCache API (AuthToken) and ray's kuberay-gcs-ft.md",
+)
+
+MIRRORS: dict[str, Mirror] = {
+    "merge_config": _PULUMI,
+    "label_pod": _KUBERAY,
+    "rayservice_pod": _KUBERAY,
+    "incremental_upgrade": _KUBERAY,
+    "serve_service": _KUBERAY,
+    "selects": _KUBERNETES,
+    "efa_daemonset_affinity": _EFA_CHART,
+    "node_matches": _KUBERNETES,
+    "pod_identity_mutate": _POD_IDENTITY,
+    "botocore_container_credentials": _BOTOCORE,
+    "mng_image": _PULUMI_EKS,
+    "mng_root_volume": _PULUMI_EKS,
+    "efa_network_interfaces": _PULUMI_EKS,
+    "container_memlock": _EKS_AMI,
+    "elasticache_replication_group_errors": _ELASTICACHE,
+}
