@@ -532,6 +532,63 @@ def elasticache_replication_group_errors(inputs: dict[str, Any]) -> list[str]:
     return errors
 
 
+# --- torvalds/linux drivers/infiniband/core/umem.c (ib_umem_get), mm/mlock.c (can_do_mlock) ----
+# What pinning host memory for an RDMA registration (ibv_reg_mr, under fi_mr_reg) needs of the
+# calling process. (Device memory registered through dma-buf, ib_umem_dmabuf_get, is not
+# counted against the limit.)
+RLIM_INFINITY = "infinity"
+
+
+def ib_umem_get(memlock: str | None, capabilities: set[str], pinned_bytes: int, page_size: int = 4096) -> str:
+    """ "ok", "EPERM" or "ENOMEM" for pinning `pinned_bytes` (plus nothing pinned before).
+
+    can_do_mlock(): allowed when RLIMIT_MEMLOCK != 0 or the process has CAP_IPC_LOCK, else EPERM.
+    Then pinned pages > RLIMIT_MEMLOCK >> PAGE_SHIFT without CAP_IPC_LOCK -> ENOMEM.
+    `memlock` is the limit in bytes as text, "infinity" (RLIM_INFINITY), or None for the
+    default a process gets without any setting: 8 MiB (linux include/uapi/linux/resource.h
+    MLOCK_LIMIT, systemd >= 253 DefaultLimitMEMLOCK)."""
+    ipc_lock = "IPC_LOCK" in capabilities or "CAP_IPC_LOCK" in capabilities
+    if memlock is None:
+        limit = 8 << 20
+    elif memlock in (RLIM_INFINITY, "unlimited"):
+        return "ok"
+    else:
+        limit = int(memlock)
+    if limit == 0 and not ipc_lock:
+        return "EPERM"
+    pages = -(-pinned_bytes // page_size)
+    if pages > limit // page_size and not ipc_lock:
+        return "ENOMEM"
+    return "ok"
+
+
+# --- ofiwg/libfabric prov/efa/src/efa_fork_support.c, efa_env.c; man/fi_efa.7.md ------------------
+_FORK_SAFE_VARS = ("FI_EFA_FORK_SAFE", "RDMAV_FORK_SAFE", "IBV_FORK_SAFE")
+_TRUE = ("1", "on", "true", "yes", "y")
+
+
+class LibfabricAbort(Exception):
+    """The EFA provider prints why and calls abort() at initialization."""
+
+
+def efa_uses_huge_pages(env: dict[str, str]) -> bool:
+    """Does the EFA provider allocate its internal buffers from huge pages with this environment?
+
+    efa_fork_support_request_initialize: any of FI_EFA_FORK_SAFE (a libfabric bool),
+    RDMAV_FORK_SAFE or IBV_FORK_SAFE (set at all) turns rdma-core fork support on, and with it
+    huge pages off; FI_EFA_USE_HUGE_PAGE=1 together with fork support aborts. Otherwise
+    FI_EFA_USE_HUGE_PAGE decides, and unset means huge pages (fi_efa(7): "By default, EFA
+    provider will use huge page unless FI_EFA_FORK_SAFE is set")."""
+    fork = str(env.get("FI_EFA_FORK_SAFE", "0")).lower() in _TRUE or any(k in env for k in _FORK_SAFE_VARS[1:])
+    setting = env.get("FI_EFA_USE_HUGE_PAGE")
+    explicit = None if setting is None else str(setting).lower() in _TRUE
+    if fork:
+        if explicit:
+            raise LibfabricAbort("FI_EFA_USE_HUGE_PAGE=1 with fork support: libfabric aborts")
+        return False
+    return explicit is not False
+
+
 # --- Where each mirror above was read (issue 24 item 10) ---------------------------------------
 # Every public function of this module names the upstream repository, the paths and the tag or
 # commit its logic was read from, and, where the project pins that upstream (a chart, an image,
@@ -635,4 +692,18 @@ MIRRORS: dict[str, Mirror] = {
     "efa_network_interfaces": _PULUMI_EKS,
     "container_memlock": _EKS_AMI,
     "elasticache_replication_group_errors": _ELASTICACHE,
+    "ib_umem_get": Mirror(
+        "torvalds/linux",
+        ("drivers/infiniband/core/umem.c (ib_umem_get)", "mm/mlock.c (can_do_mlock)"),
+        "0446cad9ca38",
+        ("AMI_RELEASE_VERSION", "1.35.6-20260714"),
+        "the same two checks in later kernels (pinned_vm, pin_user_pages_fast); the AMI release brings the kernel",
+    ),
+    "efa_uses_huge_pages": Mirror(
+        "ofiwg/libfabric",
+        ("prov/efa/src/efa_fork_support.c", "prov/efa/src/efa_env.c", "man/fi_efa.7.md"),
+        "af8ddbe92f03",
+        ("EFA_INSTALLER_VERSION", "1.49.0"),
+        "main of 2026-08-21 (v2.6.0rc1+); the EFA installer 1.49.0 carries the libfabric the image runs",
+    ),
 }
