@@ -326,3 +326,15 @@ def test_make_in_pulumi_jobs_runs_in_pulumis_own_light_virtualenv(pr, deploy):
                 assert target in LIGHT_TARGETS, (name, target)
                 assert {**wf.get("env", {}), **job.get("env", {})}.get("PULUMI_VENV") == runtime, name
     assert seen >= 3  # efa-check after each tier's pulumi up
+
+
+def test_every_tier_checks_the_fabric_after_its_update(deploy):
+    """issue 24 item 8: `make efa-check` (EFA, memory registration and, for multi-node stacks,
+    NCCL across nodes) runs right after each tier's `pulumi up`, on the stack's own image."""
+    for tier in ("dev", "staging", "prod"):
+        steps = deploy["jobs"][tier]["steps"]
+        up = next(i for i, s in enumerate(steps) if str(s.get("uses", "")).startswith(PULUMI_ACTION))
+        check = next(i for i, s in enumerate(steps) if "make efa-check" in str(s.get("run", "")))
+        assert check > up, tier
+        run = steps[check]["run"]
+        assert 'STACK="$STACK"' in run and "workerImage" in run, tier
