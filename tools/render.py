@@ -107,7 +107,8 @@ def write(rendered: Rendered, out: Path) -> None:
         from tools import efa_check
 
         inp = efa_check.inputs_for(cfg, rendered.stack, None, 0.5)
-        efa_check.write(efa_check.efa_check.manifests(inp), out / "efa-check", cfg.kubernetes_version)
+        objects = {**efa_check.efa_check.manifests(inp), **efa_check.nccl_objects(cfg, inp.image)}
+        efa_check.write(objects, out / "efa-check", cfg.kubernetes_version)
 
 
 def pool_summary(rendered: Rendered) -> list[dict[str, Any]]:

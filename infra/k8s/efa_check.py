@@ -3,10 +3,15 @@
 What flows through here: a stack's pools (their catalog entries), the namespace, the worker
 image and the role label/taint -> a headless Service and two Jobs (`efa-check-server` on a
 prefill node, `efa-check-client` on a decode node). Each pod asks for all of its node's EFA
-interfaces (and no GPUs), runs `fi_info -p efa` and checks it sees every interface, then one
-`fi_pingpong` (libfabric's own test) per EFA device pair in parallel. The client prints one
-`EFA_CHECK` line per device and a total; `parse_report` turns the client's log into bandwidth
-against the catalog's line rate. `tools.efa_check` renders, applies and reads it.
+interfaces (and no GPUs) and runs as the engines do (uid 1000, every capability dropped, the
+engines' libfabric environment from `infra.k8s.rayservice.efa_engine_env`). Each checks what
+memory registration needs in such a pod (docs/efa.md, "Memory registration in the pods"):
+an unlimited RLIMIT_MEMLOCK, one readable and writable `/dev/infiniband/uverbs*` file per
+interface; then `fi_info -p efa` must see every interface, and one `fi_pingpong` (libfabric's
+own test, which registers its buffers with `fi_mr_reg` under FI_MR_LOCAL) runs per EFA device
+pair in parallel. A registration error in any pingpong fails the check by name. The client
+prints one `EFA_CHECK` line per device and a total; `parse_report` turns both pods' logs into
+bandwidth against the catalog's line rate. `tools.efa_check` renders, applies and reads it.
 
 No Pulumi here: the deploy workflow runs it with kubectl after `pulumi up`; the tests validate
 the objects against the Kubernetes OpenAPI schema.
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
+from infra.k8s.rayservice import efa_engine_env
 from infra.model import catalog
 
 NAME = "efa-check"
@@ -71,16 +77,37 @@ def server_host(inp: EfaCheckInputs) -> str:
     return f"{NAME}-server.{inp.namespace}.svc.cluster.local"
 
 
+# What libfabric prints when registration fails (util/pingpong.c PP_PRINTERR("fi_mr_reg", ret);
+# the EFA provider's ibv_reg_mr/efa_mr_reg warnings; -FI_ENOMEM/-FI_EPERM as strerror text).
+REGISTRATION_ERRORS = r"fi_mr_reg|ibv_reg_mr|efa_mr_reg|Cannot allocate memory|Operation not permitted"
+DEVICE_DIR = "/dev/infiniband"
+
+
 def _common_script(role: str, inst: catalog.InstanceType) -> list[str]:
     return [
         "set -euo pipefail",
-        f'echo "EFA_CHECK role={role} node=${{NODE_NAME}} instance={inst.name} memlock=$(ulimit -l)"',
+        f'echo "EFA_CHECK role={role} node=${{NODE_NAME}} instance={inst.name} memlock=$(ulimit -l) uid=$(id -u)"',
+        # Pinning host memory needs RLIMIT_MEMLOCK above what is pinned, or CAP_IPC_LOCK, which
+        # the pods drop (linux drivers/infiniband/core/umem.c ib_umem_get): unlimited is what
+        # the node's containerd drop-in gives every container (infra/components/gpu_node_pool.py).
+        f'[ "$(ulimit -l)" = unlimited ] || {{ echo "EFA_CHECK FAIL {role}: memlock is $(ulimit -l) KiB, '
+        'not unlimited: memory registration will fail (containerd LimitMEMLOCK drop-in missing?)"; exit 1; }',
+        # The device plugin hands the pod one uverbs file per interface; uid 1000 must open them.
+        f'DEV_DIR="${{EFA_CHECK_DEV_DIR:-{DEVICE_DIR}}}"',
+        'UVERBS=( "$DEV_DIR"/uverbs* )',
+        '[ -e "${UVERBS[0]}" ] || UVERBS=()',
+        f'echo "EFA_CHECK role={role} uverbs=${{#UVERBS[@]}} expected={inst.efa_interfaces}"',
+        f'[ "${{#UVERBS[@]}}" -ge {inst.efa_interfaces} ] || {{ echo "EFA_CHECK FAIL {role}: '
+        f'${{#UVERBS[@]}} uverbs device files in $DEV_DIR, {inst.efa_interfaces} expected"; exit 1; }}',
+        'for d in "${UVERBS[@]}"; do [ -r "$d" ] && [ -w "$d" ] || { echo "EFA_CHECK FAIL '
+        f'{role}: $d is not read-write for uid $(id -u) ($(stat -c %A "$d"))"; exit 1; }}; done',
         "fi_info --version",
         # Every EFA device the pod was given, as libfabric's RDM domains.
         "fi_info -p efa -t FI_EP_RDM > /tmp/fi_info.txt || { cat /tmp/fi_info.txt; echo 'EFA_CHECK FAIL fi_info -p efa found no EFA provider'; exit 1; }",
         "mapfile -t DOMAINS < <(awk '/domain:/ {print $2}' /tmp/fi_info.txt | sort -u)",
         f'echo "EFA_CHECK role={role} devices=${{#DOMAINS[@]}} expected={inst.efa_interfaces}"',
         f'[ "${{#DOMAINS[@]}}" -ge {inst.efa_interfaces} ] || {{ echo "EFA_CHECK FAIL {role}: {inst.efa_interfaces} EFA devices expected"; exit 1; }}',
+        "PIDS=()",
     ]
 
 
@@ -92,11 +119,25 @@ def server_script(inp: EfaCheckInputs) -> str:
         f"for i in $(seq 0 {n - 1}); do",
         f'  fi_pingpong -p efa -e rdm -d "${{DOMAINS[$i]}}" -S {inp.message_bytes} -I {inp.iterations} '
         f"-B $(({BASE_PORT} + i)) > /tmp/pp.$i 2>&1 &",
+        "  PIDS+=($!)",
         "done",
-        "wait",
-        'echo "EFA_CHECK role=prefill done"',
+        'rc=0; for pid in "${PIDS[@]}"; do wait "$pid" || rc=1; done',
+        *_registration_lines("prefill", n),
+        'echo "EFA_CHECK role=prefill done rc=$rc"',
+        "exit $rc",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _registration_lines(role: str, n: int) -> list[str]:
+    """Fail by name when a pingpong could not register memory (its log says so)."""
+    return [
+        f"for i in $(seq 0 {n - 1}); do",
+        f"  if err=$(grep -m1 -E '{REGISTRATION_ERRORS}' /tmp/pp.$i); then",
+        f'    echo "EFA_CHECK FAIL {role}: memory registration on ${{DOMAINS[$i]}}: $err"; rc=1',
+        "  fi",
+        "done",
+    ]
 
 
 def client_script(inp: EfaCheckInputs) -> str:
@@ -112,13 +153,15 @@ def client_script(inp: EfaCheckInputs) -> str:
         f"for i in $(seq 0 {n - 1}); do",
         f'  fi_pingpong -p efa -e rdm -d "${{DOMAINS[$i]}}" -S {inp.message_bytes} -I {inp.iterations} '
         f'-P $(({BASE_PORT} + i)) "$SERVER" > /tmp/pp.$i 2>&1 &',
+        "  PIDS+=($!)",
         "done",
-        "rc=0; wait || rc=$?",
+        'rc=0; for pid in "${PIDS[@]}"; do wait "$pid" || rc=1; done',
         f"for i in $(seq 0 {n - 1}); do",
         "  mbps=$(awk '$1 ~ /^[0-9.]+[kmg]?$/ && NF >= 8 {print $6}' /tmp/pp.$i | tail -1)",
         '  echo "EFA_CHECK device=${DOMAINS[$i]} MBps=${mbps:-none}"',
         '  [ -n "$mbps" ] || { cat /tmp/pp.$i; rc=1; }',
         "done",
+        *_registration_lines("decode", n),
         'echo "EFA_CHECK role=decode done rc=$rc"',
         "exit $rc",
     ]
@@ -153,8 +196,10 @@ def _pod(inp: EfaCheckInputs, role: str, component: str, script: str) -> dict[st
                     "command": ["/bin/bash", "-c", script],
                     "env": [
                         {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-                        {"name": "FI_PROVIDER", "value": "efa"},
-                        {"name": "FI_EFA_ENABLE_SHM_TRANSFER", "value": "0"},
+                        # The engines' libfabric settings, so the check proves their set-up: with
+                        # FI_EFA_FORK_SAFE=1 the EFA provider uses no huge pages (libfabric
+                        # prov/efa/src/efa_fork_support.c), so no hugepages-2Mi is requested.
+                        *({"name": k, "value": v} for k, v in efa_engine_env(list(inp.instances.values())).items()),
                     ],
                     "resources": {"requests": dict(resources), "limits": dict(resources)},
                     "securityContext": {

@@ -10,8 +10,8 @@ use the aws-ofi-nccl network ("Using network Libfabric" in its own debug log: wi
 plugin NCCL silently falls back to TCP sockets), when the sums are wrong, or when the bus
 bandwidth is below `min_busbw_gbps`.
 
-The efa-check target (issue 11) applies these objects next to its own Job; engine replicas that
-span nodes (TP x PP, DP + EP) depend on exactly this path.
+`make efa-check` (tools/efa_check.py) applies these objects next to its own Jobs for every role
+whose engine replicas span nodes (TP x PP, DP + EP), which depend on exactly this path.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Any
 
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
+from infra.k8s.rayservice import efa_engine_env
 from infra.model.catalog import InstanceType
 
 SCRIPT = Path(__file__).parent / "scripts" / "nccl_allreduce.py"
 PORT = 29500
+JOB_DEADLINE_S = 1200  # the Job's activeDeadlineSeconds: image pull on two new nodes, NCCL init, sizes
 RUN_AS = 1000  # the `ray` user of Ray's images, as the engine pods
 
 # NCCL over EFA (sources in infra/k8s/rayservice.py NCCL_EFA_ENV): the plugin by name, and its
@@ -101,7 +103,9 @@ def nccl_check_manifests(
                 "name": "nccl",
                 "image": image,
                 "command": ["sh", "-c", torchrun],
-                "env": [{"name": k, "value": v} for k, v in NCCL_ENV.items()],
+                # The engines' libfabric settings (FI_EFA_FORK_SAFE=1: no huge pages, so no
+                # hugepages-2Mi request; libfabric prov/efa/src/efa_fork_support.c), then NCCL's.
+                "env": [{"name": k, "value": v} for k, v in {**efa_engine_env([instance]), **NCCL_ENV}.items()],
                 "ports": [{"containerPort": PORT, "name": "rdzv"}],
                 "resources": {"requests": dict(devices), "limits": dict(devices)},
                 "securityContext": {
@@ -135,7 +139,7 @@ def nccl_check_manifests(
             "completions": 2,
             "parallelism": 2,
             "backoffLimit": 0,
-            "activeDeadlineSeconds": 1200,
+            "activeDeadlineSeconds": JOB_DEADLINE_S,
             "ttlSecondsAfterFinished": 3600,
             "template": {"metadata": {"labels": labels}, "spec": pod},
         },

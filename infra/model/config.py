@@ -23,6 +23,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from infra.k8s import labels
 from infra.model import catalog, sizing, versions, vllm_options
+from infra.model.ami_check import ami_driver_errors
 from infra.model.fit import fit_errors
 from serving.spec import AuthMode, KvBackend, Mode, ServingSpec, SpecModel, check_order
 
@@ -464,6 +465,7 @@ class StackConfig(SpecModel):
             *self._kv_transfer_errors(),
             *self._vllm_option_errors(),
             *self._image_errors(),
+            *ami_driver_errors(self.ami_release_version, {r: p.instance for r, p in self.node_pools}),
             # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
             *fit_errors(self.serving, {role: pool.instance for role, pool in self._engine_pools().items()}),
         ]

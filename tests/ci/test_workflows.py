@@ -296,3 +296,51 @@ def test_make_test_jobs_name_the_cpu_torch_index(pr, deploy):
         (job,) = [j for j in wf["jobs"].values() if "make test" in _runs(j)]
         (step,) = [s for s in job["steps"] if s.get("run") == "make test"]
         assert step["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+
+
+# --- issue 24 item 9: the light environment ------------------------------------------------------
+LIGHT_TARGETS = ("render", "plan", "diff", "stack", "efa-check")
+
+
+def test_offline_tool_targets_use_the_light_environment():
+    """make render/plan/diff/stack/efa-check depend on pulumi-venv (requirements.txt only), never
+    on venv (the 5 GB serving install); serve and test keep the full one."""
+    for target in LIGHT_TARGETS:
+        prereqs = _make_prerequisites(target)
+        assert prereqs == ["pulumi-venv"], (target, prereqs)
+    for target in ("serve", "test", "bench", "chaos"):
+        assert "venv" in _make_prerequisites(target), target
+    dry = subprocess.run(
+        ["make", "-n", "-B", "pulumi-venv"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    ).stdout
+    assert "-r requirements.txt" in dry
+    assert "requirements-dev" not in dry and "requirements-serving" not in dry
+    assert ".venv-pulumi" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_make_in_pulumi_jobs_runs_in_pulumis_own_light_virtualenv(pr, deploy):
+    """A `make` target in a job that installed requirements.txt into Pulumi's runtime virtualenv
+    must find it there (PULUMI_VENV), not start the full install."""
+    runtime = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())["runtime"]["options"]["virtualenv"]
+    seen = 0
+    for wf in (pr, deploy):
+        for name, job in wf["jobs"].items():
+            if "make test" in _runs(job) or not _pulumi_only(job):
+                continue
+            for target in re.findall(r"\bmake ([a-z-]+)", _runs(job)):
+                seen += 1
+                assert target in LIGHT_TARGETS, (name, target)
+                assert {**wf.get("env", {}), **job.get("env", {})}.get("PULUMI_VENV") == runtime, name
+    assert seen >= 3  # efa-check after each tier's pulumi up
+
+
+def test_every_tier_checks_the_fabric_after_its_update(deploy):
+    """issue 24 item 8: `make efa-check` (EFA, memory registration and, for multi-node stacks,
+    NCCL across nodes) runs right after each tier's `pulumi up`, on the stack's own image."""
+    for tier in ("dev", "staging", "prod"):
+        steps = deploy["jobs"][tier]["steps"]
+        up = next(i for i, s in enumerate(steps) if str(s.get("uses", "")).startswith(PULUMI_ACTION))
+        check = next(i for i, s in enumerate(steps) if "make efa-check" in str(s.get("run", "")))
+        assert check > up, tier
+        run = steps[check]["run"]
+        assert 'STACK="$STACK"' in run and "workerImage" in run, tier

@@ -193,6 +193,8 @@ CASES: list[Hostile] = [
     Hostile("ami-release-malformed", "prod", _set("amiReleaseVersion", "latest"), "amiReleaseVersion"),
     Hostile("ami-release-other-k8s", "prod", _set("amiReleaseVersion", "1.34.9-20260714"), "amiReleaseVersion"),
     Hostile("ami-release-missing", "staging", _del("amiReleaseVersion"), "amiReleaseVersion"),
+    # No recorded NVIDIA driver for that release: refused, not guessed (issue 24 item 8).
+    Hostile("ami-release-unknown-driver", "prod", _set("amiReleaseVersion", "1.35.6-20990101"), "amiReleaseVersion"),
     Hostile("redis-address-not-tls-scheme", "prod", _set("gcsRedisAddress", "http://x:6379"), "gcsRedisAddress"),
     Hostile(
         "managed-redis-with-address",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 
 from infra.components.gpu_node_pool import nvidia_ami_name
+from infra.model import versions
 from tests.upstream import mng_image
 from tools import mock_runtime, stackfile
 
@@ -50,7 +51,9 @@ def test_the_rule_bites_on_yesterdays_inputs():
     assert mng_image(old) == {"source": "ssm-recommended", "pinned": False, "value": None}
 
 
-def test_an_ami_bump_is_a_visible_change_of_the_render():
+def test_an_ami_bump_is_a_visible_change_of_the_render(monkeypatch):
+    # A bump records the new release's driver first (the config refuses unrecorded releases).
+    monkeypatch.setitem(versions.EKS_AMI_NVIDIA_DRIVER, "20260801", "580.159.03")
     values, secrets, others = stackfile.read_as_deployed("prod")
     before = _groups(mock_runtime.run("prod", values, secrets, others))
     bumped = copy.deepcopy(values)

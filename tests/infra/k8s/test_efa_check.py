@@ -87,18 +87,50 @@ def _stub(dir_: Path, name: str, body: str) -> None:
     f.chmod(f.stat().st_mode | stat.S_IEXEC)
 
 
-def _run(script: str, tmp: Path, devices: int, mbps: float) -> subprocess.CompletedProcess:
+# What fi_pingpong prints when fi_mr_reg fails (libfabric util/pingpong.c PP_PRINTERR, -FI_ENOMEM).
+MR_FAILURE = "fi_mr_reg(): util/pingpong.c:1388, ret=-12 (Cannot allocate memory)"
+
+
+def _run(
+    script: str,
+    tmp: Path,
+    devices: int,
+    mbps: float,
+    *,
+    memlock: str = "unlimited",
+    uverbs: int | None = None,
+    uverbs_mode: int = 0o666,
+    pingpong_fails: bool = False,
+) -> subprocess.CompletedProcess:
+    """Run a check script with stand-ins: `memlock` is what `ulimit -l` says (a function shadows
+    the builtin), `uverbs` device files (default: one per device) sit in a scratch /dev/infiniband."""
     bin_ = tmp / "bin"
     bin_.mkdir(exist_ok=True)
+    dev = tmp / "dev-infiniband"
+    dev.mkdir(exist_ok=True)
+    for i in range(devices if uverbs is None else uverbs):
+        f = dev / f"uverbs{i}"
+        f.touch()
+        f.chmod(uverbs_mode)
     domains = "".join(f"    domain: rdmap{i}s0-rdm\\n" for i in range(devices))
     _stub(bin_, "fi_info", f'[ "$1" = --version ] && {{ echo "fi_info: 2.4.0amzn5.0"; exit 0; }}\nprintf "{domains}"\n')
     row = ROW.format(size="4m", n=200, total="1.5g", t=0.07, mbps=mbps, usec=350.0, mx=0.0)
     header = "bytes   #sent   #ack     total       time     MB/sec    usec/xfer   Mxfers/sec"
-    _stub(bin_, "fi_pingpong", f'echo "{header}"\necho "{row}"\n')
+    if pingpong_fails:
+        _stub(bin_, "fi_pingpong", f'echo "{MR_FAILURE}"\nexit 1\n')
+    else:
+        _stub(bin_, "fi_pingpong", f'echo "{header}"\necho "{row}"\n')
     _stub(bin_, "getent", 'echo "10.0.0.7 $2"\n')
     _stub(bin_, "sleep", "exit 0\n")
-    env = {"PATH": f"{bin_}:{os.environ['PATH']}", "NODE_NAME": "node-1", "TMPDIR": str(tmp)}
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    env = {
+        "PATH": f"{bin_}:{os.environ['PATH']}",
+        "NODE_NAME": "node-1",
+        "TMPDIR": str(tmp),
+        "EFA_CHECK_DEV_DIR": str(dev),
+        "MEMLOCK": memlock,
+    }
+    prelude = 'ulimit() { echo "$MEMLOCK"; }\n'
+    return subprocess.run(["bash", "-c", prelude + script], capture_output=True, text=True, env=env, timeout=60)
 
 
 def test_scripts_run_and_the_client_log_parses_into_a_pass(tmp_path: Path) -> None:
@@ -122,7 +154,7 @@ def test_tcp_speeds_fail(tmp_path: Path) -> None:
 
 def test_missing_devices_fail(tmp_path: Path) -> None:
     inp = _inp(P4DE, P4DE)
-    client = _run(efa_check.client_script(inp), tmp_path, devices=2, mbps=12000)
+    client = _run(efa_check.client_script(inp), tmp_path, devices=2, mbps=12000, uverbs=4)
     assert client.returncode != 0
     report = efa_check.parse_report(client.stdout, inp)
     assert not report.ok and any("4 EFA devices expected" in f for f in report.failures)
@@ -131,3 +163,52 @@ def test_missing_devices_fail(tmp_path: Path) -> None:
 def test_an_empty_log_fails() -> None:
     report = efa_check.parse_report("", _inp())
     assert not report.ok and report.failures
+
+
+# --- issue 24 item 6: what memory registration needs, checked in the pods ---------------------
+def test_a_finite_memlock_fails_loudly(tmp_path: Path) -> None:
+    """ib_umem_get (linux drivers/infiniband/core/umem.c) refuses to pin past RLIMIT_MEMLOCK
+    without CAP_IPC_LOCK, which the pods drop: a finite limit is a failed check, not a slow one."""
+    inp = _inp(P4DE, P4DE)
+    for script in (efa_check.server_script(inp), efa_check.client_script(inp)):
+        out = _run(script, tmp_path, devices=4, mbps=12000, memlock="8192")
+        assert out.returncode != 0
+        assert "memlock is 8192 KiB, not unlimited" in out.stdout
+    report = efa_check.parse_report(out.stdout, inp)
+    assert not report.ok and any("memlock" in f for f in report.failures)
+
+
+def test_missing_or_unwritable_device_files_fail(tmp_path: Path) -> None:
+    inp = _inp(P4DE, P4DE)
+    (tmp_path / "few").mkdir()
+    few = _run(efa_check.client_script(inp), tmp_path / "few", devices=4, mbps=12000, uverbs=2)
+    assert few.returncode != 0 and "2 uverbs device files" in few.stdout
+    (tmp_path / "ro").mkdir()
+    ro = _run(efa_check.client_script(inp), tmp_path / "ro", devices=4, mbps=12000, uverbs_mode=0o444)
+    if os.geteuid() != 0:  # root writes anything; the pods run as uid 1000
+        assert ro.returncode != 0 and "is not read-write for uid" in ro.stdout
+
+
+def test_a_registration_error_fails_both_sides_by_name(tmp_path: Path) -> None:
+    inp = _inp(P4DE, P4DE)
+    for script in (efa_check.server_script(inp), efa_check.client_script(inp)):
+        out = _run(script, tmp_path, devices=4, mbps=12000, pingpong_fails=True)
+        assert out.returncode != 0
+        report = efa_check.parse_report(out.stdout, inp)
+        assert not report.ok
+        assert any("memory registration on rdmap0s0-rdm: fi_mr_reg()" in f for f in report.failures), report.failures
+
+
+def test_the_check_pods_run_with_the_engines_libfabric_settings() -> None:
+    """The check proves the engines' set-up, so it uses their libfabric environment
+    (infra.k8s.rayservice.efa_engine_env) and their security context."""
+    from infra.k8s.rayservice import efa_engine_env
+
+    for obj in efa_check.manifests(_inp()).values():
+        if obj["kind"] != "Job":
+            continue
+        c = obj["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e["value"] for e in c["env"] if "value" in e}
+        assert efa_engine_env([P5, P5]).items() <= env.items()
+        assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert not c["securityContext"].get("privileged")

@@ -25,6 +25,7 @@ Contracts (reproduced in tests/upstream.py, each from ray-project/kuberay v1.7.0
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest

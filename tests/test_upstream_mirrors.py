@@ -1,0 +1,101 @@
+"""The hand mirrors of upstream code (tests/upstream.py) cannot drift from the pins (issue 24 item 10).
+
+What flows through here: tests/upstream.MIRRORS (per public function: repository, paths, the tag
+or commit it was read from, and the project pin it was checked against) -> the pins as they
+are now in infra/model/versions.py and requirements.txt. A pin that moved without its
+mirrors being re-read (and MIRRORS updated) fails, naming the mirror and what to re-read.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+
+import pytest
+
+from infra.model import versions
+from infra.paths import ROOT
+from tests import upstream
+
+_REF = re.compile(r"^(([A-Za-z][A-Za-z-]*-)?v?\d+(\.\d+)*([.-][0-9A-Za-z.]+)?|[0-9a-f]{12,40})$")
+
+
+def _public_functions() -> set[str]:
+    return {
+        name
+        for name, obj in vars(upstream).items()
+        if inspect.isfunction(obj) and obj.__module__ == upstream.__name__ and not name.startswith("_")
+    }
+
+
+def _requirement(package: str) -> str | None:
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        m = re.match(rf"^{re.escape(package)}==(\S+)", line.strip(), flags=re.I)
+        if m:
+            return m.group(1)
+    return None
+
+
+def pin_value(where: str) -> str | None:
+    """The current value of a pin: `requirements.txt:<package>` or an attribute path of versions."""
+    if where.startswith("requirements.txt:"):
+        return _requirement(where.split(":", 1)[1])
+    obj: object = versions
+    for part in where.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return str(obj)
+
+
+def drift() -> list[str]:
+    """One line per mirror whose pin moved since it was read."""
+    problems = []
+    for name, m in sorted(upstream.MIRRORS.items()):
+        if m.pin is None:
+            continue
+        where, read_at = m.pin
+        now = pin_value(where)
+        if now != read_at:
+            problems.append(
+                f"{name}: {where} is {now!r}, the mirror was read for {read_at!r}: re-read {m.repo} "
+                f"{', '.join(m.paths)} at the new release and update tests/upstream.MIRRORS"
+            )
+    return problems
+
+
+def test_every_mirror_names_where_it_was_read() -> None:
+    missing = _public_functions() - set(upstream.MIRRORS)
+    assert not missing, f"mirrors without a recorded source: {sorted(missing)}"
+    assert not set(upstream.MIRRORS) - _public_functions(), "MIRRORS names functions that do not exist"
+    for name, m in upstream.MIRRORS.items():
+        assert re.fullmatch(r"[\w.-]+/[\w.-]+", m.repo), name
+        assert m.paths and all(m.paths), name
+        assert _REF.match(m.ref), f"{name}: {m.ref!r} is neither a tag nor a commit"
+
+
+def test_every_pin_resolves() -> None:
+    for name, m in upstream.MIRRORS.items():
+        if m.pin is not None:
+            assert pin_value(m.pin[0]) is not None, f"{name}: {m.pin[0]} names no pin"
+
+
+def test_no_pin_moved_without_its_mirrors() -> None:
+    assert drift() == []
+
+
+@pytest.mark.parametrize(
+    "attr,moved",
+    [
+        ("KUBERAY_OPERATOR", versions.HelmChart("kuberay-operator", "1.8.0", versions.KUBERAY_OPERATOR.repo)),
+        (
+            "EFA_DEVICE_PLUGIN",
+            versions.HelmChart("aws-efa-k8s-device-plugin", "v0.5.31", versions.EFA_DEVICE_PLUGIN.repo),
+        ),
+        ("AMI_RELEASE_VERSION", "1.35.6-20260801"),
+    ],
+)
+def test_a_moved_pin_fails_the_check(monkeypatch, attr: str, moved: object) -> None:
+    monkeypatch.setattr(versions, attr, moved)
+    lines = drift()
+    assert lines and all(attr in line for line in lines), lines
