@@ -154,6 +154,9 @@ class SseRewriter:
             return f"data: {data}\n\n"
         if isinstance(msg, dict):
             self._look(msg)
+            # Engine-internal coordinates (vLLM puts kv_transfer_params on answers) never leave.
+            msg.pop("kv_transfer_params", None)
+            msg.pop("ec_transfer_params", None)
             if msg.get("usage"):
                 self.usage.take(msg["usage"])
                 keep_chunk = self.keep_usage_event if self.keep_chunk_usage is None else self.keep_chunk_usage

@@ -613,7 +613,8 @@ class ResilientIngressMixin:
             _cancel(stream)
             raise EngineRefused(head.error.code or 400, head.error.message)
         if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
-            return JSONResponse(content=head.model_dump())
+            # The engines' KV-transfer coordinates are internal: never in an answer.
+            return JSONResponse(content=head.model_dump(exclude={"kv_transfer_params", "ec_transfer_params"}))
         return StreamingResponse(
             guarded_stream(
                 first,

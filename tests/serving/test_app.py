@@ -444,6 +444,21 @@ def test_malformed_request_gets_a_json_400_and_serving_continues(stack):
 
 
 @pytest.mark.e2e
+def test_n_greater_than_one_under_pd_answers_every_choice(stack):
+    """n > 1 prefills on decode by design (vLLM's parallel sampling shares one
+    kv_transfer_params between the children): every choice still comes back, and nothing
+    internal in the answer."""
+    url = stack.urls["disaggregated"]
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    body = {"model": stack.model, "messages": PROMPT_MESSAGES, "max_tokens": 4, "n": 2, "temperature": 0.8}
+    r = httpx.post(f"{url}/chat/completions", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert sorted(c["index"] for c in doc["choices"]) == [0, 1]
+    assert "kv_transfer_params" not in doc
+
+
+@pytest.mark.e2e
 def test_a_client_cannot_hand_the_engines_kv_transfer_params(stack):
     """Before 2026-12-01 this was a 500 (Ray's prepare_prefill_request asserts it empty), and
     on the local-prefill path decode answered with its NIXL engine id, host and port."""
@@ -614,3 +629,22 @@ def test_tokenize_is_behind_the_keys_request_limit(monkeypatch):
     status, err = error_of(resp)
     assert status == 429 and resp.headers["retry-after"] == "9" and err["code"] == "rate_limit_exceeded"
     assert len(asked) == 1 and handle.calls == []
+
+
+def test_a_non_streamed_answer_never_carries_engine_coordinates(monkeypatch):
+    from ray.serve.llm.openai_api_models import ChatCompletionResponse
+
+    answer = ChatCompletionResponse.model_validate(
+        {
+            "id": "chatcmpl-1",
+            "created": 0,
+            "model": MODEL,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            "kv_transfer_params": {"remote_host": "10.0.0.7", "remote_port": 5600, "remote_engine_id": "e"},
+        }
+    )
+    ingress, _ = make_ingress(monkeypatch, outcome=answer)
+    resp = run(ingress.chat(make_request(CHAT)))
+    assert resp.status_code == 200
+    assert b"remote_host" not in resp.body and "kv_transfer_params" not in json.loads(resp.body)

@@ -345,3 +345,12 @@ def test_reconfiguring_retires_the_client_without_cutting_a_live_stream(monkeypa
     first, rest = asyncio.run(go())
     assert '"a"' in first and '"b"' in "".join(rest) and "".join(rest).rstrip().endswith("[DONE]")
     assert client.closed and client.active == 0
+
+
+def test_engine_coordinates_in_a_stream_never_reach_the_client():
+    r = SseRewriter(model=None, keep_usage_event=True)
+    out = r.feed(
+        'data: {"model":"m","choices":[{"text":"a","finish_reason":"stop"}],'
+        '"kv_transfer_params":{"remote_host":"10.0.0.7","remote_port":5600}}\n\n'
+    )
+    assert "remote_host" not in out[0] and "kv_transfer_params" not in out[0]
