@@ -40,7 +40,9 @@ def test_local_config_has_the_documented_local_values(mode):
             cfg = args[side]
             assert cfg["engine_kwargs"]["kv_transfer_config"]["kv_connector"] == "NixlConnector"
             assert cfg["engine_kwargs"]["kv_transfer_config"]["kv_buffer_device"] == "cpu"
-            assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [{"ray.io/node-group": group}]
+            assert cfg["deployment_config"]["placement_group_bundle_label_selector"] == [
+                {"pd-inference/node-group": group}
+            ]
         scaling = args["decode_config"]["deployment_config"]["autoscaling_config"]
         assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 8)
         assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (2, 10)
