@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.hops import parse_prometheus
-from serving.resilience import METRICS, Path
+from serving.prefill_hop import Path
+from serving.resilience import METRICS
 
 # Ray exports a Serve Counter named N as ray_N_total.
 PATH_METRIC = f"ray_{METRICS['prefill_path']}_total"

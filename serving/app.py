@@ -46,8 +46,9 @@ from starlette.responses import JSONResponse, Response
 
 from serving.fallback import SERVED_BY
 from serving.hybrid import HybridRouting
+from serving.ingress_resilience import ResilientIngressMixin
 from serving.request_fields import refused_field
-from serving.resilience import OVERLOADED_MESSAGE, ResilientIngressMixin, Unservable
+from serving.resilience import OVERLOADED_MESSAGE, Unservable
 from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
@@ -193,7 +194,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         **kwargs,
     ):
         super().__init__(llm_deployments, model_cards, **kwargs)
-        # Deadlines, retries, fast refusals for chat/completions (serving/resilience.py).
+        # Deadlines, retries, fast refusals for chat/completions (serving/ingress_resilience.py).
         self._init_resilience(resilience or ResilienceSpec().runtime_args())
         keys = parse_api_keys(os.environ.get(api_keys_env))
         self._auth = ApiKeyAuth(auth_mode, keys)

@@ -25,15 +25,8 @@ from ray.serve.llm.ingress import make_fastapi_ingress
 
 from serving import ray_internals as ri
 from serving.circuit import Circuit
-from serving.resilience import (
-    METRICS,
-    Path,
-    Reason,
-    ResilienceConfig,
-    _is_server_error,
-    orchestrate,
-    remote_prefill,
-)
+from serving.prefill_hop import Path, orchestrate, remote_prefill
+from serving.resilience import METRICS, Reason, ResilienceConfig, is_server_error
 from serving.streaming import EagerFirstChunkMixin
 
 logger = logging.getLogger("ray.serve")
@@ -48,7 +41,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
     """Ray's decode-side orchestrator, with the prefill hop made fault tolerant.
 
     chat/completions: remote prefill under a deadline, retried, circuit-broken; local
-    prefill on this decode engine when the remote path fails (see serving.resilience).
+    prefill on this decode engine when the remote path fails (see serving.prefill_hop).
     Connectors that bind a peer or hand off concurrently (MoRIIO, WRITE mode) and the
     tokenize-once experiment keep Ray's own path. The first streamed chunk leaves at once
     (serving.streaming; the mixin comes first so its `_batch_output_stream` wins).
@@ -171,7 +164,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 prefill=prefill,
                 decode_with=decode_with,
                 decode_local=decode_local,
-                is_server_error=_is_server_error,
+                is_server_error=is_server_error,
                 kv_ready_timeout_s=kv_ready_timeout_s,
                 on_path=on_path,
                 local_reason=Reason.PARALLEL_SAMPLING if n > 1 else None,

@@ -1,7 +1,8 @@
 """The one place where the serving code reaches into Ray Serve LLM's internal modules.
 
 What flows through here: nothing at run time; this module only re-exports the few Ray
-2.60 internals that the resilience layer (serving/resilience.py) needs and that
+2.60 internals that the resilience layer (serving/resilience.py, prefill_hop.py,
+ingress_resilience.py) needs and that
 `ray.serve.llm` does not export. Each is named with the upstream file it comes from, so
 that an upgrade has one file to check; tests/serving/test_ray_internals.py fails loudly
 when any of them moves or changes shape.

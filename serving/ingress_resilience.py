@@ -1,0 +1,292 @@
+"""The ingress side of the resilient path: deadlines, one retry, fast refusals, guarded streams.
+
+What flows through here: a chat/completions request the ingress has authenticated and parsed
+-> `first_chunk`: dispatched to decode until a first chunk arrives (one retry when the decode
+replica died or answered 5xx before the first byte; at most failFastS of waiting while decode
+is known degraded; Serve's back-pressure and a request no replica takes in time -> 503 +
+Retry-After; the first-token and total deadlines -> 504) -> `guarded_stream`: the SSE
+packets of the started stream, cut at the total deadline, ended with an OpenAI-style error
+event when the stream fails after bytes went out, the downstream call cancelled when the
+client goes away. `ResilientIngressMixin` wires both into Ray's OpenAiIngress for
+chat/completions; `on_unservable` is the hook for "the cluster cannot serve this request"
+(the external fallback overrides it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from serving.resilience import (
+    METRICS,
+    EngineRefused,
+    Reason,
+    ResilienceConfig,
+    Unservable,
+    assigned,
+    cancel_call,
+    classify,
+    decode_unavailable,
+    first_item,
+    is_server_error,
+    logger,
+    overloaded,
+    sse_error,
+)
+
+
+class DecodeHealth:
+    """What the ingress has seen of decode: after a replica death, until a request gets a
+    first chunk again, new requests wait at most `fail_fast_s` for one (then 503)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._trouble_since: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self._trouble_since is not None
+
+    def trouble(self) -> None:
+        if self._trouble_since is None:
+            self._trouble_since = self._clock()
+
+    def ok(self) -> None:
+        self._trouble_since = None
+
+
+async def first_chunk(
+    dispatch: Callable[[], Any],
+    *,
+    cfg: ResilienceConfig,
+    health: DecodeHealth,
+    started: float,
+    is_server_error: Callable[[Any], bool],
+    on_retry: Callable[[Reason], None],
+    streamed: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Any, Any]:
+    """Dispatch to decode until a first chunk arrives; (first chunk, stream) or Unservable.
+
+    Retries (up to decode_attempts) when the decode replica died or answered 5xx before
+    the first byte. While decode is degraded (a replica died and nothing has succeeded
+    since), a request waits at most fail_fast_s for a replica to take it. A request that no
+    replica takes within the first-token budget otherwise is overload (503), and leaves
+    the health as it was.
+    """
+    from ray.serve.exceptions import BackPressureError
+
+    attempts = 0
+    while True:
+        attempts += 1
+        remaining = cfg.total_timeout_s - (clock() - started)
+        if remaining <= 0:
+            raise Unservable(Reason.DEADLINE, 504, "The request deadline passed.", cfg.retry_after_s)
+        stream = dispatch()
+        admitted = False
+        try:
+            # 1. A replica takes the call. While a decode replica is known lost, a live one
+            #    must take it at once, else there is none (restarts take minutes): say so now.
+            # A non-streamed answer comes whole: only the total deadline bounds it.
+            budget = min(remaining, cfg.first_token_timeout_s) if streamed else remaining
+            t_admit = clock()
+            await asyncio.wait_for(assigned(stream), min(budget, cfg.fail_fast_s) if health.degraded else budget)
+            admitted = True
+            # 2. Its first chunk, within what is left of the first-token deadline.
+            first = await asyncio.wait_for(stream.__anext__(), budget - (clock() - t_admit))
+        except asyncio.CancelledError:
+            cancel_call(stream)
+            raise
+        except StopAsyncIteration:
+            raise Unservable(Reason.ENGINE_ERROR, 503, "The engine returned nothing.", cfg.retry_after_s) from None
+        except TimeoutError:
+            cancel_call(stream)  # frees the queue slot or the engine work
+            if not admitted and health.degraded:
+                raise decode_unavailable(cfg.retry_after_s) from None
+            if not admitted:
+                # Queued past the first-token budget behind busy replicas: overload, not a
+                # death. Only a replica death (below) switches the ingress to fail-fast, else
+                # one slow queue on saturated replicas would refuse everything after it.
+                raise overloaded(cfg.retry_after_s) from None
+            raise Unservable(
+                Reason.DEADLINE,
+                504,
+                "No first token before the deadline; retry later.",
+                cfg.retry_after_s,
+            ) from None
+        except BackPressureError as exc:
+            retry_after = int(getattr(exc, "retry_after_s", 0) or cfg.retry_after_s)
+            raise overloaded(retry_after) from None
+        except Exception as exc:
+            cancel_call(stream)
+            reason = classify(exc)
+            if reason is not Reason.REPLICA_DIED:
+                raise
+            health.trouble()
+            logger.warning("decode replica lost before the first byte: %r", exc)
+            if attempts < cfg.decode_attempts:
+                on_retry(Reason.DECODE_DIED)
+                continue
+            raise decode_unavailable(cfg.retry_after_s) from None
+        if is_server_error(first_item(first)):
+            cancel_call(stream)
+            if attempts < cfg.decode_attempts:
+                on_retry(Reason.ENGINE_ERROR)
+                continue
+            raise Unservable(
+                Reason.ENGINE_ERROR,
+                503,
+                "The model failed to answer; retry shortly.",
+                cfg.retry_after_s,
+            )
+        health.ok()
+        return first, stream
+
+
+async def guarded_stream(
+    first: Any,
+    stream: Any,
+    *,
+    deadline_at: float,
+    to_packet: Callable[[Any], str],
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[str]:
+    """SSE packets of an already-started stream, cut at the total deadline.
+
+    After the first byte nothing is retried: a failure or the deadline ends the stream
+    with an OpenAI-style error event. If the client goes away (the task is cancelled) or
+    the stream ends early, the downstream request is cancelled so the engine stops.
+    """
+    done_sent = False
+    finished = False
+    try:
+        packet = to_packet(first)
+        done_sent = packet.rstrip().endswith("data: [DONE]")
+        yield packet
+        while True:
+            remaining = deadline_at - clock()
+            if remaining <= 0:
+                raise TimeoutError
+            try:
+                item = await asyncio.wait_for(stream.__anext__(), remaining)
+            except StopAsyncIteration:
+                break
+            packet = to_packet(item)
+            done_sent = done_sent or packet.rstrip().endswith("data: [DONE]")
+            yield packet
+        if not done_sent:
+            yield "data: [DONE]\n\n"
+        finished = True
+    except TimeoutError:
+        yield sse_error("The request deadline passed during generation.", 504, "timeout_error")
+    except Exception as exc:
+        logger.warning("stream failed after the first byte: %r", exc)
+        yield sse_error("The model stream failed; the answer is incomplete.", 500)
+    finally:
+        if not finished:
+            cancel_call(stream)
+
+
+class ResilientIngressMixin:
+    """Chat/completions through `first_chunk` and `guarded_stream`; put it before
+    OpenAiIngress in the bases. Other endpoints keep Ray's behaviour.
+
+    `on_unservable` is the hook for "the cluster cannot serve this request": override it
+    (e.g. route to an external API) by returning a Response; None sends the JSON error.
+    """
+
+    _resilience: ResilienceConfig
+    _decode_health: DecodeHealth
+
+    def _init_resilience(self, resilience: Mapping[str, Any]) -> None:
+        from ray.serve.metrics import Counter
+
+        self._resilience = ResilienceConfig.from_args(resilience)
+        self._decode_health = DecodeHealth()
+        self._retry_counter = Counter(
+            METRICS["ingress_retries"],
+            description="Requests the ingress sent to decode again before the first byte, by reason.",
+            tag_keys=("reason",),
+        )
+        self._refusal_counter = Counter(
+            METRICS["ingress_refusals"],
+            description="Requests the cluster could not serve (503/504 or fallback), by reason.",
+            tag_keys=("reason", "status"),
+        )
+
+    async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
+        """Return a Response to send instead of the error (hybrid routing), or None."""
+        return None
+
+    async def chat(self, body, request):
+        return await self._resilient_call(body, "chat", request)
+
+    async def completions(self, body, request):
+        return await self._resilient_call(body, "completions", request)
+
+    async def _resilient_call(self, body: Any, call_method: str, raw_request: Any):
+        from starlette.responses import JSONResponse, StreamingResponse
+
+        from serving import ray_internals as ri
+
+        started = time.monotonic()
+        cfg = self._resilience
+        model_id = await self._get_model_id(body.model)  # type: ignore[attr-defined]
+
+        def dispatch():
+            handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
+            return dispatch_call(handle, body, call_method, raw_request)
+
+        try:
+            first, stream = await first_chunk(
+                dispatch,
+                cfg=cfg,
+                health=self._decode_health,
+                started=started,
+                is_server_error=is_server_error,
+                on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
+                streamed=bool(getattr(body, "stream", False)),
+            )
+        except Unservable as failure:
+            self._refusal_counter.inc(tags={"reason": failure.reason.value, "status": str(failure.status)})
+            logger.warning("request refused: %s (%s)", failure.reason.value, failure.status)
+            alternative = await self.on_unservable(body, raw_request, failure)
+            if alternative is not None:
+                return alternative
+            raise
+        head = first_item(first)
+        if isinstance(head, ri.ErrorResponse):
+            # A 4xx from the engine (bad parameters): the client's to fix, not retried.
+            cancel_call(stream)
+            raise EngineRefused(head.error.code or 400, head.error.message)
+        if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
+            # The engines' KV-transfer coordinates are internal: never in an answer.
+            return JSONResponse(content=head.model_dump(exclude={"kv_transfer_params", "ec_transfer_params"}))
+        return StreamingResponse(
+            guarded_stream(
+                first,
+                stream,
+                deadline_at=started + cfg.total_timeout_s,
+                to_packet=ri.openai_sse_packet,
+            ),
+            media_type="text/event-stream",
+        )
+
+
+def dispatch_call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:
+    """One streaming call to the model deployment (what OpenAiIngress._get_response does,
+    keeping hold of the response so it can be cancelled)."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    from serving import ray_internals as ri
+
+    if raw_request is not None:
+        session_id = ri.session_id_from_headers(raw_request.headers)
+        if session_id:
+            handle = handle.options(session_id=session_id)
+    if isinstance(body, ChatCompletionRequest):
+        body = ri.sanitize_chat_request(body)
+    info = ri.RawRequestInfo.from_starlette_request(raw_request) if raw_request is not None else None
+    return getattr(handle, call_method).remote(body, info)

@@ -1,0 +1,85 @@
+"""Stand-ins for Serve's response streams and Ray's ErrorResponse, shared by the resilience
+tests (serving/resilience.py, prefill_hop.py, ingress_resilience.py): no Ray started.
+
+Each fake stream behaves like a Serve DeploymentResponseGenerator: async-iterable, with
+.cancel() and the router's assignment step; it can fail, hang or answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from serving.resilience import ResilienceConfig
+
+CFG = ResilienceConfig(
+    prefill_timeout_s=0.2,
+    prefill_queue_timeout_s=0.3,
+    prefill_attempts=2,
+    kv_ready_timeout_s=0.2,
+    first_token_timeout_s=0.5,
+    total_timeout_s=2.0,
+    fail_fast_s=0.1,
+    decode_attempts=2,
+    circuit_open_s=10.0,
+    circuit_failures=3,
+    retry_after_s=1,
+)
+
+
+class Err:
+    """Stands in for Ray's ErrorResponse."""
+
+    def __init__(self, code: int):
+        self.code = code
+
+
+def is_err(x) -> bool:
+    return isinstance(x, Err)
+
+
+def is_5xx(x) -> bool:
+    return isinstance(x, Err) and x.code >= 500
+
+
+class FakeStream:
+    """items: values to yield; an Exception instance is raised; "hang" waits forever."""
+
+    def __init__(self, items, *, assigned=True, assign_after_s=0.0):
+        self.items = list(items)
+        self.cancelled = False
+        self.closed = False
+        self.assigned = assigned
+        self.assign_after_s = assign_after_s
+
+    async def _fetch_future_result_async(self):
+        """Like Serve's: returns once a replica took the call (never, with no replica)."""
+        if not self.assigned:
+            await asyncio.Event().wait()
+        await asyncio.sleep(self.assign_after_s)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if item == "hang":
+            await asyncio.Event().wait()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+    async def aclose(self):
+        self.closed = True
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def collect(agen):
+    return [x async for x in agen]
