@@ -35,18 +35,10 @@ from typing import Any
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.cluster_watch import ClusterWatch
-from serving.fallback import (
-    SERVED_BY,
-    FallbackClient,
-    FallbackConfig,
-    FallbackError,
-    SseRewriter,
-    Usage,
-    ask_for_usage,
-    estimated_usage,
-)
+from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig, FallbackError
 from serving.limits import Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
 from serving.spec import FallbackWhen
+from serving.sse import SseRewriter, Usage, ask_for_usage, estimated_usage
 
 logger = logging.getLogger("ray.serve")
 

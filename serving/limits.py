@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from serving.spec import key_id
+from serving.sse import CHARS_PER_TOKEN
 
 logger = logging.getLogger("ray.serve")
 
@@ -45,9 +46,6 @@ LEDGER_TIMEOUT_S = 1.0
 LEDGER_RETRY_S = 5.0
 ALLOW, REFUSE = "allow", "refuse"
 ANONYMOUS = "anonymous"  # the key id when auth is disabled
-# Rough prompt-size guess before the engine tokenizes: ~4 characters per token in English;
-# only used for the reservation, corrected by the real count when the request ends.
-CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True)
