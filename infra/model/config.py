@@ -42,7 +42,6 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IMAGE = re.compile(
     r"^[a-z0-9.-]+(:[0-9]+)?(/[a-z0-9._-]+)+((:[A-Za-z0-9._-]{1,128})?@sha256:[0-9a-f]{64}|:[A-Za-z0-9._-]{1,128})$"
 )
-_HOST_PORT = re.compile(r"^[A-Za-z0-9.-]+:\d{1,5}$")
 # Ray's GCS Redis address (ray/_private/services.py get_address): host:port, redis://host:port,
 # or rediss://host:port for TLS (what ElastiCache in-transit encryption needs).
 _REDIS_ADDRESS = re.compile(r"^(rediss?://)?[A-Za-z0-9.-]+:\d{1,5}$")
