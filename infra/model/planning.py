@@ -11,6 +11,7 @@ downloaded.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from infra.model import catalog, sizing, startup
@@ -30,7 +31,7 @@ from infra.model.fit import (
 )
 from infra.model.plan_text import format_layouts as format_layouts
 from infra.model.plan_text import format_plan as format_plan
-from serving.spec import Mode, RoleSpec
+from serving.spec import Mode, ModelSpec, RoleSpec, ServingSpec
 
 
 # --- one node pool: nodes, GPUs, EFA and price -----------------------------------------------
@@ -130,7 +131,16 @@ class Workload:
     output_tokens: int = 256
 
 
-def _scale_out_rps(role: str, spec, inst, shape, model, serving, figures_fn, workload: Workload) -> float | None:
+def _scale_out_rps(
+    role: str,
+    spec: RoleSpec,
+    inst: catalog.InstanceType,
+    shape: ModelShape,
+    model: ModelSpec,
+    serving: ServingSpec,
+    figures_fn: Callable[..., ModelFigures],
+    workload: Workload,
+) -> float | None:
     """Requests/s at which minReplicas replicas hold targetOngoingRequests each (roofline).
 
     decode: a replica decoding `target` sequences at once emits tokens_per_s(target) (HBM
