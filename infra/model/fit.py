@@ -10,7 +10,7 @@ appends them to its errors, so a model that does not fit fails validation before
 
 Pure arithmetic on published figures: no Pulumi, Ray or vLLM import, nothing downloaded.
 The model's shape comes from `serving.model.architecture` when the stack file gives one,
-else from the built-in catalog below, matched on the last path component of
+else from the built-in catalog (`infra.model.shapes`), matched on the last path component of
 `serving.model.source`. A model in neither is reported as unknown and not checked: the
 planner never guesses a shape from a name.
 
@@ -31,13 +31,16 @@ reports that, and weights that alone exceed the usable memory, before the pods e
 
 from __future__ import annotations
 
-import math
-import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from infra.model import sizing
 from infra.model.catalog import InstanceType
+from infra.model.shapes import BUILTIN_MODELS as BUILTIN_MODELS
+from infra.model.shapes import ModelShape as ModelShape
+from infra.model.shapes import match_builtin as match_builtin
+from infra.model.shapes import model_name as model_name
+from infra.model.shapes import resolve as resolve
 from serving.spec import Dtype, Mode, ModelSpec, MoeParallelism, RoleSpec, ServingSpec
 
 GIB = 1024**3
@@ -57,173 +60,6 @@ _BYTES_PER_ELEMENT = {
     # in the catalog (and fp32 checkpoints are served in fp16).
     Dtype.AUTO: 2,
 }
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the planner needs of a model: its config.json figures and parameter count."""
-
-    name: str
-    parameters_billions: float
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    num_kv_heads: int
-    head_dim: int
-    # Bytes per parameter of the checkpoint as published, when it is not the serving dtype's
-    # (a natively FP8 checkpoint keeps its FP8 weights under dtype bfloat16). None: dtype's.
-    weight_bytes_per_param: float | None = None
-    # Multi-head latent attention (MLA): the elements cached per token and layer
-    # (kv_lora_rank + qk_rope_head_dim); one latent vector, replicated on every TP rank.
-    mla_kv_dim: int | None = None
-    # Mixture of experts: routed experts, experts each token goes to, the layers that have
-    # experts, and the routed experts' parameters (the rest is dense: attention, shared
-    # experts, dense layers, embeddings).
-    routed_experts: int = 0
-    experts_per_token: int = 0
-    moe_layers: int = 0
-    expert_parameters_billions: float = 0.0
-    active_parameters_billions: float | None = None
-
-    @property
-    def moe(self) -> bool:
-        return self.routed_experts > 0
-
-    @property
-    def dense_parameters_billions(self) -> float:
-        return self.parameters_billions - self.expert_parameters_billions
-
-    def kv_bytes_per_token(self, bpe: int) -> int:
-        """K and V (or MLA's latent) of one token across all layers."""
-        if self.mla_kv_dim is not None:
-            return self.num_layers * self.mla_kv_dim * bpe
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bpe
-
-    def kv_bytes_per_token_per_gpu(self, bpe: int, tp: int, pp: int) -> int:
-        """One GPU's share: its stage's layers; its KV heads (GQA), or the whole latent (MLA)."""
-        layers = math.ceil(self.num_layers / pp)
-        if self.mla_kv_dim is not None:
-            return layers * self.mla_kv_dim * bpe
-        # vLLM replicates KV heads when TP exceeds them: at least one per GPU.
-        return 2 * layers * max(1, self.num_kv_heads // tp) * self.head_dim * bpe
-
-
-def _shape(
-    names: tuple[str, ...], params_b: float, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int
-) -> list[tuple[str, ModelShape]]:
-    return [(n, ModelShape(n, params_b, layers, hidden, heads, kv_heads, head_dim)) for n in names]
-
-
-# Published config.json values (num_hidden_layers, hidden_size, num_attention_heads,
-# num_key_value_heads, head dim) and the parameter counts of the model cards. Names are the
-# lower-cased Hugging Face repo names without suffixes such as -Instruct.
-BUILTIN_MODELS: dict[str, ModelShape] = dict(
-    _shape(("llama-3-8b", "llama-3.1-8b"), 8.03, 32, 4096, 32, 8, 128)
-    + _shape(("llama-3.2-1b",), 1.24, 16, 2048, 32, 8, 64)
-    + _shape(("llama-3.2-3b",), 3.21, 28, 3072, 24, 8, 128)
-    + _shape(("llama-3-70b", "llama-3.1-70b", "llama-3.3-70b"), 70.6, 80, 8192, 64, 8, 128)
-    + _shape(("llama-3.1-405b",), 405.9, 126, 16384, 128, 8, 128)
-    + _shape(("qwen2.5-0.5b",), 0.49, 24, 896, 14, 2, 64)
-    + _shape(("qwen2.5-1.5b",), 1.54, 28, 1536, 12, 2, 128)
-    + _shape(("qwen2.5-3b",), 3.09, 36, 2048, 16, 2, 128)
-    + _shape(("qwen2.5-7b",), 7.61, 28, 3584, 28, 4, 128)
-    + _shape(("qwen2.5-14b",), 14.7, 48, 5120, 40, 8, 128)
-    + _shape(("qwen2.5-32b",), 32.5, 64, 5120, 40, 8, 128)
-    + _shape(("qwen2.5-72b",), 72.7, 80, 8192, 64, 8, 128)
-    + _shape(("mistral-7b",), 7.25, 32, 4096, 32, 8, 128)
-)
-
-
-def _deepseek_v3(name: str) -> ModelShape:
-    """DeepSeek-V3 (and R1, the same architecture), from its published config.json.
-
-    huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json: num_hidden_layers 61,
-    hidden_size 7168, num_attention_heads 128 (num_key_value_heads 128, unused by MLA),
-    kv_lora_rank 512, qk_rope_head_dim 64, v_head_dim 128, n_routed_experts 256,
-    num_experts_per_tok 8, n_shared_experts 1, first_k_dense_replace 3, moe_intermediate_size
-    2048, quantization_config fp8 e4m3 with 128x128 blocks. The same figures are the defaults of
-    transformers' DeepseekV3Config (models/deepseek_v3/configuration_deepseek_v3.py, 5.19), and
-    deepseek-ai/DeepSeek-V3 README_WEIGHTS.md gives 671B parameters, 36.7B activated, for the
-    main model (the MTP module's 11.5B are loaded only for speculative decoding).
-    """
-    layers, hidden, dense_layers = 61, 7168, 3
-    moe_layers = layers - dense_layers
-    routed, moe_intermediate = 256, 2048
-    # gate, up and down projections of every routed expert of every MoE layer
-    expert_params = moe_layers * routed * 3 * hidden * moe_intermediate / 1e9
-    return ModelShape(
-        name,
-        parameters_billions=671.0,
-        num_layers=layers,
-        hidden_size=hidden,
-        num_attention_heads=128,
-        num_kv_heads=128,
-        head_dim=128,
-        weight_bytes_per_param=1.0,  # FP8 weights; block scales and BF16 norms/embeddings ignored (<1%)
-        mla_kv_dim=512 + 64,
-        routed_experts=routed,
-        experts_per_token=8,
-        moe_layers=moe_layers,
-        expert_parameters_billions=expert_params,
-        active_parameters_billions=36.7,
-    )
-
-
-BUILTIN_MODELS.update({n: _deepseek_v3(n) for n in ("deepseek-v3", "deepseek-r1")})
-
-# Names that say the checkpoint is quantized: its weights are not parameters x dtype bytes,
-# so a catalog shape would mislead.
-_QUANTIZED = re.compile(
-    r"(?:^|[-_.])(awq|gptq|fp8|fp4|nvfp4|int4|int8|w4a16|w8a8|w8a16|bnb|gguf|4bit|8bit|nf4|exl2)(?:$|[-_.])"
-)
-
-
-def model_name(source: str) -> str:
-    """The last path component of a model source, lower-cased: `Llama-3.3-70B-Instruct`."""
-    return source.rstrip("/").rsplit("/", 1)[-1].lower()
-
-
-def match_builtin(source: str) -> tuple[ModelShape | None, str | None]:
-    """(shape, None) for a catalog model, else (None, why not).
-
-    `Meta-Llama-3.1-8B-Instruct`, `Llama-3.3-70B-Instruct` and `Mistral-7B-Instruct-v0.3`
-    match; a name must equal a catalog name or continue it after a '-', so `Qwen2.5-72B`
-    is never taken for `qwen2.5-7b`.
-    """
-    name = model_name(source)
-    bare = name[len("meta-") :] if name.startswith("meta-") else name
-    if _QUANTIZED.search(bare):
-        return None, (
-            f"{name!r} looks like a quantized checkpoint, whose weights the planner cannot size "
-            "from its parameter count"
-        )
-    for key in sorted(BUILTIN_MODELS, key=len, reverse=True):
-        if bare == key or bare.startswith(key + "-"):
-            return BUILTIN_MODELS[key], None
-    return None, f"{name!r} is not in the planner's built-in catalog"
-
-
-def resolve(model: ModelSpec) -> tuple[ModelShape | None, str]:
-    """The model's shape and where it came from, or (None, why the shape is unknown)."""
-    arch = model.architecture
-    if arch is not None:
-        head_dim = arch.head_dim or arch.hidden_size // arch.num_attention_heads
-        return (
-            ModelShape(
-                model.id,
-                arch.parameters_billions,
-                arch.num_layers,
-                arch.hidden_size,
-                arch.num_attention_heads,
-                arch.num_kv_heads,
-                head_dim,
-            ),
-            "serving.model.architecture",
-        )
-    shape, why = match_builtin(model.source)
-    if shape is None:
-        return None, f"{why}; set serving.model.architecture to plan it"
-    return shape, "built-in catalog"
 
 
 def bytes_per_element(dtype: Dtype) -> int:
@@ -277,29 +113,31 @@ def expert_fraction_read(tokens: float, experts: int, per_token: int) -> float:
     return 1.0 - (1.0 - per_token / experts) ** tokens
 
 
-def model_figures(
-    shape: ModelShape,
-    model: ModelSpec,
-    role: str,
-    spec: RoleSpec,
-    inst: InstanceType,
-    *,
-    context_len: int | None = None,
-    max_num_seqs: int | None = None,
-) -> ModelFigures:
-    """The figures of `shape` served by one `role` replica (`spec`) on `inst` GPUs.
+@dataclass(frozen=True)
+class _Split:
+    """How one replica holds the model: its layout, weight bytes per GPU, memory left for KV."""
 
-    A replica is TP x PP GPUs per data-parallel rank, times DP ranks. Weights: the dense part
-    is split by TP x PP on every rank; the routed experts likewise, and further over the DP
-    ranks under expert parallelism (moeParallelism: expert).
-    """
+    bpe: int  # bytes per element of the KV cache and activations
+    tp: int
+    pp: int
+    dp: int
+    ep: bool  # the routed experts spread over the DP ranks
+    rank_gpus: int  # one DP rank (one Serve replica)
+    usable_gib: float  # per GPU, at gpuMemoryUtilization
+    dense_bytes: float
+    expert_bytes: float
+    expert_split: int  # GPUs the routed experts are sharded over
+    weights_gib: float  # per GPU
+    kv_gib: float  # per GPU; may be negative
+
+
+def _split(shape: ModelShape, model: ModelSpec, spec: RoleSpec, inst: InstanceType) -> _Split:
     bpe = bytes_per_element(model.dtype)
     wbpe = shape.weight_bytes_per_param or bpe
     tp, pp, dp = spec.tensor_parallel_size, spec.pipeline_parallel_size, spec.data_parallel_size
     ep = spec.moe_parallelism is MoeParallelism.EXPERT and shape.moe
     rank_gpus = tp * pp  # one DP rank (one Serve replica)
-    util = model.gpu_memory_utilization
-    usable_gib = inst.gpu_memory_gib * util
+    usable_gib = inst.gpu_memory_gib * model.gpu_memory_utilization
 
     dense_bytes = shape.dense_parameters_billions * 1e9 * wbpe
     expert_bytes = shape.expert_parameters_billions * 1e9 * wbpe
@@ -308,62 +146,77 @@ def model_figures(
     # the LM head, is ignored), EP the experts.
     weights_gib = (dense_bytes / rank_gpus + expert_bytes / expert_split) / GIB
     kv_gib = usable_gib - weights_gib - HEADROOM_GIB
+    return _Split(
+        bpe, tp, pp, dp, ep, rank_gpus, usable_gib, dense_bytes, expert_bytes, expert_split, weights_gib, kv_gib
+    )
 
-    kv_per_token = shape.kv_bytes_per_token(bpe)
-    kv_per_token_gpu = shape.kv_bytes_per_token_per_gpu(bpe, tp, pp)
-    # Every GPU of a rank holds the same number of tokens; each DP rank its own sequences.
-    kv_tokens_rank = max(0, int(kv_gib * GIB // kv_per_token_gpu))
-    kv_tokens = kv_tokens_rank * dp
-    max_len = model.max_model_len
 
-    # The prompt's KV crosses the network once, prefill node -> decode node. NIXL moves each
-    # GPU's slice over the NICs next to it (on p4d/p5 the EFA interfaces are split evenly
-    # across the GPUs), so a prompt gets its rank's GPUs' share of the node's line rate.
-    # Non-EFA types (g5, g6e) use their ENA figure, shared the same way.
-    prompt_bytes = kv_per_token * max_len
-    node_bytes_per_s = inst.network_gbps * 1e9 / 8
-    link_bytes_per_s = node_bytes_per_s * min(rank_gpus, inst.gpus) / inst.gpus
-    prompt_seconds = prompt_bytes / link_bytes_per_s
+def _decode_rate(
+    shape: ModelShape, s: _Split, inst: InstanceType, ctx: int, kv_per_token_gpu: int
+) -> Callable[[int], float]:
+    """Decode roofline, output tokens/s of a batch of `ctx`-token sequences.
 
-    # Decode roofline: each step reads the weights it needs once and the KV of every sequence
-    # in the batch. GPUs of a stage read in parallel; stages run one after another (a lower
-    # bound for PP > 1), so a step takes pp x (bytes per GPU) / HBM bandwidth. A batch of B
-    # spreads over the DP ranks; the experts touched follow B (EP: every rank's tokens reach
-    # every rank's experts) or a rank's own B / DP (no EP).
-    ctx = context_len or max_len
+    Each step reads the weights it needs once and the KV of every sequence in the batch. GPUs
+    of a stage read in parallel; stages run one after another (a lower bound for PP > 1), so a
+    step takes pp x (bytes per GPU) / HBM bandwidth. A batch of B spreads over the DP ranks;
+    the experts touched follow B (EP: every rank's tokens reach every rank's experts) or a
+    rank's own B / DP (no EP).
+    """
     hbm = inst.hbm_gbps * 1e9
 
     def tokens_per_s(batch: int) -> float:
-        per_rank = batch / dp
-        touched = expert_fraction_read(batch if ep else per_rank, shape.routed_experts, shape.experts_per_token)
-        per_gpu = dense_bytes / rank_gpus + expert_bytes * touched / expert_split + per_rank * ctx * kv_per_token_gpu
-        return batch / (pp * per_gpu / hbm)
+        per_rank = batch / s.dp
+        touched = expert_fraction_read(batch if s.ep else per_rank, shape.routed_experts, shape.experts_per_token)
+        per_gpu = (
+            s.dense_bytes / s.rank_gpus + s.expert_bytes * touched / s.expert_split + per_rank * ctx * kv_per_token_gpu
+        )
+        return batch / (s.pp * per_gpu / hbm)
 
-    max_batch = kv_tokens // ctx
-    if max_num_seqs:
-        max_batch = min(max_batch, max_num_seqs * dp)
+    return tokens_per_s
 
-    # Pipeline bubble: vLLM keeps PP batches in flight to fill the pipeline
-    # (vllm/config/vllm.py max_concurrent_batches); with one batch, PP - 1 of PP stages idle.
-    # Each prompt crosses PP - 1 stage boundaries as hidden-size activations per token.
-    bubble = hop_bytes = hop_seconds = None
-    if pp > 1:
-        bubble = (pp - 1) / pp
-        hop_bytes = (pp - 1) * max_len * shape.hidden_size * bpe
-        hop_seconds = hop_bytes / link_bytes_per_s
 
-    # Expert-parallel traffic over EFA, for vLLM's default all2all backend
-    # (allgather_reducescatter, vllm/config/parallel.py): per MoE layer each token's hidden
-    # state reaches every other node of the EP group (all-gather) and its partial sums come
-    # back (reduce-scatter). Within one node it stays on NVLink.
-    ep_nodes = ep_bytes = ep_rate = None
-    if ep:
-        ep_nodes = sizing.nodes_per_replica(tp * dp, inst.gpus)
-        if ep_nodes > 1:
-            ep_bytes = shape.moe_layers * 2 * (ep_nodes - 1) * shape.hidden_size * bpe
-            ep_rate = node_bytes_per_s / ep_bytes
+def _pipeline_hops(
+    shape: ModelShape, s: _Split, max_len: int, link_bytes_per_s: float
+) -> tuple[float | None, int | None, float | None]:
+    """(bubble fraction, activation bytes, seconds) of one maxModelLen prompt across PP stages.
 
+    vLLM keeps PP batches in flight to fill the pipeline (vllm/config/vllm.py
+    max_concurrent_batches); with one batch, PP - 1 of PP stages idle. Each prompt crosses
+    PP - 1 stage boundaries as hidden-size activations per token.
+    """
+    if s.pp <= 1:
+        return None, None, None
+    hop_bytes = (s.pp - 1) * max_len * shape.hidden_size * s.bpe
+    return (s.pp - 1) / s.pp, hop_bytes, hop_bytes / link_bytes_per_s
+
+
+def _expert_traffic(
+    shape: ModelShape, s: _Split, inst: InstanceType, node_bytes_per_s: float
+) -> tuple[int | None, int | None, float | None]:
+    """(nodes of an EP group, bytes per token leaving a node, tokens/s the line rate allows).
+
+    For vLLM's default all2all backend (allgather_reducescatter, vllm/config/parallel.py): per
+    MoE layer each token's hidden state reaches every other node of the EP group (all-gather)
+    and its partial sums come back (reduce-scatter). Within one node it stays on NVLink.
+    """
+    if not s.ep:
+        return None, None, None
+    ep_nodes = sizing.nodes_per_replica(s.tp * s.dp, inst.gpus)
+    if ep_nodes <= 1:
+        return ep_nodes, None, None
+    ep_bytes = shape.moe_layers * 2 * (ep_nodes - 1) * shape.hidden_size * s.bpe
+    return ep_nodes, ep_bytes, node_bytes_per_s / ep_bytes
+
+
+def _start_problems(
+    shape: ModelShape, model: ModelSpec, role: str, spec: RoleSpec, inst: InstanceType, s: _Split, kv_tokens_rank: int
+) -> list[tuple[str, str]]:
+    """Why the replica cannot start: heads TP does not divide, EP without experts, weights or
+    one maxModelLen sequence of KV cache that do not fit the GPU."""
     problems: list[tuple[str, str]] = []
+    tp, pp, dp, ep = s.tp, s.pp, s.dp, s.ep
+    util, usable_gib, weights_gib, kv_gib = model.gpu_memory_utilization, s.usable_gib, s.weights_gib, s.kv_gib
+    max_len = model.max_model_len
     key = f"serving.{role}"
     dtype = _dtype_label(model.dtype)
     gpu = f"{_article(inst.gpu_model)} {inst.gpu_model}"
@@ -407,22 +260,64 @@ def model_figures(
                 f"({max_len:,}) sequence (lower maxModelLen, raise tensorParallelSize or use a larger GPU)",
             )
         )
+    return problems
+
+
+def model_figures(
+    shape: ModelShape,
+    model: ModelSpec,
+    role: str,
+    spec: RoleSpec,
+    inst: InstanceType,
+    *,
+    context_len: int | None = None,
+    max_num_seqs: int | None = None,
+) -> ModelFigures:
+    """The figures of `shape` served by one `role` replica (`spec`) on `inst` GPUs.
+
+    A replica is TP x PP GPUs per data-parallel rank, times DP ranks. Weights: the dense part
+    is split by TP x PP on every rank; the routed experts likewise, and further over the DP
+    ranks under expert parallelism (moeParallelism: expert).
+    """
+    s = _split(shape, model, spec, inst)
+    kv_per_token = shape.kv_bytes_per_token(s.bpe)
+    kv_per_token_gpu = shape.kv_bytes_per_token_per_gpu(s.bpe, s.tp, s.pp)
+    # Every GPU of a rank holds the same number of tokens; each DP rank its own sequences.
+    kv_tokens_rank = max(0, int(s.kv_gib * GIB // kv_per_token_gpu))
+    kv_tokens = kv_tokens_rank * s.dp
+    max_len = model.max_model_len
+
+    # The prompt's KV crosses the network once, prefill node -> decode node. NIXL moves each
+    # GPU's slice over the NICs next to it (on p4d/p5 the EFA interfaces are split evenly
+    # across the GPUs), so a prompt gets its rank's GPUs' share of the node's line rate.
+    # Non-EFA types (g5, g6e) use their ENA figure, shared the same way.
+    prompt_bytes = kv_per_token * max_len
+    node_bytes_per_s = inst.network_gbps * 1e9 / 8
+    link_bytes_per_s = node_bytes_per_s * min(s.rank_gpus, inst.gpus) / inst.gpus
+
+    ctx = context_len or max_len
+    tokens_per_s = _decode_rate(shape, s, inst, ctx, kv_per_token_gpu)
+    max_batch = kv_tokens // ctx
+    if max_num_seqs:
+        max_batch = min(max_batch, max_num_seqs * s.dp)
+    bubble, hop_bytes, hop_seconds = _pipeline_hops(shape, s, max_len, link_bytes_per_s)
+    ep_nodes, ep_bytes, ep_rate = _expert_traffic(shape, s, inst, node_bytes_per_s)
 
     return ModelFigures(
-        weights_gib_per_gpu=weights_gib,
+        weights_gib_per_gpu=s.weights_gib,
         headroom_gib_per_gpu=HEADROOM_GIB,
-        kv_gib_per_gpu=kv_gib,
+        kv_gib_per_gpu=s.kv_gib,
         kv_bytes_per_token=kv_per_token,
         kv_bytes_per_token_per_gpu=kv_per_token_gpu,
         kv_tokens_per_replica=kv_tokens,
         max_length_sequences=kv_tokens // max_len,
         prompt_kv_bytes=prompt_bytes,
-        prompt_kv_seconds=prompt_seconds,
+        prompt_kv_seconds=prompt_bytes / link_bytes_per_s,
         context_len=ctx,
         decode_tokens_per_s_batch1=tokens_per_s(1),
         max_batch=max_batch,
         decode_tokens_per_s_max_batch=tokens_per_s(max_batch) if max_batch > 0 else None,
-        problems=tuple(problems),
+        problems=tuple(_start_problems(shape, model, role, spec, inst, s, kv_tokens_rank)),
         pp_bubble_fraction=bubble,
         pp_hop_bytes=hop_bytes,
         pp_hop_seconds=hop_seconds,
