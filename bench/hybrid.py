@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             mode="disaggregated", api_key="sk-bench-hybrid", log_path=logs / "hybrid-serve.log", extra_env=env
         ) as stack:
             url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
+            assert key is not None  # given to background_stack above
             say("warming up")
             asyncio.run(phase(url, key, model, 2, 1, args.max_tokens))
             unloaded: list[tuple[str, RequestResult]] = []

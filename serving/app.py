@@ -28,7 +28,7 @@ import inspect
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from functools import cache
 from typing import Any
 
@@ -185,13 +185,13 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
 
     def __init__(
         self,
-        llm_deployments,
-        model_cards,
+        llm_deployments: Mapping[str, Any],
+        model_cards: Mapping[str, Any],
         *,
         auth_mode: str = AUTH_API_KEY,
         api_keys_env: str = DEFAULT_API_KEYS_ENV,
         resilience: Mapping[str, Any] | None = None,
-        **kwargs,
+        **kwargs: Any,
     ):
         super().__init__(llm_deployments, model_cards, **kwargs)
         # Deadlines, retries, fast refusals for chat/completions (serving/ingress_resilience.py).
@@ -246,7 +246,9 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         endpoint = "chat" if "messages" in data else "completions"
         return await self._hybrid.unservable(endpoint, data, raw_request, reason, str(getattr(failure, "message", "")))
 
-    async def _typed_call(self, request: Request, model_cls, parent_method) -> Response:
+    async def _typed_call(
+        self, request: Request, model_cls: Any, parent_method: Callable[..., Awaitable[Any]]
+    ) -> Response:
         denied = self._auth.check(request)
         if denied is not None:
             return denied
@@ -280,7 +282,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
     async def completions(self, request: Request) -> Response:
         return _served_by(await self._typed_call(request, CompletionRequest, super().completions))
 
-    async def models(self, request: Request):
+    async def models(self, request: Request) -> Any:
         denied = self._auth.check(request)
         if denied is not None:
             return denied
@@ -289,7 +291,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         except Exception as exc:
             return _from_exception(exc)
 
-    async def model_data(self, model: str, request: Request):
+    async def model_data(self, model: str, request: Request) -> Any:
         denied = self._auth.check(request)
         if denied is not None:
             return denied
@@ -338,7 +340,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
 
 
 @cache
-def _adapter(model_cls) -> TypeAdapter:
+def _adapter(model_cls: Any) -> TypeAdapter:
     return TypeAdapter(model_cls)
 
 

@@ -26,7 +26,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,8 @@ logger = logging.getLogger("ray.serve")
 SERVED_BY = "x-served-by"
 USER_AGENT = "pd-inference-fallback/1"
 ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
+# Called once when a relayed answer has ended: (its usage, whether it completed).
+OnDone = Callable[[Usage, bool], None]
 
 
 @dataclass(frozen=True)
@@ -186,7 +188,7 @@ class FallbackClient:
         model: str,
         reason: str,
         client_asked_usage: bool,
-        on_done,
+        on_done: OnDone,
     ) -> Response:
         """Send `body` upstream; `on_done(usage: Usage, ok: bool)` runs when the answer ends.
 
@@ -245,7 +247,9 @@ class FallbackClient:
             raise self._from_status(resp, raw, reason, rid)
         raise AssertionError("unreachable")
 
-    async def _whole(self, resp: httpx.Response, model, reason, rid, deadline: float, on_done) -> Response:
+    async def _whole(
+        self, resp: httpx.Response, model: str, reason: str, rid: str, deadline: float, on_done: OnDone
+    ) -> Response:
         t0 = time.monotonic()
         try:
             raw = await asyncio.wait_for(resp.aread(), max(0.0, deadline - time.monotonic()))
@@ -272,7 +276,14 @@ class FallbackClient:
         return JSONResponse(doc, headers={SERVED_BY: "fallback"})
 
     async def _stream(
-        self, resp: httpx.Response, model, reason, rid, deadline: float, client_asked_usage: bool, on_done
+        self,
+        resp: httpx.Response,
+        model: str,
+        reason: str,
+        rid: str,
+        deadline: float,
+        client_asked_usage: bool,
+        on_done: OnDone,
     ) -> Response:
         rewriter = SseRewriter(model=model, keep_usage_event=client_asked_usage)
         lines = resp.aiter_text()

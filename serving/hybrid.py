@@ -28,7 +28,7 @@ import contextvars
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +155,7 @@ class HybridRouting:
         self.watch: ClusterWatch | None = None
         self.inflight = Inflight()  # cluster requests this replica has open (streams until their end)
 
-    def _ledger(self):
+    def _ledger(self) -> Any:
         return get_ledger(self.app_name, self._selector)
 
     # --- configuration (Serve calls the ingress's reconfigure with its user_config) ---------
@@ -317,7 +317,17 @@ class HybridRouting:
             endpoint, body, cur.model, cur.kid, cur.decision, cur.asked_usage, reason, detail
         )
 
-    async def _to_fallback(self, endpoint, body, model, kid, decision, asked_usage, reason, detail) -> Response:
+    async def _to_fallback(
+        self,
+        endpoint: str,
+        body: dict[str, Any],
+        model: str,
+        kid: str,
+        decision: Decision,
+        asked_usage: bool,
+        reason: str,
+        detail: str,
+    ) -> Response:
         assert self.fallback is not None
 
         def done(usage: Usage, ok: bool) -> None:
@@ -351,7 +361,7 @@ class HybridRouting:
             inner = resp.body_iterator
             rewriter = SseRewriter(model=None, keep_usage_event=asked_usage, keep_chunk_usage=False)
 
-            async def metered():
+            async def metered() -> AsyncIterator[str]:
                 try:
                     async for chunk in inner:
                         text = chunk if isinstance(chunk, str) else bytes(chunk).decode()

@@ -220,13 +220,13 @@ class ResilientIngressMixin:
         """Return a Response to send instead of the error (hybrid routing), or None."""
         return None
 
-    async def chat(self, body, request):
+    async def chat(self, body: Any, request: Any) -> Any:
         return await self._resilient_call(body, "chat", request)
 
-    async def completions(self, body, request):
+    async def completions(self, body: Any, request: Any) -> Any:
         return await self._resilient_call(body, "completions", request)
 
-    async def _resilient_call(self, body: Any, call_method: str, raw_request: Any):
+    async def _resilient_call(self, body: Any, call_method: str, raw_request: Any) -> Any:
         from starlette.responses import JSONResponse, StreamingResponse
 
         from serving import ray_internals as ri
@@ -235,7 +235,7 @@ class ResilientIngressMixin:
         cfg = self._resilience
         model_id = await self._get_model_id(body.model)  # type: ignore[attr-defined]
 
-        def dispatch():
+        def dispatch() -> Any:
             handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
             return dispatch_call(handle, body, call_method, raw_request)
 

@@ -31,7 +31,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -231,7 +231,7 @@ def ledger_name(app_name: str) -> str:
     return f"pd-limits-{app_name}-{LEDGER_VERSION}"
 
 
-def get_ledger(app_name: str, label_selector: Mapping[str, str] | None = None):
+def get_ledger(app_name: str, label_selector: Mapping[str, str] | None = None) -> Any:
     """The application's ledger actor, created by whichever ingress replica asks first.
 
     Detached, so it outlives the replica that created it (replicas come and go; the
@@ -264,7 +264,13 @@ UNREACHABLE_MESSAGE = "Rate limits cannot be checked right now; retry shortly."
 class Limiter:
     """The ingress side: one per replica; asks the ledger only for keys that have limits."""
 
-    def __init__(self, config: LimitsConfig, ledger_factory, metrics: UsageMeter, clock=time.monotonic):
+    def __init__(
+        self,
+        config: LimitsConfig,
+        ledger_factory: Callable[[], Any],
+        metrics: UsageMeter,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self._factory = ledger_factory
         self._ledger: Any = None
@@ -272,7 +278,7 @@ class Limiter:
         self._clock = clock
         self._down_until = 0.0  # while the ledger is known unreachable: decide by the policy
 
-    async def _handle(self):
+    async def _handle(self) -> Any:
         if self._ledger is None:
             self._ledger = await asyncio.to_thread(self._factory)
         return self._ledger

@@ -15,7 +15,7 @@ to Ray's own builder) and RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from ray import serve
@@ -25,7 +25,7 @@ from ray.serve.llm.ingress import make_fastapi_ingress
 
 from serving import ray_internals as ri
 from serving.circuit import Circuit
-from serving.prefill_hop import Path, orchestrate, remote_prefill
+from serving.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
 from serving.resilience import METRICS, Reason, ResilienceConfig, is_server_error
 from serving.streaming import EagerFirstChunkMixin
 
@@ -49,13 +49,13 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
 
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors, as Ray's own
         self,
-        llm_config,
+        llm_config: Any,
         *,
-        prefill_server,
+        prefill_server: Any,
         resilience: Mapping[str, Any] | None = None,
-        engine_cls=None,
-        model_downloader=None,
-    ):
+        engine_cls: Any = None,
+        model_downloader: Any = None,
+    ) -> None:
         from ray.serve.metrics import Counter
 
         if resilience is None:
@@ -93,17 +93,17 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         backend = self._get_connector_backend()
         return bool(backend.requires_peer_binding or backend.concurrent_handoff or self._pd_tokenize_once)
 
-    async def chat(self, request, raw_request_info=None):
+    async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
         if self._upstream_path():
             return await super().chat(request, raw_request_info)
         return self._resilient(request, raw_request_info, "chat")
 
-    async def completions(self, request, raw_request_info=None):
+    async def completions(self, request: Any, raw_request_info: Any = None) -> Any:
         if self._upstream_path():
             return await super().completions(request, raw_request_info)
         return self._resilient(request, raw_request_info, "completions")
 
-    def _prefill_method(self, method: str, raw_request_info):
+    def _prefill_method(self, method: str, raw_request_info: Any) -> Any:
         handle = self._prefill_handle
         model = serve.get_multiplexed_model_id()
         if model:
@@ -114,18 +114,18 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 handle = handle.options(session_id=session_id)
         return getattr(handle, method)
 
-    def _resilient(self, request, raw_request_info, method: str):
+    def _resilient(self, request: Any, raw_request_info: Any, method: str) -> AsyncIterator[Any]:
         backend = self._get_connector_backend()
         prefill_method = self._prefill_method(method, raw_request_info)
         cfg = self._res_cfg
         # Ray's LLMServer runs a request on this replica's own engine (no remote prefill).
         local = getattr(LLMServer, method)
 
-        def call_prefill():
+        def call_prefill() -> Any:
             prefill_request = backend.prepare_prefill_request(request=request, peer=None)
             return prefill_method.remote(prefill_request, raw_request_info)
 
-        async def prefill():
+        async def prefill() -> PrefillOutcome:
             return await remote_prefill(
                 call_prefill,
                 is_error=lambda c: isinstance(c, ri.ErrorResponse),
@@ -134,11 +134,11 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 on_retry=lambda r: self._prefill_retry_counter.inc(tags={"reason": r.value}),
             )
 
-        async def decode_with(prefill_chunk):
+        async def decode_with(prefill_chunk: Any) -> AsyncIterator[Any]:
             decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=prefill_chunk)
             return await local(self, decode_request, raw_request_info)
 
-        async def decode_local():
+        async def decode_local() -> AsyncIterator[Any]:
             # The untouched request: no kv_transfer_params, so the decode engine prefills.
             return await local(self, request, raw_request_info)
 
@@ -171,7 +171,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             )
         )
 
-    async def _counted(self, gen):
+    async def _counted(self, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
         self._open_requests += 1
         try:
             async for item in gen:
@@ -180,7 +180,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             self._open_requests -= 1
 
 
-def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]):
+def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]) -> Any:
     """Ray's P/D graph (ingress -> decode -> prefill) with ResilientPDDecodeServer.
 
     `builder_args` are what `build_pd_openai_app` takes; they are validated by Ray's own

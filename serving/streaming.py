@@ -53,7 +53,7 @@ class EagerFirstChunkMixin:
     _llm_config: Any
     _get_batch_interval_ms: Any
 
-    def _batch_output_stream(self, generator):
+    def _batch_output_stream(self, generator: AsyncIterator[Any]) -> AsyncIterator[Any]:
         if self._llm_config.experimental_configs.get(FIRST_CHUNK_KEY) == FirstChunk.BATCHED.value:
             return super()._batch_output_stream(generator)  # type: ignore[misc]
         return eager_batches(generator, self._get_batch_interval_ms())

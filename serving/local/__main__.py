@@ -24,6 +24,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
 from serving.local.config import (
@@ -94,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _stop_on_sigterm(signum, frame):
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
     # SIGTERM stops the stack the same way Ctrl-C does.
     raise KeyboardInterrupt
 

@@ -11,7 +11,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,7 +64,7 @@ def background_stack(
     extra_env: Mapping[str, str] | None = None,
     extra_keys: tuple[str, ...] = (),
     extra_args: Sequence[str] = (),
-):
+) -> Iterator[RunningStack]:
     """Start `python -m serving.local` in a subprocess, yield once it is ready, stop it after.
 
     extra_env: added to the command's environment (Ray and its workers inherit it).
@@ -112,7 +112,7 @@ def background_stack(
     # Written by the pump thread for the life of the process; closed in the finally below.
     log = open(log_path or tmp / "serve.log", "a", buffering=1)  # noqa: SIM115
 
-    def pump():
+    def pump() -> None:
         # Keep draining the pipe for the life of the process, or it would block on writes.
         assert proc.stdout is not None  # stdout=PIPE
         for line in proc.stdout:

@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from serving.local.config import HOST
@@ -30,7 +31,7 @@ def _cache_dir() -> Path:
 
 
 @contextlib.contextmanager
-def instance_lock(port: int, lock_dir: Path | None = None):
+def instance_lock(port: int, lock_dir: Path | None = None) -> Iterator[Path]:
     """Hold `<cache>/serve-<port>.lock` for the life of the run; refuse a second one.
 
     flock is released by the kernel when the process dies, so a crashed run never leaves

@@ -138,7 +138,7 @@ def paced_document(chunks: list[dict[str, Any]], usage_event: dict[str, Any], ch
     return {**usage_event, "object": obj, "choices": [choice]}
 
 
-def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace):
+def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -187,7 +187,7 @@ def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace):
         req = client.build_request(request.method, path, content=raw, headers={"content-type": "application/json"})
         resp = await client.send(req, stream=True)
 
-        async def body_iter():
+        async def body_iter() -> AsyncIterator[bytes]:
             try:
                 async for chunk in resp.aiter_raw():
                     yield chunk
