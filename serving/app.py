@@ -95,13 +95,19 @@ def error_response(
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
 
 
+def auth_mode(mode: str, where: str = "auth mode") -> AuthMode:
+    """The one check of an auth mode (the spec's AuthMode values)."""
+    try:
+        return AuthMode(mode)
+    except ValueError:
+        raise ValueError(f"{where} {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}") from None
+
+
 class ApiKeyAuth:
     """Checks `Authorization: Bearer <key>` against a fixed set of keys."""
 
     def __init__(self, mode: str, keys: tuple[str, ...]):
-        if mode not in (AUTH_API_KEY, AUTH_DISABLED):
-            raise ValueError(f"auth mode {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}")
-        self.enabled = mode != AUTH_DISABLED
+        self.enabled = auth_mode(mode) is not AuthMode.DISABLED
         self._keys = tuple(k.encode() for k in keys)
 
     def check(self, request: Request) -> JSONResponse | None:
@@ -371,9 +377,7 @@ def _body_type(endpoint: str) -> type:
 
 
 def _ingress_cls_config(auth: Mapping[str, Any], resilience: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    mode = auth.get("mode", AUTH_API_KEY)
-    if mode not in (AUTH_API_KEY, AUTH_DISABLED):
-        raise ValueError(f"args.auth.mode {mode!r} is not one of {AUTH_API_KEY!r}, {AUTH_DISABLED!r}")
+    mode = auth_mode(auth.get("mode", AUTH_API_KEY), "args.auth.mode").value
     return {
         "ingress_cls": AuthenticatedIngress,
         "ingress_extra_kwargs": {

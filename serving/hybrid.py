@@ -83,8 +83,9 @@ def reason_for(exc: BaseException) -> str | None:
 
 
 @dataclass(frozen=True)
-class _Current:
-    """The request `handle` is working on, for `unservable` called from deeper in the stack."""
+class AdmittedRequest:
+    """The request `handle` admitted and is working on (its key id, limits decision, whether the
+    client asked for usage, model), for `unservable`, called from deeper in the stack."""
 
     kid: str
     decision: Decision
@@ -92,7 +93,7 @@ class _Current:
     model: str
 
 
-_CURRENT: contextvars.ContextVar[_Current] = contextvars.ContextVar("pd_hybrid_request")
+_IN_HAND: contextvars.ContextVar[AdmittedRequest] = contextvars.ContextVar("pd_hybrid_request")
 
 
 class _SkipCluster(Exception):
@@ -253,7 +254,7 @@ class HybridRouting:
             return await self._to_fallback(endpoint, body, model, kid, decision, asked_usage, *skip)
 
         cfg = self.fallback.config if self.fallback else None
-        _CURRENT.set(_Current(kid, decision, asked_usage, model))
+        _IN_HAND.set(AdmittedRequest(kid, decision, asked_usage, model))
         ticket = self.inflight.open()
         handed_off = False
         try:
@@ -307,10 +308,12 @@ class HybridRouting:
         cfg = self.fallback.config if self.fallback else None
         if cfg is None or not cfg.wants(reason):
             return None
-        cur = _CURRENT.get(None)
+        cur = _IN_HAND.get(None)
         if cur is None:  # not under handle(): no admission happened
             kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
-            cur = _Current(kid, Decision(True), ask_for_usage(body), body.get("model") or self._default_model() or "")
+            cur = AdmittedRequest(
+                kid, Decision(True), ask_for_usage(body), body.get("model") or self._default_model() or ""
+            )
         else:
             ask_for_usage(body)
         return await self._to_fallback(
