@@ -104,33 +104,76 @@ def _say(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:5.1f}s] {msg}", flush=True)
 
 
+def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str, Any]] | str:
+    """Refuse a second run and bad hybrid settings before anything heavy is imported or
+    started: (the held instance lock, the hybrid settings), or the one-line error."""
+    if port_in_use(args.port):
+        return (
+            f"port {args.port} on {HOST} is already in use (another `make serve`?); "
+            "stop it or choose another port: make serve PORT=8001"
+        )
+    stack = contextlib.ExitStack()
+    try:
+        stack.enter_context(instance_lock(args.port))
+    except AlreadyRunning as exc:
+        return str(exc)
+    # Hybrid routing from the environment.
+    try:
+        hybrid = hybrid_from_env(dict(os.environ))
+        local_spec(Mode.DISAGGREGATED, Path("/models/check"), hybrid=hybrid)
+    except LocalConfigError as exc:
+        stack.close()
+        return str(exc)
+    return stack, hybrid
+
+
+def _state(
+    args: argparse.Namespace,
+    model_dir: Path,
+    api_key: str | None,
+    urls: dict[str, str],
+    cluster: LocalCluster,
+    config: dict[str, Any],
+) -> dict[str, Any]:
+    """What --state-file records for tests and benches (serving/local/background.py)."""
+    return {
+        "pid": os.getpid(),
+        "port": args.port,
+        "model": MODEL_ID,
+        "model_dir": str(model_dir),
+        "api_key": api_key,
+        "urls": urls,
+        "dashboard_url": cluster.dashboard_url,
+        "gcs_address": cluster.gcs_address,
+        "nodes": cluster.nodes(),
+        "config": config,
+    }
+
+
+def _ready_line(mode: str, urls: dict[str, str], api_key: str | None) -> str:
+    """The one line a person reads: where the API is, the key, and a curl to try."""
+    base = urls.get("disaggregated") or urls["aggregated"]
+    also = f" (aggregated app at {urls['aggregated']})" if len(urls) > 1 else ""
+    auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    key_note = f" api key: {api_key} |" if api_key else " auth: off |"
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
+    kind = "aggregated" if mode == "aggregated" else "disaggregated"
+    return (
+        f"{kind} OpenAI API at {base}{also} | model: {MODEL_ID} |{key_note} try: curl -s "
+        f"{base}/chat/completions{auth_header} -H 'Content-Type: application/json' -d '{body}' | Ctrl-C stops"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     t0 = time.monotonic()
     say = lambda msg: _say(t0, msg)  # noqa: E731
 
-    # Refuse a second run before anything heavy is imported or started.
-    if port_in_use(args.port):
-        print(
-            f"error: port {args.port} on {HOST} is already in use (another `make serve`?); "
-            "stop it or choose another port: make serve PORT=8001",
-            file=sys.stderr,
-        )
+    checked = _preflight(args)
+    if isinstance(checked, str):
+        print(f"error: {checked}", file=sys.stderr)
         return 1
-    stack = contextlib.ExitStack()
-    try:
-        stack.enter_context(instance_lock(args.port))
-    except AlreadyRunning as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-
-    # Hybrid routing from the environment: refuse bad values before anything starts.
-    try:
-        hybrid = hybrid_from_env(dict(os.environ))
-        local_spec(Mode.DISAGGREGATED, Path("/models/check"), hybrid=hybrid)
-    except LocalConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    stack, hybrid = checked
 
     auth = not args.no_auth
     keys = list(parse_api_keys(os.environ.get(API_KEYS_ENV)))
@@ -184,35 +227,13 @@ def main(argv: list[str] | None = None) -> int:
             smoke_request(url, api_key, MODEL_ID)
 
         if args.state_file:
-            state = {
-                "pid": os.getpid(),
-                "port": args.port,
-                "model": MODEL_ID,
-                "model_dir": str(model_dir),
-                "api_key": api_key,
-                "urls": urls,
-                "dashboard_url": cluster.dashboard_url,
-                "gcs_address": cluster.gcs_address,
-                "nodes": cluster.nodes(),
-                "config": config,
-            }
-            args.state_file.write_text(json.dumps(state, indent=2))
+            args.state_file.write_text(json.dumps(_state(args, model_dir, api_key, urls, cluster, config), indent=2))
 
         # Ray's metrics export port on each node: Ray's, Serve's and vLLM's metrics (ray_vllm_*),
         # what Prometheus scrapes in the cloud (infra/k8s/monitoring.py).
         metrics = ", ".join(f"{n['label']} {n['metrics_url']}" for n in cluster.nodes())
         say(f"metrics (Prometheus text format): {metrics}")
-        base = urls.get("disaggregated") or urls["aggregated"]
-        also = f" (aggregated app at {urls['aggregated']})" if len(urls) > 1 else ""
-        auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
-        key_note = f" api key: {api_key} |" if api_key else " auth: off |"
-        body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-        print(
-            f"READY in {time.monotonic() - t0:.0f}s: {'aggregated' if args.mode == 'aggregated' else 'disaggregated'} OpenAI API at {base}{also} | model: "
-            f"{MODEL_ID} |{key_note} try: curl -s {base}/chat/completions{auth_header} "
-            f"-H 'Content-Type: application/json' -d '{body}' | Ctrl-C stops",
-            flush=True,
-        )
+        print(f"READY in {time.monotonic() - t0:.0f}s: {_ready_line(args.mode, urls, api_key)}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
