@@ -19,7 +19,9 @@ from typing import Any
 import yaml
 
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
+from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.model import catalog, sizing
+from infra.model.scaling_signals import role_thresholds
 from infra.model.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
 
@@ -214,6 +216,10 @@ def _target(inp: RayServiceInputs) -> Target:
         working_dir=inp.working_dir,
         engine_env=engine_env,
         kv_backend=backends.pop(),
+        role_thresholds=role_thresholds(inp.serving, inp.instances),
+        # The scrape gives engine series a `role` label from the worker group's name
+        # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST.
+        metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{role}"' for role in inp.instances},
     )
 
 
@@ -281,7 +287,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
     ]
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
-    initial = spec.initial_replicas or spec.min_replicas
+    initial = spec.starting_replicas
     container: dict[str, Any] = {
         "name": f"ray-{role}",
         "image": inp.image,

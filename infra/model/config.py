@@ -25,6 +25,7 @@ from infra.k8s import labels
 from infra.model import catalog, sizing, versions, vllm_options
 from infra.model.ami_check import ami_driver_errors
 from infra.model.fit import fit_errors
+from infra.model.scale_to_zero import scale_to_zero_errors
 from serving.spec import AuthMode, KvBackend, Mode, ServingSpec, SpecModel, check_order
 
 PROJECT = "pd-inference"
@@ -461,6 +462,7 @@ class StackConfig(SpecModel):
             # Which secrets the stack holds comes from load(), never from the file's values.
             *self._secret_errors(ctx.get("secrets_present", frozenset())),
             *self._model_source_errors(),
+            *scale_to_zero_errors(self.environment.value, self.serving),
             *self._pool_errors(),
             *self._kv_transfer_errors(),
             *self._vllm_option_errors(),

@@ -100,6 +100,7 @@ class RolePlan:
     figures: ModelFigures | None
     scaling: RoleScaling | None = None
     startup: startup.TimeToServe | None = None
+    pool_min_size: int = 1  # the node pool's minSize: 0 lets its last node go when idle
 
 
 @dataclass(frozen=True)
@@ -271,6 +272,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
             s3_gateway_endpoint=config.existing_vpc is None,
             checkpoint_gib=None if shape is None else weights_gib(shape, model),
             weights_gib_per_gpu=None if figures is None else figures.weights_gib_per_gpu,
+            streamed=model.loading.streamed(model.source),
         )
         roles.append(
             RolePlan(
@@ -288,6 +290,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
                 max_replicas=spec.max_replicas,
                 nodes_desired=sized.desired_size,
                 nodes_max=sized.max_size,
+                pool_min_size=pool.min_size,
                 gpus_desired=sized.gpus_desired,
                 gpus_max=sized.gpus_max,
                 usd_per_hour_desired=sized.usd_per_hour_desired,
@@ -379,6 +382,23 @@ def _serve_parts(t: startup.TimeToServe) -> str:
     if t.weights_s is None:
         return "-"
     return " + ".join(f"{x / 60:.1f}" for x in (t.node_s, t.image_s, t.weights_s, t.engine_s)) + " min"
+
+
+def _weights_from(t: startup.TimeToServe) -> str:
+    if t.streamed:
+        return f"{t.source}, streamed to the GPUs (Run:ai streamer)"
+    return f"{t.source} to {t.disk}"
+
+
+def _after_idle(r: RolePlan) -> str:
+    if r.min_replicas > 0:
+        return "- (minReplicas > 0)"
+    t = r.startup
+    if t is None:
+        return "-"
+    cold = t.new_node_s if r.pool_min_size == 0 else t.warm_node_s
+    where = "new node" if r.pool_min_size == 0 else "warm node"
+    return f"{_minutes(cold)} ({where})"
 
 
 def _weights_path(t: startup.TimeToServe) -> str:
@@ -510,11 +530,14 @@ def format_plan(p: Plan) -> str:
         # Pending pod -> serving replica (infra/model/startup.py, every constant sourced there).
         row("Time to serve, new node", lambda r: _minutes(r.startup.new_node_s)),
         row("  node+image+weights+engine", lambda r: _serve_parts(r.startup)),
-        row("  weights from", lambda r: f"{r.startup.source} to {r.startup.disk}"),
+        row("  weights from", lambda r: _weights_from(r.startup)),
         row("  download", lambda r: _weights_path(r.startup)),
         row("  download, load to GPU", lambda r: f"{_minutes(r.startup.download_s)}, {_minutes(r.startup.load_s)}"),
         row("Time to serve, warm node", lambda r: _minutes(r.startup.warm_node_s)),
         row("  weights via Run:ai streamer", lambda r: _minutes(r.startup.streamer_s)),
+        # minReplicas 0: the first request after idle waits for a replica (and its node, when
+        # the pool is at zero too) unless the fallback answers it (docs/scaling.md).
+        row("First request after idle", lambda r: _after_idle(r)),
     ]
     label_w = max(len(label) for label, _ in rows)
     col_w = [max(len(cells[i]) for _, cells in rows) for i in range(len(p.roles))]
