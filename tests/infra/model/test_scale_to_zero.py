@@ -47,7 +47,9 @@ def _zero(role: str):
 
 def test_prod_refuses_scale_to_zero_in_one_line():
     msg = _error("prod", _zero("decode"))
-    assert msg.startswith("stacks/Pulumi.prod.yaml: serving.decode.minReplicas: 0 (scale to zero) is for dev and staging only")
+    assert msg.startswith(
+        "stacks/Pulumi.prod.yaml: serving.decode.minReplicas: 0 (scale to zero) is for dev and staging only"
+    )
 
 
 @pytest.mark.parametrize("stack", ["dev", "staging"])
