@@ -279,6 +279,15 @@ def test_pod_identity_role_reads_only_code_and_model(stack):
     assert any(r.endswith("/serving/*") for r in resources)
     bucket = stack.config.model_bucket
     assert all(("serving/*" in r) or (bucket and bucket in r) for r in resources)
+    source = stack.config.serving.model.source
+    if source.startswith("s3://"):
+        # The model's prefix only (issue 29): its objects, and listings under it (AWS IAM
+        # condition key s3:prefix on ListBucket).
+        prefix = source[len(f"s3://{bucket}/") :].strip("/")
+        read = next(s for s in policy["Statement"] if s["Sid"] == "ModelRead")
+        assert read["Resource"] == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+        listing = next(s for s in policy["Statement"] if s["Sid"] == "ModelList")
+        assert listing["Condition"] == {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}
     assocs = stack.result.of_type("aws:eks/podIdentityAssociation:PodIdentityAssociation")
     ns = stack.config.namespace
     assert {a.inputs["serviceAccount"] for a in assocs if a.inputs["namespace"] == ns} == {"llm-head", "llm-worker"}
