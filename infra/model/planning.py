@@ -386,7 +386,7 @@ def _serve_parts(t: startup.TimeToServe) -> str:
 
 def _weights_from(t: startup.TimeToServe) -> str:
     if t.streamed:
-        return f"{t.source}, streamed to the GPUs (Run:ai streamer)"
+        return f"{t.source}, streamed to GPUs"
     return f"{t.source} to {t.disk}"
 
 

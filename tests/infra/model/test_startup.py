@@ -155,7 +155,7 @@ def test_the_plan_prints_time_to_serve_per_role():
     text = planning.format_plan(_plan("prod"))
     for label in ("Time to serve, new node", "Time to serve, warm node", "  weights from", "  download"):
         assert label in text, label
-    assert "S3 via gateway endpoint, streamed to the GPUs (Run:ai streamer)" in text
+    assert "S3 via gateway endpoint, streamed to GPUs" in text
 
 
 # --- the Run:ai streamer (issue 29) ---------------------------------------------------------
@@ -201,4 +201,4 @@ def test_prod_streams_its_s3_weights_in_the_plan():
     t = _role(_plan("prod"))
     assert t.streamed and t.weights_s == t.streamer_s
     text = planning.format_plan(_plan("prod"))
-    assert "streamed to the GPUs (Run:ai streamer)" in text
+    assert "streamed to GPUs" in text
