@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
+from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.model import catalog, sizing
 from infra.model.scaling_signals import role_thresholds
@@ -227,12 +228,20 @@ def serve_config_yaml(inp: RayServiceInputs) -> str:
     return yaml.safe_dump(inp.serving.serve_config(_target(inp)), sort_keys=False)
 
 
+# Ray's Prometheus address variable (ray/serve/autoscaling_policy.py PrometheusQueryMixin, and
+# Ray's dashboard), Ray 2.60.
+PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"
+
+
 def _head(inp: RayServiceInputs) -> dict[str, Any]:
     env = [inp.api_keys.env(API_KEYS_ENV)] if inp.api_keys else []
     if inp.fallback_api_key:
         env.append(inp.fallback_api_key.env(FALLBACK_API_KEY_ENV))
     if gcs_uses_tls(inp.gcs_redis_address):
         env.append({"name": REDIS_CA_CERT_ENV, "value": SYSTEM_CA_BUNDLE})
+    # The Serve controller (on the head) runs the per-role autoscaling policies; their
+    # PrometheusQueryMixin reads the engines' metrics from here (serving/autoscaling.py).
+    env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},

@@ -342,3 +342,21 @@ def test_s3_model_source_uses_ray_mirror_config(rendered_stacks):
     serve = yaml.safe_load(_rayservice(rendered_stacks["prod"])["spec"]["serveConfigV2"])
     source = serve["applications"][0]["args"]["decode_config"]["model_loading_config"]["model_source"]
     assert source == {"bucket_uri": rendered_stacks["prod"].config.serving.model.source}
+
+
+def test_the_serve_controller_can_read_the_stacks_prometheus(stack):
+    """Issue 29: the per-role autoscaling policies run in the Serve controller on the head and
+    read the engines' metrics through Ray's PrometheusQueryMixin, which takes its address from
+    RAY_PROMETHEUS_HOST (ray/serve/autoscaling_policy.py, Ray 2.60): the head carries the
+    address of the Prometheus the stack deploys (its prometheusUrl output), and every engine
+    role's policy selects that role's series by the label the scrape gives them."""
+    rs = _rayservice(stack)
+    head_env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    host = next(e for e in head_env if e["name"] == "RAY_PROMETHEUS_HOST")
+    assert host["value"] == stack.result.outputs["prometheusUrl"]
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    configs = {r: args[f"{r}_config"] for r in ("prefill", "decode") if f"{r}_config" in args}
+    configs = configs or {"decode": args["llm_configs"][0]}
+    for role, cfg in configs.items():
+        policy = cfg["deployment_config"]["autoscaling_config"]["policy"]
+        assert policy["policy_kwargs"]["metrics_selector"] == f'role="{role}"'
