@@ -360,3 +360,25 @@ def test_the_serve_controller_can_read_the_stacks_prometheus(stack):
     for role, cfg in configs.items():
         policy = cfg["deployment_config"]["autoscaling_config"]["policy"]
         assert policy["policy_kwargs"]["metrics_selector"] == f'role="{role}"'
+
+
+def test_prod_streams_its_s3_weights_with_the_runai_streamer(rendered_stacks):
+    """Issue 29: prod's s3:// weights are loaded by vLLM's `runai_streamer` (vLLM 0.32
+    vllm/model_executor/model_loader/__init__.py maps it to RunaiModelStreamerLoader; the
+    image's vLLM 0.29 has `load_format` and `model_loader_extra_config` too,
+    infra/model/vllm/0.29.0.json), and Ray Serve LLM skips its own download for it
+    (ray/llm/_internal/common/utils/download_utils.py STREAMING_LOAD_FORMATS, Ray 2.60)."""
+    from ray.llm._internal.common.utils.download_utils import STREAMING_LOAD_FORMATS
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.runai_streamer_loader import RunaiModelStreamerLoader
+
+    prod = rendered_stacks["prod"]
+    args = yaml.safe_load(_rayservice(prod)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    for side in ("prefill_config", "decode_config"):
+        kwargs = dict(args[side]["engine_kwargs"])
+        assert kwargs["load_format"] in STREAMING_LOAD_FORMATS
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        engine = AsyncEngineArgs(model=prod.config.serving.model.source, **kwargs)
+        assert isinstance(get_model_loader(engine.create_load_config()), RunaiModelStreamerLoader)
