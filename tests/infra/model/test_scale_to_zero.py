@@ -109,3 +109,34 @@ def test_the_plan_prints_the_first_request_after_idle():
     line = next(x for x in text.splitlines() if x.startswith("First request after idle"))
     assert f"{decode.startup.new_node_s / 60:.1f} min (new node)" in line
     assert "- (minReplicas > 0)" in line  # prefill keeps its replica
+
+
+def test_a_role_at_zero_renders_for_serve_and_kuberay_alike():
+    """Serve min_replicas 0 with one starting replica; KubeRay's worker group may go to 0 pods
+    and starts with the pods of that one replica (the KubeRay autoscaler removes idle pods)."""
+    import yaml
+
+    from infra.k8s.rayservice import RayServiceInputs, rayservice_manifest
+    from infra.model import catalog
+
+    def mutate(v):
+        _zero("decode")(v)
+
+    cfg = _load("staging", mutate)
+    inp = RayServiceInputs(
+        name="llm",
+        namespace=cfg.namespace,
+        image=cfg.ray_image,
+        serving=cfg.serving,
+        instances={r: catalog.lookup(getattr(cfg.node_pools, r).instance_type) for r in cfg.serving.engine_roles()},
+        working_dir="s3://code/serving/x.zip",
+        head_service_account="h",
+        worker_service_account="w",
+        api_keys=None,
+    )
+    rs = rayservice_manifest(inp)
+    group = next(g for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"] if g["groupName"] == "decode")
+    assert group["minReplicas"] == 0 and group["replicas"] >= 1
+    serve = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]["decode_config"]
+    auto = serve["deployment_config"]["autoscaling_config"]
+    assert (auto["min_replicas"], auto["initial_replicas"]) == (0, 1)
