@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from serving.scaling_spec import LoadingSpec, SignalsSpec, policy_config, slo_thresholds
+
 # The application's import path: the builder in serving/app.py.
 APP_IMPORT_PATH = "serving.app:build_app"
 APP_NAME = "llm"
@@ -77,6 +79,8 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "distributed_executor_backend",
         "data_parallel_size",
         "enable_expert_parallel",
+        "load_format",
+        "model_loader_extra_config",
     }
 )
 
@@ -214,6 +218,7 @@ class ModelSpec(SpecModel):
     max_model_len: int = Field(default=8192, ge=16, le=1_048_576)
     gpu_memory_utilization: float = Field(default=0.90, gt=0.05, le=0.98)
     architecture: ModelArchitecture | None = None
+    loading: LoadingSpec = Field(default_factory=LoadingSpec)
 
     @field_validator("id")
     @classmethod
@@ -242,9 +247,10 @@ class RoleSpec(SpecModel):
     # rank, gang-scheduled; the autoscaling bounds below count whole DP groups).
     data_parallel_size: int = Field(default=1, ge=1, le=64)
     moe_parallelism: MoeParallelism = MoeParallelism.TENSOR
-    min_replicas: int = Field(default=1, ge=1)
+    # 0: the role scales to zero when idle (dev and staging only: infra/model/scale_to_zero.py).
+    min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=1, ge=1)
-    initial_replicas: int | None = Field(default=None, ge=1)
+    initial_replicas: int | None = Field(default=None, ge=0)
     max_ongoing_requests: int = Field(default=64, ge=1)
     router: Router = Router.POWER_OF_TWO
     # Ray Serve's request-based autoscaling, per role: Serve keeps each replica near this many
@@ -263,6 +269,8 @@ class RoleSpec(SpecModel):
     # ray/serve/_private/router.py, wrap_request_assignment): keep it at least as deep as the
     # bursts one caller (an ingress replica) must absorb.
     max_queued_requests: int = Field(default=64, ge=1)
+    # Thresholds of the role's own autoscaling policy (serving/autoscaling.py).
+    signals: SignalsSpec = Field(default_factory=SignalsSpec)
 
     @field_validator("tensor_parallel_size")
     @classmethod
@@ -284,6 +292,15 @@ class RoleSpec(SpecModel):
                 f"({self.max_ongoing_requests}): a replica could never reach it, so Serve would never scale out"
             )
         return self
+
+    @property
+    def starting_replicas(self) -> int:
+        """Replicas at deploy time: initialReplicas, else minReplicas, but 1 for a role that
+        scales to zero (Serve starts at min_replicas; one replica proves that the engine starts,
+        then idles away after downscaleDelayS)."""
+        if self.initial_replicas is not None:
+            return self.initial_replicas
+        return max(self.min_replicas, 1)
 
     @property
     def gpus_per_rank(self) -> int:
@@ -656,6 +673,10 @@ class Target:
     kv_backend: KvBackend = KvBackend.UCX
     role_accelerator_types: Mapping[str, str] = field(default_factory=dict)
     proxy_location: str = "EveryNode"
+    # Per engine role: autoscaling thresholds the planner derived (infra/model/scaling_signals.py)
+    # and the PromQL label selector of the role's engine series (none: Serve's signals only).
+    role_thresholds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    metrics_selectors: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def cpu(self) -> bool:
@@ -721,6 +742,13 @@ class ServingSpec(SpecModel):
                 f"resilience.kvReadyTimeoutS ({self.resilience.kv_ready_timeout_s}): prefill "
                 "would free the KV blocks while decode still waits for them"
             )
+        problem = self.model.loading.problem(self.model.source)
+        if problem:
+            raise ValueError(f"model.loading: {problem}")
+        for role, spec in self.engine_roles().items():
+            problem = spec.signals.role_problem("decode" if self.mode is Mode.AGGREGATED else role)
+            if problem:
+                raise ValueError(f"{role}.signals: {problem}")
         labels = [self.placement.head, self.placement.prefill, self.placement.decode]
         if len(set(labels)) != 3:
             raise ValueError("placement.head, placement.prefill and placement.decode must differ")
@@ -800,6 +828,7 @@ class ServingSpec(SpecModel):
             # falls back to TCP (ai-dynamo/nixl#909); the policy pack reads this key.
             kv["kv_connector_extra_config"] = {**extra, "backends": [KvBackend(backend).value]}
             engine_kwargs["kv_transfer_config"] = kv
+        engine_kwargs.update(self.model.loading.engine_kwargs(self.model.source))
         engine_kwargs.update(self.engine_kwargs)
 
         autoscaling: dict[str, Any] = {
@@ -809,8 +838,11 @@ class ServingSpec(SpecModel):
             "upscale_delay_s": spec.upscale_delay_s,
             "downscale_delay_s": spec.downscale_delay_s,
         }
-        if spec.initial_replicas is not None:
-            autoscaling["initial_replicas"] = spec.initial_replicas
+        if spec.initial_replicas is not None or spec.min_replicas == 0:
+            autoscaling["initial_replicas"] = spec.starting_replicas
+        policy = self._policy(role, spec, target)
+        if policy is not None:
+            autoscaling["policy"] = policy
         # One bundle per GPU worker of one Serve replica (a DP rank): vLLM's Ray executor starts
         # one worker per GPU bundle (vllm/v1/executor/ray_executor.py), so bundles are never
         # per node.
@@ -843,6 +875,18 @@ class ServingSpec(SpecModel):
             config["accelerator_type"] = target.role_accelerator_types.get(role, target.accelerator_type)
         config["runtime_env"] = {"env_vars": {**dict(target.engine_env), **SERVING_ENV}}
         return config
+
+    def _policy(self, role: str, spec: RoleSpec, target: Target) -> dict[str, Any] | None:
+        # The aggregated engine runs under the decode role and its policy.
+        planned = dict(slo_thresholds(role, self.slo.ttft_seconds, self.slo.itl_seconds, spec.target_ongoing_requests))
+        planned.update(target.role_thresholds.get(role, {}))
+        return policy_config(
+            role,
+            spec.signals,
+            planned,
+            target_ongoing=spec.target_ongoing_requests,
+            metrics_selector=target.metrics_selectors.get(role),
+        )
 
     def _kv_role(self, role: str) -> str:
         # Prefill produces KV, decode consumes it, for both NIXL connectors: vLLM deprecates

@@ -205,10 +205,11 @@ def create_pod_identity(
         opts=aws_opts,
     )
     model_bucket = args.model_bucket
+    model_prefix = model_key_prefix(args.serving.model.source, model_bucket)
     policy = aws.iam.RolePolicy(
         f"{name}-pods-read",
         role=role.id,
-        policy=code_bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket))),
+        policy=code_bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket, model_prefix))),
         opts=aws_opts,
     )
     created: list[pulumi.Resource] = [policy]
@@ -387,7 +388,16 @@ def _exposure(exposure: ServiceExposure, allowed_cidrs: list[str]) -> dict:
     }
 
 
-def _read_policy(code_bucket_arn: str, model_bucket: str | None) -> dict:
+def model_key_prefix(source: str, bucket: str | None) -> str | None:
+    """The key prefix of an s3:// model source in `bucket` ("" for the whole bucket); None otherwise."""
+    if not bucket or not source.startswith(f"s3://{bucket}"):
+        return None
+    return source[len(f"s3://{bucket}") :].strip("/")
+
+
+def _read_policy(code_bucket_arn: str, model_bucket: str | None, model_prefix: str | None = None) -> dict:
+    """Read the serving code, and the model's files under its prefix only (the Run:ai streamer and
+    Ray's mirror download list the prefix, then get its objects)."""
     statements = [
         {
             "Sid": "ServingCode",
@@ -397,18 +407,18 @@ def _read_policy(code_bucket_arn: str, model_bucket: str | None) -> dict:
         },
     ]
     if model_bucket:
+        listing: dict = {
+            "Sid": "ModelList",
+            "Effect": "Allow",
+            "Action": ["s3:ListBucket"],
+            "Resource": [f"arn:aws:s3:::{model_bucket}"],
+        }
+        objects = f"arn:aws:s3:::{model_bucket}/*"
+        if model_prefix:
+            listing["Condition"] = {"StringLike": {"s3:prefix": [model_prefix, f"{model_prefix}/*"]}}
+            objects = f"arn:aws:s3:::{model_bucket}/{model_prefix}/*"
         statements += [
-            {
-                "Sid": "ModelList",
-                "Effect": "Allow",
-                "Action": ["s3:ListBucket"],
-                "Resource": [f"arn:aws:s3:::{model_bucket}"],
-            },
-            {
-                "Sid": "ModelRead",
-                "Effect": "Allow",
-                "Action": ["s3:GetObject"],
-                "Resource": [f"arn:aws:s3:::{model_bucket}/*"],
-            },
+            listing,
+            {"Sid": "ModelRead", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [objects]},
         ]
     return {"Version": "2012-10-17", "Statement": statements}

@@ -200,7 +200,5 @@ class ObservabilityStack(pulumi.ComponentResource):
             f"{name}-scrape-netpol", metadata=np_["metadata"], spec=np_["spec"], opts=k8s_opts
         )
 
-        self.prometheus_url = pulumi.Output.from_input(
-            f"http://prometheus-operated.{monitoring.MONITORING_NAMESPACE}.svc.cluster.local:9090"
-        )
+        self.prometheus_url = pulumi.Output.from_input(monitoring.PROMETHEUS_URL)
         self.register_outputs({"prometheusUrl": self.prometheus_url, "ampWorkspaceId": self.workspace_id})

@@ -26,6 +26,9 @@ from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SY
 from infra.model.config import MetricsStack, Observability
 
 MONITORING_NAMESPACE = "monitoring"
+# The Prometheus Operator's governing Service for every Prometheus it runs (prometheus-operated,
+# port 9090): the in-cluster query address, in both local-volume and remote-write setups.
+PROMETHEUS_URL = f"http://prometheus-operated.{MONITORING_NAMESPACE}.svc.cluster.local:9090"
 # kube-prometheus-stack's Helm release. Its Prometheus selects monitors and rules labelled
 # `release: <release>`, as the chart's own (kube-state-metrics, node-exporter, default rules)
 # are; ours carry the same label.

@@ -19,7 +19,10 @@ from typing import Any
 import yaml
 
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
+from infra.k8s.monitoring import PROMETHEUS_URL
+from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.model import catalog, sizing
+from infra.model.scaling_signals import role_thresholds
 from infra.model.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
 
@@ -214,11 +217,20 @@ def _target(inp: RayServiceInputs) -> Target:
         working_dir=inp.working_dir,
         engine_env=engine_env,
         kv_backend=backends.pop(),
+        role_thresholds=role_thresholds(inp.serving, inp.instances),
+        # The scrape gives engine series a `role` label from the worker group's name
+        # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST.
+        metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{role}"' for role in inp.instances},
     )
 
 
 def serve_config_yaml(inp: RayServiceInputs) -> str:
     return yaml.safe_dump(inp.serving.serve_config(_target(inp)), sort_keys=False)
+
+
+# Ray's Prometheus address variable (ray/serve/autoscaling_policy.py PrometheusQueryMixin, and
+# Ray's dashboard), Ray 2.60.
+PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"
 
 
 def _head(inp: RayServiceInputs) -> dict[str, Any]:
@@ -227,6 +239,9 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
         env.append(inp.fallback_api_key.env(FALLBACK_API_KEY_ENV))
     if gcs_uses_tls(inp.gcs_redis_address):
         env.append({"name": REDIS_CA_CERT_ENV, "value": SYSTEM_CA_BUNDLE})
+    # The Serve controller (on the head) runs the per-role autoscaling policies; their
+    # PrometheusQueryMixin reads the engines' metrics from here (serving/autoscaling.py).
+    env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
@@ -281,7 +296,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
     ]
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
-    initial = spec.initial_replicas or spec.min_replicas
+    initial = spec.starting_replicas
     container: dict[str, Any] = {
         "name": f"ray-{role}",
         "image": inp.image,

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError, ValidationInfo, model_validator
 
 from infra.model.ami_check import ami_driver_errors
+from infra.model.scale_to_zero import scale_to_zero_errors
 from infra.model.stack import cluster, gcs, network, pools, secrets, service
 from infra.model.stack import serving as served
 from infra.model.stack.cluster import AccessKeys, ClusterKeys, EndpointAccess, Environment
@@ -92,6 +93,7 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
             # Which secrets the stack holds comes from load(), never from the file's values.
             *secrets.secret_errors(self, ctx.get("secrets_present", frozenset())),
             *served.model_source_errors(self),
+            *scale_to_zero_errors(self.environment.value, self.serving),
             *pools.pool_errors(self),
             *served.kv_transfer_errors(self),
             *served.vllm_option_errors(self),

@@ -47,6 +47,23 @@ def _serve_parts(t: startup.TimeToServe) -> str:
     return " + ".join(f"{x / 60:.1f}" for x in (t.node_s, t.image_s, t.weights_s, t.engine_s)) + " min"
 
 
+def _weights_from(t: startup.TimeToServe) -> str:
+    if t.streamed:
+        return f"{t.source}, streamed to GPUs"
+    return f"{t.source} to {t.disk}"
+
+
+def _after_idle(r: RolePlan) -> str:
+    if r.min_replicas > 0:
+        return "- (minReplicas > 0)"
+    t = r.startup
+    if t is None:
+        return "-"
+    cold = t.new_node_s if r.pool_min_size == 0 else t.warm_node_s
+    where = "new node" if r.pool_min_size == 0 else "warm node"
+    return f"{_minutes(cold)} ({where})"
+
+
 def _weights_path(t: startup.TimeToServe) -> str:
     size = "" if t.checkpoint_gib is None else f"{t.checkpoint_gib:,.0f} GiB "
     return f"{size}at {t.download_gibps:.2f} GiB/s ({t.bound_by})"
@@ -206,11 +223,14 @@ def _startup_rows() -> list[tuple[str, Cell]]:
     return [
         ("Time to serve, new node", _startup(lambda t: _minutes(t.new_node_s))),
         ("  node+image+weights+engine", _startup(_serve_parts)),
-        ("  weights from", _startup(lambda t: f"{t.source} to {t.disk}")),
+        ("  weights from", _startup(_weights_from)),
         ("  download", _startup(_weights_path)),
         ("  download, load to GPU", _startup(lambda t: f"{_minutes(t.download_s)}, {_minutes(t.load_s)}")),
         ("Time to serve, warm node", _startup(lambda t: _minutes(t.warm_node_s))),
         ("  weights via Run:ai streamer", _startup(lambda t: _minutes(t.streamer_s))),
+        # minReplicas 0: the first request after idle waits for a replica (and its node, when
+        # the pool is at zero too) unless the fallback answers it (docs/scaling.md).
+        ("First request after idle", _after_idle),
     ]
 
 

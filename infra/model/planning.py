@@ -102,6 +102,7 @@ class RolePlan:
     figures: ModelFigures | None
     scaling: RoleScaling | None = None
     startup: startup.TimeToServe | None = None
+    pool_min_size: int = 1  # the node pool's minSize: 0 lets its last node go when idle
 
 
 @dataclass(frozen=True)
@@ -292,6 +293,7 @@ def _role_plan(
         max_replicas=spec.max_replicas,
         nodes_desired=sized.desired_size,
         nodes_max=sized.max_size,
+        pool_min_size=pool.min_size,
         gpus_desired=sized.gpus_desired,
         gpus_max=sized.gpus_max,
         usd_per_hour_desired=sized.usd_per_hour_desired,
@@ -365,6 +367,7 @@ def _time_to_serve(
         s3_gateway_endpoint=config.existing_vpc is None,
         checkpoint_gib=None if shape is None else weights_gib(shape, model),
         weights_gib_per_gpu=None if figures is None else figures.weights_gib_per_gpu,
+        streamed=model.loading.streamed(model.source),
     )
 
 

@@ -41,14 +41,16 @@ GIB = 1024**3
 #   196.465363 seconds" (Hugging Face Hub -> the node, 131.4 GiB): 0.67 GiB/s;
 HF_HUB_GIBPS = 131.4 / 196.465
 # - llama70b-s3-runai.txt: "[RunAI Streamer] Overall time to stream 131.4 GiB of all files:
-#   91.06s, 1.4 GiB/s" (one process reading the checkpoint from S3 in the same region). Ray's
-#   own S3 mirror download (ray.llm CloudModelDownloader, boto3 in a thread pool) is taken to
-#   read at this rate too: no published figure of its own;
+#   91.06s, 1.4 GiB/s" (`load_format: runai_streamer`, the replica's checkpoint from S3 in the
+#   same region straight into GPU memory: no copy on the node's disk, no load from it). This is
+#   the streamer's rate (STREAMER_GIBPS), what the render uses for s3:// sources
+#   (serving/scaling_spec.py). Ray's own S3 mirror download (ray.llm CloudModelDownloader, boto3
+#   in a thread pool) is taken to read at this rate too: no published figure of its own;
 S3_GIBPS = 131.4 / 91.06
+STREAMER_GIBPS = S3_GIBPS
 # - llama70b-s3-runai-sharded.txt: "Overall time to stream 32.9 GiB of all files: 24.98s" per
-#   rank (`load_format: runai_streamer_sharded`, each rank streams only its shard from S3
-#   straight to its GPU, ranks in parallel): what the streamer would make of the download;
-RUNAI_SHARDED_GIBPS_PER_GPU = 32.9 / 24.98
+#   rank (`runai_streamer_sharded`, a checkpoint re-saved per rank by vLLM's save_sharded_state):
+#   faster still, but it needs that re-saved checkpoint; the render does not use it.
 # - llama70b-base.txt: "Loading weights took 15.82 seconds" for "Model loading took 32.8601
 #   GiB" per rank (local disk -> GPU, the 4 ranks in parallel);
 LOAD_GIBPS_PER_GPU = 32.8601 / 15.82
@@ -110,11 +112,24 @@ class TimeToServe:
     download_s: float | None
     load_s: float | None
     engine_s: float
-    streamer_s: float | None = None  # weights with the Run:ai streamer (sharded), S3 sources only
+    streamer_s: float | None = None  # weights with the Run:ai streamer, S3 sources only
+    streamed: bool = False  # the render streams the weights (s3:// source, loading.weights auto/streamer)
+
+    @property
+    def copied_s(self) -> float | None:
+        """Weights by download to the node's disk, then load to the GPUs."""
+        return None if self.download_s is None or self.load_s is None else self.download_s + self.load_s
 
     @property
     def weights_s(self) -> float | None:
-        return None if self.download_s is None or self.load_s is None else self.download_s + self.load_s
+        return self.streamer_s if self.streamed else self.copied_s
+
+    @property
+    def streamer_faster(self) -> bool | None:
+        """Whether streaming beats download + load here (None: shape or source unknown)."""
+        if self.streamer_s is None or self.copied_s is None:
+            return None
+        return self.streamer_s < self.copied_s
 
     @property
     def warm_node_s(self) -> float | None:
@@ -132,14 +147,19 @@ def source_kind(model_source: str, s3_gateway_endpoint: bool) -> str:
     return Source.HF_HUB  # a repo id: fetched from the Hub, over the internet, through NAT
 
 
-def download_rate(source: str, inst: catalog.InstanceType, raid0: bool) -> tuple[float, str]:
-    """GiB/s of the checkpoint download to one node, and what bounds it."""
+def _limits(source: str, inst: catalog.InstanceType) -> dict[str, float]:
     limits = {
         "the source": HF_HUB_GIBPS if source == Source.HF_HUB else S3_GIBPS,
         f"{inst.name} line rate": inst.network_gbps * 1e9 / 8 / GIB,
     }
     if source in (Source.HF_HUB, Source.S3_NAT):
         limits["the NAT gateway"] = NAT_GBPS * 1e9 / 8 / GIB
+    return limits
+
+
+def download_rate(source: str, inst: catalog.InstanceType, raid0: bool) -> tuple[float, str]:
+    """GiB/s of the checkpoint download to one node, and what bounds it."""
+    limits = _limits(source, inst)
     if not raid0:
         limits["the gp3 root volume"] = GP3_BASELINE_GIBPS
     bound = min(limits, key=lambda k: limits[k])
@@ -155,17 +175,19 @@ def time_to_serve(
     s3_gateway_endpoint: bool,
     checkpoint_gib: float | None,
     weights_gib_per_gpu: float | None,
+    streamed: bool = False,
 ) -> TimeToServe:
-    """raid0: the pool stripes its NVMe drives (localStorage raid0 on a type that has them)."""
+    """raid0: the pool stripes its NVMe drives (localStorage raid0 on a type that has them).
+    streamed: the engines stream the weights (Run:ai streamer); S3 sources only."""
     source = source_kind(model_source, s3_gateway_endpoint)
     rate, bound = download_rate(source, inst, raid0)
     download = None if checkpoint_gib is None else checkpoint_gib / rate
     load = None if weights_gib_per_gpu is None else weights_gib_per_gpu / LOAD_GIBPS_PER_GPU
-    streamer = (
-        weights_gib_per_gpu / RUNAI_SHARDED_GIBPS_PER_GPU
-        if weights_gib_per_gpu is not None and source != Source.HF_HUB
-        else None
-    )
+    streamer = None
+    if checkpoint_gib is not None and source != Source.HF_HUB:
+        # The same path as a download (S3 endpoint or NAT, the line rate), but no disk.
+        path = {k: v for k, v in _limits(source, inst).items() if k != "the source"}
+        streamer = checkpoint_gib / min([STREAMER_GIBPS, *path.values()])
     return TimeToServe(
         role=role,
         node_s=NODE_PROVISION_S,
@@ -179,4 +201,5 @@ def time_to_serve(
         load_s=load,
         engine_s=ENGINE_START_S,
         streamer_s=streamer,
+        streamed=streamed and streamer is not None,
     )

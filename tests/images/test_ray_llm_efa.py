@@ -92,6 +92,7 @@ def test_pins_match_versions_module() -> None:
     assert args["BASE_IMAGE"] == versions.RAY_IMAGE
     assert args["EFA_INSTALLER_VERSION"] == versions.EFA_INSTALLER_VERSION
     assert args["EFA_INSTALLER_SHA256"] == versions.EFA_INSTALLER_SHA256
+    assert args["RUNAI_STREAMER_VERSION"] == versions.RUNAI_STREAMER_VERSION
     text = DOCKERFILE.read_text()
     assert "sha256sum -c" in text and "${EFA_INSTALLER_SHA256}" in text
     # Userspace only: the host's AMI has the kernel module; no MPI; limits come from the runtime.

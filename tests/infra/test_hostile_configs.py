@@ -159,7 +159,8 @@ CASES: list[Hostile] = [
         _set("serving.decode.tensorParallelSize", 6),
         "serving.decode.tensorParallelSize",
     ),
-    Hostile("zero-replicas", "dev", _set("serving.prefill.minReplicas", 0), "serving.prefill.minReplicas"),
+    # Scale to zero is for dev and staging (issue 29): prod refuses it.
+    Hostile("zero-replicas-in-prod", "prod", _set("serving.prefill.minReplicas", 0), "serving.prefill.minReplicas"),
     Hostile("negative-replicas", "dev", _set("serving.decode.maxReplicas", -1), "serving.decode.maxReplicas"),
     Hostile("replicas-max-below-min", "prod", _set("serving.decode.maxReplicas", 1), "serving.decode"),
     Hostile("pool-max-below-min", "prod", _set("nodePools.decode.maxSize", 1), "nodePools.decode"),

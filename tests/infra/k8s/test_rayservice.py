@@ -279,6 +279,15 @@ def test_pod_identity_role_reads_only_code_and_model(stack):
     assert any(r.endswith("/serving/*") for r in resources)
     bucket = stack.config.model_bucket
     assert all(("serving/*" in r) or (bucket and bucket in r) for r in resources)
+    source = stack.config.serving.model.source
+    if source.startswith("s3://"):
+        # The model's prefix only (issue 29): its objects, and listings under it (AWS IAM
+        # condition key s3:prefix on ListBucket).
+        prefix = source[len(f"s3://{bucket}/") :].strip("/")
+        read = next(s for s in policy["Statement"] if s["Sid"] == "ModelRead")
+        assert read["Resource"] == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+        listing = next(s for s in policy["Statement"] if s["Sid"] == "ModelList")
+        assert listing["Condition"] == {"StringLike": {"s3:prefix": [prefix, f"{prefix}/*"]}}
     assocs = stack.result.of_type("aws:eks/podIdentityAssociation:PodIdentityAssociation")
     ns = stack.config.namespace
     assert {a.inputs["serviceAccount"] for a in assocs if a.inputs["namespace"] == ns} == {"llm-head", "llm-worker"}
@@ -333,3 +342,43 @@ def test_s3_model_source_uses_ray_mirror_config(rendered_stacks):
     serve = yaml.safe_load(_rayservice(rendered_stacks["prod"])["spec"]["serveConfigV2"])
     source = serve["applications"][0]["args"]["decode_config"]["model_loading_config"]["model_source"]
     assert source == {"bucket_uri": rendered_stacks["prod"].config.serving.model.source}
+
+
+def test_the_serve_controller_can_read_the_stacks_prometheus(stack):
+    """Issue 29: the per-role autoscaling policies run in the Serve controller on the head and
+    read the engines' metrics through Ray's PrometheusQueryMixin, which takes its address from
+    RAY_PROMETHEUS_HOST (ray/serve/autoscaling_policy.py, Ray 2.60): the head carries the
+    address of the Prometheus the stack deploys (its prometheusUrl output), and every engine
+    role's policy selects that role's series by the label the scrape gives them."""
+    rs = _rayservice(stack)
+    head_env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    host = next(e for e in head_env if e["name"] == "RAY_PROMETHEUS_HOST")
+    assert host["value"] == stack.result.outputs["prometheusUrl"]
+    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
+    configs = {r: args[f"{r}_config"] for r in ("prefill", "decode") if f"{r}_config" in args}
+    configs = configs or {"decode": args["llm_configs"][0]}
+    for role, cfg in configs.items():
+        policy = cfg["deployment_config"]["autoscaling_config"]["policy"]
+        assert policy["policy_kwargs"]["metrics_selector"] == f'role="{role}"'
+
+
+def test_prod_streams_its_s3_weights_with_the_runai_streamer(rendered_stacks):
+    """Issue 29: prod's s3:// weights are loaded by vLLM's `runai_streamer` (vLLM 0.32
+    vllm/model_executor/model_loader/__init__.py maps it to RunaiModelStreamerLoader; the
+    image's vLLM 0.29 has `load_format` and `model_loader_extra_config` too,
+    infra/model/vllm/0.29.0.json), and Ray Serve LLM skips its own download for it
+    (ray/llm/_internal/common/utils/download_utils.py STREAMING_LOAD_FORMATS, Ray 2.60)."""
+    from ray.llm._internal.common.utils.download_utils import STREAMING_LOAD_FORMATS
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.runai_streamer_loader import RunaiModelStreamerLoader
+
+    prod = rendered_stacks["prod"]
+    args = yaml.safe_load(_rayservice(prod)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    for side in ("prefill_config", "decode_config"):
+        kwargs = dict(args[side]["engine_kwargs"])
+        assert kwargs["load_format"] in STREAMING_LOAD_FORMATS
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
+        engine = AsyncEngineArgs(model=prod.config.serving.model.source, **kwargs)
+        assert isinstance(get_model_loader(engine.create_load_config()), RunaiModelStreamerLoader)

@@ -135,10 +135,16 @@ def test_an_existing_vpc_is_taken_to_have_no_s3_endpoint():
 
 
 def test_local_storage_none_in_the_stack_lengthens_the_plan():
+    """On the copy path (weights: download) the checkpoint lands on the node's disk."""
+
     def no_raid(values):
         values["nodePools"]["decode"]["localStorage"] = "none"
+        values["serving"]["model"]["loading"] = {"weights": "download"}
 
-    base, edited = _role(_plan("prod")), _role(_plan("prod", no_raid))
+    def download(values):
+        values["serving"]["model"]["loading"] = {"weights": "download"}
+
+    base, edited = _role(_plan("prod", download)), _role(_plan("prod", no_raid))
     assert edited.disk == "gp3 root volume"
     assert edited.new_node_s > base.new_node_s  # type: ignore[operator]
     # The other role's pool keeps its RAID0.
@@ -149,4 +155,50 @@ def test_the_plan_prints_time_to_serve_per_role():
     text = planning.format_plan(_plan("prod"))
     for label in ("Time to serve, new node", "Time to serve, warm node", "  weights from", "  download"):
         assert label in text, label
-    assert "S3 via gateway endpoint to NVMe RAID0" in text
+    assert "S3 via gateway endpoint, streamed to GPUs" in text
+
+
+# --- the Run:ai streamer (issue 29) ---------------------------------------------------------
+def test_streamed_weights_take_the_streamers_rate_and_skip_the_disk():
+    """anyscale/ray-serve-llm-perf-examples replica_initialization/ llama70b-s3-runai.txt
+    (commit 04ba8ab4): 131.4 GiB streamed from S3 in 91.06 s with `load_format: runai_streamer`.
+    Streamed, the weights take checkpoint / that rate, with no disk bound and no load step."""
+    copied = _tts("s3://b/m", raid0=False)
+    streamed = startup.time_to_serve(
+        "decode",
+        P5,
+        raid0=False,
+        model_source="s3://b/m",
+        s3_gateway_endpoint=True,
+        checkpoint_gib=LLAMA70_GIB,
+        weights_gib_per_gpu=LLAMA70_GIB / 8,
+        streamed=True,
+    )
+    # 131.50 GiB / (131.4 / 91.06) GiB/s = 91.13 s, whatever the root volume.
+    assert streamed.weights_s == pytest.approx(91.13, rel=1e-3)
+    assert copied.weights_s is not None and copied.weights_s > 10 * streamed.weights_s
+    assert streamed.streamer_faster is True
+    # Through NAT the stream is bound by the NAT gateway, like a download.
+    nat = _tts("s3://b/m", endpoint=False)
+    assert nat.streamer_s == pytest.approx(LLAMA70_GIB / (5e9 / 8 / 2**30), rel=1e-3)
+
+
+def test_a_hub_repo_id_is_never_streamed():
+    t = startup.time_to_serve(
+        "decode",
+        P5,
+        raid0=True,
+        model_source="org/model",
+        s3_gateway_endpoint=True,
+        checkpoint_gib=LLAMA70_GIB,
+        weights_gib_per_gpu=LLAMA70_GIB / 8,
+        streamed=True,
+    )
+    assert t.streamed is False and t.weights_s == t.copied_s
+
+
+def test_prod_streams_its_s3_weights_in_the_plan():
+    t = _role(_plan("prod"))
+    assert t.streamed and t.weights_s == t.streamer_s
+    text = planning.format_plan(_plan("prod"))
+    assert "streamed to GPUs" in text
