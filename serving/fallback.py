@@ -193,9 +193,10 @@ class FallbackClient:
         """Send `body` upstream; `on_done(usage: Usage, ok: bool)` runs when the answer ends.
 
         Only OpenAI's documented fields go (serving.request_fields.openai_fields). The whole
-        answer must end within `timeout_s` and a stream's first event come within
-        `first_token_timeout_s` (keep-alive comments do not count). A stream always ends with
-        [DONE]; one the provider cut before its finish_reason ends with an error event first.
+        answer, first event included, must end within `timeout_s` (keep-alive comments do not
+        extend it; `first_token_timeout_s` is the cluster's bound, not the provider's). A stream
+        always ends with [DONE]; one the provider cut before its finish_reason ends with an
+        error event first.
         """
         external = self.external_model(model)
         if external is None:
@@ -290,10 +291,9 @@ class FallbackClient:
         # Read until the first event, so a provider that fails before it is still an HTTP
         # error; keep-alive comments are dropped by the rewriter and do not extend the wait.
         first: list[str] = []
-        first_by = min(deadline, time.monotonic() + self.config.first_token_timeout_s)
         try:
             while not first and not rewriter.done:
-                chunk = await asyncio.wait_for(lines.__anext__(), max(0.0, first_by - time.monotonic()))
+                chunk = await asyncio.wait_for(lines.__anext__(), max(0.0, deadline - time.monotonic()))
                 first = rewriter.feed(chunk)
         except StopAsyncIteration:
             first = rewriter.flush()

@@ -164,6 +164,9 @@ class HybridRouting:
         user_config = user_config or {}
         self.limiter.config = LimitsConfig.from_user_config(user_config.get("limits"))
         self._selector = dict((user_config.get("limits") or {}).get("label_selector") or {})
+        if self.limiter.config.any:
+            # Before traffic: a ledger actor that is still starting is not an outage.
+            await self.limiter.warm_up()
         cfg = FallbackConfig.from_user_config(user_config.get("fallback"))
         old = self.fallback
         self.fallback = FallbackClient(cfg) if cfg else None

@@ -44,6 +44,8 @@ WINDOW_S = 60
 LEDGER_TIMEOUT_S = 1.0
 # After the ledger failed to answer: decide by the policy, without asking, for this long.
 LEDGER_RETRY_S = 5.0
+# How long a reconfiguration waits for a new ledger actor to start and answer.
+LEDGER_START_S = 30.0
 ALLOW, REFUSE = "allow", "refuse"
 ANONYMOUS = "anonymous"  # the key id when auth is disabled
 
@@ -282,6 +284,19 @@ class Limiter:
         if self._ledger is None:
             self._ledger = await asyncio.to_thread(self._factory)
         return self._ledger
+
+    async def warm_up(self, timeout_s: float = LEDGER_START_S) -> bool:
+        """Create or find the ledger and wait until it answers (a new actor takes seconds to
+        start: that is not an outage). Called when limits are configured, before traffic."""
+        try:
+            ledger = await asyncio.wait_for(self._handle(), timeout_s)
+            await asyncio.wait_for(_awaited(ledger.totals.remote(ANONYMOUS)), timeout_s)
+        except Exception as exc:
+            logger.warning("limits ledger not ready after %.0fs: %r", timeout_s, exc)
+            self._ledger = None
+            return False
+        self._down_until = 0.0
+        return True
 
     def _unreachable(self, exc: BaseException | None) -> Decision:
         if exc is not None:

@@ -265,7 +265,7 @@ def test_a_stream_cut_before_its_end_gets_an_error_event_then_done_and_its_token
     assert not ok and usage.completion_tokens == 3
 
 
-def test_keep_alive_comments_do_not_hold_the_first_event_past_its_deadline(monkeypatch):
+def test_keep_alive_comments_do_not_hold_the_first_event_past_the_answers_deadline(monkeypatch):
     async def comments():
         for _ in range(100):
             yield b": keep-alive\n\n"
@@ -274,7 +274,8 @@ def test_keep_alive_comments_do_not_hold_the_first_event_past_its_deadline(monke
     client, _ = _client(
         lambda r: httpx.Response(200, content=comments(), headers={"content-type": "text/event-stream"}),
         monkeypatch,
-        first_token_timeout_s=0.2,
+        timeout_s=0.3,  # the provider's whole answer; the comments keep coming for 5 s
+        first_token_timeout_s=0.001,  # the cluster's bound: not the provider's
     )
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     with pytest.raises(FallbackError) as err:
@@ -331,3 +332,20 @@ def test_reconfiguring_retires_the_client_without_cutting_a_live_stream(monkeypa
     first, rest = asyncio.run(go())
     assert '"a"' in first and '"b"' in "".join(rest) and "".join(rest).rstrip().endswith("[DONE]")
     assert client.closed and client.active == 0
+
+
+def test_the_clusters_first_token_bound_does_not_apply_to_the_provider(monkeypatch):
+    # fallback.firstTokenTimeoutS sends a slow cluster request to the provider; a provider
+    # that answers later than that (but within timeoutS) is still relayed.
+    async def slow_first():
+        await asyncio.sleep(0.05)
+        yield _sse(_chunk("hi", "stop"), "[DONE]")
+
+    client, _ = _client(
+        lambda r: httpx.Response(200, content=slow_first(), headers={"content-type": "text/event-stream"}),
+        monkeypatch,
+        first_token_timeout_s=0.001,
+    )
+    body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    resp, chunks, _ = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
+    assert resp.status_code == 200 and "".join(chunks).rstrip().endswith("data: [DONE]")

@@ -133,6 +133,7 @@ class _Ledger:
 
         self.admit = _M()
         self.settle = _M()
+        self.totals = _M()
 
 
 def test_limiter_skips_the_ledger_for_unlimited_keys_and_fails_open_when_it_is_slow(monkeypatch):
@@ -211,3 +212,20 @@ def test_the_ledger_name_changes_with_its_code():
         assert limits._ledger_version() != limits.LEDGER_VERSION
     finally:
         limits.inspect.getsource = original
+
+
+def test_a_new_ledger_is_waited_for_before_traffic_not_counted_as_down(monkeypatch):
+    """The first call creates the actor, which takes seconds to start: warm_up (run when
+    limits are configured) waits for it, so the first requests are checked, not waved through."""
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    meter = _Meter()
+    ledger = _Ledger(Decision(False, 3, "rpm", "no"), delay=0.2)  # starts slower than one request may wait
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 1}), lambda: ledger, meter)
+
+    async def go():
+        assert await lim.warm_up(timeout_s=1.0)
+        ledger.admit = _Ledger(Decision(False, 3, "rpm", "no")).admit  # started: answers at once
+        return await lim.admit("k-1", {})
+
+    d = asyncio.run(go())
+    assert not d.ok and d.limit == "rpm" and meter.errors == 0
