@@ -313,7 +313,8 @@ def test_offline_tool_targets_use_the_light_environment():
     dry = subprocess.run(
         ["make", "-n", "-B", "pulumi-venv"], cwd=ROOT, capture_output=True, text=True, timeout=60
     ).stdout
-    assert "-r requirements.txt" in dry
+    # requirements.lock: requirements.txt resolved, with hashes (tests/ci/test_locks.py keeps it in step).
+    assert "-r requirements.lock" in dry
     assert "requirements-dev" not in dry and "requirements-serving" not in dry
     assert ".venv-pulumi" in (ROOT / ".gitignore").read_text().split()
 
