@@ -6,645 +6,123 @@ config (`applications:` and friends) whose `args` feed `serving.app:build_app`. 
 RayService's `serveConfigV2` and `make serve` both come from this one function; only the
 `Target` (GPU type or CPU, where the code lives, extra environment) differs.
 
-This module imports pydantic and the standard library only: the Pulumi program imports it,
-and the Pulumi program must not need Ray or vLLM.
+The spec's parts live in serving/spec_base.py (constants, base model, enums),
+serving/spec_roles.py (model, roles, KV transfer, deadlines, SLOs) and serving/spec_hybrid.py
+(fallback, limits); this module composes them, renders, and re-exports them (the spec's one
+public surface). pydantic and the standard library only: the Pulumi program imports it, and
+the Pulumi program must not need Ray or vLLM.
 """
 
 from __future__ import annotations
 
-import hashlib
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import Enum
-from itertools import pairwise
-from typing import Any, Literal
-from urllib.parse import urlsplit
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, field_validator, model_validator
 
-from serving.scaling_spec import LoadingSpec, SignalsSpec, policy_config, slo_thresholds
-
-# The application's import path: the builder in serving/app.py.
-APP_IMPORT_PATH = "serving.app:build_app"
-APP_NAME = "llm"
-SERVE_PORT = 8000
-# The environment variable that carries the accepted API keys (comma-separated) into the
-# ingress replicas; in the cloud it is fed from a Kubernetes Secret.
-API_KEYS_ENV = "PD_API_KEYS"
-
-# A Ray node label of our own: `ray.io/` is Ray's reserved prefix (ray/_private/label_utils.py
-# `validate_node_labels`, Ray 2.60, rejects custom keys there), and Ray already sets
-# `ray.io/node-group` itself from the pod's KubeRay group ("headgroup" on the head).
-DEFAULT_LABEL_KEY = "pd-inference/node-group"
-RAY_RESERVED_LABEL_PREFIX = "ray.io/"
-# Ray Serve LLM's prefix-cache affinity router (public API: ray.serve.llm.request_router).
-PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
-# The engine server class that sends the first streamed chunk at once (serving/streaming.py).
-EAGER_SERVER_CLS = "serving.streaming:EagerLLMServer"
-# The LLMConfig.experimental_configs key that carries streaming.firstChunk to the engines.
-FIRST_CHUNK_KEY = "pd_first_chunk"
-# Environment of every Serve replica the spec renders (engines and ingress).
-SERVING_ENV = {
-    # Ray Serve LLM 2.60 defines this switch (constants.py, default on) and reads it nowhere;
-    # off, so that a release that starts reading it does not log prompts.
-    "RAYLLM_ENABLE_REQUEST_PROMPT_LOGS": "0",
-}
-# vLLM NixlConnector's kv_lease_duration default (nixl/base_scheduler.py, 0.29 and 0.32).
-VLLM_DEFAULT_KV_LEASE_S = 30
-PROXY_TIMEOUT_MARGIN_S = 5.0
-
-_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-# Hugging Face repo id (org/name), an S3 prefix, or an absolute local path (local runs).
-_MODEL_SOURCE = re.compile(
-    r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
-    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](?:/[A-Za-z0-9._/-]*)?"
-    r"|/[A-Za-z0-9._/-]+)$"
+from serving.scaling_spec import policy_config, slo_thresholds
+from serving.spec_base import (
+    API_KEYS_ENV,
+    APP_IMPORT_PATH,
+    APP_NAME,
+    DEFAULT_LABEL_KEY,
+    EAGER_SERVER_CLS,
+    FIRST_CHUNK_KEY,
+    PREFIX_ROUTER_CLS,
+    PROXY_TIMEOUT_MARGIN_S,
+    RAY_RESERVED_LABEL_PREFIX,
+    RESERVED_ENGINE_KWARGS,
+    SERVE_PORT,
+    SERVING_ENV,
+    VLLM_DEFAULT_KV_LEASE_S,
+    AuthMode,
+    Dtype,
+    FirstChunk,
+    KvBackend,
+    KvBufferDevice,
+    KvConnector,
+    KvLoadFailurePolicy,
+    Mode,
+    MoeParallelism,
+    Router,
+    SpecModel,
+    check_order,
+    parse_api_keys,
 )
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
-_LABEL_KEY = re.compile(r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
-
-# Engine settings the spec owns: setting them through engineKwargs would fork the truth.
-RESERVED_ENGINE_KWARGS = frozenset(
-    {
-        "model",
-        "served_model_name",
-        "tensor_parallel_size",
-        "pipeline_parallel_size",
-        "kv_transfer_config",
-        "dtype",
-        "max_model_len",
-        "gpu_memory_utilization",
-        "distributed_executor_backend",
-        "data_parallel_size",
-        "enable_expert_parallel",
-        "load_format",
-        "model_loader_extra_config",
-    }
+from serving.spec_hybrid import (
+    FALLBACK_API_KEY_ENV,
+    INGRESS_DEPLOYMENT,
+    KEY_ID_RE,
+    FallbackSpec,
+    FallbackWhen,
+    KeyLimitSpec,
+    LimitsSpec,
+    key_id,
+)
+from serving.spec_roles import (
+    ITL_BUCKETS_S,
+    TTFT_BUCKETS_S,
+    IngressSpec,
+    KvTransferSpec,
+    ModelArchitecture,
+    ModelSpec,
+    PlacementSpec,
+    ResilienceSpec,
+    RoleSpec,
+    SloSpec,
+    StreamingSpec,
 )
 
-
-def parse_api_keys(raw: str | None) -> tuple[str, ...]:
-    """Comma-separated keys (the value of $PD_API_KEYS); blanks dropped."""
-    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
-
-
-def check_order(*named: tuple[str, int | None]) -> None:
-    """ValueError unless the named values (None: not set, skipped) never decrease, in order.
-
-    One rule for every size range in a stack file: node pools' minSize <= desiredSize <=
-    maxSize, replicas' minReplicas <= initialReplicas <= maxReplicas.
-    """
-    present = [(n, v) for n, v in named if v is not None]
-    if any(a > b for (_, a), (_, b) in pairwise(present)):
-        rule = " <= ".join(n for n, _ in named)
-        got = ", ".join(f"{n} {v}" for n, v in present)
-        raise ValueError(f"sizes must satisfy {rule} (got {got})")
-
-
-class SpecModel(BaseModel):
-    """Base of every config model: camelCase keys as in stack files, unknown keys rejected."""
-
-    model_config = ConfigDict(
-        extra="forbid",
-        alias_generator=to_camel,
-        populate_by_name=True,
-        frozen=True,
-        use_enum_values=False,
-    )
-
-
-class Mode(str, Enum):
-    DISAGGREGATED = "disaggregated"
-    AGGREGATED = "aggregated"
-
-
-class Dtype(str, Enum):
-    AUTO = "auto"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-    FLOAT32 = "float32"
-
-
-class KvConnector(str, Enum):
-    # vLLM's NIXL connectors (vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py,
-    # 0.29 and 0.32): "NixlConnector" is the pull connector (decode READs prefill's blocks);
-    # "NixlPushConnector" has prefill WRITE into blocks decode registered, which is the mode in
-    # which a pipeline-parallel prefill sends each stage's layer slice (base_worker.py,
-    # "PP>1 (push mode)").
-    NIXL = "NixlConnector"
-    NIXL_PUSH = "NixlPushConnector"
-
-
-class MoeParallelism(str, Enum):
-    # How a mixture-of-experts model's expert layers are split. "tensor": vLLM's default, every
-    # expert's matrices sharded over the TP ranks. "expert": enable_expert_parallel, whole
-    # experts spread over the DP x TP ranks of an engine (EP), with all-to-all traffic between them.
-    TENSOR = "tensor"
-    EXPERT = "expert"
-
-
-class KvBufferDevice(str, Enum):
-    CUDA = "cuda"
-    CPU = "cpu"
-
-
-class KvBackend(str, Enum):
-    """NIXL's transfer backend for the KV cache (the plugin NIXL loads: libplugin_<NAME>.so).
-
-    AUTO: whatever the nodes' fabric calls for, from the instance catalog (LIBFABRIC on EFA
-    types, UCX elsewhere and on the local CPU run); `Target.kv_backend` carries it here.
-    """
-
-    AUTO = "auto"
-    UCX = "UCX"
-    LIBFABRIC = "LIBFABRIC"
-
-
-class KvLoadFailurePolicy(str, Enum):
-    # vLLM's kv_load_failure_policy: "fail" ends the request (HTTP 500); "recompute" lets
-    # decode recompute the prompt itself when prefill's KV cannot be read.
-    FAIL = "fail"
-    RECOMPUTE = "recompute"
-
-
-class Router(str, Enum):
-    """How Serve picks a replica of a role when it has several.
-
-    power-of-two: Serve's default (two random replicas, the less loaded one).
-    prefix-cache-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (public API,
-    `ray.serve.llm.request_router`): the replica that served the same prompt prefix, so
-    vLLM's prefix cache hits; power-of-two when the load is uneven.
-    """
-
-    POWER_OF_TWO = "power-of-two"
-    PREFIX_CACHE_AFFINITY = "prefix-cache-affinity"
-
-
-class FirstChunk(str, Enum):
-    # eager: the first streamed chunk leaves the engine replica at once (serving/streaming.py);
-    # batched: Ray Serve LLM's own batcher, which holds it back for a whole interval.
-    EAGER = "eager"
-    BATCHED = "batched"
-
-
-class AuthMode(str, Enum):
-    API_KEY = "api-key"
-    DISABLED = "disabled"
-
-
-class ModelArchitecture(SpecModel):
-    """Shape of the model, for capacity planning when the model is not in the built-in catalog."""
-
-    parameters_billions: float = Field(gt=0)
-    num_layers: int = Field(gt=0)
-    hidden_size: int = Field(gt=0)
-    num_attention_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int | None = Field(default=None, gt=0)
-
-    @model_validator(mode="after")
-    def _heads(self) -> ModelArchitecture:
-        if self.num_attention_heads % self.num_kv_heads:
-            raise ValueError("numAttentionHeads must be a multiple of numKvHeads")
-        return self
-
-
-class ModelSpec(SpecModel):
-    id: str = Field(description="Served model name: what clients put in `model`.")
-    source: str = Field(description="Hugging Face repo id, s3:// prefix, or a local path.")
-    dtype: Dtype = Dtype.BFLOAT16
-    max_model_len: int = Field(default=8192, ge=16, le=1_048_576)
-    gpu_memory_utilization: float = Field(default=0.90, gt=0.05, le=0.98)
-    architecture: ModelArchitecture | None = None
-    loading: LoadingSpec = Field(default_factory=LoadingSpec)
-
-    @field_validator("id")
-    @classmethod
-    def _id(cls, v: str) -> str:
-        if not _MODEL_ID.match(v):
-            raise ValueError(f"{v!r} is not a valid model id (letters, digits, '.', '_', '-'; at most 128)")
-        return v
-
-    @field_validator("source")
-    @classmethod
-    def _source(cls, v: str) -> str:
-        if not _MODEL_SOURCE.match(v) or ".." in v:
-            raise ValueError(
-                f"{v!r} is not a valid model source (a Hugging Face repo id 'org/name', "
-                "an 's3://bucket/prefix', or an absolute local path)"
-            )
-        return v
-
-
-class RoleSpec(SpecModel):
-    """One engine role (prefill, decode, or the single engine of aggregated mode)."""
-
-    tensor_parallel_size: int = Field(default=1, ge=1, le=64)
-    pipeline_parallel_size: int = Field(default=1, ge=1, le=16)
-    # Data-parallel ranks of one engine (Ray Serve LLM's DP deployment: one Serve replica per
-    # rank, gang-scheduled; the autoscaling bounds below count whole DP groups).
-    data_parallel_size: int = Field(default=1, ge=1, le=64)
-    moe_parallelism: MoeParallelism = MoeParallelism.TENSOR
-    # 0: the role scales to zero when idle (dev and staging only: infra/model/scale_to_zero.py).
-    min_replicas: int = Field(default=1, ge=0)
-    max_replicas: int = Field(default=1, ge=1)
-    initial_replicas: int | None = Field(default=None, ge=0)
-    max_ongoing_requests: int = Field(default=64, ge=1)
-    router: Router = Router.POWER_OF_TWO
-    # Ray Serve's request-based autoscaling, per role: Serve keeps each replica near this many
-    # ongoing (running + queued) requests, adding replicas after the load has stayed above it
-    # for upscaleDelayS and removing them after it has stayed below for downscaleDelayS
-    # (ray.serve.config.AutoscalingConfig). Decode batches many sequences per step, so its
-    # target is a batch size the engine serves at good per-token speed.
-    target_ongoing_requests: float = Field(default=16, gt=0)
-    upscale_delay_s: float = Field(default=30, ge=0)
-    downscale_delay_s: float = Field(default=300, ge=0)
-    # Serve's queue bound in front of the role's replicas (per caller): past it, callers get
-    # BackPressureError at once, which the ingress answers as 503 + Retry-After. Bounded by
-    # default: an unbounded queue turns overload into requests that wait forever. Serve counts
-    # a request as queued until a replica is picked, so a burst that arrives at once is
-    # refused past this bound even while replicas have free slots (Ray 2.60
-    # ray/serve/_private/router.py, wrap_request_assignment): keep it at least as deep as the
-    # bursts one caller (an ingress replica) must absorb.
-    max_queued_requests: int = Field(default=64, ge=1)
-    # Thresholds of the role's own autoscaling policy (serving/autoscaling.py).
-    signals: SignalsSpec = Field(default_factory=SignalsSpec)
-
-    @field_validator("tensor_parallel_size")
-    @classmethod
-    def _pow2(cls, v: int) -> int:
-        if v & (v - 1):
-            raise ValueError(f"{v} is not a power of two (1, 2, 4, 8, ...)")
-        return v
-
-    @model_validator(mode="after")
-    def _bounds(self) -> RoleSpec:
-        check_order(
-            ("minReplicas", self.min_replicas),
-            ("initialReplicas", self.initial_replicas),
-            ("maxReplicas", self.max_replicas),
-        )
-        if self.target_ongoing_requests > self.max_ongoing_requests:
-            raise ValueError(
-                f"targetOngoingRequests ({self.target_ongoing_requests:g}) is above maxOngoingRequests "
-                f"({self.max_ongoing_requests}): a replica could never reach it, so Serve would never scale out"
-            )
-        return self
-
-    @property
-    def starting_replicas(self) -> int:
-        """Replicas at deploy time: initialReplicas, else minReplicas, but 1 for a role that
-        scales to zero (Serve starts at min_replicas; one replica proves that the engine starts,
-        then idles away after downscaleDelayS)."""
-        if self.initial_replicas is not None:
-            return self.initial_replicas
-        return max(self.min_replicas, 1)
-
-    @property
-    def gpus_per_rank(self) -> int:
-        """GPUs of one Serve replica: TP x PP (one placement-group bundle each)."""
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def gpus_per_replica(self) -> int:
-        """GPUs of one engine replica (a whole DP group): TP x PP x DP."""
-        return self.gpus_per_rank * self.data_parallel_size
-
-
-class IngressSpec(SpecModel):
-    min_replicas: int = Field(default=1, ge=1)
-    max_replicas: int = Field(default=2, ge=1)
-    # Per ingress replica; past both, Serve's proxy answers 503 with Retry-After itself.
-    max_ongoing_requests: int = Field(default=1000, ge=1)
-    max_queued_requests: int = Field(default=200, ge=1)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> IngressSpec:
-        check_order(("minReplicas", self.min_replicas), ("maxReplicas", self.max_replicas))
-        return self
-
-
-class KvTransferSpec(SpecModel):
-    connector: KvConnector = KvConnector.NIXL
-    buffer_device: KvBufferDevice = KvBufferDevice.CUDA
-    load_failure_policy: KvLoadFailurePolicy = KvLoadFailurePolicy.RECOMPUTE
-    # NIXL backend; auto = from the instance catalog. The stack config refuses a choice that
-    # does not match the pools' fabric (UCX on EFA falls back to TCP without a word).
-    backend: KvBackend = KvBackend.AUTO
-    # vLLM NixlConnector's kv_connector_extra_config.kv_lease_duration (seconds; vLLM's
-    # default 30 in 0.29 and 0.32): prefill frees KV blocks that decode has not read when
-    # the lease runs out, so a dead or abandoned decode cannot pin prefill memory.
-    lease_duration_s: int | None = Field(default=None, ge=1)
-    # Passed through as kv_connector_extra_config (e.g. {"kv_lease_duration": 60}); its
-    # `backends` is rendered from `backend` (a `backends` here must agree with it).
-    extra_config: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _backends(self) -> KvTransferSpec:
-        given = self.extra_config.get("backends")
-        if given is None:
-            return self
-        names = [b.value for b in KvBackend if b is not KvBackend.AUTO]
-        if not (isinstance(given, list) and len(given) == 1 and given[0] in names):
-            raise ValueError(f"extraConfig.backends must be one of {[[n] for n in names]} (or set kvTransfer.backend)")
-        if self.backend is not KvBackend.AUTO and given[0] != self.backend.value:
-            raise ValueError(f"extraConfig.backends {given} contradicts backend {self.backend.value}")
-        return self
-
-    @property
-    def requested_backend(self) -> KvBackend | None:
-        """The backend the stack file asks for, or None to take the fabric's (auto)."""
-        if self.backend is not KvBackend.AUTO:
-            return self.backend
-        given = self.extra_config.get("backends")
-        return KvBackend(given[0]) if given else None
-
-
-class StreamingSpec(SpecModel):
-    """How engine replicas stream tokens back through Serve."""
-
-    # LLMConfig.experimental_configs.stream_batching_interval_ms (Ray's default 50): several
-    # tokens per Ray object. 0 sends every token alone, which cost a third of the output
-    # throughput at 16 streams on the local stack (docs/performance.md).
-    batch_interval_ms: int = Field(default=50, ge=0, le=1000)
-    first_chunk: FirstChunk = FirstChunk.EAGER
-
-
-class ResilienceSpec(SpecModel):
-    """Deadlines (seconds) and retries of the serving path (serving/resilience.py).
-
-    Defaults fit models up to ~70B on H100-class GPUs with prompts up to ~32k tokens
-    (prefill well under 5 s); raise prefillTimeoutS for longer prompts or slower GPUs.
-    """
-
-    # decode -> prefill: one prefill call, from the moment a prefill replica took it.
-    prefill_timeout_s: float = Field(default=5.0, gt=0, le=600)
-    # decode -> prefill: how long a prefill call may wait for a replica to take it. Past it
-    # the prefill tier is busy (not broken: the circuit does not count it) and the request
-    # prefills on decode.
-    prefill_queue_timeout_s: float = Field(default=4.0, gt=0, le=600)
-    # prefill calls per request (the next one lands on another replica when one is
-    # healthy); then decode prefills locally.
-    prefill_attempts: int = Field(default=2, ge=1, le=5)
-    # prefill -> KV ready: a streamed decode must emit its first token this long after
-    # prefill answered, else it is aborted (vLLM frees its blocks) and rerun locally.
-    kv_ready_timeout_s: float = Field(default=10.0, gt=0, le=600)
-    # decode -> first token, seen from the ingress (whole path, queueing included).
-    first_token_timeout_s: float = Field(default=30.0, gt=0, le=3600)
-    # the whole request, streaming included.
-    total_timeout_s: float = Field(default=600.0, gt=0, le=86400)
-    # while a decode replica is known lost: wait this long for one before answering 503.
-    fail_fast_s: float = Field(default=2.0, gt=0, le=60)
-    # decode calls per request before the first byte (another replica on retry).
-    decode_attempts: int = Field(default=2, ge=1, le=5)
-    # after circuitFailures prefill failures in a row, skip remote prefill this long (then
-    # probe with one request; its success closes the circuit).
-    circuit_open_s: float = Field(default=5.0, gt=0, le=600)
-    circuit_failures: int = Field(default=3, ge=1, le=100)
-    # Retry-After on 503/504 answers.
-    retry_after_s: int = Field(default=1, ge=1, le=3600)
-
-    @model_validator(mode="after")
-    def _order(self) -> ResilienceSpec:
-        worst_prefill = (
-            self.prefill_queue_timeout_s + self.prefill_timeout_s
-        ) * self.prefill_attempts + self.kv_ready_timeout_s
-        if worst_prefill >= self.first_token_timeout_s:
-            raise ValueError(
-                f"firstTokenTimeoutS ({self.first_token_timeout_s}) must exceed "
-                f"(prefillQueueTimeoutS + prefillTimeoutS) x prefillAttempts + kvReadyTimeoutS ({worst_prefill}), or "
-                "the ingress gives up before decode can fall back to local prefill"
-            )
-        if self.first_token_timeout_s > self.total_timeout_s:
-            raise ValueError("firstTokenTimeoutS must not exceed totalTimeoutS")
-        if self.fail_fast_s > self.first_token_timeout_s:
-            raise ValueError("failFastS must not exceed firstTokenTimeoutS")
-        return self
-
-    def runtime_args(self) -> dict[str, Any]:
-        """args["resilience"]: what serving.resilience.ResilienceConfig reads."""
-        return self.model_dump(by_alias=False)
-
-
-class PlacementSpec(SpecModel):
-    """Ray node labels that place each part; the RayService gives its groups these labels."""
-
-    label_key: str = DEFAULT_LABEL_KEY
-    head: str = "head"
-    prefill: str = "prefill"
-    decode: str = "decode"
-
-    @field_validator("label_key")
-    @classmethod
-    def _key(cls, v: str) -> str:
-        if not _LABEL_KEY.match(v):
-            raise ValueError(f"{v!r} is not a valid label key")
-        if v.startswith(RAY_RESERVED_LABEL_PREFIX):
-            raise ValueError(f"{v!r}: the {RAY_RESERVED_LABEL_PREFIX} prefix is reserved for Ray's own node labels")
-        return v
-
-    @field_validator("head", "prefill", "decode")
-    @classmethod
-    def _value(cls, v: str) -> str:
-        if not _LABEL_VALUE.match(v):
-            raise ValueError(f"{v!r} is not a valid label value")
-        return v
-
-
-# vLLM's default histogram bounds (vllm/v1/metrics/buckets.py, vLLM 0.32; the same values
-# since vLLM 0.4). An SLO burn rate reads the share of requests under the threshold from the
-# bucket whose upper bound IS the threshold, so a threshold must be one of these.
-TTFT_BUCKETS_S = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS_S = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-
-
-class SloSpec(SpecModel):
-    """Latency objectives the alerts burn against: `objective` of requests (30 days) have a
-    time to first token under `ttftSeconds`, and tokens arrive under `itlSeconds` apart."""
-
-    ttft_seconds: float = 2.5
-    itl_seconds: float = 0.1
-    objective: float = Field(default=0.99, ge=0.9, le=0.9999)
-
-    @field_validator("ttft_seconds")
-    @classmethod
-    def _ttft(cls, v: float) -> float:
-        if v not in TTFT_BUCKETS_S:
-            raise ValueError(f"{v} is not a bucket bound of vLLM's TTFT histogram (one of {list(TTFT_BUCKETS_S)})")
-        return v
-
-    @field_validator("itl_seconds")
-    @classmethod
-    def _itl(cls, v: float) -> float:
-        if v not in ITL_BUCKETS_S:
-            raise ValueError(
-                f"{v} is not a bucket bound of vLLM's inter-token latency histogram (one of {list(ITL_BUCKETS_S)})"
-            )
-        return v
-
-
-# --- hybrid routing: the external fallback and per-key limits (issue 14) ----------------------
-# The environment variable holding the fallback provider's API key in the ingress replicas; in
-# the cloud it is fed from a Kubernetes Secret (the stack's fallbackApiKey Pulumi secret).
-FALLBACK_API_KEY_ENV = "PD_FALLBACK_API_KEY"
-# Ray's builders name the ingress deployment after its class (serving.app.AuthenticatedIngress);
-# the Serve config addresses it by this name to hand it its user_config.
-INGRESS_DEPLOYMENT = "AuthenticatedIngress"
-# An API key's id in metric labels and in `limits.keys`: never the key itself.
-KEY_ID_RE = re.compile(r"^k-[0-9a-f]{12}$")
-
-
-def key_id(api_key: str) -> str:
-    """`k-` + the first 12 hex digits of the key's SHA-256 (what labels and limits use)."""
-    return "k-" + hashlib.sha256(api_key.encode()).hexdigest()[:12]
-
-
-class FallbackWhen(str, Enum):
-    UNAVAILABLE = "unavailable"  # an engine deployment has no running replica, or failed before its first byte
-    OVERLOADED = "overloaded"  # ongoing requests per decode replica at overflowAt, or Serve's queue is full
-    DEADLINE = "deadline"  # a stream's first token did not come within firstTokenTimeoutS
-
-
-class FallbackSpec(SpecModel):
-    """An external OpenAI-compatible API that takes requests the cluster cannot serve."""
-
-    base_url: str = Field(description="The provider's OpenAI-compatible /v1 root, e.g. https://api.example.com/v1.")
-    model: str | dict[str, str] = Field(
-        description="The provider's model name for serving.model.id, or a map {our model id: theirs}."
-    )
-    when: list[FallbackWhen] = Field(default_factory=lambda: list(FallbackWhen))
-    overflow_at: int | None = Field(
-        default=None,
-        ge=1,
-        description="Ongoing requests per running decode replica at which new requests overflow "
-        "to the fallback (default: the decode role's maxOngoingRequests).",
-    )
-    first_token_timeout_s: float = Field(default=30.0, gt=0, le=600)
-    timeout_s: float = Field(default=120.0, gt=0, le=3600)
-    connect_timeout_s: float = Field(default=5.0, gt=0, le=60)
-    retries: int = Field(default=2, ge=0, le=5, description="Retries of failed connections (never of answers).")
-
-    @field_validator("base_url")
-    @classmethod
-    def _base_url(cls, v: str) -> str:
-        u = urlsplit(v)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise ValueError(f"{v!r} is not an http(s) URL (an OpenAI-compatible /v1 root)")
-        if u.username or u.password:
-            raise ValueError("the URL carries credentials: put the key in the fallback API key secret instead")
-        if u.query or u.fragment:
-            raise ValueError(f"{v!r} has a query or fragment: give the /v1 root only")
-        return v.rstrip("/")
-
-    @field_validator("model")
-    @classmethod
-    def _model(cls, v: str | dict[str, str]) -> str | dict[str, str]:
-        names = [v] if isinstance(v, str) else [*v.keys(), *v.values()]
-        if not names or any(not n.strip() for n in names):
-            raise ValueError("model names must not be empty")
-        return v
-
-    @field_validator("when")
-    @classmethod
-    def _when(cls, v: list[FallbackWhen]) -> list[FallbackWhen]:
-        if not v:
-            raise ValueError("list at least one of unavailable, overloaded, deadline (or drop the fallback section)")
-        if len(set(v)) != len(v):
-            raise ValueError("an entry is listed twice")
-        return v
-
-    @property
-    def plain_http(self) -> bool:
-        return urlsplit(self.base_url).scheme == "http"
-
-    @property
-    def host(self) -> str:
-        return urlsplit(self.base_url).hostname or ""
-
-    @property
-    def port(self) -> int:
-        u = urlsplit(self.base_url)
-        return u.port or (80 if u.scheme == "http" else 443)
-
-    def models_for(self, model_id: str) -> dict[str, str]:
-        return {model_id: self.model} if isinstance(self.model, str) else dict(self.model)
-
-
-class KeyLimitSpec(SpecModel):
-    """Requests and tokens (prompt + completion) per sliding minute; 0 means no limit."""
-
-    requests_per_minute: int = Field(default=0, ge=0)
-    tokens_per_minute: int = Field(default=0, ge=0)
-
-
-class LimitsSpec(KeyLimitSpec):
-    """Per-API-key limits: the defaults above for every key, `keys` overriding them by key id
-    (`k-` + 12 hex of the key's SHA-256, as in the usage metrics; `python -m tools.keyid`
-    prints a key's id)."""
-
-    keys: dict[str, KeyLimitSpec] = Field(default_factory=dict)
-    when_ledger_unreachable: Literal["allow", "refuse"] = Field(
-        default="allow",
-        description="What a limited key's request gets while the shared limits ledger does not answer: "
-        "'allow' (served unmetered, counted in pd_limiter_errors: a limiter outage is no serving outage) "
-        "or 'refuse' (503 with Retry-After: limits are never exceeded).",
-    )
-
-    @field_validator("keys")
-    @classmethod
-    def _ids(cls, v: dict[str, KeyLimitSpec]) -> dict[str, KeyLimitSpec]:
-        bad = [k for k in v if not KEY_ID_RE.match(k)]
-        if bad:
-            raise ValueError(
-                f"{bad[0]!r} is not a key id (k- and 12 hex digits): never put an API key itself in a "
-                "stack; get its id with `python -m tools.keyid`"
-            )
-        return v
+__all__ = [
+    "API_KEYS_ENV",
+    "APP_IMPORT_PATH",
+    "APP_NAME",
+    "DEFAULT_LABEL_KEY",
+    "EAGER_SERVER_CLS",
+    "FALLBACK_API_KEY_ENV",
+    "FIRST_CHUNK_KEY",
+    "INGRESS_DEPLOYMENT",
+    "ITL_BUCKETS_S",
+    "KEY_ID_RE",
+    "PREFIX_ROUTER_CLS",
+    "PROXY_TIMEOUT_MARGIN_S",
+    "RAY_RESERVED_LABEL_PREFIX",
+    "RESERVED_ENGINE_KWARGS",
+    "SERVE_PORT",
+    "SERVING_ENV",
+    "TTFT_BUCKETS_S",
+    "VLLM_DEFAULT_KV_LEASE_S",
+    "AuthMode",
+    "Dtype",
+    "FallbackSpec",
+    "FallbackWhen",
+    "FirstChunk",
+    "IngressSpec",
+    "KeyLimitSpec",
+    "KvBackend",
+    "KvBufferDevice",
+    "KvConnector",
+    "KvLoadFailurePolicy",
+    "KvTransferSpec",
+    "LimitsSpec",
+    "Mode",
+    "ModelArchitecture",
+    "ModelSpec",
+    "MoeParallelism",
+    "PlacementSpec",
+    "ResilienceSpec",
+    "RoleSpec",
+    "Router",
+    "ServingSpec",
+    "SloSpec",
+    "SpecModel",
+    "StreamingSpec",
+    "Target",
+    "check_order",
+    "key_id",
+    "parse_api_keys",
+]
 
 
 @dataclass(frozen=True)
