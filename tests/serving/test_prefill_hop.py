@@ -197,17 +197,22 @@ def test_prefill_overload_does_not_open_the_circuit():
 
 
 # --- decode orchestration -----------------------------------------------------------------------
-def _orchestrate(prefill_outcome, remote_items, local_items, *, stream=True):
-    paths, remote, local = [], FakeStream(remote_items), FakeStream(local_items)
+def _drive(remote, local, *, outcome=None, kv_s=CFG.kv_ready_timeout_s, local_reason=None, is_error=is_5xx):
+    """Run `orchestrate` with a prefill that returns `outcome` (None: must not be called), a
+    decode that returns `remote` (an item stream) and a local prefill that returns `local`;
+    (what the client got, the (path, reason) reports)."""
+    paths = []
 
     async def prefill():
-        return PrefillOutcome(**prefill_outcome)
+        assert outcome is not None, "the prefill tier must not be called"
+        return outcome
 
     async def decode_with(chunk):
         assert chunk == "kv"
         return remote
 
     async def decode_local():
+        assert local is not None, "no local prefill expected"
         return local
 
     out = run(
@@ -216,15 +221,26 @@ def _orchestrate(prefill_outcome, remote_items, local_items, *, stream=True):
                 prefill=prefill,
                 decode_with=decode_with,
                 decode_local=decode_local,
-                is_server_error=is_5xx,
-                kv_ready_timeout_s=lambda: CFG.kv_ready_timeout_s if stream else None,
+                is_server_error=is_error,
+                kv_ready_timeout_s=lambda: kv_s,
                 on_path=lambda p, r: paths.append((p, r)),
+                local_reason=local_reason,
             )
         )
     )
     assert len(paths) == 1  # every request is counted once, on exactly one path
-    fallbacks = [r for p, r in paths if p is Path.LOCAL]
-    return out, fallbacks, remote, local
+    return out, paths
+
+
+def _orchestrate(prefill_outcome, remote_items, local_items, *, stream=True):
+    remote, local = FakeStream(remote_items), FakeStream(local_items)
+    out, paths = _drive(
+        remote,
+        local,
+        outcome=PrefillOutcome(**prefill_outcome),
+        kv_s=CFG.kv_ready_timeout_s if stream else None,
+    )
+    return out, [r for p, r in paths if p is Path.LOCAL], remote, local
 
 
 def test_orchestrate_remote_path_streams_decode_output():
@@ -253,37 +269,14 @@ def test_orchestrate_detects_vllms_in_stream_error_event_as_a_kv_load_error():
     event = (
         'data: {"error": {"message": "KV load failed", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
     )
-    assert is_server_error(event) and is_server_error([event][0])
+    assert is_server_error(event)
     assert not is_server_error('data: {"id": "x", "choices": [{"delta": {"content": "error"}}]}\n\n')
     assert not is_server_error('data: {"error": {"message": "bad", "code": 400}}\n\n')  # the client's, passed on
 
-    paths = []
-
-    async def go():
-        async def prefill():
-            return PrefillOutcome(chunk="kv")
-
-        remote, local = FakeStream([[event], "late"]), FakeStream(["x"])
-
-        async def decode_with(_):
-            return remote
-
-        async def decode_local():
-            return local
-
-        out = await collect(
-            orchestrate(
-                prefill=prefill,
-                decode_with=decode_with,
-                decode_local=decode_local,
-                is_server_error=is_server_error,
-                kv_ready_timeout_s=lambda: 1.0,
-                on_path=lambda p, r: paths.append((p, r)),
-            )
-        )
-        return out, remote
-
-    out, remote = run(go())
+    remote = FakeStream([[event], "late"])
+    out, paths = _drive(
+        remote, FakeStream(["x"]), outcome=PrefillOutcome(chunk="kv"), kv_s=1.0, is_error=is_server_error
+    )
     assert out == ["x"] and remote.closed
     assert paths == [(Path.LOCAL, Reason.KV_LOAD_ERROR)]
 
@@ -291,64 +284,17 @@ def test_orchestrate_detects_vllms_in_stream_error_event_as_a_kv_load_error():
 def test_orchestrate_without_a_kv_deadline_waits_for_a_slow_first_token():
     # A saturated decode replica (no free sequence slot): a slow first token is queueing,
     # and rerunning the request with a full prefill here would only add load.
-    paths = []
-
     async def slow():
         await asyncio.sleep(CFG.kv_ready_timeout_s * 2)
         yield "tok"
 
-    async def go():
-        async def prefill():
-            return PrefillOutcome(chunk="kv", attempts=1)
-
-        async def decode_with(_):
-            return slow()
-
-        async def decode_local():
-            pytest.fail("no local rerun without a KV deadline")
-
-        return await collect(
-            orchestrate(
-                prefill=prefill,
-                decode_with=decode_with,
-                decode_local=decode_local,
-                is_server_error=is_5xx,
-                kv_ready_timeout_s=lambda: None,
-                on_path=lambda p, r: paths.append((p, r)),
-            )
-        )
-
-    assert run(go()) == ["tok"]
-    assert paths == [(Path.REMOTE, None)]
+    out, paths = _drive(slow(), None, outcome=PrefillOutcome(chunk="kv", attempts=1), kv_s=None)
+    assert out == ["tok"] and paths == [(Path.REMOTE, None)]
 
 
 def test_orchestrate_local_reason_skips_the_prefill_tier():
-    paths = []
-
-    async def go():
-        async def prefill():
-            pytest.fail("n > 1 must not call the prefill tier")
-
-        async def decode_with(_):
-            pytest.fail("no remote decode")
-
-        async def decode_local():
-            return FakeStream(["x"])
-
-        return await collect(
-            orchestrate(
-                prefill=prefill,
-                decode_with=decode_with,
-                decode_local=decode_local,
-                is_server_error=is_5xx,
-                kv_ready_timeout_s=lambda: 1.0,
-                on_path=lambda p, r: paths.append((p, r)),
-                local_reason=Reason.PARALLEL_SAMPLING,
-            )
-        )
-
-    assert run(go()) == ["x"]
-    assert paths == [(Path.LOCAL, Reason.PARALLEL_SAMPLING)]
+    out, paths = _drive(None, FakeStream(["x"]), local_reason=Reason.PARALLEL_SAMPLING)
+    assert out == ["x"] and paths == [(Path.LOCAL, Reason.PARALLEL_SAMPLING)]
 
 
 def test_orchestrate_non_streamed_request_has_no_kv_deadline():
@@ -356,25 +302,5 @@ def test_orchestrate_non_streamed_request_has_no_kv_deadline():
         await asyncio.sleep(0.4)  # longer than kv_ready_timeout_s: the whole answer
         yield "answer"
 
-    async def prefill():
-        return PrefillOutcome(chunk="kv")
-
-    async def decode_with(_):
-        return slow()
-
-    async def decode_local():
-        pytest.fail("no fallback for a slow non-streamed answer")
-
-    out = run(
-        collect(
-            orchestrate(
-                prefill=prefill,
-                decode_with=decode_with,
-                decode_local=decode_local,
-                is_server_error=is_5xx,
-                kv_ready_timeout_s=lambda: None,
-                on_path=lambda p, r: None,
-            )
-        )
-    )
+    out, _ = _drive(slow(), None, outcome=PrefillOutcome(chunk="kv"), kv_s=None)
     assert out == ["answer"]
