@@ -25,6 +25,7 @@ from ray.serve.llm.ingress import make_fastapi_ingress
 
 from serving import ray_internals as ri
 from serving.circuit import Circuit
+from serving.cluster_watch import ClusterWatch
 from serving.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
 from serving.resilience import METRICS, Reason, ResilienceConfig, is_server_error
 from serving.streaming import EagerFirstChunkMixin
@@ -88,6 +89,9 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             engine_cls=engine_cls,
             model_downloader=model_downloader,
         )
+        # Serve's own word on the prefill deployment: with no running replica (a restart
+        # takes minutes in the cloud), requests prefill here at once instead of queueing.
+        self._watch = _prefill_watch()
 
     def _upstream_path(self) -> bool:
         backend = self._get_connector_backend()
@@ -132,6 +136,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 cfg=cfg,
                 circuit=self._prefill_circuit,
                 on_retry=lambda r: self._prefill_retry_counter.inc(tags={"reason": r.value}),
+                no_replica=self._prefill_down,
             )
 
         async def decode_with(prefill_chunk: Any) -> AsyncIterator[Any]:
@@ -171,6 +176,11 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             )
         )
 
+    def _prefill_down(self) -> bool:
+        if self._watch is None:
+            return False
+        return self._watch.replicas(getattr(self._prefill_handle, "deployment_name", "")) == 0
+
     async def _counted(self, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
         self._open_requests += 1
         try:
@@ -178,6 +188,17 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 yield item
         finally:
             self._open_requests -= 1
+
+
+def _prefill_watch() -> ClusterWatch | None:
+    """A ClusterWatch of this replica's application (None outside a Serve replica)."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:
+        return None
+    watch = ClusterWatch(ctx.app_name, ctx.deployment)
+    watch.start()
+    return watch
 
 
 def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]) -> Any:

@@ -57,7 +57,7 @@ async def _race(aw: Awaitable[Any], timeout_s: float, circuit: Circuit) -> Any:
     raise TimeoutError
 
 
-async def _prefillfirst_item(stream: Any, cfg: ResilienceConfig, circuit: Circuit) -> Any:
+async def _prefill_answer(stream: Any, cfg: ResilienceConfig, circuit: Circuit) -> Any:
     """The prefill call's first (only) chunk. Two clocks: a replica must take the call within
     prefill_queue_timeout_s (else QueueTimeout: the prefill tier is busy), and then answer
     within prefill_timeout_s, timed from when it took the call, so queueing under load is
@@ -98,6 +98,7 @@ async def remote_prefill(
     cfg: ResilienceConfig,
     circuit: Circuit,
     on_retry: Callable[[Reason], None],
+    no_replica: Callable[[], bool] = lambda: False,
 ) -> PrefillOutcome:
     """Run the prefill call under its deadlines, retrying; the outcome says fall back or not.
 
@@ -109,6 +110,9 @@ async def remote_prefill(
     replica takes in time, or Serve's back-pressure, means the prefill tier is busy, not
     broken: no retry, no verdict on the circuit (except for the probe, which must prove the
     tier works). The probe is never retried: its failure opens the circuit again.
+    `no_replica()` True (Serve reports no running prefill replica: a restart takes minutes)
+    is broken, not busy: the request prefills locally at once, counted against the circuit,
+    instead of waiting prefill_queue_timeout_s for a replica that is not there.
     """
     if not circuit.allow():
         return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
@@ -121,10 +125,15 @@ async def remote_prefill(
             if attempt and circuit.is_open:
                 reason = Reason.CIRCUIT_OPEN
                 break
+            if no_replica():
+                reason = Reason.NO_REPLICA
+                circuit.failure(probe=probe)
+                verdict = probe
+                break
             attempts += 1
             stream = call()
             try:
-                chunk = await _prefillfirst_item(stream, cfg, circuit)
+                chunk = await _prefill_answer(stream, cfg, circuit)
             except asyncio.CancelledError:
                 cancel_call(stream)
                 raise

@@ -50,6 +50,7 @@ class Reason(str, enum.Enum):
 
     # prefill hop (decode side)
     REPLICA_DIED = "replica_died"
+    NO_REPLICA = "no_replica"  # Serve reports no running replica of the deployment
     TIMEOUT = "timeout"
     ERROR = "error"
     OVERLOADED = "overloaded"

@@ -304,3 +304,26 @@ def test_orchestrate_non_streamed_request_has_no_kv_deadline():
 
     out, _ = _drive(slow(), None, outcome=PrefillOutcome(chunk="kv"), kv_s=None)
     assert out == ["answer"]
+
+
+def test_no_running_prefill_replica_prefills_locally_at_once_and_counts_against_the_circuit():
+    """Serve says the prefill deployment has no running replica (a restart): waiting
+    prefillQueueTimeoutS for one on every request would only add that wait to each TTFT."""
+    circuit = Circuit(10, failures_to_open=2)
+
+    def prefill():
+        return run(
+            remote_prefill(
+                lambda: pytest.fail("no call without a replica"),
+                is_error=is_err,
+                cfg=CFG,
+                circuit=circuit,
+                on_retry=lambda r: pytest.fail("no retry without a replica"),
+                no_replica=lambda: True,
+            )
+        )
+
+    first = prefill()
+    assert first.reason is Reason.NO_REPLICA and first.path is Path.LOCAL and not circuit.is_open
+    prefill()
+    assert circuit.is_open  # two in a row: the circuit opened, later requests skip even the check
