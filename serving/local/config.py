@@ -158,6 +158,9 @@ MAX_LOCAL_REPLICAS = 2
 # restarted engine needs one to two minutes, which the fallbacks must bridge.
 LOCAL_RESILIENCE = {
     "prefillTimeoutS": 1.0,
+    # The tiny model prefills in milliseconds: a second without a replica taking the call is
+    # already a dead or overloaded prefill tier (the cloud's default is 4 s).
+    "prefillQueueTimeoutS": 1.0,
     "prefillAttempts": 2,
     "kvReadyTimeoutS": 5.0,
     "firstTokenTimeoutS": 45.0,
