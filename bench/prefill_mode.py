@@ -34,13 +34,23 @@ TARGET_SHARE = 0.95
 
 
 def path_counts(metrics_texts: Iterable[str]) -> dict[str, float]:
-    """{path: requests} summed over the nodes' metrics pages."""
+    """{series: requests}, one entry per exported series ("path|reason|replica|node"), so a
+    series Ray stops exporting (an idle counter ages out) is told apart from one that fell."""
     out: dict[str, float] = {}
-    for text in metrics_texts:
+    for i, text in enumerate(metrics_texts):
         for name, labels, value in parse_prometheus(text):
             if name == PATH_METRIC:
-                path = labels.get("path", "")
-                out[path] = out.get(path, 0.0) + value
+                key = "|".join((labels.get("path", ""), labels.get("reason", ""), labels.get("replica", ""), str(i)))
+                out[key] = out.get(key, 0.0) + value
+    return out
+
+
+def by_path(counts: dict[str, float]) -> dict[str, float]:
+    """{path: requests} from path_counts' series."""
+    out: dict[str, float] = {}
+    for key, value in counts.items():
+        path = key.split("|", 1)[0]
+        out[path] = out.get(path, 0.0) + value
     return out
 
 
@@ -56,8 +66,12 @@ def read_counts(metrics_urls: Iterable[str]) -> dict[str, float]:
 
 def remote_share(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float]:
     """(share of the requests counted between two readings that were prefilled remotely,
-    number of those requests); share None when there were none."""
-    delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in set(before) | set(after)}
+    number of those requests); share None when there were none. A series missing from the
+    later reading (Ray stopped exporting it) counts as unchanged, not as fallen to zero."""
+    delta: dict[str, float] = {}
+    for key, value in after.items():
+        path = key.split("|", 1)[0]
+        delta[path] = delta.get(path, 0.0) + max(0.0, value - before.get(key, 0.0))
     total = sum(delta.values())
     if total <= 0:
         return None, 0.0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.prefill_mode import PATH_METRIC, ModeSampler, path_counts, remote_share
+from bench.prefill_mode import PATH_METRIC, ModeSampler, by_path, path_counts, remote_share
 
 
 def page(remote: float, retry: float, local: float) -> str:
@@ -19,7 +19,7 @@ def page(remote: float, retry: float, local: float) -> str:
 
 def test_counts_are_summed_over_nodes_and_other_metrics_ignored():
     counts = path_counts([page(3, 1, 2), page(4, 0, 0)])
-    assert counts == {"remote": 7, "remote_retry": 1, "local": 2}
+    assert by_path(counts) == {"remote": 7, "remote_retry": 1, "local": 2}
 
 
 def test_remote_share_is_of_the_requests_between_two_readings():
@@ -28,6 +28,17 @@ def test_remote_share_is_of_the_requests_between_two_readings():
     share, n = remote_share({"remote": 10, "local": 5}, {"remote": 11, "local": 8})
     assert n == 4 and share == 0.25
     assert remote_share({"remote": 1}, {"remote": 1}) == (None, 0.0)
+
+
+def test_a_series_ray_stopped_exporting_is_not_read_as_a_fall():
+    # Ray ages out a counter that is no longer incremented: the local series of the outage
+    # disappears from later pages while remote requests go on.
+    before = path_counts([page(10, 0, 40)])
+    after = path_counts(
+        [page(18, 0, 0).replace(f'{PATH_METRIC}{{Component="core_worker",model="tiny-llama",path="local"', "#")]
+    )
+    share, n = remote_share(before, after)
+    assert n == 8 and share == 1.0
 
 
 def _sampler(samples):
