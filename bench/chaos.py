@@ -47,6 +47,9 @@ MAX_TOKENS = 48
 PROMPT = "Tell me a story about a robot that learns to paint."
 CONCURRENCY = 8
 SOAK_CONCURRENCY = 16
+# After recovery, load goes on until the remote prefill share is back at the target, at most
+# this long past the "after" window; a stack that stays aggregated fails its verdict.
+BACK_MAX_S = 90.0
 # A request with no byte for this long counts as hung (the client then gives up on it).
 HUNG_AFTER_S = 60.0
 
@@ -290,6 +293,11 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         healthy_at = time.monotonic() - t0
         if recovered is not None:
             await asyncio.sleep(ctx.after_s)
+            # Keep the load on until the serving mode is back (Ray exports counters every few
+            # seconds, so a fixed window can end before the counts show it), at most BACK_MAX_S.
+            until = time.monotonic() + BACK_MAX_S
+            while modes.back_to_remote_after(healthy_at) is None and time.monotonic() < until:
+                await asyncio.sleep(2)
         end = time.monotonic() - t0
     phases = by_phase(load.outcomes, fault_at, healthy_at)
     # The designed mode: the share of requests prefilled remotely, per phase, and how long
