@@ -291,29 +291,31 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         except TimeoutError:
             ctx.say(f"{marker.strip(':')} still restarting {ctx.during_max_s:.0f}s after the kill")
         healthy_at = time.monotonic() - t0
-        if recovered is not None:
-            await asyncio.sleep(ctx.after_s)
-            # Keep the load on until the serving mode is back (Ray exports counters every few
-            # seconds, so a fixed window can end before the counts show it), at most BACK_MAX_S.
-            until = time.monotonic() + BACK_MAX_S
-            while modes.back_to_remote_after(healthy_at) is None and time.monotonic() < until:
-                await asyncio.sleep(2)
+        back_from = healthy_at
+        if recovered is None:
+            # Still restarting: the load goes on (not measured as "during") until it is back,
+            # so the serving mode after the restart is measured too.
+            settle = await wait_healthy(ctx.dashboard_url, marker, want, ctx.recover_timeout_s, dead_pid=victim.pid)
+            ctx.say(f"{marker.strip(':')} healthy again {settle + ctx.during_max_s:.0f}s after the kill")
+            back_from = time.monotonic() - t0
+        await asyncio.sleep(ctx.after_s)
+        # Keep the load on until the serving mode is back (Ray exports counters every few
+        # seconds, so a fixed window can end before the counts show it), at most BACK_MAX_S.
+        until = time.monotonic() + BACK_MAX_S
+        while modes.back_to_remote_after(back_from) is None and time.monotonic() < until:
+            await asyncio.sleep(2)
         end = time.monotonic() - t0
     phases = by_phase(load.outcomes, fault_at, healthy_at)
+    if recovered is None:  # "after" starts when the replica was really back
+        phases["after"] = phase_stats(o for o in load.outcomes if o.start >= back_from)
     # The designed mode: the share of requests prefilled remotely, per phase, and how long
     # after the killed replica was back that share reached the target again.
     shares = {
         "before": modes.share_between(0, fault_at)[0],
         "during": modes.share_between(fault_at, healthy_at)[0],
-        "after": modes.share_between(healthy_at, end)[0],
+        "after": modes.share_between(back_from, end)[0],
     }
-    back = modes.back_to_remote_after(healthy_at) if recovered is not None else None
-    if recovered is None:
-        phases.pop("after")
-    # The next scenario starts from a healthy stack (this wait is not measured).
-    if recovered is None:
-        settle = await wait_healthy(ctx.dashboard_url, marker, want, ctx.recover_timeout_s, dead_pid=victim.pid)
-        ctx.say(f"{marker.strip(':')} healthy again {settle + ctx.during_max_s:.0f}s after the kill")
+    back = modes.back_to_remote_after(back_from)
     return {
         "concurrency": concurrency,
         "fault_at_s": fault_at,
