@@ -34,7 +34,7 @@ from infra.k8s.rayservice import RayServiceInputs, SecretRef, rayservice_manifes
 from infra.model import catalog
 from infra.model.config import ServiceExposure
 from infra.package import write_serving_zip
-from infra.paths import ROOT
+from infra.paths import BUILD_DIR
 from serving.spec import SERVE_PORT, ServingSpec
 
 API_KEYS_SECRET_KEY = "api-keys"
@@ -164,7 +164,7 @@ def create_code_bucket(name: str, tags: dict[str, str], opts: pulumi.ResourceOpt
         versioning_configuration=aws.s3.BucketVersioningVersioningConfigurationArgs(status="Enabled"),
         opts=opts,
     )
-    zip_path, sha = write_serving_zip(ROOT / "build" / "package")
+    zip_path, sha = write_serving_zip(BUILD_DIR / "package")
     key = f"serving/{sha}.zip"
     obj = aws.s3.BucketObjectv2(
         f"{name}-code-zip",
