@@ -258,6 +258,12 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         denied = self._auth.check(request)
         if denied is not None:
             return denied
+        return await self._parsed_call(request, model_cls, parent_method)
+
+    async def _parsed_call(
+        self, request: Request, model_cls: Any, parent_method: Callable[..., Awaitable[Any]]
+    ) -> Response:
+        """An authenticated request: its body parsed, checked and typed, then served."""
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
             return body
@@ -342,7 +348,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         refused = await self._hybrid.admit_only(request)
         if refused is not None:
             return refused
-        return await self._typed_call(request, _body_type(endpoint), getattr(super(), endpoint))
+        return await self._parsed_call(request, _body_type(endpoint), getattr(super(), endpoint))
 
 
 @cache

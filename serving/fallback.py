@@ -34,6 +34,7 @@ import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.request_fields import openai_fields
+from serving.resilience import in_background, sse_error
 from serving.spec import FALLBACK_API_KEY_ENV, FallbackWhen
 from serving.sse import SseRewriter, Usage, estimated_usage
 from serving.streaming import eager_batches
@@ -173,9 +174,7 @@ class FallbackClient:
             self._close_soon()
 
     def _close_soon(self) -> None:
-        task = asyncio.get_running_loop().create_task(self.aclose())
-        _closing.add(task)
-        task.add_done_callback(_closing.discard)
+        in_background(self.aclose())
 
     def external_model(self, model: str) -> str | None:
         return self.config.models.get(model)
@@ -337,8 +336,7 @@ class FallbackClient:
                 on_done(rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter), ok)
                 self._end()
             if problem is not None:
-                err = {"error": {"message": problem, "type": "server_error", "param": None, "code": "fallback_failed"}}
-                yield f"data: {json.dumps(err)}\n\n"
+                yield sse_error(problem, "fallback_failed", done=False)
             if not rewriter.done:
                 yield "data: [DONE]\n\n"
 
@@ -382,6 +380,3 @@ class FallbackClient:
                 retry_after_s=_retry_after(resp),
             )
         return self._failed(reason, f"the fallback failed (HTTP {status})", 502 if status < 500 else 503)
-
-
-_closing: set[asyncio.Future[None]] = set()  # keeps close tasks alive until they finish

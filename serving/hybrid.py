@@ -36,7 +36,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from serving.cluster_watch import ClusterWatch
 from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig, FallbackError
-from serving.limits import Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
+from serving.limits import UNCHECKED, Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
 from serving.spec import FallbackWhen
 from serving.sse import SseRewriter, Usage, ask_for_usage, estimated_usage
 
@@ -230,7 +230,7 @@ class HybridRouting:
         return self._refusal(decision)
 
     def _refusal(self, decision: Decision) -> Response:
-        unchecked = decision.limit == "unavailable"  # the ledger is down and the policy refuses
+        unchecked = decision.limit == UNCHECKED  # the ledger is down and the policy refuses
         return self._error(
             503 if unchecked else 429,
             decision.message,

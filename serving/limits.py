@@ -47,6 +47,8 @@ LEDGER_RETRY_S = 5.0
 # How long a reconfiguration waits for a new ledger actor to start and answer.
 LEDGER_START_S = 30.0
 ALLOW, REFUSE = "allow", "refuse"
+# Decision.limit of a refusal because the ledger could not be asked (policy "refuse").
+UNCHECKED = "unchecked"
 ANONYMOUS = "anonymous"  # the key id when auth is disabled
 
 
@@ -310,7 +312,7 @@ class Limiter:
             self._down_until = self._clock() + LEDGER_RETRY_S
         self._metrics.limiter_error()
         if self.config.when_ledger_unreachable == REFUSE:
-            return Decision(False, int(LEDGER_RETRY_S), "unavailable", UNREACHABLE_MESSAGE)
+            return Decision(False, int(LEDGER_RETRY_S), UNCHECKED, UNREACHABLE_MESSAGE)
         return Decision(True)
 
     async def admit(self, kid: str, body: Mapping[str, Any]) -> Decision:

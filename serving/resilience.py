@@ -29,7 +29,7 @@ import contextlib
 import enum
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -166,16 +166,22 @@ def cancel_call(stream: Any) -> None:
     if cancel is not None:
         cancel()
     elif hasattr(stream, "aclose"):
-        task = asyncio.ensure_future(aclose_quietly(stream))
-        _closing.add(task)
-        task.add_done_callback(_closing.discard)
+        in_background(aclose_quietly(stream))
 
 
 def first_item(item: Any) -> Any:
     return item[0] if isinstance(item, list) and item else item
 
 
-_closing: set[asyncio.Future[None]] = set()  # keeps close tasks alive until they finish
+_background: set[asyncio.Future[Any]] = set()  # keeps fire-and-forget tasks alive until they finish
+
+
+def in_background(aw: Awaitable[Any]) -> None:
+    """Run `aw` on the current loop without awaiting it (closing a stream or a client), held
+    until it finishes: asyncio keeps only weak references to tasks."""
+    task = asyncio.ensure_future(aw)
+    _background.add(task)
+    task.add_done_callback(_background.discard)
 
 
 async def aclose_quietly(gen: Any) -> None:
@@ -185,10 +191,11 @@ async def aclose_quietly(gen: Any) -> None:
             await close()
 
 
-def sse_error(message: str, code: int, type_: str = "server_error") -> str:
-    """An OpenAI-style error event for a stream that already sent bytes, plus [DONE]."""
+def sse_error(message: str, code: int | str, type_: str = "server_error", *, done: bool = True) -> str:
+    """An OpenAI-style error event for a stream that already sent bytes, plus [DONE] (unless
+    `done` is False: the stream already sent it)."""
     body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n"
+    return f"data: {json.dumps(body)}\n\n" + ("data: [DONE]\n\n" if done else "")
 
 
 def is_server_error(item: Any) -> bool:
