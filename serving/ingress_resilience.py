@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from serving.migration import StreamRecord, not_continuable
 from serving.resilience import (
     METRICS,
     EngineRefused,
@@ -145,37 +147,84 @@ async def first_chunk(
         return first, stream
 
 
+@dataclass
+class Migration:
+    """What `guarded_stream` needs to continue a stream cut after its first byte
+    (serving/migration.py). `record` is None when the request cannot be continued
+    (`blocked` says why): its cut still ends with the error event, and is counted."""
+
+    record: StreamRecord | None
+    blocked: str | None
+    attempts: int  # continuations left (resilience.migrations)
+    stall_timeout_s: float
+    # dispatches a continuation body like a new request: (first chunk, stream) or raises
+    resume: Callable[[dict[str, Any]], Awaitable[tuple[Any, Any]]]
+    on_outcome: Callable[[Reason, str], None]  # (why the stream was cut, what became of it)
+
+
 async def guarded_stream(
     first: Any,
     stream: Any,
     *,
     deadline_at: float,
     to_packet: Callable[[Any], str],
+    migration: Migration | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[str]:
     """SSE packets of an already-started stream, cut at the total deadline.
 
-    After the first byte nothing is retried: a failure or the deadline ends the stream
-    with an OpenAI-style error event. If the client goes away (the task is cancelled) or
-    the stream ends early, the downstream request is cancelled so the engine stops.
+    A stream whose decode replica dies, answers a 5xx error event or stalls after the first
+    byte continues on another replica when `migration` allows it (the client sees one
+    stream); otherwise, and at the deadline, it ends with an OpenAI-style error event. If
+    the client goes away (the task is cancelled) or the stream ends early, the downstream
+    request is cancelled so the engine stops.
     """
     done_sent = False
     finished = False
+    record = migration.record if migration else None
+    translate: Callable[[str], str] = record.relay if record else (lambda p: p)
+    current, item = stream, first
     try:
-        packet = to_packet(first)
-        done_sent = packet.rstrip().endswith("data: [DONE]")
-        yield packet
         while True:
-            remaining = deadline_at - clock()
-            if remaining <= 0:
-                raise TimeoutError
-            try:
-                item = await asyncio.wait_for(stream.__anext__(), remaining)
-            except StopAsyncIteration:
-                break
-            packet = to_packet(item)
-            done_sent = done_sent or packet.rstrip().endswith("data: [DONE]")
-            yield packet
+            cut: Reason | None = None
+            if item is None:
+                remaining = deadline_at - clock()
+                if remaining <= 0:
+                    raise TimeoutError
+                # A stall counts as a cut only where a continuation can follow; elsewhere
+                # the stream may still recover before the deadline.
+                wait = min(remaining, migration.stall_timeout_s) if migration and record else remaining
+                try:
+                    item = await asyncio.wait_for(current.__anext__(), wait)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if record is None or clock() >= deadline_at:
+                        raise
+                    cut = Reason.STALL
+                except Exception as exc:
+                    if migration is None or classify(exc) is not Reason.REPLICA_DIED:
+                        raise
+                    logger.warning("decode replica lost mid-stream: %r", exc)
+                    cut = Reason.REPLICA_DIED
+            if cut is None:
+                packet, item = to_packet(item), None
+                if migration is None or not is_server_error(packet):
+                    packet = translate(packet)
+                    done_sent = done_sent or packet.rstrip().endswith("data: [DONE]")
+                    if packet:
+                        yield packet
+                    continue
+                cut = Reason.ENGINE_ERROR
+            assert migration is not None
+            cancel_call(current)
+            resumed = await _continue(migration, cut)
+            if isinstance(resumed, str):
+                yield resumed  # the finish, or the error event: the stream ends here
+                finished = done_sent = True
+                return
+            item, current = resumed
+            translate = migration.record.reframe if migration.record else translate
         if not done_sent:
             yield "data: [DONE]\n\n"
         finished = True
@@ -186,7 +235,36 @@ async def guarded_stream(
         yield sse_error("The model stream failed; the answer is incomplete.", 500)
     finally:
         if not finished:
-            cancel_call(stream)
+            cancel_call(current)
+
+
+async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | str:
+    """After a cut: (first chunk, stream) of the continuation, or the text that ends the
+    stream (the answer's finish when nothing was left to generate, else the error event)."""
+    record = migration.record
+    why = migration.blocked or (record.not_continuable() if record else "no record")
+    if record is None or why is not None:
+        migration.on_outcome(cut, "not_migratable")
+        logger.warning("stream cut (%s), not continued: %s", cut.value, why)
+        return sse_error("The model stream failed; the answer is incomplete.", 500)
+    body = record.continuation()
+    if body is None:  # every token was generated before the cut
+        migration.on_outcome(cut, "continued")
+        return record.finish() + "data: [DONE]\n\n"
+    if migration.attempts <= 0:
+        migration.on_outcome(cut, "failed")
+        logger.warning("stream cut (%s): no continuation left", cut.value)
+        return sse_error("The model stream failed; the answer is incomplete.", 500)
+    migration.attempts -= 1
+    try:
+        resumed = await migration.resume(body)
+    except Exception as exc:  # Unservable (no replica, deadline), an engine refusal
+        migration.on_outcome(cut, "failed")
+        logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
+        return sse_error("The model stream failed; the answer is incomplete.", 500)
+    migration.on_outcome(cut, "continued")
+    logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
+    return resumed
 
 
 class ResilientIngressMixin:
@@ -215,6 +293,12 @@ class ResilientIngressMixin:
             description="Requests the cluster could not serve (503/504 or fallback), by reason.",
             tag_keys=("reason", "status"),
         )
+        self._migration_counter = Counter(
+            METRICS["migrations"],
+            description="Streams cut after their first byte, by why and what became of them "
+            "(continued on another replica, failed, not_migratable).",
+            tag_keys=("model", "reason", "outcome"),
+        )
 
     async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
         """Return a Response to send instead of the error (hybrid routing), or None."""
@@ -234,6 +318,11 @@ class ResilientIngressMixin:
         started = time.monotonic()
         cfg = self._resilience
         model_id = await self._get_model_id(body.model)  # type: ignore[attr-defined]
+        streamed = bool(getattr(body, "stream", False))
+        migration = self._migration(body, call_method, model_id, raw_request, started) if streamed else None
+        if migration is not None and migration.record is not None:
+            # The stream's token ids make a continuation possible (serving/migration.py).
+            body = body.model_copy(update={"return_token_ids": True})
 
         def dispatch() -> Any:
             handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
@@ -247,7 +336,7 @@ class ResilientIngressMixin:
                 started=started,
                 is_server_error=is_server_error,
                 on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
-                streamed=bool(getattr(body, "stream", False)),
+                streamed=streamed,
             )
         except Unservable as failure:
             self._refusal_counter.inc(tags={"reason": failure.reason.value, "status": str(failure.status)})
@@ -270,9 +359,54 @@ class ResilientIngressMixin:
                 stream,
                 deadline_at=started + cfg.total_timeout_s,
                 to_packet=ri.openai_sse_packet,
+                migration=migration,
             ),
             media_type="text/event-stream",
         )
+
+    def _migration(
+        self, body: Any, call_method: str, model_id: str, raw_request: Any, started: float
+    ) -> Migration | None:
+        """How this streamed request continues if its stream is cut (None: migrations off)."""
+        from ray.serve.llm.openai_api_models import CompletionRequest
+
+        from serving import ray_internals as ri
+
+        cfg = self._resilience
+        if cfg.migrations <= 0:
+            return None
+        fields = body.model_dump(exclude_unset=True)
+        blocked = not_continuable(call_method, fields)
+        record = None
+        if blocked is None:
+            limit = body.max_tokens if call_method == "completions" else (body.max_completion_tokens or body.max_tokens)
+            record = StreamRecord(call_method, fields, limit, client_ids=bool(fields.get("return_token_ids")))
+
+        async def resume(cont: dict[str, Any]) -> tuple[Any, Any]:
+            request = CompletionRequest.model_validate({**cont, "model": model_id})
+
+            def dispatch() -> Any:
+                handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
+                return dispatch_call(handle, request, "completions", raw_request)
+
+            first, stream = await first_chunk(
+                dispatch,
+                cfg=cfg,
+                health=self._decode_health,
+                started=started,
+                is_server_error=is_server_error,
+                on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
+            )
+            head = first_item(first)
+            if isinstance(head, ri.ErrorResponse):
+                cancel_call(stream)
+                raise EngineRefused(head.error.code or 400, head.error.message)
+            return first, stream
+
+        def on_outcome(cut: Reason, outcome: str) -> None:
+            self._migration_counter.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome})
+
+        return Migration(record, blocked, cfg.migrations, cfg.stall_timeout_s, resume, on_outcome)
 
 
 def dispatch_call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:

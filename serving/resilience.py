@@ -42,6 +42,7 @@ METRICS = {
     "local_prefill": "pd_local_prefill_fallbacks",
     "ingress_retries": "pd_ingress_retries",
     "ingress_refusals": "pd_ingress_refusals",
+    "migrations": "pd_stream_migrations",
 }
 
 
@@ -68,6 +69,8 @@ class Reason(str, enum.Enum):
     DECODE_UNAVAILABLE = "decode_unavailable"
     DEADLINE = "deadline"
     ENGINE_ERROR = "engine_error"
+    # a started stream sent nothing for stallTimeoutS (serving/migration.py continues it)
+    STALL = "stall"
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,8 @@ class ResilienceConfig:
     total_timeout_s: float
     fail_fast_s: float
     decode_attempts: int
+    migrations: int
+    stall_timeout_s: float
     circuit_open_s: float
     circuit_failures: int
     retry_after_s: int

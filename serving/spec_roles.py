@@ -239,6 +239,13 @@ class ResilienceSpec(SpecModel):
     fail_fast_s: float = Field(default=2.0, gt=0, le=60)
     # decode calls per request before the first byte (another replica on retry).
     decode_attempts: int = Field(default=2, ge=1, le=5)
+    # after the first byte: a stream whose decode replica died, answered a 5xx event or
+    # stalled continues on another replica (serving/migration.py), at most this many times.
+    # 2: a rolling update or a lost node can take the replica that took the first
+    # continuation too; each continuation prefills the prompt and the answer so far again.
+    migrations: int = Field(default=2, ge=0, le=5)
+    # a started stream that sends nothing for this long counts as cut (then continued).
+    stall_timeout_s: float = Field(default=30.0, gt=0, le=3600)
     # after circuitFailures prefill failures in a row, skip remote prefill this long (then
     # probe with one request; its success closes the circuit).
     circuit_open_s: float = Field(default=5.0, gt=0, le=600)
@@ -261,6 +268,8 @@ class ResilienceSpec(SpecModel):
             raise ValueError("firstTokenTimeoutS must not exceed totalTimeoutS")
         if self.fail_fast_s > self.first_token_timeout_s:
             raise ValueError("failFastS must not exceed firstTokenTimeoutS")
+        if self.stall_timeout_s > self.total_timeout_s:
+            raise ValueError("stallTimeoutS must not exceed totalTimeoutS")
         return self
 
     def runtime_args(self) -> dict[str, Any]:

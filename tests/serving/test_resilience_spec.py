@@ -42,6 +42,8 @@ def test_defaults_render_into_args_and_the_proxy_timeout():
         "total_timeout_s",
         "fail_fast_s",
         "decode_attempts",
+        "migrations",
+        "stall_timeout_s",
         "circuit_open_s",
         "circuit_failures",
         "retry_after_s",
