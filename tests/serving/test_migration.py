@@ -56,7 +56,12 @@ def engine_events(endpoint, prompt, *, rid, max_tokens, return_ids=True, usage=T
 
     out = []
     if endpoint == "chat":
-        first = {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+        first = {
+            **base,
+            "choices": [
+                {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            ],
+        }
         if return_ids:
             first["prompt_token_ids"] = list(prompt)
         if usage:
@@ -125,7 +130,7 @@ def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=
             raise RuntimeError("no decode replica")
         packets = engine_events("completions", body["prompt"], rid="cmpl-cont", max_tokens=body.get("max_tokens"))
         if die_again_after is not None and len(sent) == 1:
-            packets = packets[:die_again_after] + [RayActorError()]
+            packets = [*packets[:die_again_after], RayActorError()]
         stream = FakeStream(packets)
         return await stream.__anext__(), stream
 
@@ -135,7 +140,13 @@ def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=
 
 def relay(first_and_rest, migration, deadline_s=30.0):
     first, stream = first_and_rest[0], FakeStream(first_and_rest[1:])
-    return run(collect(guarded_stream(first, stream, deadline_at=asyncio.run(_now()) + deadline_s, to_packet=lambda x: x, migration=migration))), stream
+    return run(
+        collect(
+            guarded_stream(
+                first, stream, deadline_at=asyncio.run(_now()) + deadline_s, to_packet=lambda x: x, migration=migration
+            )
+        )
+    ), stream
 
 
 async def _now():
@@ -160,7 +171,7 @@ def test_a_decode_death_anywhere_leaves_the_client_the_no_fault_answer(endpoint,
     original = engine_events(endpoint, PROMPT, rid="r", max_tokens=limit)
     cut = min(cut, len(original) - 1)
     m, sent, outcomes = make_migration(endpoint, fields, limit)
-    out, _ = relay(original[:cut] + [RayActorError()], m)
+    out, _ = relay([*original[:cut], RayActorError()], m)
     want = client_view(reference)
     got = client_view(out)
     assert got[0] == want[0]  # the same text, nothing repeated or lost
@@ -179,8 +190,8 @@ def test_a_second_death_is_continued_again_within_the_bound():
     fields = {"model": "m", "stream": True, **USAGE}
     original = engine_events("chat", PROMPT, rid="r", max_tokens=None)
     m, sent, outcomes = make_migration("chat", fields, None, die_again_after=3)
-    out, _ = relay(original[:4] + [RayActorError()], m)
-    text, ids, finishes, usage, done, errors = client_view(out)
+    out, _ = relay([*original[:4], RayActorError()], m)
+    text, ids, finishes, usage, _done, errors = client_view(out)
     assert text == full_text() and ids == {"r"} and finishes == ["stop"] and errors == []
     assert usage["completion_tokens"] == len(ANSWER) and usage["prompt_tokens"] == len(PROMPT)
     assert len(sent) == 2 and len(sent[1]["prompt"]) > len(sent[0]["prompt"])
@@ -190,8 +201,8 @@ def test_a_second_death_is_continued_again_within_the_bound():
 def test_past_the_bound_the_stream_ends_with_the_error_event():
     fields = {"model": "m", "stream": True, **USAGE}
     original = engine_events("chat", PROMPT, rid="r", max_tokens=None)
-    m, sent, outcomes = make_migration("chat", fields, None, attempts=1, die_again_after=3)
-    out, _ = relay(original[:4] + [RayActorError()], m)
+    m, _sent, outcomes = make_migration("chat", fields, None, attempts=1, die_again_after=3)
+    out, _ = relay([*original[:4], RayActorError()], m)
     text, _, finishes, _, done, errors = client_view(out)
     assert finishes == [] and len(errors) == 1 and done == 1
     assert full_text().startswith(text) and text != full_text()
@@ -199,9 +210,9 @@ def test_past_the_bound_the_stream_ends_with_the_error_event():
 
 
 def test_when_no_replica_can_take_the_continuation_the_stream_ends_with_the_error_event():
-    m, sent, outcomes = make_migration("chat", {"model": "m", "stream": True}, None, resume_fails=True)
+    m, _sent, outcomes = make_migration("chat", {"model": "m", "stream": True}, None, resume_fails=True)
     original = engine_events("chat", PROMPT, rid="r", max_tokens=None)
-    out, _ = relay(original[:3] + [RayActorError()], m)
+    out, _ = relay([*original[:3], RayActorError()], m)
     assert len(client_view(out)[5]) == 1 and outcomes == [(Reason.REPLICA_DIED, "failed")]
 
 
@@ -210,9 +221,9 @@ def test_an_engine_error_event_and_a_stall_are_cuts_too():
     original = engine_events("chat", PROMPT, rid="r", max_tokens=None, usage=False)
     error = sse_error("KV load failed", 500, done=False)
     for bad, why in ((error, Reason.ENGINE_ERROR), ("hang", Reason.STALL)):
-        m, sent, outcomes = make_migration("chat", fields, None)
+        m, _sent, outcomes = make_migration("chat", fields, None)
         m.stall_timeout_s = 0.05
-        out, stream = relay(original[:5] + [bad], m)
+        out, stream = relay([*original[:5], bad], m)
         assert client_view(out)[0] == full_text(), why
         assert outcomes == [(why, "continued")] and stream.cancelled
 
@@ -220,21 +231,25 @@ def test_an_engine_error_event_and_a_stall_are_cuts_too():
 def test_a_death_after_the_finish_ends_the_stream_without_a_continuation():
     fields = {"model": "m", "stream": True, **USAGE}
     original = engine_events("completions", PROMPT, rid="r", max_tokens=None)
-    m, sent, outcomes = make_migration("completions", fields, 16)
-    out, _ = relay(original[:-2] + [RayActorError()], m)  # finish sent, usage event not
+    m, sent, _outcomes = make_migration("completions", fields, 16)
+    out, _ = relay([*original[:-2], RayActorError()], m)  # finish sent, usage event not
     text, _, finishes, usage, done, errors = client_view(out)
     assert text == full_text() and finishes == ["stop"] and done == 1 and errors == [] and sent == []
-    assert usage == {"prompt_tokens": len(PROMPT), "completion_tokens": len(ANSWER), "total_tokens": len(PROMPT) + len(ANSWER)}
+    assert usage == {
+        "prompt_tokens": len(PROMPT),
+        "completion_tokens": len(ANSWER),
+        "total_tokens": len(PROMPT) + len(ANSWER),
+    }
 
 
 def test_a_request_that_cannot_be_continued_keeps_the_error_event_and_is_counted():
     outcomes = []
     m = Migration(None, "tools", 2, 0.01, None, lambda c, o: outcomes.append(o))  # type: ignore[arg-type]
     original = engine_events("chat", PROMPT, rid="r", max_tokens=None, return_ids=False)
-    out, _ = relay(original[:3] + ["hang", RayActorError()], m, deadline_s=0.3)
+    out, _ = relay([*original[:3], "hang", RayActorError()], m, deadline_s=0.3)
     # a stall is not a cut here (nothing could follow it): the deadline ends the stream
     assert json.loads("".join(out).split("data: ")[-2])["error"]["code"] == 504
-    out, _ = relay(original[:3] + [RayActorError()], m)
+    out, _ = relay([*original[:3], RayActorError()], m)
     assert len(client_view(out)[5]) == 1 and outcomes == ["not_migratable"]
 
 
@@ -309,6 +324,12 @@ def test_requests_whose_output_is_shaped_whole_are_not_continued(fields, why):
 
 def test_a_chat_stream_with_tool_calls_or_reasoning_is_not_continued():
     record = StreamRecord("chat", {}, None)
-    ev = {"id": "r", "created": 1, "model": "m", "prompt_token_ids": PROMPT, "choices": [{"index": 0, "delta": {"reasoning": "hm"}, "token_ids": [1]}]}
+    ev = {
+        "id": "r",
+        "created": 1,
+        "model": "m",
+        "prompt_token_ids": PROMPT,
+        "choices": [{"index": 0, "delta": {"reasoning": "hm"}, "token_ids": [1]}],
+    }
     record.relay(f"data: {json.dumps(ev)}\n\n")
     assert record.not_continuable() == "reasoning"

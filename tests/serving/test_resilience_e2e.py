@@ -26,6 +26,11 @@ METRIC = f"ray_{METRICS['local_prefill']}_total"
 
 def _metric_total(stack, name: str) -> dict[str, float]:
     """{reason: value} of a Ray-exported counter, summed over the nodes' metrics endpoints."""
+    return _metric_total_by(stack, name, "reason")
+
+
+def _metric_total_by(stack, name: str, label: str) -> dict[str, float]:
+    """{value of `label`: total} of a Ray-exported counter, summed over the nodes' endpoints."""
     out: dict[str, float] = {}
     for node in stack.nodes:
         try:
@@ -34,8 +39,8 @@ def _metric_total(stack, name: str) -> dict[str, float]:
             continue
         for series, labels, value in hops.parse_prometheus(text):
             if series == name:
-                reason = labels.get("reason", "")
-                out[reason] = out.get(reason, 0.0) + value
+                key = labels.get(label, "")
+                out[key] = out.get(key, 0.0) + value
     return out
 
 
