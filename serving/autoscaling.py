@@ -21,9 +21,10 @@ The extension point (Ray 2.60, read in the installed package):
 
 What each policy does: every signal gives a pressure, observed per replica / threshold; the
 policy asks for current replicas x the largest pressure (Serve's own proportional rule,
-`_core_replica_queue_length_policy`). Ongoing requests against the role's
-targetOngoingRequests is always one of them, so without Prometheus a policy is Serve's
-default. vLLM exports no waiting prompt *tokens*; prefill uses waiting requests.
+`_core_replica_queue_length_policy`). While no engine signal is fresh (no Prometheus, or
+none of the role's series yet) the one signal is ongoing requests against the role's
+targetOngoingRequests: the policy is then Serve's default. vLLM exports no waiting prompt
+*tokens*; prefill uses waiting requests.
 
 The Serve controller unpickles this module by value (AutoscalingPolicy.serialize_policy
 registers the policy's module with cloudpickle), on a process without the application's
@@ -69,15 +70,22 @@ def pressures(
     thresholds: dict[str, float],
     observed: dict[str, float],
 ) -> dict[str, float]:
-    """observed / threshold per signal (1.0: at the threshold); ongoing requests always counts."""
+    """observed / threshold per signal (1.0: at the threshold).
+
+    Ongoing requests (Serve's own signal) count only while no engine signal is fresh: a P/D
+    decode replica holds every request while its prefill runs remotely, so a burst of long
+    prompts shows as ongoing requests on decode although decode's engine is idle; the
+    engine's running sequences say what decode actually carries."""
     replicas = max(1, ctx.current_num_replicas)
-    out = {"ongoing_requests": ctx.total_num_requests / (target_ongoing_requests * replicas)}
+    out = {}
     for name, limit in thresholds.items():
         value = observed.get(name)
         if value is None or math.isnan(value):
             continue
         per_replica = value / replicas if name in SUMMED else value
         out[name] = per_replica / limit
+    if not out:
+        out["ongoing_requests"] = ctx.total_num_requests / (target_ongoing_requests * replicas)
     return out
 
 

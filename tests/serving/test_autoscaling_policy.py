@@ -107,7 +107,7 @@ def test_prefill_scales_on_queue_time_that_ongoing_requests_do_not_show():
         )
         _with_metrics(policy, 2)
         desired, state = policy(_ctx(replicas=2, ongoing=6))
-        # queue time 2.5 s / 1.25 s = 2.0 is the largest pressure (TTFT 3.0 / 2.5 = 1.2; ongoing 6 / 16).
+        # queue time 2.5 s / 1.25 s = 2.0 is the largest pressure (TTFT 3.0 / 2.5 = 1.2).
         assert desired == pytest.approx(4.0)
         assert state["pd_signal"] == "queue_time_s"
     finally:
@@ -128,7 +128,7 @@ def test_decode_scales_on_running_sequences_and_kv_cache_not_prefills_signals():
         )
         _with_metrics(policy, 2)
         desired, state = policy(_ctx(replicas=2, ongoing=48))
-        assert desired == pytest.approx(3.0)  # 24 / 16 = 1.5 (ongoing 48 / 64 = 0.75, KV 0.5)
+        assert desired == pytest.approx(3.0)  # 24 / 16 = 1.5 (KV 0.45 / 0.9 = 0.5)
         assert state["pd_signal"] == "running_requests"
         # A quiet decode pool asks for fewer replicas (Serve's bounds and delays apply on top).
         prom.values = {autoscaling.query("running_requests", sel): 4, autoscaling.query("kv_cache_usage", sel): 0.09}
@@ -137,6 +137,30 @@ def test_decode_scales_on_running_sequences_and_kv_cache_not_prefills_signals():
             time.sleep(0.05)
         desired, _ = policy(_ctx(replicas=2, ongoing=4))
         assert desired < 1.0
+    finally:
+        prom.close()
+
+
+def test_a_long_prompt_burst_does_not_scale_decode_on_requests_that_wait_for_prefill():
+    """P/D: decode holds every request while its prefill runs remotely. 40 of them are
+    ongoing on one decode replica (5x its target of 8), but its engine runs 3 sequences."""
+    sel = 'role="decode"'
+    prom = _Prometheus({autoscaling.query("running_requests", sel): 3, autoscaling.query("kv_cache_usage", sel): 0.05})
+    try:
+        policy = autoscaling.DecodePolicy(
+            target_ongoing_requests=8,
+            thresholds={**DECODE, "running_requests": 8.0},
+            metrics_selector=sel,
+            prometheus_address=prom.address,
+            fetch_interval_s=0.05,
+        )
+        _with_metrics(policy, 2)
+        desired, state = policy(_ctx(replicas=1, ongoing=40))
+        assert desired <= 1.0 and state["pd_signal"] == "running_requests"
+        # The same load without engine signals (Prometheus gone): Serve's rule, 40 / 8.
+        prom.close()
+        stale = autoscaling.DecodePolicy(target_ongoing_requests=8, thresholds=DECODE)
+        assert stale(_ctx(replicas=1, ongoing=40))[0] == pytest.approx(5.0)
     finally:
         prom.close()
 
