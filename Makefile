@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix chaos stack diff clean efa-check
+.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling chaos stack diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -25,6 +25,9 @@ help:
 	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.txt only)"
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
+	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
+	@echo "make serve SIGNALS=1    per-role autoscaling on the engines' signals (local Prometheus)"
+	@echo "make serve SCALE_TO_ZERO=1   decode idles to zero (needs PD_FALLBACK_BASE_URL)"
 	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
@@ -74,6 +77,16 @@ PROMTOOL := $(or $(shell command -v promtool 2>/dev/null),.cache/prometheus/usr/
 	rm -f .cache/prometheus/prometheus_*.deb
 	.cache/prometheus/usr/bin/promtool --version
 
+# The Prometheus server from the same package, for `make serve SIGNALS=1` and the role-scaling
+# bench (serving/local/prometheus.py): the local stack's per-role autoscaling signals.
+PROMETHEUS := $(or $(shell command -v prometheus 2>/dev/null),.cache/prometheus/usr/bin/prometheus)
+.cache/prometheus/usr/bin/prometheus:
+	mkdir -p .cache/prometheus
+	cd .cache/prometheus && { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; }
+	dpkg-deb --fsys-tarfile .cache/prometheus/prometheus_*.deb | tar -x -C .cache/prometheus ./usr/bin/prometheus
+	rm -f .cache/prometheus/prometheus_*.deb
+	.cache/prometheus/usr/bin/prometheus --version
+
 # checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
 # its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.
 CHECKOV_STAMP := .venv-checkov/.installed
@@ -118,8 +131,9 @@ test-live-metrics: venv
 test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e"
 
-serve: venv
-	$(PY) -m serving.local --port $(PORT) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS))
+# SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus (issue 29).
+serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
+	$(PY) -m serving.local --port $(PORT) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
 
 # Faults and overload under streamed load (bench/chaos.py): about 10 minutes; SOAK=1 adds
 # a 10-minute soak at concurrency 16.
@@ -132,6 +146,12 @@ bench: venv
 	$(PY) -m bench.hybrid --provider vllm --out build/bench/hybrid-vllm.json
 	$(PY) -m bench.program --json build/bench/program.json
 	$(PY) -m bench.decode_autoscale --out build/bench/decode-autoscale.json
+	$(MAKE) bench-scaling
+
+# Issue 29: each role scales on its own load (local Prometheus), and scale from zero per path.
+bench-scaling: venv $(PROMETHEUS)
+	$(PY) -m bench.role_scaling --out build/bench/role-scaling.json
+	$(PY) -m bench.cold_start --out build/bench/cold-start.json
 
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json

@@ -33,11 +33,14 @@ working_dir: it imports the standard library and Ray only, never another serving
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
 from ray.serve.autoscaling_policy import PrometheusQueryMixin
 from ray.serve.config import AutoscalingContext
+
+logger = logging.getLogger("ray.serve")
 
 # PromQL per signal, `{sel}` replaced by the role's selector; Ray exports vLLM's metrics with a
 # `ray_` prefix and `vllm:` turned into `vllm_` (the names infra/k8s/dashboards.py reads). Sums
@@ -115,6 +118,7 @@ class _RolePolicy(PrometheusQueryMixin):
         self.target_ongoing_requests = target_ongoing_requests
         self.thresholds = dict(thresholds)
         self.queries = {s: query(s, metrics_selector) for s in self.thresholds} if metrics_selector else {}
+        self._last_wanted: int | None = None
         super().__init__(prometheus_queries=list(self.queries.values()), **kwargs)
 
     def observed(self) -> dict[str, float]:
@@ -122,7 +126,26 @@ class _RolePolicy(PrometheusQueryMixin):
         return {s: metrics[q] for s, q in self.queries.items() if q in metrics}
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[float, dict[str, Any]]:
-        return decide(ctx, pressures(ctx, self.target_ongoing_requests, self.thresholds, self.observed()))
+        observed = self.observed()
+        pressure = pressures(ctx, self.target_ongoing_requests, self.thresholds, observed)
+        desired, state = decide(ctx, pressure)
+        want = math.ceil(desired) if desired > ctx.current_num_replicas else math.floor(desired)
+        want = max(ctx.capacity_adjusted_min_replicas, min(ctx.capacity_adjusted_max_replicas, want))
+        if ctx.current_num_replicas and want != ctx.current_num_replicas and want != self._last_wanted:
+            # Serve logs that it scales, not why: the signal that asked, once per new ask.
+            logger.info(
+                "%s %s/%s: %d -> %d replicas asked by %s (pressure %.2f; observed %s)",
+                type(self).__name__,
+                ctx.app_name,
+                ctx.deployment_name,
+                ctx.current_num_replicas,
+                want,
+                state.get("pd_signal"),
+                state.get("pd_pressure") or 0.0,
+                {k: round(v, 3) for k, v in observed.items()},
+            )
+        self._last_wanted = want
+        return desired, state
 
 
 class PrefillPolicy(_RolePolicy):

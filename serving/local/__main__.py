@@ -34,6 +34,8 @@ from serving.local.config import (
     MODEL_ID,
     MODES,
     REPLICAS_ENV,
+    SCALE_TO_ZERO_ENV,
+    SIGNALS_ENV,
     LocalConfigError,
     app_urls,
     cluster_env,
@@ -41,7 +43,9 @@ from serving.local.config import (
     local_spec,
     render_local_config,
 )
-from serving.local.procs import AlreadyRunning, instance_lock, port_in_use
+from serving.local.procs import AlreadyRunning, free_port, instance_lock, port_in_use
+from serving.local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
+from serving.local.prometheus import binary as prometheus_binary
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, Mode, parse_api_keys
 
 
@@ -87,6 +91,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             help=f"{role} engine replicas, 1-{MAX_LOCAL_REPLICAS} (default ${REPLICAS_ENV} or 1)",
         )
     p.add_argument(
+        "--signals",
+        action="store_true",
+        default=os.environ.get(SIGNALS_ENV) == "1",
+        help="each role autoscales on its engines' own signals, read from a local Prometheus "
+        f"(prefill 1-2 replicas too; default ${SIGNALS_ENV}=1)",
+    )
+    p.add_argument(
+        "--scale-to-zero",
+        action="store_true",
+        default=os.environ.get(SCALE_TO_ZERO_ENV) == "1",
+        help="decode may scale to zero replicas when idle; needs a fallback (PD_FALLBACK_BASE_URL) "
+        f"for `unavailable` (default ${SCALE_TO_ZERO_ENV}=1)",
+    )
+    p.add_argument(
         "--state-file",
         type=Path,
         default=None,
@@ -112,6 +130,11 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
             f"port {args.port} on {HOST} is already in use (another `make serve`?); "
             "stop it or choose another port: make serve PORT=8001"
         )
+    if args.signals:
+        try:
+            prometheus_binary()
+        except PrometheusMissing as exc:
+            return str(exc)
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(instance_lock(args.port))
@@ -120,7 +143,7 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
     # Hybrid routing from the environment.
     try:
         hybrid = hybrid_from_env(dict(os.environ))
-        local_spec(Mode.DISAGGREGATED, Path("/models/check"), hybrid=hybrid)
+        local_spec(Mode.DISAGGREGATED, Path("/models/check"), hybrid=hybrid, scale_to_zero=args.scale_to_zero)
     except LocalConfigError as exc:
         stack.close()
         return str(exc)
@@ -186,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
     cluster = LocalCluster()
+    prometheus: LocalPrometheus | None = None
     rc = 0
     try:
         from serving.local.tiny_model import ensure_tiny_model
@@ -200,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             hybrid=hybrid,
             prefill_replicas=args.prefill_replicas,
             decode_replicas=args.decode_replicas,
+            signals=args.signals,
+            scale_to_zero=args.scale_to_zero,
         )
         if "fallback" in hybrid:
             fb = hybrid["fallback"]
@@ -210,7 +236,19 @@ def main(argv: list[str] | None = None) -> int:
         env = cluster_env()
         if auth:
             env[API_KEYS_ENV] = ",".join(keys)
-        cluster.start(env, extra_prefill=args.prefill_replicas - 1, extra_decode=args.decode_replicas - 1)
+        extra_prefill = args.prefill_replicas - 1
+        if args.signals:
+            # The Serve controller reads RAY_PROMETHEUS_HOST from its environment (Ray's
+            # PrometheusQueryMixin); Prometheus itself starts once the nodes' ports are known.
+            prometheus = LocalPrometheus(free_port())
+            env[PROMETHEUS_HOST_ENV] = prometheus.url
+            extra_prefill = max(extra_prefill, 1)  # room for a second prefill replica
+        cluster.start(env, extra_prefill=extra_prefill, extra_decode=args.decode_replicas - 1)
+        if prometheus is not None:
+            prometheus.start(cluster.nodes())
+            if not prometheus.ready():
+                raise DeployFailed(f"the local Prometheus did not start at {prometheus.url}")
+            say(f"Prometheus at {prometheus.url} scrapes the nodes every {SCRAPE_S}s (per-role autoscaling signals)")
         # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, _stop_on_sigterm)
@@ -239,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(flush=True)
         say("stopping: shutting Ray down")
-    except (DeployFailed, TimeoutError, AlreadyRunning) as exc:
+    except (DeployFailed, TimeoutError, AlreadyRunning, PrometheusMissing) as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         rc = 1
     except Exception:
@@ -252,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         cluster.shutdown()
+        if prometheus is not None:
+            prometheus.stop()
         stack.close()
         if rc == 0:
             deadline = time.monotonic() + 30

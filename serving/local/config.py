@@ -45,6 +45,23 @@ LOCAL_DECODE_AUTOSCALING = {
     "upscaleDelayS": LOCAL_UPSCALE_S,
     "downscaleDelayS": LOCAL_DOWNSCALE_S,
 }
+# `make serve SIGNALS=1` (issue 29): each role scales on its own engine signals, read from a
+# local Prometheus (serving/local/prometheus.py) as in the cloud; prefill may then add a second
+# replica too. The thresholds come from the SLO by the cloud's own rule
+# (serving.scaling_spec.slo_thresholds: prefill adds a replica when prompts queue for half the
+# TTFT objective, decode when it runs more sequences than its target); the local objective is
+# the tiny model's on two shared cores: 0.5 s to a first token (about four times what one P/D
+# request takes here alone, docs/performance.md), 0.1 s between tokens. At 0.25 s prefill
+# scaled out under output-heavy load: three engines on two cores stretch the prefill
+# engine's queue time to 0.15 s when it has little to do, a coupling GPU nodes do not have.
+LOCAL_SLO = {"ttftSeconds": 0.5, "itlSeconds": 0.1}
+LOCAL_PREFILL_AUTOSCALING = {**LOCAL_DECODE_AUTOSCALING}
+LOCAL_SIGNAL_ROLES = ("prefill", "decode")
+SIGNALS_ENV = "PD_SIGNALS"
+# `make serve SCALE_TO_ZERO=1`: decode may scale to zero replicas when idle (it starts with
+# one); the spec then wants a fallback for `unavailable` (PD_FALLBACK_BASE_URL) to answer
+# while it starts again.
+SCALE_TO_ZERO_ENV = "PD_SCALE_TO_ZERO"
 # Serve's replicas and handles push their load every 10 s by default; locally every second,
 # so decisions follow the load within seconds (ray/serve/_private/constants.py).
 LOCAL_SERVE_ENV = {
@@ -187,6 +204,8 @@ def local_spec(
     hybrid: dict[str, Any] | None = None,
     prefill_replicas: int = 1,
     decode_replicas: int = 1,
+    signals: bool = False,
+    scale_to_zero: bool = False,
 ) -> ServingSpec:
     """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`)."""
     try:
@@ -197,6 +216,8 @@ def local_spec(
             hybrid=hybrid or {},
             prefill_replicas=prefill_replicas,
             decode_replicas=decode_replicas,
+            signals=signals,
+            scale_to_zero=scale_to_zero,
         )
     except ValidationError as err:
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
@@ -211,6 +232,8 @@ def _local_spec(
     hybrid: dict[str, Any],
     prefill_replicas: int,
     decode_replicas: int,
+    signals: bool = False,
+    scale_to_zero: bool = False,
 ) -> ServingSpec:
     def role(n: int) -> dict[str, Any]:
         return {"minReplicas": n, "maxReplicas": n, **LOCAL_ROLE_LIMITS}
@@ -222,6 +245,11 @@ def _local_spec(
     # keeps its engines fixed; so does an explicit replica count (make serve REPLICAS=2).
     autoscaled = mode is Mode.DISAGGREGATED and decode_replicas == 1
     decode = {**LOCAL_DECODE_AUTOSCALING, **LOCAL_ROLE_LIMITS} if autoscaled else role(decode_replicas)
+    if scale_to_zero and autoscaled:
+        decode = {**decode, "minReplicas": 0, "initialReplicas": 1}
+    prefill = role(prefill_replicas)
+    if signals and mode is Mode.DISAGGREGATED and prefill_replicas == 1:
+        prefill = {**LOCAL_PREFILL_AUTOSCALING, **LOCAL_ROLE_LIMITS}
     return ServingSpec.model_validate(
         {
             **hybrid,
@@ -237,16 +265,21 @@ def _local_spec(
             "ingress": {"minReplicas": 1, "maxReplicas": 1},
             # No CUDA graphs on CPU.
             "engineKwargs": {"enforce_eager": True},
-            "prefill": role(prefill_replicas),
+            "prefill": prefill,
             "decode": decode,
             "resilience": LOCAL_RESILIENCE,
+            "slo": LOCAL_SLO,
         }
     )
 
 
-def local_target() -> Target:
-    """CPU target: vLLM's CPU KV-cache size and thread binding, nothing else."""
+def local_target(signals: bool = False) -> Target:
+    """CPU target: vLLM's CPU KV-cache size and thread binding; with `signals`, the per-role
+    policies' engine series (the local Prometheus's `role` label)."""
+    from serving.local.prometheus import ROLE_LABEL
+
     return Target(
+        metrics_selectors={r: f'{ROLE_LABEL}="{r}"' for r in LOCAL_SIGNAL_ROLES} if signals else {},
         accelerator_type=None,
         # One host, several Ray nodes: one proxy (on the head) or they clash on the port.
         proxy_location="HeadOnly",
@@ -271,13 +304,22 @@ def render_local_config(
     hybrid: dict[str, Any] | None = None,
     prefill_replicas: int = 1,
     decode_replicas: int = 1,
+    signals: bool = False,
+    scale_to_zero: bool = False,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
-    target = target or local_target()
+    target = target or local_target(signals)
     modes = [Mode.DISAGGREGATED, Mode.AGGREGATED] if mode == "both" else [Mode(mode)]
     configs = [
         local_spec(
-            m, model_dir, auth=auth, hybrid=hybrid, prefill_replicas=prefill_replicas, decode_replicas=decode_replicas
+            m,
+            model_dir,
+            auth=auth,
+            hybrid=hybrid,
+            prefill_replicas=prefill_replicas,
+            decode_replicas=decode_replicas,
+            signals=signals,
+            scale_to_zero=scale_to_zero,
         ).serve_config(target, port=port)
         for m in modes
     ]
