@@ -23,6 +23,7 @@ Only public `ray.serve.llm` APIs are used here.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import inspect
 import json
@@ -46,9 +47,9 @@ from starlette.responses import JSONResponse, Response
 
 from serving.fallback import SERVED_BY
 from serving.hybrid import HybridRouting
-from serving.ingress_resilience import ResilientIngressMixin
+from serving.ingress_resilience import ResilientIngressMixin, dispatch_call
 from serving.request_fields import refused_field
-from serving.resilience import OVERLOADED_MESSAGE, Unservable
+from serving.resilience import OVERLOADED_MESSAGE, Unservable, in_background
 from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec, parse_api_keys
 
 logger = logging.getLogger("ray.serve")
@@ -204,6 +205,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         self._init_resilience(resilience or ResilienceSpec().runtime_args())
         keys = parse_api_keys(os.environ.get(api_keys_env))
         self._auth = ApiKeyAuth(auth_mode, keys)
+        self._waking: set[str] = set()
         self._hybrid = self._make_hybrid()
         if self._auth.enabled and not keys:
             logger.warning(
@@ -235,7 +237,29 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             engine_deployment=engine,
             default_model=default_model,
             error_response=error_response,
+            wake=self._wake,
         )
+
+    def _wake(self, model: str) -> None:
+        """One 1-token request to `model`'s engines, in the background, while they have no
+        running replica and the fallback answers for them: it queues at the handle, which
+        is what makes Serve scale the deployment up from zero. One at a time per model."""
+        if model in self._waking or model not in self._default_serve_handles:
+            return
+        self._waking.add(model)
+
+        async def wake() -> None:
+            try:
+                body = CompletionRequest(model=model, prompt="Hello", max_tokens=1)
+                stream = dispatch_call(self._get_configured_serve_handle(model), body, "completions", None)
+                await asyncio.wait_for(_drain(stream), self._resilience.total_timeout_s)
+                logger.info("woke %s: its engines answer again", model)
+            except Exception as exc:  # the next request tries again
+                logger.warning("waking %s failed: %r", model, exc)
+            finally:
+                self._waking.discard(model)
+
+        in_background(wake())
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's lightweight update: the fallback and limits from the Serve config's
@@ -349,6 +373,11 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         if refused is not None:
             return refused
         return await self._parsed_call(request, _body_type(endpoint), getattr(super(), endpoint))
+
+
+async def _drain(stream: Any) -> None:
+    async for _ in stream:
+        pass
 
 
 @cache

@@ -142,6 +142,7 @@ class HybridRouting:
         default_model: Callable[[], str | None],
         error_response: ErrorFn,
         ledger_label_selector: Mapping[str, str] | None = None,
+        wake: Callable[[str], None] | None = None,
     ):
         self.auth_enabled = auth_enabled
         self.app_name = app_name
@@ -149,6 +150,8 @@ class HybridRouting:
         self._engine_deployment = engine_deployment
         self._default_model = default_model
         self._error = error_response
+        # Starts the model's engines when they are at zero replicas (see pre_route).
+        self._wake = wake
         self._selector = dict(ledger_label_selector or {})
         self.meter = UsageMeter()
         self.limiter = Limiter(LimitsConfig.from_user_config(None), self._ledger, self.meter)
@@ -204,6 +207,11 @@ class HybridRouting:
         if cfg.wants(UNAVAILABLE):
             down = self.decode_down(model)
             if down:
+                # Serve scales a deployment up from zero only for a request queued at one of
+                # its handles (ray/serve/autoscaling_policy.py, the cold-start path); a request
+                # the fallback answers never gets there, so the engines are woken apart.
+                if self._wake is not None:
+                    self._wake(model)
                 return UNAVAILABLE, f"no running replica of {down}"
         if cfg.wants(OVERLOADED) and cfg.overflow_at:
             decode = self._engine_deployment(model)

@@ -264,14 +264,21 @@ def test_a_late_first_token_goes_to_the_fallback_and_the_cluster_request_is_canc
     assert meter.fallbacks == [("deadline", "ok")]
 
 
-def test_no_running_engine_skips_the_cluster(monkeypatch):
+def test_no_running_engine_skips_the_cluster_and_wakes_the_engines(monkeypatch):
     r, meter, _ = _routing(monkeypatch, watch=_Watch({"Decode": 0, "Prefill": 0, "Ingress": 1}))
+    woken = []
+    r._wake = woken.append  # scaled to zero: only a request at the handle brings it back
 
     async def call(body):
         raise AssertionError("the cluster must not be called")
 
     resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
     assert resp.headers[SERVED_BY] == "fallback" and meter.fallbacks == [("unavailable", "ok")]
+    assert woken == ["ours"]
+    # Decode running: nothing is woken, the request stays on the cluster.
+    r.watch = _Watch({"Decode": 1, "Prefill": 0, "Ingress": 1})
+    woken.clear()
+    assert r.pre_route("ours") is None and woken == []
 
 
 def test_prefill_down_is_not_unavailable_decode_serves_it_and_no_provider_is_paid(monkeypatch):
