@@ -14,7 +14,8 @@ The upstream behaviour each value answers, read in the sources named:
   `graceful_shutdown_wait_loop_s`, until it has no ongoing request, and the controller kills it
   `graceful_shutdown_timeout_s` after the stop whatever is left (python/ray/serve/_private/
   replica.py `_drain_ongoing_requests`, deployment_state.py `DeploymentReplica.stop` and
-  `check_stopped`). A streamed response is an ongoing request until its last chunk.
+  `check_stopped`). A streamed response is an ongoing request until its last chunk
+  (replica.py `handle_request_streaming` holds `_start_request` around the whole stream).
 - Ray 2.60's `ray start --block` (the Ray container's main process under KubeRay) answers
   SIGTERM by marking its node draining for `RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S` (default
   30 s) before killing its processes (python/ray/_private/node.py `_drain_node_before_shutdown`,

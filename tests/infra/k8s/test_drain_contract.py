@@ -133,11 +133,9 @@ def test_tuning_the_deadline_within_a_step_is_an_in_place_serve_update(rendered_
     """Pod-level drain values are rounded up to a step: a small change to totalTimeoutS does not
     make KubeRay build a second cluster; a large one does, and the preview says so."""
     rendered = rendered_stacks[STACKS[0]]
-    total = rendered.config.serving.resilience.total_timeout_s
-    before = _render(rendered)
-    nudged = _render(rendered, totalTimeoutS=total + 30)
-    assert classify(before, nudged).kind == "serve-in-place"
-    assert classify(before, _render(rendered, totalTimeoutS=total * 3)).kind == "new-cluster"
+    before = _render(rendered, totalTimeoutS=600)
+    assert classify(before, _render(rendered, totalTimeoutS=650)).kind == "serve-in-place"
+    assert classify(before, _render(rendered, totalTimeoutS=1800)).kind == "new-cluster"
 
 
 def test_the_longest_deadline_the_spec_allows_fits_kubernetes_and_kuberay(rendered_stacks):
