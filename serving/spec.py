@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import Field, field_validator, model_validator
 
+from serving.drain import DrainPlan
 from serving.scaling_spec import policy_config, slo_thresholds
 from serving.spec_base import (
     API_KEYS_ENV,
@@ -260,6 +261,11 @@ class ServingSpec(SpecModel):
         return None
 
     # --- what the stack needs to know -------------------------------------------------
+    def drain(self) -> DrainPlan:
+        """How long each part may take to stop, from the longest stream the deadlines allow
+        (serving/drain.py): rendered here per deployment and by the RayService per pod."""
+        return DrainPlan.for_deadlines(self.resilience, PROXY_TIMEOUT_MARGIN_S)
+
     def engine_roles(self) -> dict[str, RoleSpec]:
         """The engine roles that run, by the worker group (node label role) they run on."""
         if self.mode is Mode.AGGREGATED:
@@ -332,6 +338,8 @@ class ServingSpec(SpecModel):
                 "autoscaling_config": autoscaling,
                 "max_ongoing_requests": spec.max_ongoing_requests,
                 "max_queued_requests": spec.max_queued_requests,
+                # Scale-in and restarting updates let the replica's streams finish (serving/drain.py).
+                **self.drain().deployment_options("prefill" if role == "prefill" else "engine"),
                 # One selector per placement-group bundle (one bundle per GPU/worker).
                 "placement_group_bundle_label_selector": [{self.placement.label_key: label} for _ in range(bundles)],
             },
@@ -384,6 +392,7 @@ class ServingSpec(SpecModel):
             },
             "max_ongoing_requests": self.ingress.max_ongoing_requests,
             "max_queued_requests": self.ingress.max_queued_requests,
+            **self.drain().deployment_options("ingress"),
             "ray_actor_options": {
                 "label_selector": {self.placement.label_key: self.placement.head},
                 # The head offers no CPUs to Serve replicas (it must not take model work);
@@ -464,7 +473,7 @@ class ServingSpec(SpecModel):
             "http_options": {
                 "host": "0.0.0.0",
                 "port": port,
-                "request_timeout_s": self.resilience.total_timeout_s + PROXY_TIMEOUT_MARGIN_S,
+                "request_timeout_s": self.drain().proxy_request_s,
             },
             "applications": [app],
         }

@@ -2,8 +2,8 @@
 
 What flows through here: the serving spec's SLOs (`serving.slo`), the stack's
 `observability` block (how long replicas may stay Pending), the serving code's own counters
-(`infra.k8s.serving_metrics`: fallback share, limiter errors, unservable refusals), the
-node autoscaler's failed scale-ups, and the KV-transfer alert groups of
+(`infra.k8s.serving_metrics`: fallback share, limiter errors, unservable refusals, streams cut
+mid-answer), the node autoscaler's failed scale-ups, and the KV-transfer alert groups of
 `infra.k8s.kv_alerts` -> one `monitoring.coreos.com/v1` PrometheusRule whose alerts each
 carry a `runbook_url` into docs/runbooks.md (one section per alert, same anchor).
 
@@ -21,7 +21,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from infra.k8s.monitoring import MONITORING_LABEL, ROLE
-from infra.k8s.serving_metrics import LIMITER_ERRORS, fallback_share, local_prefill_share, refusal_share
+from infra.k8s.serving_metrics import (
+    LIMITER_ERRORS,
+    cut_streams_per_minute,
+    fallback_share,
+    local_prefill_share,
+    refusal_share,
+)
 from infra.model.config import Observability
 from serving.spec import SloSpec
 
@@ -44,6 +50,14 @@ REFUSAL_SHARE_THRESHOLD = 0.01
 # restart stays far below this over 10 minutes. A judgement, like the fallback share.
 LOCAL_PREFILL_SHARE_THRESHOLD = 0.2
 LOCAL_PREFILL_FOR = "10m"
+# Streams cut mid-answer (serving/migration.py could not continue them: no replica took the
+# continuation in time, the bound or the deadline, or a request that cannot be continued),
+# at any rate, in every 5-minute window for MIGRATIONS_FAILING_FOR. One decode death cuts at
+# most a burst (the streams it held that could not go on), which stays below `for`; cuts that
+# keep coming mean decode keeps dying or no replica can take a continuation. A judgement,
+# like the shares above: any cut stream is a half answer a client saw.
+MIGRATIONS_FAILING_WINDOW = "5m"
+MIGRATIONS_FAILING_FOR = "10m"
 
 
 @dataclass(frozen=True)
@@ -207,6 +221,14 @@ def fault_rules() -> list[dict[str, Any]]:
             "warning",
             f"{{{{ $labels.model }}}}: more than {LOCAL_PREFILL_SHARE_THRESHOLD:.0%} of P/D requests prefilled on "
             f"decode for {LOCAL_PREFILL_FOR} ({{{{ $value | humanizePercentage }}}}): the stack is serving aggregated",
+        ),
+        _alert(
+            "PDStreamMigrationsFailing",
+            f"{cut_streams_per_minute('model', MIGRATIONS_FAILING_WINDOW)} > 0",
+            MIGRATIONS_FAILING_FOR,
+            "warning",
+            f"{{{{ $labels.model }}}}: streams cut mid-answer for {MIGRATIONS_FAILING_FOR} "
+            "({{ $value | humanize }} a minute): migration did not continue them",
         ),
         _alert(
             "PDRequestsRefused",

@@ -5,9 +5,10 @@ dashboard model built with Grafana's own SDK (no hand-written JSON), per engine 
 latency (TTFT, ITL, TPOT p50/p99), requests and errors by status, queues, KV cache and
 prefix-cache hits, NIXL KV transfer bytes and time per request, fallback share and per-key
 usage, 429s, fallbacks and limiter errors (hybrid routing: `serving.limits`'s counters, their
-names imported, not retyped), faults (`serving.resilience`'s retries, local prefills and
-refusals), GPU utilisation, HBM, power and XID errors from DCGM, and the
-node autoscaler's view (unschedulable pods, scale-ups and failed scale-ups) ->
+names imported, not retyped), faults (`serving.resilience`'s retries, local prefills,
+refusals, and stream migrations by reason and outcome), GPU utilisation, HBM, power and XID
+errors from DCGM, and the node autoscaler's view (unschedulable pods, scale-ups and failed
+scale-ups) ->
 `dashboard_configmaps()`, ConfigMaps labelled for Grafana's dashboard sidecar.
 
 Every expression lives in `ROWS` below, as data; the tests parse each with a real PromQL
@@ -40,6 +41,7 @@ from infra.k8s.serving_metrics import (
     PROMPT_TOKENS,
     RATE_LIMITED,
     REQUESTS,
+    STREAM_MIGRATIONS,
     fallback_share,
     local_prefill_share,
 )
@@ -50,6 +52,8 @@ RATE = "$__rate_interval"
 SEL = f'{ROLE}=~"$role", {RAY_CLUSTER}=~"$cluster"'
 # The ingress's own counters live on the head (no engine role): select by Ray cluster only.
 CLUSTER_SEL = f'{RAY_CLUSTER}=~"$cluster"'
+# The serving code's per-model counters (label `model`, the served model id): also by model.
+MODEL_SEL = f'{CLUSTER_SEL}, model=~"$model"'
 
 
 @dataclass(frozen=True)
@@ -219,7 +223,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Fallback share",
                 "percentunit",
-                (Query(fallback_share("model", RATE, CLUSTER_SEL), "{{model}}"),),
+                (Query(fallback_share("model", RATE, MODEL_SEL), "{{model}}"),),
                 "Share of answered requests that the external fallback served (cluster unavailable, "
                 "overloaded, or first token late). Empty while nothing went to the fallback.",
             ),
@@ -228,7 +232,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (key, destination) (rate({REQUESTS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (key, destination) (rate({REQUESTS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}} {{destination}}",
                     ),
                 ),
@@ -239,11 +243,11 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "short",
                 (
                     Query(
-                        f"sum by (key, destination) (rate({PROMPT_TOKENS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (key, destination) (rate({PROMPT_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
                         "prompt {{key}} {{destination}}",
                     ),
                     Query(
-                        f"sum by (key, destination) (rate({COMPLETION_TOKENS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (key, destination) (rate({COMPLETION_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
                         "completion {{key}} {{destination}}",
                     ),
                 ),
@@ -308,10 +312,24 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Remote prefill share (the P/D mode)",
                 "percentunit",
-                (Query(f"1 - ({local_prefill_share('model', RATE, CLUSTER_SEL)})", "{{model}}"),),
+                (Query(f"1 - ({local_prefill_share('model', RATE, MODEL_SEL)})", "{{model}}"),),
                 "Share of P/D requests prefilled by the prefill tier (remote, or remote after a retry). Near 100% "
                 "is the designed mode; a dip during a prefill fault must come back once the replica is back "
                 "(alert PDRunningAggregated).",
+            ),
+            PanelSpec(
+                "Stream migrations",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (model, reason, outcome) (rate({STREAM_MIGRATIONS}{{{MODEL_SEL}}}[{RATE}]))",
+                        "{{model}} {{reason}} {{outcome}}",
+                    ),
+                ),
+                "Streams cut after their first byte (reason: replica_died, engine_error, stall) and what became of "
+                "them: continued on another decode replica, or ended with an error event (failed: no replica took "
+                "the continuation within the bound or the deadline; not_migratable: a request that cannot be "
+                "continued). Alert PDStreamMigrationsFailing.",
             ),
             PanelSpec(
                 "Prefill retries and local prefills (decode)",
@@ -410,6 +428,16 @@ def pd_service_dashboard() -> dict[str, Any]:
             .datasource(ds)
             .query(f"label_values(ray_vllm_num_requests_running, {RAY_CLUSTER})")
             .include_all(True)
+            .multi(True)
+        )
+        .with_variable(
+            QueryVariable("model")
+            .label("Model")
+            .datasource(ds)
+            # The serving code's own `model` label: every answered request counts here.
+            .query(f"label_values({REQUESTS}, model)")
+            .include_all(True)
+            .all_value(".*")
             .multi(True)
         )
         .with_variable(

@@ -24,6 +24,7 @@ from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.model import catalog, sizing
 from infra.model.scaling_signals import role_thresholds
 from infra.model.versions import RAY_VERSION
+from serving.drain import NODE_DRAIN_ENV
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
 
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -228,6 +229,14 @@ def serve_config_yaml(inp: RayServiceInputs) -> str:
     return yaml.safe_dump(inp.serving.serve_config(_target(inp)), sort_keys=False)
 
 
+def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
+    """How long Ray drains a pod's node on SIGTERM (old cluster deleted, pod evicted, node
+    drained) before it kills the node's processes: long enough for the node's Serve replicas and
+    proxy to finish every stream (serving/drain.py). The pod's terminationGracePeriodSeconds
+    adds the teardown on top."""
+    return {"name": NODE_DRAIN_ENV, "value": str(inp.serving.drain().node_drain_s)}
+
+
 # Ray's Prometheus address variable (ray/serve/autoscaling_policy.py PrometheusQueryMixin, and
 # Ray's dashboard), Ray 2.60.
 PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"
@@ -242,6 +251,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     # The Serve controller (on the head) runs the per-role autoscaling policies; their
     # PrometheusQueryMixin reads the engines' metrics from here (serving/autoscaling.py).
     env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
+    env.append(_node_drain_env(inp))
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
@@ -253,6 +263,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
             },
             "spec": {
                 "serviceAccountName": inp.head_service_account,
+                "terminationGracePeriodSeconds": inp.serving.drain().termination_grace_s,
                 "nodeSelector": {ROLE_LABEL: SYSTEM_ROLE},
                 "securityContext": _pod_security(),
                 "containers": [
@@ -296,6 +307,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
     ]
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
+    env.append(_node_drain_env(inp))
     initial = spec.starting_replicas
     container: dict[str, Any] = {
         "name": f"ray-{role}",
@@ -334,6 +346,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
             },
             "spec": {
                 "serviceAccountName": inp.worker_service_account,
+                "terminationGracePeriodSeconds": inp.serving.drain().termination_grace_s,
                 "automountServiceAccountToken": False,
                 "nodeSelector": {ROLE_LABEL: role, INSTANCE_TYPE_LABEL: inst.name},
                 "tolerations": [GPU_TOLERATION],
@@ -377,6 +390,10 @@ def rayservice_manifest(inp: RayServiceInputs) -> dict[str, Any]:
         "metadata": {"name": inp.name, "namespace": inp.namespace, "labels": {"app.kubernetes.io/name": inp.name}},
         "spec": {
             "upgradeStrategy": {"type": inp.upgrade_strategy},
+            # After a NewCluster switch KubeRay deletes the old cluster this long after the serve
+            # Service's selector moved, and waits for nothing else (rayservice_controller.go
+            # cleanUpRayClusterInstance, v1.7.0): its streams must have ended by then.
+            "rayClusterDeletionDelaySeconds": inp.serving.drain().cluster_deletion_delay_s,
             "serveService": serve_service(inp),
             "serveConfigV2": serve_config_yaml(inp),
             "rayClusterConfig": cluster,

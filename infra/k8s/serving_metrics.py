@@ -2,7 +2,7 @@
 
 What flows through here: the counter names that `serving/` declares (imported, never retyped:
 `serving.limits`'s usage, 429, fallback and limiter-error counters; `serving.resilience`'s
-retry, local-prefill and refusal counters) -> their Prometheus names as Ray exports them
+retry, local-prefill, refusal and stream-migration counters) -> their Prometheus names as Ray exports them
 (`ray_counter`) -> the expressions that the dashboard and the alerts share (one copy each,
 e.g. `fallback_share`, `refusal_share`). No Pulumi, no Ray import here.
 
@@ -57,6 +57,12 @@ LOCAL_PREFILLS = ray_counter(RESILIENCE_METRICS["local_prefill"])
 # serving.resilience Path: one count per P/D request, labels model, path (remote,
 # remote_retry, local) and reason (why local; empty otherwise). Decode pods.
 PREFILL_PATH = ray_counter(RESILIENCE_METRICS["prefill_path"])
+# serving.resilience (issue 25, serving/migration.py): streams cut after their first byte,
+# labels model, reason (replica_died, engine_error, stall) and outcome. Ingress (head pods).
+STREAM_MIGRATIONS = ray_counter(RESILIENCE_METRICS["migrations"])
+# The outcomes that leave the client with a cut stream (the OpenAI-style error event), as
+# serving/ingress_resilience.py `guarded_stream` counts them; "continued" is the healthy one.
+MIGRATION_CUT_OUTCOMES = ("failed", "not_migratable")
 # n > 1 prefills on decode by design (serving.resilience.Reason.PARALLEL_SAMPLING): not a fault.
 DESIGNED_LOCAL_REASON = "parallel_sampling"
 # Serve's proxy counts every HTTP request (in the live scrape).
@@ -86,3 +92,11 @@ def refusal_share(window: str) -> str:
     """Requests the ingress found unservable (503/504, or handed to the fallback) / all HTTP
     requests the proxies received."""
     return f"sum(rate({INGRESS_REFUSALS}[{window}])) / sum(rate({HTTP_REQUESTS}[{window}]))"
+
+
+def cut_streams_per_minute(by: str, window: str, sel: str = "") -> str:
+    """Streams that ended cut mid-answer (a migration failed, or the request could not be
+    continued) per minute, per `by` labels."""
+    group = f" by ({by})" if by else ""
+    cut = ", ".join(m for m in (f'outcome=~"{"|".join(MIGRATION_CUT_OUTCOMES)}"', sel) if m)
+    return f"60 * sum{group} (rate({STREAM_MIGRATIONS}{{{cut}}}[{window}]))"

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from infra.k8s import alerts
+from infra.k8s.serving_metrics import STREAM_MIGRATIONS
 from infra.model.config import Observability
 from infra.paths import ROOT
 from serving.spec import SloSpec
@@ -427,6 +428,50 @@ def _hybrid_and_node_tests() -> list[dict]:
                         }
                     ],
                 },
+            ],
+        },
+        {  # Decode keeps dying and continuations fail: 1 failed + 1 not continuable a minute, for good.
+            "interval": "1m",
+            "input_series": [
+                _series(STREAM_MIGRATIONS, "0+2x30", model="tiny", reason="replica_died", outcome="continued"),
+                _series(STREAM_MIGRATIONS, "0+1x30", model="tiny", reason="replica_died", outcome="failed"),
+                _series(STREAM_MIGRATIONS, "0+1x30", model="tiny", reason="stall", outcome="not_migratable"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "6m", "alertname": "PDStreamMigrationsFailing", "exp_alerts": []},
+                {
+                    "eval_time": "20m",
+                    "alertname": "PDStreamMigrationsFailing",
+                    "exp_alerts": [
+                        {
+                            "exp_labels": {"severity": "warning", "model": "tiny"},
+                            "exp_annotations": _annotations(
+                                "PDStreamMigrationsFailing",
+                                "tiny: streams cut mid-answer for 10m (2 a minute): migration did not continue them",
+                            ),
+                        }
+                    ],
+                },
+            ],
+        },
+        {  # Migrations that continue, however many: every client got its whole answer.
+            "interval": "1m",
+            "input_series": [
+                _series(STREAM_MIGRATIONS, "0+5x30", model="tiny", reason="replica_died", outcome="continued"),
+                _series(STREAM_MIGRATIONS, "0+3x30", model="tiny", reason="stall", outcome="continued"),
+                _series(STREAM_MIGRATIONS, "0x30", model="tiny", reason="replica_died", outcome="failed"),
+            ],
+            "alert_rule_test": [{"eval_time": "25m", "alertname": "PDStreamMigrationsFailing", "exp_alerts": []}],
+        },
+        {  # One decode death cuts three streams that could not be continued, once: not sustained.
+            "interval": "1m",
+            "input_series": [
+                _series(STREAM_MIGRATIONS, "0x5 3x25", model="tiny", reason="replica_died", outcome="not_migratable"),
+                _series(STREAM_MIGRATIONS, "0x5 5x25", model="tiny", reason="replica_died", outcome="continued"),
+            ],
+            "alert_rule_test": [
+                {"eval_time": "9m", "alertname": "PDStreamMigrationsFailing", "exp_alerts": []},
+                {"eval_time": "20m", "alertname": "PDStreamMigrationsFailing", "exp_alerts": []},
             ],
         },
     ]

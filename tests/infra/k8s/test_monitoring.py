@@ -246,6 +246,7 @@ def test_dashboards_are_provisioned_configmaps_built_by_the_sdk(stack):
         "Refused requests by reason and status (ingress)",
         "Ingress retries by reason",
         "Prefill retries and local prefills (decode)",
+        "Stream migrations",
         "Unschedulable pods (node autoscaler)",
         "Node scale-ups per hour",
     ):
@@ -294,6 +295,34 @@ def test_event_counters_are_checked_against_the_serving_codes_declarations(rende
     # Ray's name for a counter: without `_total` the series is the deprecated gauge, not the counter.
     bare = {where: exprs[where].replace("ray_pd_usage_requests_total", "ray_pd_usage_requests")}
     assert ms.unknown_names(bare, ms.live_snapshot())
+
+
+def test_stream_migrations_are_shown_by_reason_and_outcome_and_filtered_by_model():
+    """The panel splits what the ingress counts (serving/ingress_resilience.py), and every panel
+    on a serving counter with a `model` label follows the dashboard's model filter."""
+    from infra.k8s.dashboards import pd_service_dashboard
+    from infra.k8s.serving_metrics import PREFILL_PATH, REQUESTS, STREAM_MIGRATIONS
+
+    board = pd_service_dashboard()
+    assert "model" in {v["name"] for v in board["templating"]["list"]}
+    (panel,) = [p for p in board["panels"] if p["title"] == "Stream migrations"]
+    (expr,) = [t["expr"] for t in panel["targets"]]
+    assert STREAM_MIGRATIONS in expr and "by (model, reason, outcome)" in expr
+    per_model = (STREAM_MIGRATIONS, REQUESTS, PREFILL_PATH)
+    for p in board["panels"]:
+        for t in p.get("targets") or []:
+            if any(m in t["expr"] for m in per_model):
+                assert 'model=~"$model"' in t["expr"], p["title"]
+
+
+def test_migration_outcomes_are_the_ones_the_ingress_counts():
+    """The alert's 'cut' outcomes are labels the serving code really sets (a renamed one fails)."""
+    from infra.k8s.serving_metrics import MIGRATION_CUT_OUTCOMES
+    from infra.paths import ROOT
+
+    source = (ROOT / "serving" / "ingress_resilience.py").read_text()
+    for outcome in (*MIGRATION_CUT_OUTCOMES, "continued"):
+        assert f'on_outcome(cut, "{outcome}")' in source, outcome
 
 
 def test_a_renamed_node_autoscaler_metric_is_caught(rendered_stacks):
