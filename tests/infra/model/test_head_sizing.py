@@ -134,3 +134,14 @@ def test_shipped_stacks_carry_their_planned_rate(stack):
     cfg = config.load(values, secret_keys=secrets, source=stack)
     head = planning.plan(cfg).head
     assert head is None or not head_sizing.head_errors(head)
+
+
+def test_the_rendered_head_pod_asks_for_the_planned_vcpus(rendered_stacks):
+    """Through the real program under mocks: the RayService head's CPU request is the plan's."""
+    for name, r in rendered_stacks.items():
+        head = planning.plan(r.config).head
+        want = head.head_vcpus if head else HEAD_BASE_VCPUS
+        (rs,) = [x for x in r.result.resources if x.type == "kubernetes:ray.io/v1:RayService"]
+        res = rs.inputs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+        assert res["requests"]["cpu"] == str(want), name
+        assert int(res["limits"]["cpu"]) >= want, name
