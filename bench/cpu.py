@@ -15,7 +15,9 @@ Process titles, read in the installed sources:
   Ray actors    `ray::<class name>` between tasks and `ray::<task name>` during one
                 (`python/ray/_raylet.pyx`, `execute_task`: `title = f"ray::{task_name}"`,
                 `next_title = f"ray::{class_name}"`; an actor method's task name is
-                `<class>.<method>`); idle workers `ray::IDLE`, Ray's agents
+                `<class>.<method>`, and a named actor's creation task puts the name first:
+                `ray::SERVE_REPLICA::llm#Decode:tiny-llama#<id>:ServeReplica:llm:Decode:tiny-llama.__init__`,
+                seen in `ps` of the local stack, 2026-12-01); idle workers `ray::IDLE`, Ray's agents
                 `ray::DashboardAgent` and `ray::RuntimeEnvAgent` (ray/_private/ray_constants.py).
   Serve         a replica actor's class is `ServeReplica:<app>:<deployment>`
                 (ray/serve/_private/common.py, `DeploymentID.to_replica_actor_class_name`);
@@ -36,6 +38,7 @@ request is what a hop will cost on the head node of a cluster. Nothing here star
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -156,25 +159,29 @@ def window(before: Snapshot, after: Snapshot) -> Window:
 
 
 # --- which hop a process is ------------------------------------------------------------------
-def _actor_class(title: str) -> str | None:
-    """`ray::X` or `ray::X.method` -> "X"... with X as Ray wrote it (it may hold colons)."""
+def _task(title: str) -> str | None:
+    """What follows `ray::` in a Ray worker's title (None for other processes)."""
     if not title.startswith(RAY_PREFIX):
         return None
     return title[len(RAY_PREFIX) :].split(" ", 1)[0]
 
 
 def _is_actor(title: str, cls: str) -> bool:
-    found = _actor_class(title)
-    return found is not None and (found == cls or found.startswith(cls + "."))
+    """`ray::<cls>`, `ray::<cls>.<method>`, or a named actor's `ray::<name>:<cls>.<method>`."""
+    task = _task(title)
+    return task is not None and re.search(rf"(?:^|:){re.escape(cls)}(?:\.|$)", task) is not None
 
 
 def replica_role(title: str, layout: Mapping[str, tuple[str, str]]) -> tuple[str, str] | None:
     """(role, app) of a Serve replica actor's process, from `layout`: replica actor class name
     (`ServeReplica:<app>:<deployment>`) -> (role, app). Matched whole or followed by `.method`
-    (a deployment or model name may hold dots, so the title is not split on them)."""
-    found = _actor_class(title)
-    if found is None or not found.startswith(REPLICA_CLASS + ":"):
+    (a deployment or model name may hold dots, so the title is not split on them), wherever
+    it starts: a named actor's task title puts the actor's name first (`SERVE_REPLICA::...:`)."""
+    task = _task(title)
+    at = -1 if task is None else task.find(REPLICA_CLASS + ":")
+    if task is None or at < 0:
         return None
+    found = task[at:]
     for cls in sorted(layout, key=len, reverse=True):
         if found == cls or found.startswith(cls + "."):
             return layout[cls]
@@ -207,6 +214,9 @@ def classify(proc: Proc, procs: Snapshot, layout: Mapping[str, tuple[str, str]])
         return ("raylet", RAY_SCOPE)
     if proc.name == "gcs_server":
         return ("gcs", RAY_SCOPE)
+    if proc.name == "prometheus":
+        # The local stack's metrics store (autoscaling signals), not a hop: no target's.
+        return ("prometheus", None)
     return ("other_ray", RAY_SCOPE)
 
 

@@ -116,6 +116,19 @@ def classify(title: str, parents: list[str] = (), name: str = "python") -> tuple
         (replica(AGG, INGRESS_DEPLOYMENT, "handle_request_streaming"), ("ingress", AGG)),
         (replica(PD, f"Decode:{MODEL}", "handle_request_streaming"), ("pd_orchestration", PD)),
         (replica(PD, f"Prefill:{MODEL}"), ("prefill_server", PD)),
+        # A named actor's creation task, as `ps` showed the local stack's replicas starting.
+        (
+            f"ray::SERVE_REPLICA::{PD}#Decode:{MODEL}#gvghexyb:ServeReplica:{PD}:Decode:{MODEL}.__init__",
+            ("pd_orchestration", PD),
+        ),
+        (
+            f"ray::SERVE_REPLICA::{PD}#{INGRESS_DEPLOYMENT}#2ntjyojq:ServeReplica:{PD}:{INGRESS_DEPLOYMENT}.__init__",
+            ("ingress", PD),
+        ),
+        # The same rule for the proxy, named SERVE_PROXY_ACTOR-<node id> (ray/serve/_private/proxy_state.py).
+        ("ray::SERVE_PROXY_ACTOR-0a1b:ProxyActor.__init__", ("serve_proxy", cpu.RAY_SCOPE)),
+        # Seen in `ps` of the local stack under load, 2026-12-01.
+        (replica(PD, INGRESS_DEPLOYMENT, "handle_request_with_rejection"), ("ingress", PD)),
         (replica(AGG, f"EagerLLMServer:{MODEL}"), ("aggregated_server", AGG)),
         ("ray::ServeController", ("other_ray", cpu.RAY_SCOPE)),
         ("ray::IDLE", ("other_ray", cpu.RAY_SCOPE)),
@@ -136,6 +149,11 @@ def test_ray_daemons_by_command_name():
         "gcs",
         cpu.RAY_SCOPE,
     )
+
+
+def test_the_local_prometheus_is_no_targets():
+    # `make serve` runs a Prometheus for the autoscaling signals: not on any request's path.
+    assert classify("/work/.cache/prometheus/usr/bin/prometheus --config.file=x", name="prometheus")[1] is None
 
 
 def test_engine_core_and_workers_take_the_role_of_the_replica_above_them():
