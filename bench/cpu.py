@@ -331,6 +331,19 @@ def run_figures(
     return out
 
 
+def front_door_line(by_target: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
+    """The figures the head sizing takes (infra/model/head_sizing.py FRONT_DOOR_CPU): proxy and
+    ingress CPU-ms per request per Ray target, all levels pooled."""
+    parts = []
+    for t, levels in by_target.items():
+        classes = (levels.get("all") or {}).get("classes") or {}
+        if "ingress" in classes:
+            proxy = (classes.get("serve_proxy") or {}).get("cpu_ms_per_request")
+            ingress = classes["ingress"].get("cpu_ms_per_request")
+            parts.append(f"{t}: proxy {_cell(proxy, 2)}, ingress {_cell(ingress, 2)}")
+    return "Front door CPU-ms per request, all levels (head_sizing.FRONT_DOOR_CPU): " + ("; ".join(parts) or "-")
+
+
 class Meter:
     """Snapshots around each batch of a run, summed per target and level."""
 

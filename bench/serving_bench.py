@@ -10,8 +10,8 @@ benchmark client (`vllm.benchmarks.serve`, bench/vllm_load.py) sending streamed
 -> per-request timings -> bench.stats figures per target and concurrency, ratios a/c and
 b/c; every chunk's arrival -> the gaps between chunks and the share held to a stream's end
 (bench/gaps.py); the CPU time of every process of each target around each batch -> CPU-ms
-per request and per 1,000 output tokens per hop (bench/cpu.py); Ray Serve's request spans and the engines' vLLM metrics around each level -> the
-per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
+per request and per 1,000 output tokens per hop (bench/cpu.py); Ray Serve's request spans
+and the engines' vLLM metrics around each level -> the per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
 request; the cold and warm start of `make serve` -> tables on screen and
 build/bench/serving.json.
 
@@ -485,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print("CPU-ms per 1,000 output tokens, per hop:")
     print(cpu.format_text(cpu_figures, "cpu_ms_per_1k_tokens"))
+    print()
+    print(cpu.front_door_line(cpu_figures))
     print()
     print("Client-seen gaps between streamed chunks (vLLM's client stamps each event as it parses it):")
     print(gaps.format_text(chunk_gaps))

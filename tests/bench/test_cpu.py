@@ -289,6 +289,8 @@ def test_figures_per_request_per_1k_tokens_and_the_ratio_to_plain_vllm():
     text = cpu.format_text(by)
     assert "ingress replicas" in text and "plain vLLM API server process" in text
     assert cpu.figures(ray, 0, 0)["non_engine"]["cpu_ms_per_request"] is None
+    by["aggregated"]["all"] = agg
+    assert cpu.front_door_line(by).endswith("aggregated: proxy 15.00, ingress 30.00")
 
 
 def test_pooled_adds_levels():
@@ -310,3 +312,18 @@ def test_snapshot_reads_real_processes_and_survives_one_that_is_killed():
         child.wait()
     w = cpu.window(before, cpu.snapshot({"stack": os.getpid()}))
     assert child.pid in [p.pid for p in w.ended]
+
+
+def test_the_bench_builds_its_layout_from_serves_application_list():
+    """`make bench` reads the apps from Serve's API (serving_bench.serve_apps' shape) and names
+    each deployment's role with serving_bench.roles."""
+    from bench.serving_bench import roles
+
+    served = {
+        PD: {
+            "ingress": INGRESS_DEPLOYMENT,
+            "replicas": {INGRESS_DEPLOYMENT: ["a"], f"Decode:{MODEL}": ["b"], f"Prefill:{MODEL}": ["c"]},
+        },
+        AGG: {"ingress": INGRESS_DEPLOYMENT, "replicas": {INGRESS_DEPLOYMENT: ["d"], f"EagerLLMServer:{MODEL}": ["e"]}},
+    }
+    assert cpu.serve_layout({app: roles(served[app]) for app in served}) == LAYOUT
