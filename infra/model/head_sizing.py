@@ -69,7 +69,7 @@ FRONT_DOOR_CPU = FrontDoorCpu(
         "docs/performance.md, 'Where the time to first token goes', concurrency 1: Serve's spans "
         "'proxy -> ingress replica' and 'ingress -> engine replica' (mean wall ms per request)"
     ),
-    kind="upper bound from wall times, hops to the engine only",
+    kind="provisional upper bound from wall times of the hops to the engine (not the stream's way back)",
 )
 
 # The head's own work with no requests (GCS, Serve controller, dashboard, autoscaler, its
@@ -185,7 +185,7 @@ def format_head(h: HeadSizing | None) -> list[str]:
         f"         head pod needs {h.head_vcpus} vCPUs ({HEAD_BASE_VCPUS} for Ray's own + busy at "
         f"{TARGET_UTILIZATION:.0%}); {h.system_instance} gives it {pod}; ingress replicas needed "
         f"{h.ingress_replicas} (maxReplicas {h.ingress_max_replicas}): {ok}",
-        f"         CPU figure: {h.figure.kind} ({h.figure.measured}, {h.figure.machine}; docs/capacity.md)",
+        f"         CPU figure: {h.figure.kind}; {h.figure.measured}, {h.figure.machine} (docs/capacity.md)",
     ]
 
 
