@@ -25,7 +25,8 @@ from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
-from infra.model.planning import kv_link
+from infra.model.head_sizing import HEAD_BASE_VCPUS
+from infra.model.planning import kv_link, plan
 from infra.paths import stack_file
 
 
@@ -165,6 +166,9 @@ service = LlmService(
         model_bucket=cfg.model_bucket,
         pod_identity_agent=cluster.pod_identity_agent,
         tags=tags,
+        # The head pod asks for what the planned rate needs (make plan; the config refused a
+        # system node that cannot give it).
+        head_cpus=head.head_vcpus if (head := plan(cfg).head) else HEAD_BASE_VCPUS,
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )

@@ -2,7 +2,8 @@
 
 What flows through here: build/bench/serving.json (`make bench`) and build/bench/prefix.json
 (`make bench-prefix`), when present -> the figures' tables (targets, ratios against the
-issue's bars, the per-hop breakdown, start times, prefix routing) between the page's
+issue's bars, the per-hop breakdown, CPU per hop and its bars, the gaps between streamed
+chunks, start times, prefix routing) between the page's
 hand-written explanations -> docs/performance.md. Figures are never typed by hand: rerun
 the benchmarks, then `python -m bench.report`.
 """
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR
+from bench import BENCH_DIR, cpu, gaps
 from infra.paths import ROOT
 
 BUILD = BENCH_DIR
@@ -33,6 +34,11 @@ BARS = (
     ("aggregated", 16, "output_tok_s", ">=", 0.9),
 )
 WARM_START_BAR_S = 45
+# The bars of issue 27 on CPU: non-engine CPU-ms per request over plain vLLM's API server
+# process's, all levels pooled.
+CPU_BARS = (("aggregated", 2.0), ("disaggregated", 3.0))
+CPU_LEVELS = ("1", "16", "all")  # the CPU tables' columns per target
+NOT_MEASURED = "(not measured in this run: the next `make bench` fills it)"
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -192,6 +198,33 @@ def floor_text(rep: dict[str, Any]) -> str:
     return "\n".join([head, "", *parts, "", tail])
 
 
+def cpu_section(rep: dict[str, Any]) -> str:
+    """The CPU per hop (per request, per 1,000 output tokens) and the issue's CPU bars."""
+    by: dict[str, dict[str, Any]] = rep.get("cpu") or {}
+    if not by:
+        return NOT_MEASURED
+    cols = {t: {lv: f for lv, f in levels.items() if lv in CPU_LEVELS} for t, levels in by.items()}
+    rows = ["| bar | measured | met |", "|---|---|---|"]
+    for target, bar in CPU_BARS:
+        v = ((by.get(target) or {}).get("all") or {}).get("non_engine_vs_vllm_api_server")
+        met = "-" if v is None else ("yes" if v <= bar else "no")
+        rows.append(f"| {target} non-engine CPU per request ÷ plain vLLM API server <= {bar} | {_f(v, 2)} | {met} |")
+    ended = sum(f.get("processes_ended", 0) for levels in by.values() for f in levels.values() if f is not None)
+    return "\n\n".join(
+        [
+            "CPU-ms per request:\n\n" + cpu.format_markdown(cols),
+            "CPU-ms per 1,000 output tokens:\n\n" + cpu.format_markdown(cols, "cpu_ms_per_1k_tokens"),
+            "The issue's CPU bars (all levels pooled):\n\n" + "\n".join(rows),
+            f"Processes that ended during a batch (their CPU after its start is not counted): {ended}.",
+        ]
+    )
+
+
+def gaps_section(rep: dict[str, Any]) -> str:
+    by = rep.get("chunk_gaps") or {}
+    return gaps.format_markdown(by) if by else NOT_MEASURED
+
+
 def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, template: str) -> str:
     parts = {
         "SERVING_DATE": serving["date"] if serving else "(no run)",
@@ -213,6 +246,8 @@ def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, templa
             else ""
         ),
         "FLOOR": floor_text(serving) if serving else "(run `make bench`)",
+        "CPU": cpu_section(serving) if serving else "(run `make bench`)",
+        "GAPS": gaps_section(serving) if serving else "(run `make bench`)",
         "IDLE_WORKERS": _idle(serving, "stack", "VLLM::Worker"),
         "IDLE_VLLM": _idle(serving, "vllm"),
         "PREFIX_DATE": prefix["date"] if prefix else "(no run)",

@@ -8,8 +8,10 @@ benchmark client (`vllm.benchmarks.serve`, bench/vllm_load.py) sending streamed
   (b) aggregated     the single-engine app with the same model, in the same Ray cluster
   (c) vllm           `python -m vllm.entrypoints.openai.api_server`, same model, no Ray Serve
 -> per-request timings -> bench.stats figures per target and concurrency, ratios a/c and
-b/c; Ray Serve's request spans and the engines' vLLM metrics around each level -> the
-per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
+b/c; every chunk's arrival -> the gaps between chunks and the share held to a stream's end
+(bench/gaps.py); the CPU time of every process of each target around each batch -> CPU-ms
+per request and per 1,000 output tokens per hop (bench/cpu.py); Ray Serve's request spans
+and the engines' vLLM metrics around each level -> the per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
 request; the cold and warm start of `make serve` -> tables on screen and
 build/bench/serving.json.
 
@@ -37,7 +39,7 @@ from typing import Any
 
 import httpx
 
-from bench import BENCH_DIR, hops, plots, vllm_load
+from bench import BENCH_DIR, cpu, gaps, hops, plots, vllm_load
 from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_per_request, ratios, samples, summarize
 from infra.paths import ROOT as REPO_ROOT
 
@@ -335,6 +337,9 @@ def main(argv: list[str] | None = None) -> int:
 
         served = serve_apps(stack.state["dashboard_url"])
         idle = {"stack": idle_cpu(stack.proc.pid), "vllm": idle_cpu(vproc.pid)}
+        # CPU per hop: every process of the target whose batch runs, snapshot around the batch.
+        layout = cpu.serve_layout({app: roles(served[app]) for app in apps.values()})
+        meter = cpu.Meter({"stack": stack.proc.pid, cpu.PLAIN: vproc.pid}, layout)
         say(f"idle CPU (% of a core) of the Ray stack's processes: {idle['stack']}")
         snaps = [settled(metric_urls)]
         windows: dict[int, tuple[float, float]] = {}
@@ -348,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                 per_round = n // args.rounds + (1 if r < n % args.rounds else 0)
                 for t in order:
                     # Same seed for every target in a round: the same prompts.
-                    res, dur = batch(t, per_round, conc, args.seed + 1000 * conc + r)
+                    with meter.batch(t, str(conc), apps.get(t)):
+                        res, dur = batch(t, per_round, conc, args.seed + 1000 * conc + r)
                     results[t].setdefault(conc, []).extend(res)
                     durations[t][conc] = durations[t].get(conc, 0.0) + dur
                 say(f"concurrency {conc}: round {r + 1}/{args.rounds} done ({' -> '.join(order)})")
@@ -358,6 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     client_log.close()
 
     summaries = {t: {c: summarize(results[t][c], durations[t][c]) for c in levels} for t in TARGETS}
+    counts = {
+        t: {str(c): (int(s["completed"] or 0), int(s["output_tokens"] or 0)) for c, s in by.items()}
+        for t, by in summaries.items()
+    }
+    cpu_figures = cpu.run_figures(meter.tallies, counts)
+    chunk_gaps = {t: {str(c): gaps.summary(results[t][c]) for c in levels} for t in TARGETS}
 
     # --- the hop breakdown, per target and level -------------------------------------------
     breakdown: dict[str, dict[int, dict[str, float | None]]] = {t: {} for t in TARGETS}
@@ -438,6 +450,10 @@ def main(argv: list[str] | None = None) -> int:
         "kv_transfer": {"backend": backend, "decode_counters_delta": kv_delta, **kv},
         "start_times": starts,
         "idle_cpu_percent": idle,
+        # target -> level (and "all") -> CPU-ms per request and per 1,000 output tokens per hop.
+        "cpu": cpu_figures,
+        "cpu_classes": dict(cpu.CLASSES),
+        "chunk_gaps": chunk_gaps,
         "analysis_errors": analysis_errors,
         "conditions": [
             "Serve request tracing on for the Ray targets (every request sampled, Ray's file "
@@ -463,6 +479,17 @@ def main(argv: list[str] | None = None) -> int:
             approx_targets=[t for t in TARGETS if t != BASELINE],
         )
     )
+    print()
+    print("CPU-ms per request, per hop (user + system CPU of each process during the target's batches):")
+    print(cpu.format_text(cpu_figures))
+    print()
+    print("CPU-ms per 1,000 output tokens, per hop:")
+    print(cpu.format_text(cpu_figures, "cpu_ms_per_1k_tokens"))
+    print()
+    print(cpu.front_door_line(cpu_figures))
+    print()
+    print("Client-seen gaps between streamed chunks (vLLM's client stamps each event as it parses it):")
+    print(gaps.format_text(chunk_gaps))
     print()
     print(
         f"KV transfer over NIXL {backend} (decode's NIXL counters over the disaggregated requests): "

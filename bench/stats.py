@@ -155,3 +155,18 @@ def format_table(summaries: Mapping[str, Mapping[int, Mapping]], baseline: str) 
                 f"  | {' ' * (len(baseline) + 4)}{ratio_txt}"
             )
     return "\n".join(lines)
+
+
+def aligned(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells (header first) as aligned text: the first column left, the rest right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+        for r in rows
+    )
+
+
+def markdown(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells (header first) as a Markdown table."""
+    out = ["| " + " | ".join(rows[0]) + " |", "|---" * len(rows[0]) + "|"]
+    return "\n".join(out + ["| " + " | ".join(r) + " |" for r in rows[1:]])

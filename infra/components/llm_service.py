@@ -33,6 +33,7 @@ from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from infra.model import catalog
 from infra.model.config import ServiceExposure
+from infra.model.head_sizing import HEAD_BASE_VCPUS
 from infra.package import write_serving_zip
 from infra.paths import BUILD_DIR
 from serving.spec import SERVE_PORT, ServingSpec
@@ -83,6 +84,9 @@ class LlmServiceArgs:
     waits for it (and for its associations, ServiceAccounts and Secrets)."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
+    head_cpus: int = HEAD_BASE_VCPUS
+    """CPU request of the Ray head pod: the head sizing's vCPUs at the planned rate
+    (`infra.model.head_sizing`, printed by `make plan`)."""
 
 
 class LlmService(pulumi.ComponentResource):
@@ -318,6 +322,7 @@ def create_rayservice(
         gcs_redis_address=redis_ref,
         upgrade_strategy=args.upgrade_strategy,
         service_name=service_name,
+        head_cpus=args.head_cpus,
         **_exposure(args.exposure, args.allowed_cidrs),
     )
     # Everything but serveConfigV2 is known at preview, so policies see the pods even

@@ -22,6 +22,7 @@ from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SA
 from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.model import catalog, sizing
+from infra.model.head_sizing import HEAD_BASE_VCPUS
 from infra.model.scaling_signals import role_thresholds
 from infra.model.versions import RAY_VERSION
 from serving.drain import NODE_DRAIN_ENV
@@ -132,6 +133,9 @@ class RayServiceInputs:
     service_type: str = "ClusterIP"  # or LoadBalancer (internal NLB)
     service_annotations: dict[str, str] = field(default_factory=dict)
     load_balancer_source_ranges: list[str] = field(default_factory=list)
+    # The head pod's CPU request: the head sizing's need at the planned rate
+    # (infra/model/head_sizing.py, `make plan`), at least Ray's own work.
+    head_cpus: int = HEAD_BASE_VCPUS
 
 
 def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
@@ -242,6 +246,10 @@ def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
 PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"
 
 
+# The head pod's CPU limit when its sizing asks for less: room for bursts of Ray's own work.
+HEAD_CPU_LIMIT = 4
+
+
 def _head(inp: RayServiceInputs) -> dict[str, Any]:
     env = [inp.api_keys.env(API_KEYS_ENV)] if inp.api_keys else []
     if inp.fallback_api_key:
@@ -278,8 +286,8 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
                         ],
                         "env": env,
                         "resources": {
-                            "requests": {"cpu": "2", "memory": "8Gi"},
-                            "limits": {"cpu": "4", "memory": "12Gi"},
+                            "requests": {"cpu": str(inp.head_cpus), "memory": "8Gi"},
+                            "limits": {"cpu": str(max(HEAD_CPU_LIMIT, inp.head_cpus)), "memory": "12Gi"},
                         },
                         "securityContext": _security_context(),
                         "volumeMounts": [{"name": "ray-tmp", "mountPath": "/tmp/ray"}],

@@ -17,6 +17,12 @@ from dataclasses import dataclass
 from serving.spec import KvBackend
 
 
+def pod_cpus(node_vcpus: int) -> int:
+    """CPUs one pod that owns a node may ask for: the rest is head-room for the kubelet, the
+    device plugins, the CNI and other DaemonSets (GPU workers and the Ray head alike)."""
+    return node_vcpus - max(2, node_vcpus // 16)
+
+
 @dataclass(frozen=True)
 class InstanceType:
     name: str
@@ -69,7 +75,7 @@ class InstanceType:
     # kubelet, the device plugins, the CNI and other DaemonSets.
     @property
     def pod_cpus(self) -> int:
-        return self.vcpus - max(2, self.vcpus // 16)
+        return pod_cpus(self.vcpus)
 
     @property
     def pod_memory_gib(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from pydantic import ValidationError, ValidationInfo, model_validator
 
 from infra.model.ami_check import ami_driver_errors
+from infra.model.head_sizing import stack_head_errors
 from infra.model.scale_to_zero import scale_to_zero_errors
 from infra.model.stack import cluster, gcs, network, pools, secrets, service
 from infra.model.stack import serving as served
@@ -102,6 +103,8 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
             # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
             *served.fit_problems(self),
         ]
+        # The head's sizing reads the capacity plan, which assumes every check above passed.
+        errors = errors or stack_head_errors(self)
         if errors:
             raise cross_field(errors)
         return self

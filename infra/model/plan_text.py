@@ -2,7 +2,7 @@
 
 What flows through here: a `planning.Plan` -> the model and its shape, one column per engine
 role (hardware, memory, KV cache, network, decode speed, cost, autoscaling, time to serve),
-the totals, the KV link and the fit verdict, then the multi-node layouts that fit. Text only:
+the totals, the KV link, the head's sizing and the fit verdict, then the multi-node layouts that fit. Text only:
 every figure is computed in `infra.model.planning` and `infra.model.fit`. `planning` re-exports
 `format_plan` and `format_layouts`.
 """
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from infra.model import startup
 from infra.model.fit import GIB, ModelFigures
+from infra.model.head_sizing import format_head
 
 if TYPE_CHECKING:
     from infra.model.planning import Plan, RolePlan, RoleScaling
@@ -267,6 +268,7 @@ def _footer_lines(p: Plan) -> list[str]:
             f"KV link  NIXL {k.backend} over {k.network}: {k.replica_gbps:g} Gbps per replica "
             f"({k.gbps_per_gpu:g} Gbps per GPU, {where}){per_request}"
         )
+    lines.extend(format_head(p.head))
     if not p.fit_checked:
         lines.append("Fit      not checked (model shape unknown)")
     elif p.problems:

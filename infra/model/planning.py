@@ -4,7 +4,8 @@ What flows through here: a validated `StackConfig` -> per engine role its pool's
 replica and node ranges (`infra.model.sizing`), GPU count and on-demand price at desiredSize
 and at maxSize, and, when the model's shape is known, the model figures of `infra.model.fit`
 and the time from a Pending pod to a serving replica on a new and on a warm node
-(`infra.model.startup`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
+(`infra.model.startup`); the planned request rate (the slowest role's roofline at
+maxReplicas) and what it asks of the Ray head (`infra.model.head_sizing`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
 render`. Pure arithmetic on published figures: no Pulumi, Ray or vLLM import, nothing
 downloaded.
 """
@@ -29,6 +30,7 @@ from infra.model.fit import (
     resolve,
     weights_gib,
 )
+from infra.model.head_sizing import HeadSizing, size_head
 from infra.model.plan_text import format_layouts as format_layouts
 from infra.model.plan_text import format_plan as format_plan
 from serving.spec import Mode, ModelSpec, RoleSpec, ServingSpec
@@ -122,6 +124,7 @@ class RoleScaling:
     upgrade_extra_usd_per_hour: float
     target_ongoing_requests: float
     scale_out_rps: float | None  # requests/s at which the minReplicas replicas reach the target
+    max_rps: float | None = None  # the same at maxReplicas: the most the role is planned for
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,7 @@ class Workload:
     output_tokens: int = 256
 
 
-def _scale_out_rps(
+def _replica_rps(
     role: str,
     spec: RoleSpec,
     inst: catalog.InstanceType,
@@ -142,7 +145,7 @@ def _scale_out_rps(
     figures_fn: Callable[..., ModelFigures],
     workload: Workload,
 ) -> float | None:
-    """Requests/s at which minReplicas replicas hold targetOngoingRequests each (roofline).
+    """Requests/s at which one replica holds targetOngoingRequests (roofline).
 
     decode: a replica decoding `target` sequences at once emits tokens_per_s(target) (HBM
     roofline at the workload's context), so it holds `target` requests in flight at
@@ -162,7 +165,7 @@ def _scale_out_rps(
         flops = spec.tensor_parallel_size * catalog.DENSE_BF16_TFLOPS[inst.ray_accelerator] * 1e12
         mu = flops / (2 * shape.parameters_billions * 1e9 * workload.prompt_tokens)
         per_replica = mu * target / (target + 1)
-    return spec.min_replicas * per_replica
+    return per_replica
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,8 @@ class Plan:
     layouts: tuple[LayoutOption, ...] = ()
     layout_roles: tuple[str, ...] = ()  # the roles whose pools were searched for layouts
     kv_link: KvLink | None = None  # disaggregated mode only
+    # What the planned rate asks of the Ray head (None: no roofline rate, shape unknown).
+    head: HeadSizing | None = None
 
     @property
     def fit_checked(self) -> bool:
@@ -239,6 +244,18 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
         _role_plan(config, role, spec, shape, context_len, workload or Workload())
         for role, spec in config.serving.engine_roles().items()
     ]
+    rate = planned_rate(roles)
+    head = (
+        None
+        if rate is None
+        else size_head(
+            rate[0],
+            rate[1],
+            config.serving.mode.value,
+            config.system_nodes.instance_type,
+            config.serving.ingress.max_replicas,
+        )
+    )
     layout_roles, layouts = _layouts(config, shape, context_len)
     return Plan(
         environment=config.environment.value,
@@ -255,7 +272,17 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
         layouts=tuple(layouts),
         layout_roles=tuple(layout_roles),
         kv_link=kv_link(config, roles),
+        head=head,
     )
+
+
+def planned_rate(roles: list[RolePlan]) -> tuple[float, str] | None:
+    """The request rate the stack is planned for, and the role that sets it: every request
+    passes every engine role, so the slowest role's roofline rate at maxReplicas."""
+    rates = [(r.scaling.max_rps, r.role) for r in roles if r.scaling is not None and r.scaling.max_rps is not None]
+    if not rates or len(rates) < len(roles):
+        return None
+    return min(rates)
 
 
 def _role_plan(
@@ -332,6 +359,8 @@ def _role_scaling(
         assert shape is not None  # only called when the shape is known
         return model_figures(shape, model, role, spec, inst, **kw)
 
+    per_replica = None if shape is None else _replica_rps(role, spec, inst, shape, model, serving, figures_fn, workload)
+
     return RoleScaling(
         nodes_min=nodes[0],
         nodes_max=nodes[1],
@@ -344,9 +373,8 @@ def _role_scaling(
         upgrade_extra_nodes=peak - nodes[1],
         upgrade_extra_usd_per_hour=(peak - nodes[1]) * inst.usd_per_hour,
         target_ongoing_requests=spec.target_ongoing_requests,
-        scale_out_rps=None
-        if shape is None
-        else _scale_out_rps(role, spec, inst, shape, model, serving, figures_fn, workload),
+        scale_out_rps=None if per_replica is None else spec.min_replicas * per_replica,
+        max_rps=None if per_replica is None else spec.max_replicas * per_replica,
     )
 
 

@@ -128,3 +128,35 @@ def test_prefix_verdict_says_whether_affinity_cut_ttft():
 
     assert "cut TTFT p50 from 100.0 to 80.0 ms" in prefix_verdict(pre(80.0))
     assert "did not fall" in prefix_verdict(pre(110.0))
+
+
+def test_cpu_and_gap_sections_from_the_run():
+    from bench import cpu
+
+    def fig(non_engine_ms: float, ratio: float | None) -> dict:
+        tally = cpu.Tally(cpu_s={"ingress": non_engine_ms / 1000 * 10, "engine_decode": 1.0})
+        out = cpu.figures(tally, requests=10, output_tokens=500)
+        if ratio is not None:
+            out["non_engine_vs_vllm_api_server"] = ratio
+        return out
+
+    rep = {
+        **SERVING,
+        "cpu": {
+            "aggregated": {"1": fig(12.0, 1.5), "all": fig(12.0, 1.5)},
+            "disaggregated": {"1": fig(40.0, 4.0), "all": fig(40.0, 3.5)},
+        },
+        "chunk_gaps": {
+            "aggregated": {
+                "1": {"streams": 8, "chunks": 400, "gap_p50_ms": 0.1, "gap_p99_ms": 52.0, "tail_share": 0.12}
+            }
+        },
+    }
+    page = report.render(rep, None, TEMPLATE)
+    assert "| ingress replicas | 12.0 | 12.0 | 40.0 | 40.0 |" in page
+    assert "| aggregated non-engine CPU per request ÷ plain vLLM API server <= 2.0 | 1.50 | yes |" in page
+    assert "| disaggregated non-engine CPU per request ÷ plain vLLM API server <= 3.0 | 3.50 | no |" in page
+    assert "| aggregated | 1 | 8 | 400 | 0.1 | 52.0 | 12% |" in page
+    # A run from before the sampler says so instead of showing empty tables.
+    old = report.render(SERVING, None, TEMPLATE)
+    assert old.count(report.NOT_MEASURED) == 2

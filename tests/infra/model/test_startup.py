@@ -97,6 +97,10 @@ def test_a_bigger_model_takes_longer():
     def smaller(values):
         values["serving"]["model"]["source"] = "s3://pd-inference-prod-models/meta-llama/Llama-3.1-8B-Instruct"
         values["serving"]["model"]["id"] = "llama-3.1-8b-instruct"
+        # An 8B model on the same GPUs is planned for ~8x the requests: a head and an ingress
+        # that carry them (infra/model/head_sizing.py refuses prod's m7i.4xlarge and 4 replicas).
+        values["systemNodes"]["instanceType"] = "m7i.8xlarge"
+        values["serving"]["ingress"] = {"minReplicas": 2, "maxReplicas": 12}
 
     big, small = _role(_plan("prod")), _role(_plan("prod", smaller))
     assert small.new_node_s is not None and big.new_node_s is not None
