@@ -25,7 +25,7 @@ from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
-from infra.model.planning import kv_link
+from infra.model.planning import cold_start_seconds, kv_link
 from infra.paths import stack_file
 
 
@@ -165,6 +165,7 @@ service = LlmService(
         model_bucket=cfg.model_bucket,
         pod_identity_agent=cluster.pod_identity_agent,
         tags=tags,
+        cold_start_s=cold_start_seconds(cfg),
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )

@@ -235,6 +235,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             engine_deployment=engine,
             default_model=default_model,
             error_response=error_response,
+            cold_start_retry_after_s=self._resilience.scale_from_zero_retry_after_s,
         )
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:

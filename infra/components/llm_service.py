@@ -83,6 +83,10 @@ class LlmServiceArgs:
     waits for it (and for its associations, ServiceAccounts and Secrets)."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
+    cold_start_s: dict[str, float] = field(default_factory=dict)
+    """Engine role -> the planner's first request after idle (s), for roles at minReplicas 0
+    (infra/model/planning.py cold_start_seconds): the ingress's Retry-After while decode
+    starts from zero."""
 
 
 class LlmService(pulumi.ComponentResource):
@@ -318,6 +322,7 @@ def create_rayservice(
         gcs_redis_address=redis_ref,
         upgrade_strategy=args.upgrade_strategy,
         service_name=service_name,
+        cold_start_s=dict(args.cold_start_s),
         **_exposure(args.exposure, args.allowed_cidrs),
     )
     # Everything but serveConfigV2 is known at preview, so policies see the pods even
