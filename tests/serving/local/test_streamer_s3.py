@@ -224,7 +224,7 @@ def test_a_vllm_cpu_engine_starts_from_the_bucket_and_generates(s3_model):
     tokens = json.loads(line.removeprefix("RESULT "))
     assert len(tokens) == 1
     # The token greedy decoding picks from the local weights: the engine ran on the streamed ones.
-    model = AutoModelForCausalLM.from_pretrained(s3_model.local, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(s3_model.local, dtype=torch.float32)
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
     assert tokens[0] == int(logits.argmax())
