@@ -26,7 +26,7 @@ from infra.k8s.monitoring import kuberay_operator_target
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.model.head_sizing import HEAD_BASE_VCPUS
-from infra.model.planning import kv_link, plan
+from infra.model.planning import cold_start_seconds, kv_link, plan
 from infra.paths import stack_file
 
 
@@ -169,6 +169,7 @@ service = LlmService(
         # The head pod asks for what the planned rate needs (make plan; the config refused a
         # system node that cannot give it).
         head_cpus=head.head_vcpus if (head := plan(cfg).head) else HEAD_BASE_VCPUS,
+        cold_start_s=cold_start_seconds(cfg),
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )

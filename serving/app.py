@@ -238,6 +238,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             default_model=default_model,
             error_response=error_response,
             wake=self._wake,
+            cold_start_retry_after_s=self._resilience.scale_from_zero_retry_after_s,
         )
 
     def _wake(self, model: str) -> None:

@@ -12,7 +12,9 @@ What flows through here, per chat or completion request that passed auth and par
   3. otherwise the cluster (Ray Serve LLM's own path); if it fails BEFORE its first byte
      (Serve's back-pressure, no replica, a dead replica, an engine 5xx, or no first token
      within fallback.firstTokenTimeoutS for a stream) the request goes to the fallback with
-     that reason, when configured for it; after the first byte nothing is re-sent anywhere;
+     that reason, when configured for it; after the first byte nothing is re-sent anywhere.
+     A 503 no fallback takes while decode has no running replica and may scale to zero gets
+     the planner's time to serve as Retry-After (args.resilience.cold_start_retry_after_s);
   4. the response is marked `x-served-by: cluster|fallback`; its usage (prompt and completion
      tokens, read from the answer itself) is counted per key id, model and destination, and
      replaces the token reservation in the ledger.
@@ -37,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from serving.cluster_watch import ClusterWatch
 from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig, FallbackError
 from serving.limits import UNCHECKED, Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
+from serving.resilience import UNAVAILABLE_MESSAGE, Reason, Unservable
 from serving.spec import FallbackWhen
 from serving.sse import SseRewriter, Usage, ask_for_usage, estimated_usage
 
@@ -143,8 +146,12 @@ class HybridRouting:
         error_response: ErrorFn,
         ledger_label_selector: Mapping[str, str] | None = None,
         wake: Callable[[str], None] | None = None,
+        cold_start_retry_after_s: int | None = None,
     ):
         self.auth_enabled = auth_enabled
+        # Set when decode may scale to zero (args.resilience.cold_start_retry_after_s above
+        # retry_after_s): a 503 sent while Serve reports no running decode replica carries it.
+        self.cold_start_retry_after_s = cold_start_retry_after_s
         self.app_name = app_name
         self.own_deployment = own_deployment
         self._engine_deployment = engine_deployment
@@ -175,7 +182,8 @@ class HybridRouting:
         self.fallback = FallbackClient(cfg) if cfg else None
         if old is not None:
             old.retire()  # closes when the answers it is relaying have ended
-        if cfg and (cfg.wants(UNAVAILABLE) or cfg.wants(OVERLOADED)):
+        watched = cfg is not None and (cfg.wants(UNAVAILABLE) or cfg.wants(OVERLOADED))
+        if watched or self.cold_start_retry_after_s is not None:
             if self.watch is None:
                 self.watch = ClusterWatch(self.app_name, self.own_deployment)
                 self.watch.start()
@@ -274,6 +282,9 @@ class HybridRouting:
         except Exception as exc:
             reason = exc.reason if isinstance(exc, _SkipCluster) else reason_for(exc)
             if reason is None or cfg is None or not cfg.wants(reason):
+                cold = self._cold_start_refusal(exc, model)
+                if cold is not None:
+                    return cold
                 raise
             detail = exc.detail if isinstance(exc, _SkipCluster) else type(exc).__name__
             logger.warning("cluster cannot serve (%s: %s); using the fallback", reason, detail)
@@ -309,6 +320,25 @@ class HybridRouting:
         finally:
             if not task.done():
                 task.cancel()  # Serve cancels the request in the engines too
+
+    def _cold_start_refusal(self, exc: BaseException, model: str) -> Response | None:
+        """The 503 for a request no fallback takes while the model's decode deployment has no
+        running replica and may scale to zero: Retry-After is the planner's time to serve
+        (the engine is starting from zero). None: `exc` is answered as it is."""
+        if self.cold_start_retry_after_s is None or not isinstance(exc, Unservable) or exc.status != 503:
+            return None
+        down = self.decode_down(model)
+        if down is None:
+            return None
+        logger.warning(
+            "no running replica of %s (scaled to zero): 503, retry after %ss", down, self.cold_start_retry_after_s
+        )
+        return self._error(
+            503,
+            UNAVAILABLE_MESSAGE,
+            code=Reason.DECODE_UNAVAILABLE.value,
+            headers={"Retry-After": str(self.cold_start_retry_after_s), SERVED_BY: "cluster"},
+        )
 
     async def unservable(
         self, endpoint: str, body: dict[str, Any], request: Any, reason: str, detail: str

@@ -106,7 +106,7 @@ async def first_chunk(
         except TimeoutError:
             cancel_call(stream)  # frees the queue slot or the engine work
             if not admitted and health.degraded:
-                raise decode_unavailable(cfg.retry_after_s) from None
+                raise decode_unavailable(cfg.unavailable_retry_after_s) from None
             if not admitted:
                 # Queued past the first-token budget behind busy replicas: overload, not a
                 # death. Only a replica death (below) switches the ingress to fail-fast, else
@@ -131,7 +131,7 @@ async def first_chunk(
             if attempts < cfg.decode_attempts:
                 on_retry(Reason.DECODE_DIED)
                 continue
-            raise decode_unavailable(cfg.retry_after_s) from None
+            raise decode_unavailable(cfg.unavailable_retry_after_s) from None
         if is_server_error(first_item(first)):
             cancel_call(stream)
             if attempts < cfg.decode_attempts:

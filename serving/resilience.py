@@ -30,7 +30,7 @@ import enum
 import json
 import logging
 from collections.abc import Awaitable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
@@ -90,12 +90,28 @@ class ResilienceConfig:
     circuit_open_s: float
     circuit_failures: int
     retry_after_s: int
+    # Retry-After of a 503 while decode has no running replica: the planner's time to serve
+    # when decode may scale to zero (serving.spec ResilienceSpec.cold_start_retry_after_s).
+    # None (args rendered before it existed): retry_after_s.
+    cold_start_retry_after_s: int | None = None
+
+    @property
+    def unavailable_retry_after_s(self) -> int:
+        return self.cold_start_retry_after_s or self.retry_after_s
+
+    @property
+    def scale_from_zero_retry_after_s(self) -> int | None:
+        """The cold-start Retry-After when it says more than retry_after_s (decode may scale
+        to zero), else None."""
+        cold = self.cold_start_retry_after_s
+        return cold if cold is not None and cold > self.retry_after_s else None
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> ResilienceConfig:
         names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
         unknown = sorted(set(args) - names)
-        missing = sorted(names - set(args))
+        missing = sorted(required - set(args))
         if unknown or missing:
             raise ValueError(f"args.resilience: unknown keys {unknown or 'none'}, missing keys {missing or 'none'}")
         return cls(**dict(args))

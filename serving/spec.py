@@ -156,6 +156,10 @@ class Target:
     # and the PromQL label selector of the role's engine series (none: Serve's signals only).
     role_thresholds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
     metrics_selectors: Mapping[str, str] = field(default_factory=dict)
+    # Per engine role at minReplicas 0: the planner's first request after idle, seconds
+    # (infra/model/planning.py cold_start_seconds); decode's is the ingress's Retry-After for
+    # a 503 while no decode replica runs (ResilienceSpec.coldStartRetryAfterS).
+    cold_start_s: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def cpu(self) -> bool:
@@ -404,7 +408,8 @@ class ServingSpec(SpecModel):
         args: dict[str, Any] = {
             "mode": self.mode.value,
             "auth": {"mode": self.auth.value, "api_keys_env": API_KEYS_ENV},
-            "resilience": self.resilience.runtime_args(),
+            # decode serves every request's tokens (the aggregated engine is the decode role).
+            "resilience": self.resilience.runtime_args(target.cold_start_s.get("decode")),
             "ingress_deployment_config": ingress,
         }
         roles = self.engine_roles()

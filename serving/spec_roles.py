@@ -9,6 +9,7 @@ pydantic and the standard library only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -252,6 +253,11 @@ class ResilienceSpec(SpecModel):
     circuit_failures: int = Field(default=3, ge=1, le=100)
     # Retry-After on 503/504 answers.
     retry_after_s: int = Field(default=1, ge=1, le=3600)
+    # Retry-After on a 503 sent because decode (or the aggregated engine) has no running
+    # replica. Unset: the planner's "first request after idle" of the decode role when it
+    # may scale to zero (minReplicas 0: a new engine, and maybe a new node, must start;
+    # infra/model/planning.py cold_start_seconds), else retryAfterS.
+    cold_start_retry_after_s: int | None = Field(default=None, ge=1, le=3600)
 
     @model_validator(mode="after")
     def _order(self) -> ResilienceSpec:
@@ -272,9 +278,15 @@ class ResilienceSpec(SpecModel):
             raise ValueError("stallTimeoutS must not exceed totalTimeoutS")
         return self
 
-    def runtime_args(self) -> dict[str, Any]:
-        """args["resilience"]: what serving.resilience.ResilienceConfig reads."""
-        return self.model_dump(by_alias=False)
+    def runtime_args(self, cold_start_s: float | None = None) -> dict[str, Any]:
+        """args["resilience"]: what serving.resilience.ResilienceConfig reads. `cold_start_s`:
+        the planner's first request after idle for the decode role, when it may scale to
+        zero (None: it keeps a replica, or the time is not known)."""
+        args = self.model_dump(by_alias=False)
+        if self.cold_start_retry_after_s is None:
+            cold = self.retry_after_s if cold_start_s is None else math.ceil(cold_start_s)
+            args["cold_start_retry_after_s"] = max(self.retry_after_s, cold)
+        return args
 
 
 class PlacementSpec(SpecModel):

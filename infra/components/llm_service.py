@@ -87,6 +87,10 @@ class LlmServiceArgs:
     head_cpus: int = HEAD_BASE_VCPUS
     """CPU request of the Ray head pod: the head sizing's vCPUs at the planned rate
     (`infra.model.head_sizing`, printed by `make plan`)."""
+    cold_start_s: dict[str, float] = field(default_factory=dict)
+    """Engine role -> the planner's first request after idle (s), for roles at minReplicas 0
+    (infra/model/planning.py cold_start_seconds): the ingress's Retry-After while decode
+    starts from zero."""
 
 
 class LlmService(pulumi.ComponentResource):
@@ -323,6 +327,7 @@ def create_rayservice(
         upgrade_strategy=args.upgrade_strategy,
         service_name=service_name,
         head_cpus=args.head_cpus,
+        cold_start_s=dict(args.cold_start_s),
         **_exposure(args.exposure, args.allowed_cidrs),
     )
     # Everything but serveConfigV2 is known at preview, so policies see the pods even

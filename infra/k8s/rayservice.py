@@ -136,6 +136,10 @@ class RayServiceInputs:
     # The head pod's CPU request: the head sizing's need at the planned rate
     # (infra/model/head_sizing.py, `make plan`), at least Ray's own work.
     head_cpus: int = HEAD_BASE_VCPUS
+    # Engine role -> the planner's first request after idle (s), for roles at minReplicas 0
+    # (infra/model/planning.py cold_start_seconds): decode's becomes the ingress's Retry-After
+    # while it has no running replica (serving.spec.Target.cold_start_s).
+    cold_start_s: dict[str, float] = field(default_factory=dict)
 
 
 def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
@@ -226,6 +230,7 @@ def _target(inp: RayServiceInputs) -> Target:
         # The scrape gives engine series a `role` label from the worker group's name
         # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST.
         metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{role}"' for role in inp.instances},
+        cold_start_s=dict(inp.cold_start_s),
     )
 
 

@@ -57,12 +57,9 @@ def _weights_from(t: startup.TimeToServe) -> str:
 def _after_idle(r: RolePlan) -> str:
     if r.min_replicas > 0:
         return "- (minReplicas > 0)"
-    t = r.startup
-    if t is None:
+    if r.startup is None:
         return "-"
-    cold = t.new_node_s if r.pool_min_size == 0 else t.warm_node_s
-    where = "new node" if r.pool_min_size == 0 else "warm node"
-    return f"{_minutes(cold)} ({where})"
+    return f"{_minutes(r.first_request_after_idle_s)} ({r.cold_start_node})"
 
 
 def _weights_path(t: startup.TimeToServe) -> str:

@@ -106,6 +106,21 @@ class RolePlan:
     startup: startup.TimeToServe | None = None
     pool_min_size: int = 1  # the node pool's minSize: 0 lets its last node go when idle
 
+    @property
+    def cold_start_node(self) -> str:
+        """Where the first replica after idle starts: a "new node" when the pool may empty
+        too (minSize 0), else a "warm node" the pool kept."""
+        return "new node" if self.pool_min_size == 0 else "warm node"
+
+    @property
+    def first_request_after_idle_s(self) -> float | None:
+        """Seconds the first request after idle waits for this role (minReplicas 0): the time
+        to serve on the node `cold_start_node` names. None when the role keeps a replica or
+        the time is not known (model shape unknown)."""
+        if self.min_replicas > 0 or self.startup is None:
+            return None
+        return self.startup.new_node_s if self.pool_min_size == 0 else self.startup.warm_node_s
+
 
 @dataclass(frozen=True)
 class RoleScaling:
@@ -283,6 +298,13 @@ def planned_rate(roles: list[RolePlan]) -> tuple[float, str] | None:
     if not rates or len(rates) < len(roles):
         return None
     return min(rates)
+
+
+def cold_start_seconds(config: StackConfig) -> dict[str, float]:
+    """Engine role -> the plan's first request after idle (s), for the roles at minReplicas 0
+    whose time to serve is known: what the ingress's Retry-After for a cold start says
+    (serving.spec.Target.cold_start_s)."""
+    return {r.role: s for r in plan(config).roles if (s := r.first_request_after_idle_s) is not None}
 
 
 def _role_plan(

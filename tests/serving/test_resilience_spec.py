@@ -47,6 +47,7 @@ def test_defaults_render_into_args_and_the_proxy_timeout():
         "circuit_open_s",
         "circuit_failures",
         "retry_after_s",
+        "cold_start_retry_after_s",
     }
     cfg = s.serve_config(Target(accelerator_type="H100"))
     assert cfg["http_options"]["request_timeout_s"] > s.resilience.total_timeout_s
