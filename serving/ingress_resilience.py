@@ -24,6 +24,7 @@ from serving.migration import StreamRecord, not_continuable
 from serving.resilience import (
     METRICS,
     EngineRefused,
+    MigrationOutcome,
     Reason,
     ResilienceConfig,
     Unservable,
@@ -159,7 +160,7 @@ class Migration:
     stall_timeout_s: float
     # dispatches a continuation body like a new request: (first chunk, stream) or raises
     resume: Callable[[dict[str, Any]], Awaitable[tuple[Any, Any]]]
-    on_outcome: Callable[[Reason, str], None]  # (why the stream was cut, what became of it)
+    on_outcome: Callable[[Reason, MigrationOutcome], None]  # (why the stream was cut, what became of it)
 
 
 async def guarded_stream(
@@ -244,25 +245,25 @@ async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | str:
     record = migration.record
     why = migration.blocked or (record.not_continuable() if record else "no record")
     if record is None or why is not None:
-        migration.on_outcome(cut, "not_migratable")
+        migration.on_outcome(cut, MigrationOutcome.NOT_MIGRATABLE)
         logger.warning("stream cut (%s), not continued: %s", cut.value, why)
         return sse_error("The model stream failed; the answer is incomplete.", 500)
     body = record.continuation()
     if body is None:  # every token was generated before the cut
-        migration.on_outcome(cut, "continued")
+        migration.on_outcome(cut, MigrationOutcome.CONTINUED)
         return record.finish() + "data: [DONE]\n\n"
     if migration.attempts <= 0:
-        migration.on_outcome(cut, "failed")
+        migration.on_outcome(cut, MigrationOutcome.FAILED)
         logger.warning("stream cut (%s): no continuation left", cut.value)
         return sse_error("The model stream failed; the answer is incomplete.", 500)
     migration.attempts -= 1
     try:
         resumed = await migration.resume(body)
     except Exception as exc:  # Unservable (no replica, deadline), an engine refusal
-        migration.on_outcome(cut, "failed")
+        migration.on_outcome(cut, MigrationOutcome.FAILED)
         logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
         return sse_error("The model stream failed; the answer is incomplete.", 500)
-    migration.on_outcome(cut, "continued")
+    migration.on_outcome(cut, MigrationOutcome.CONTINUED)
     logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
     return resumed
 
@@ -403,8 +404,8 @@ class ResilientIngressMixin:
                 raise EngineRefused(head.error.code or 400, head.error.message)
             return first, stream
 
-        def on_outcome(cut: Reason, outcome: str) -> None:
-            self._migration_counter.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome})
+        def on_outcome(cut: Reason, outcome: MigrationOutcome) -> None:
+            self._migration_counter.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome.value})
 
         return Migration(record, blocked, cfg.migrations, cfg.stall_timeout_s, resume, on_outcome)
 

@@ -73,6 +73,18 @@ class Reason(str, enum.Enum):
     STALL = "stall"
 
 
+class MigrationOutcome(str, enum.Enum):
+    """What became of a stream cut after its first byte (the migrations metric's `outcome`)."""
+
+    CONTINUED = "continued"  # on another decode replica: the client saw one stream
+    FAILED = "failed"  # no replica took the continuation in time, the deadline, or the bound
+    NOT_MIGRATABLE = "not_migratable"  # a request that cannot be continued (serving/migration.py)
+
+
+# The outcomes that leave the client with a cut stream (the OpenAI-style error event).
+CUT_OUTCOMES = (MigrationOutcome.FAILED, MigrationOutcome.NOT_MIGRATABLE)
+
+
 @dataclass(frozen=True)
 class ResilienceConfig:
     """Runtime values rendered by serving.spec.ResilienceSpec.runtime_args() (seconds)."""

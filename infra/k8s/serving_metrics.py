@@ -29,6 +29,7 @@ from serving.limits import (
     METRIC_RATE_LIMITED,
     METRIC_REQUESTS,
 )
+from serving.resilience import CUT_OUTCOMES
 from serving.resilience import METRICS as RESILIENCE_METRICS
 
 
@@ -62,7 +63,7 @@ PREFILL_PATH = ray_counter(RESILIENCE_METRICS["prefill_path"])
 STREAM_MIGRATIONS = ray_counter(RESILIENCE_METRICS["migrations"])
 # The outcomes that leave the client with a cut stream (the OpenAI-style error event), as
 # serving/ingress_resilience.py `guarded_stream` counts them; "continued" is the healthy one.
-MIGRATION_CUT_OUTCOMES = ("failed", "not_migratable")
+MIGRATION_CUT_OUTCOMES = tuple(o.value for o in CUT_OUTCOMES)
 # n > 1 prefills on decode by design (serving.resilience.Reason.PARALLEL_SAMPLING): not a fault.
 DESIGNED_LOCAL_REASON = "parallel_sampling"
 # Serve's proxy counts every HTTP request (in the live scrape).
