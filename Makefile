@@ -70,22 +70,15 @@ $(ACTIONLINT):
 # unpacked from the package into the gitignored .cache/: installing the package would start a
 # Prometheus server (its postinst runs `invoke-rc.d prometheus start`), which tests must not do.
 PROMTOOL := $(or $(shell command -v promtool 2>/dev/null),.cache/prometheus/usr/bin/promtool)
-.cache/prometheus/usr/bin/promtool:
-	mkdir -p .cache/prometheus
-	cd .cache/prometheus && { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; }
-	dpkg-deb --fsys-tarfile .cache/prometheus/prometheus_*.deb | tar -x -C .cache/prometheus ./usr/bin/promtool
-	rm -f .cache/prometheus/prometheus_*.deb
-	.cache/prometheus/usr/bin/promtool --version
-
 # The Prometheus server from the same package, for `make serve SIGNALS=1` and the role-scaling
 # bench (serving/local/prometheus.py): the local stack's per-role autoscaling signals.
 PROMETHEUS := $(or $(shell command -v prometheus 2>/dev/null),.cache/prometheus/usr/bin/prometheus)
-.cache/prometheus/usr/bin/prometheus:
+.cache/prometheus/usr/bin/%:
 	mkdir -p .cache/prometheus
 	cd .cache/prometheus && { apt-get download prometheus 2>/dev/null || { apt-get update -qq && apt-get download prometheus; }; }
-	dpkg-deb --fsys-tarfile .cache/prometheus/prometheus_*.deb | tar -x -C .cache/prometheus ./usr/bin/prometheus
+	dpkg-deb --fsys-tarfile .cache/prometheus/prometheus_*.deb | tar -x -C .cache/prometheus ./usr/bin/$*
 	rm -f .cache/prometheus/prometheus_*.deb
-	.cache/prometheus/usr/bin/prometheus --version
+	$@ --version
 
 # checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
 # its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.

@@ -330,15 +330,7 @@ class ResilientIngressMixin:
             return dispatch_call(handle, body, call_method, raw_request)
 
         try:
-            first, stream = await first_chunk(
-                dispatch,
-                cfg=cfg,
-                health=self._decode_health,
-                started=started,
-                is_server_error=is_server_error,
-                on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
-                streamed=streamed,
-            )
+            first, stream = await self._first_chunk(dispatch, started, streamed)
         except Unservable as failure:
             self._refusal_counter.inc(tags={"reason": failure.reason.value, "status": str(failure.status)})
             logger.warning("request refused: %s (%s)", failure.reason.value, failure.status)
@@ -363,6 +355,17 @@ class ResilientIngressMixin:
                 migration=migration,
             ),
             media_type="text/event-stream",
+        )
+
+    async def _first_chunk(self, dispatch: Callable[[], Any], started: float, streamed: bool) -> tuple[Any, Any]:
+        return await first_chunk(
+            dispatch,
+            cfg=self._resilience,
+            health=self._decode_health,
+            started=started,
+            is_server_error=is_server_error,
+            on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
+            streamed=streamed,
         )
 
     def _migration(
@@ -390,14 +393,7 @@ class ResilientIngressMixin:
                 handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
                 return dispatch_call(handle, request, "completions", raw_request)
 
-            first, stream = await first_chunk(
-                dispatch,
-                cfg=cfg,
-                health=self._decode_health,
-                started=started,
-                is_server_error=is_server_error,
-                on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
-            )
+            first, stream = await self._first_chunk(dispatch, started, True)
             head = first_item(first)
             if isinstance(head, ri.ErrorResponse):
                 cancel_call(stream)
