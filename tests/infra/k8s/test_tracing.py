@@ -284,7 +284,7 @@ def test_grafana_links_latency_panels_to_the_tempo_datasource(stack):
         if r.inputs["metadata"]["name"] == "dashboard-pd-service"
     )
     board = json.loads(next(iter(cm["data"].values())))
-    linked = {}
+    linked: dict[str, list[str]] = {}
     for p in board["panels"]:
         for link in ((p.get("fieldConfig") or {}).get("defaults") or {}).get("links") or []:
             linked.setdefault(p["title"], []).append(link["url"])
