@@ -68,3 +68,13 @@ def test_mistakes_are_one_line_naming_the_key(tracing_block, expected):
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith(f"{SOURCE}: {expected}"), msg
+
+
+def test_engines_cannot_be_pointed_elsewhere_through_engine_kwargs():
+    """The stack's collector owns vLLM's otlp_traces_endpoint: a second source would fork it."""
+    values, secrets, _ = stackfile.read_as_deployed("prod")
+    values = copy.deepcopy(values)
+    values["serving"]["engineKwargs"] = {"otlp_traces_endpoint": "http://elsewhere:4317"}
+    with pytest.raises(config.ConfigError) as e:
+        config.load(values, secret_keys=secrets, source=SOURCE)
+    assert str(e.value).startswith(f"{SOURCE}: serving.engineKwargs: otlp_traces_endpoint set by the spec itself")
