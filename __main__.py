@@ -4,8 +4,8 @@ What flows through here: Pulumi's config for this stack -> `infra.model.config.l
 naming the stack file and key on any error, before anything is registered) -> Network ->
 the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
 node pool per engine role -> device plugins and the KubeRay operator -> the LLM service ->
-observability (metrics pipeline, GPU metrics, monitors, alerts, dashboards) -> stack
-outputs. Only this file reads config.
+observability (metrics pipeline, GPU metrics, monitors, alerts, dashboards, request traces)
+-> stack outputs. Only this file reads config.
 """
 
 import pulumi
@@ -23,6 +23,7 @@ from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
+from infra.k8s.tracing import export_for
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.model.head_sizing import HEAD_BASE_VCPUS
@@ -165,6 +166,8 @@ service = LlmService(
         gcs_redis_address=gcs_redis.address if gcs_redis else cfg.gcs_redis_address,
         model_bucket=cfg.model_bucket,
         pod_identity_agent=cluster.pod_identity_agent,
+        # Spans go to the observability stack's collector (a fixed in-cluster address).
+        tracing=export_for(cfg.observability.tracing, cfg.environment.value),
         tags=tags,
         # The head pod asks for what the planned rate needs (make plan; the config refused a
         # system node that cannot give it).
@@ -204,4 +207,5 @@ pulumi.export("endpointService", f"{cfg.namespace}/{service.service_name}")
 pulumi.export("codeBucket", service.code_bucket)
 pulumi.export("prometheusUrl", observability.prometheus_url)
 pulumi.export("ampWorkspaceId", observability.workspace_id)
+pulumi.export("tracesBucket", observability.traces_bucket)
 pulumi.export("workerImage", worker_image.ref if worker_image else cfg.ray_image)

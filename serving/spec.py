@@ -160,6 +160,9 @@ class Target:
     # (infra/model/planning.py cold_start_seconds); decode's is the ingress's Retry-After for
     # a 503 while no decode replica runs (ResilienceSpec.coldStartRetryAfterS).
     cold_start_s: Mapping[str, float] = field(default_factory=dict)
+    # The OpenTelemetry collector's OTLP/gRPC address: every engine exports vLLM's request spans
+    # there (engine argument `otlp_traces_endpoint`, vLLM 0.29 and 0.32); None: no engine traces.
+    traces_endpoint: str | None = None
 
     @property
     def cpu(self) -> bool:
@@ -301,6 +304,8 @@ class ServingSpec(SpecModel):
             engine_kwargs["enable_expert_parallel"] = True
         if not target.cpu:
             engine_kwargs["gpu_memory_utilization"] = self.model.gpu_memory_utilization
+        if target.traces_endpoint:
+            engine_kwargs["otlp_traces_endpoint"] = target.traces_endpoint
         if self.mode is Mode.DISAGGREGATED:
             kv: dict[str, Any] = {
                 "kv_connector": self.kv_transfer.connector.value,

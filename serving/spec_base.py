@@ -72,6 +72,8 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "enable_expert_parallel",
         "load_format",
         "model_loader_extra_config",
+        # observability.tracing owns it (the stack's collector).
+        "otlp_traces_endpoint",
     }
 )
 

@@ -9,7 +9,9 @@ What flows through here: the serving spec, the pools' instance types, the secret
 - Kubernetes Secrets fed from Pulumi secrets, reaching the pods only as secret references;
 - the RayService (`infra.k8s.rayservice.rayservice_manifest`) whose `serveService` is the
   OpenAI API's Service (ClusterIP or an internal NLB limited to the allowed CIDRs; KubeRay
-  points it at the active cluster's serving pods), and a NetworkPolicy.
+  points it at the active cluster's serving pods), and a NetworkPolicy;
+- with request tracing on, the ConfigMap that carries Serve's span exporter
+  (serving/tracing.py) into every Ray pod (infra/k8s/tracing.py).
 The RayService waits for everything its pods need at admission: the Pod Identity
 associations, the role's policy, the ServiceAccounts, the Secrets and the Pod Identity agent
 (the webhook wires credentials in only when a pod is admitted). Its output `endpoint` is the
@@ -31,6 +33,7 @@ from infra.components.iam import trusted_by
 from infra.k8s.egress import fallback_egress_policy
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
+from infra.k8s.tracing import TraceExport, exporter_configmap
 from infra.model import catalog
 from infra.model.config import ServiceExposure
 from infra.model.head_sizing import HEAD_BASE_VCPUS
@@ -82,6 +85,9 @@ class LlmServiceArgs:
     pod_identity_agent: pulumi.Resource | None = None
     """The EKS Pod Identity agent add-on, which serves the pods' credentials: the RayService
     waits for it (and for its associations, ServiceAccounts and Secrets)."""
+    tracing: TraceExport | None = None
+    """Request tracing (observability.tracing): the collector's address and the sampling
+    ratio the Ray pods and engines export with; None: no tracing."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
     head_cpus: int = HEAD_BASE_VCPUS
@@ -115,6 +121,12 @@ class LlmService(pulumi.ComponentResource):
         ready: list[pulumi.Resource] = [args.operator, code.object, *identity.resources, *secrets.resources]
         if args.pod_identity_agent is not None:
             ready.append(args.pod_identity_agent)
+        if args.tracing is not None:
+            # The pods mount it at start: it must exist before KubeRay creates them.
+            cm = exporter_configmap(args.tracing, name, args.namespace)
+            ready.append(
+                k8s.core.v1.ConfigMap(f"{name}-serve-tracing", metadata=cm["metadata"], data=cm["data"], opts=k8s_opts)
+            )
         create_rayservice(name, args, code, identity, secrets, self.service_name, ready, self)
         # KubeRay, not Pulumi, owns the serve Service (spec.serveService): an NLB's hostname is
         # read with kubectl (kubectl -n <ns> get svc <name>-openai); the in-cluster name works
@@ -328,6 +340,7 @@ def create_rayservice(
         service_name=service_name,
         head_cpus=args.head_cpus,
         cold_start_s=dict(args.cold_start_s),
+        tracing=args.tracing,
         **_exposure(args.exposure, args.allowed_cidrs),
     )
     # Everything but serveConfigV2 is known at preview, so policies see the pods even

@@ -10,7 +10,10 @@ components expose ->
   (SigV4, through a Pod Identity role allowed `aps:RemoteWrite` on that workspace only);
 - NVIDIA's DCGM exporter (pinned) on the GPU nodes only;
 - the monitors, the PrometheusRule and the dashboard ConfigMaps of `infra.k8s`, and a
-  NetworkPolicy that lets Prometheus reach the Ray pods' metrics port.
+  NetworkPolicy that lets Prometheus reach the Ray pods' metrics port;
+- with `tracing.enabled`: the OpenTelemetry collector, Tempo and its S3 bucket
+  (infra/components/tracing.py), Grafana's Tempo data source and the dashboard's links from
+  the latency panels to the traces.
 Everything in-cluster waits for the chart that installs the Prometheus Operator CRDs.
 """
 
@@ -26,7 +29,8 @@ import pulumi_kubernetes as k8s
 
 from infra.components.helm import release
 from infra.components.iam import trusted_by
-from infra.k8s import alerts, dashboards, monitoring
+from infra.components.tracing import create_trace_store
+from infra.k8s import alerts, dashboards, monitoring, tracing
 from infra.model import versions
 from infra.model.config import MetricsStack, Observability
 from serving.spec import SloSpec
@@ -64,6 +68,7 @@ class ObservabilityArgs:
 class ObservabilityStack(pulumi.ComponentResource):
     prometheus_url: pulumi.Output[str]
     workspace_id: pulumi.Output[str | None]
+    traces_bucket: pulumi.Output[str | None]
 
     def __init__(self, name: str, args: ObservabilityArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:observability:ObservabilityStack", name, None, opts)
@@ -148,6 +153,8 @@ class ObservabilityStack(pulumi.ComponentResource):
             remote_write_url=remote_write,
             region=args.region,
         )
+        if obs.tracing.enabled and values["grafana"]["enabled"]:
+            values["grafana"]["additionalDataSources"] = [tracing.grafana_tempo_datasource()]
         stack = release(
             self,
             f"{name}-kube-prometheus-stack",
@@ -188,7 +195,7 @@ class ObservabilityStack(pulumi.ComponentResource):
                 spec=obj["spec"],
                 opts=after_crds,
             )
-        for cm in dashboards.dashboard_configmaps():
+        for cm in dashboards.dashboard_configmaps(trace_links=obs.tracing.enabled):
             k8s.core.v1.ConfigMap(
                 f"{name}-{cm['metadata']['name']}",
                 metadata=cm["metadata"],
@@ -200,5 +207,27 @@ class ObservabilityStack(pulumi.ComponentResource):
             f"{name}-scrape-netpol", metadata=np_["metadata"], spec=np_["spec"], opts=k8s_opts
         )
 
+        # --- request traces: collector -> Tempo -> S3 ------------------------------------------
+        self.traces_bucket = pulumi.Output.from_input(None)
+        if obs.tracing.enabled:
+            bucket = create_trace_store(
+                self,
+                name,
+                obs.tracing,
+                cluster_name=args.cluster_name,
+                region=args.region,
+                llm_namespace=args.llm_namespace,
+                provider=args.provider,
+                depends_on=[ns, storage, csi],
+                tags=tags,
+            )
+            self.traces_bucket = bucket.bucket
+
         self.prometheus_url = pulumi.Output.from_input(monitoring.PROMETHEUS_URL)
-        self.register_outputs({"prometheusUrl": self.prometheus_url, "ampWorkspaceId": self.workspace_id})
+        self.register_outputs(
+            {
+                "prometheusUrl": self.prometheus_url,
+                "ampWorkspaceId": self.workspace_id,
+                "tracesBucket": self.traces_bucket,
+            }
+        )

@@ -8,8 +8,9 @@ usage, 429s, fallbacks and limiter errors (hybrid routing: `serving.limits`'s co
 names imported, not retyped), faults (`serving.resilience`'s retries, local prefills,
 refusals, and stream migrations by reason and outcome), GPU utilisation, HBM, power and XID
 errors from DCGM, and the node autoscaler's view (unschedulable pods, scale-ups and failed
-scale-ups) ->
-`dashboard_configmaps()`, ConfigMaps labelled for Grafana's dashboard sidecar.
+scale-ups) -> `dashboard_configmaps()`, ConfigMaps labelled for Grafana's dashboard sidecar.
+With request tracing on, the latency panels carry data links to Grafana Explore on the Tempo
+data source (infra/k8s/tracing.py), with a TraceQL query over the dashboard's time range.
 
 Every expression lives in `ROWS` below, as data; the tests parse each with a real PromQL
 parser and check each metric name against a live scrape of the local stack (Ray, Serve,
@@ -22,8 +23,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
-from grafana_foundation_sdk.builders.dashboard import Dashboard, DatasourceVariable, QueryVariable, Row
+from grafana_foundation_sdk.builders.dashboard import Dashboard, DashboardLink, DatasourceVariable, QueryVariable, Row
 from grafana_foundation_sdk.builders.prometheus import Dataquery
 from grafana_foundation_sdk.builders.timeseries import Panel as TimeSeries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
@@ -45,6 +47,7 @@ from infra.k8s.serving_metrics import (
     fallback_share,
     local_prefill_share,
 )
+from infra.k8s.tracing import GRAFANA_TEMPO_UID
 
 DATASOURCE = "datasource"
 # Grafana's own range variable: at least four scrape intervals (Grafana docs).
@@ -68,6 +71,48 @@ class PanelSpec:
     unit: str
     queries: tuple[Query, ...]
     description: str = ""
+    # TraceQL queries the panel links to (title -> query), shown when tracing is on.
+    traces: tuple[tuple[str, str], ...] = ()
+
+
+# Span names and attributes the trace links query: Ray Serve's proxy span
+# (ray/serve/_private/proxy.py, `proxy_http_request`, Ray 2.60) and vLLM's request span
+# (`llm_request` with `gen_ai.latency.time_to_first_token` in seconds: vllm/v1/engine/
+# output_processor.py `do_tracing`, vllm/tracing/utils.py SpanAttributes, vLLM 0.32).
+PROXY_SPAN = "proxy_http_request"
+ENGINE_SPAN = "llm_request"
+TTFT_ATTRIBUTE = "gen_ai.latency.time_to_first_token"
+# Grafana data-link variables (Grafana docs, "Data links", variables): the dashboard's range
+# and the clicked point's value.
+LINK_VARS = ("${__from}", "${__to}", "${__value.numeric}")
+REQUEST_TRACES = ("Request traces (Tempo)", f'{{ name = "{PROXY_SPAN}" }}')
+SLOW_FIRST_TOKENS = (
+    "Engine requests at least this slow to first token (Tempo)",
+    f'{{ name = "{ENGINE_SPAN}" && span.{TTFT_ATTRIBUTE} >= ${{__value.numeric}} }}',
+)
+
+
+def explore_url(traceql: str) -> str:
+    """Grafana Explore on the Tempo data source with `traceql` over the dashboard's range; the
+    data-link variables stay unencoded so that Grafana fills them in."""
+    pane = {
+        "traces": {
+            "datasource": GRAFANA_TEMPO_UID,
+            "queries": [
+                {
+                    "refId": "A",
+                    "datasource": {"type": "tempo", "uid": GRAFANA_TEMPO_UID},
+                    "queryType": "traceql",
+                    "query": traceql,
+                }
+            ],
+            "range": {"from": "${__from}", "to": "${__to}"},
+        }
+    }
+    url = "/explore?schemaVersion=1&panes=" + quote(json.dumps(pane, separators=(",", ":")), safe="")
+    for var in LINK_VARS:
+        url = url.replace(quote(var, safe=""), var)
+    return url
 
 
 def _quantiles(metric: str, by: str = ROLE) -> tuple[Query, ...]:
@@ -89,9 +134,17 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "s",
                 _quantiles("ray_vllm_time_to_first_token_seconds"),
                 "vLLM's TTFT per engine: on decode it includes waiting for the KV cache from prefill.",
+                traces=(SLOW_FIRST_TOKENS, REQUEST_TRACES),
             ),
-            PanelSpec("Inter-token latency", "s", _quantiles("ray_vllm_inter_token_latency_seconds")),
-            PanelSpec("Time per output token", "s", _quantiles("ray_vllm_request_time_per_output_token_seconds")),
+            PanelSpec(
+                "Inter-token latency", "s", _quantiles("ray_vllm_inter_token_latency_seconds"), traces=(REQUEST_TRACES,)
+            ),
+            PanelSpec(
+                "Time per output token",
+                "s",
+                _quantiles("ray_vllm_request_time_per_output_token_seconds"),
+                traces=(REQUEST_TRACES,),
+            ),
         ),
     ),
     (
@@ -404,16 +457,21 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
 )
 
 
-def _panel(spec: PanelSpec, ds: DataSourceRef) -> TimeSeries:
+def _panel(spec: PanelSpec, ds: DataSourceRef, trace_links: bool) -> TimeSeries:
     panel = TimeSeries().title(spec.title).unit(spec.unit).datasource(ds).height(8).span(8)
     if spec.description:
         panel = panel.description(spec.description)
+    if trace_links and spec.traces:
+        panel = panel.data_links(
+            [DashboardLink(title).url(explore_url(query)).target_blank(True) for title, query in spec.traces]
+        )
     for i, q in enumerate(spec.queries):
         panel = panel.with_target(Dataquery().expr(q.expr).legend_format(q.legend).ref_id(chr(ord("A") + i)))
     return panel
 
 
-def pd_service_dashboard() -> dict[str, Any]:
+def pd_service_dashboard(trace_links: bool = False) -> dict[str, Any]:
+    """The dashboard; `trace_links`: the latency panels link to Tempo (tracing on)."""
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE}}}")
     board = (
         Dashboard("P/D service")
@@ -452,12 +510,12 @@ def pd_service_dashboard() -> dict[str, Any]:
     for title, panels in ROWS:
         board = board.with_row(Row(title))
         for spec in panels:
-            board = board.with_panel(_panel(spec, ds))
+            board = board.with_panel(_panel(spec, ds, trace_links))
     return json.loads(json.dumps(board.build(), cls=JSONEncoder))
 
 
-def dashboard_configmaps() -> list[dict[str, Any]]:
-    board = pd_service_dashboard()
+def dashboard_configmaps(trace_links: bool = False) -> list[dict[str, Any]]:
+    board = pd_service_dashboard(trace_links)
     return [
         {
             "apiVersion": "v1",

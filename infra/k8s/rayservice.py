@@ -21,6 +21,7 @@ import yaml
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
 from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
+from infra.k8s.tracing import TraceExport, exporter_mount, exporter_volume, pod_env
 from infra.model import catalog, sizing
 from infra.model.head_sizing import HEAD_BASE_VCPUS
 from infra.model.scaling_signals import role_thresholds
@@ -126,6 +127,9 @@ class RayServiceInputs:
     gcs_redis_address: str | None = None
     upgrade_strategy: str = "NewCluster"
     extra_env: dict[str, str] = field(default_factory=dict)
+    # Request tracing (observability.tracing): every Ray pod exports Serve's spans and every
+    # engine vLLM's to this collector; None renders none of it (infra/k8s/tracing.py).
+    tracing: TraceExport | None = None
     # The OpenAI API's Service, as KubeRay's `spec.serveService`: KubeRay creates it and keeps
     # its selector on the serving pods of the ACTIVE cluster across NewCluster upgrades
     # (ray-operator/controllers/ray/common/service.go BuildServeService, v1.7.0).
@@ -231,6 +235,7 @@ def _target(inp: RayServiceInputs) -> Target:
         # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST.
         metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{role}"' for role in inp.instances},
         cold_start_s=dict(inp.cold_start_s),
+        traces_endpoint=inp.tracing.endpoint if inp.tracing else None,
     )
 
 
@@ -265,6 +270,9 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     # PrometheusQueryMixin reads the engines' metrics from here (serving/autoscaling.py).
     env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
     env.append(_node_drain_env(inp))
+    volumes: list[dict[str, Any]] = [{"name": "ray-tmp", "emptyDir": {"sizeLimit": "20Gi"}}]
+    mounts: list[dict[str, Any]] = [{"name": "ray-tmp", "mountPath": "/tmp/ray"}]
+    _add_tracing(inp, "head", env, volumes, mounts)
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
         "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
@@ -295,13 +303,29 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
                             "limits": {"cpu": str(max(HEAD_CPU_LIMIT, inp.head_cpus)), "memory": "12Gi"},
                         },
                         "securityContext": _security_context(),
-                        "volumeMounts": [{"name": "ray-tmp", "mountPath": "/tmp/ray"}],
+                        "volumeMounts": mounts,
                     }
                 ],
-                "volumes": [{"name": "ray-tmp", "emptyDir": {"sizeLimit": "20Gi"}}],
+                "volumes": volumes,
             },
         },
     }
+
+
+def _add_tracing(
+    inp: RayServiceInputs,
+    role: str,
+    env: list[dict[str, Any]],
+    volumes: list[dict[str, Any]],
+    mounts: list[dict[str, Any]],
+) -> None:
+    """With tracing on: Serve's and the SDK's variables (service name `<name>-<role>`) and the
+    exporter factory's ConfigMap mounted where PYTHONPATH points."""
+    if inp.tracing is None:
+        return
+    env.extend(pod_env(inp.tracing, f"{inp.name}-{role}"))
+    volumes.append(exporter_volume(inp.tracing, inp.name))
+    mounts.append(exporter_mount())
 
 
 def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
@@ -321,6 +345,15 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
     env.append(_node_drain_env(inp))
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
+        {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "ray-tmp", "mountPath": "/tmp/ray"},
+    ]
+    _add_tracing(inp, role, env, volumes, mounts)
     initial = spec.starting_replicas
     container: dict[str, Any] = {
         "name": f"ray-{role}",
@@ -328,10 +361,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
         "env": env,
         "resources": {"requests": dict(limits), "limits": dict(limits)},
         "securityContext": _security_context(),
-        "volumeMounts": [
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "ray-tmp", "mountPath": "/tmp/ray"},
-        ],
+        "volumeMounts": mounts,
     }
     if replicas_span_pods(spec, inst):
         # Only bundle 0's pod of a replica runs a proxy: every pod is Ready on its node's
@@ -365,10 +395,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
                 "tolerations": [GPU_TOLERATION],
                 "securityContext": _pod_security(),
                 "containers": [container],
-                "volumes": [
-                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
-                    {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},
-                ],
+                "volumes": volumes,
             },
         },
     }

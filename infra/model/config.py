@@ -33,7 +33,7 @@ from infra.model.stack.errors import ConfigError, cross_field, missing_secret, m
 from infra.model.stack.formats import instance_type_format
 from infra.model.stack.gcs import GcsFaultTolerance, GcsKeys, GcsRedis
 from infra.model.stack.network import ExistingVpc, NatGateways, NetworkKeys
-from infra.model.stack.observability import MetricsStack, Observability, ObservabilityKeys
+from infra.model.stack.observability import MetricsStack, Observability, ObservabilityKeys, Tracing
 from infra.model.stack.pools import CapacityType, LocalStorage, NodePool, NodePools, PoolKeys, SystemNodes
 from infra.model.stack.secrets import SECRET_KEYS
 from infra.model.stack.service import ImageBuild, ServiceExposure, ServiceKeys, UpgradeStrategy
@@ -60,6 +60,7 @@ __all__ = [
     "ServiceExposure",
     "StackConfig",
     "SystemNodes",
+    "Tracing",
     "UpgradeStrategy",
     "instance_type_format",
     "load",

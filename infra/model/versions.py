@@ -154,3 +154,23 @@ AMI_RELEASE_VERSION = "1.35.6-20260714"
 # ElastiCache engine of `gcsFaultTolerance: managed` (Valkey: Redis OSS-compatible, AUTH + TLS).
 GCS_REDIS_ENGINE = "valkey"
 GCS_REDIS_ENGINE_VERSION = "8.0"
+
+# Request traces (observability.tracing): an OpenTelemetry collector receives OTLP from the
+# Ray pods (Serve's spans, vLLM's) and forwards it to Tempo, which keeps the traces in S3.
+# open-telemetry/opentelemetry-helm-charts charts/opentelemetry-collector/Chart.yaml 0.170.0
+# (appVersion 0.158.0). The chart refuses to render without `image.repository`
+# (templates/NOTES.txt); its UPGRADING.md (0.121.0 -> 0.122.0) names the k8s distribution's
+# registry, which has the otlp receiver and exporter, batch and memory_limiter.
+OTEL_COLLECTOR = HelmChart(
+    chart="opentelemetry-collector",
+    version="0.170.0",
+    repo="https://open-telemetry.github.io/opentelemetry-helm-charts",
+)
+OTEL_COLLECTOR_IMAGE = "ghcr.io/open-telemetry/opentelemetry-collector-releases/opentelemetry-collector-k8s"
+# Grafana Tempo single binary: grafana-community/helm-charts charts/tempo/Chart.yaml 2.2.4
+# (appVersion 2.10.8); grafana/helm-charts moved the chart there on 2026-01-30 (its README).
+TEMPO = HelmChart(
+    chart="tempo",
+    version="2.2.4",
+    repo="https://grafana-community.github.io/helm-charts",
+)

@@ -318,6 +318,16 @@ CASES: list[Hostile] = [
         "nodePools.decode",
     ),
     Hostile("root-volume-tiny", "staging", _set("nodePools.decode.rootVolumeGiB", 8), "nodePools.decode.rootVolumeGiB"),
+    # --- request traces ---------------------------------------------------------------------
+    Hostile(
+        "trace-rate-above-one", "prod", _set("observability.tracing.sampleRate", 2), "observability.tracing.sampleRate"
+    ),
+    Hostile(
+        "trace-rate-with-tracing-off",
+        "staging",
+        _set("observability.tracing", {"enabled": False, "sampleRate": 0.5}),
+        "observability.tracing",
+    ),
     # --- files that are not stack files ----------------------------------------------------
     Hostile("not-yaml", "dev", None, "not valid YAML", text="config:\n  pd-inference:environment: [dev\n"),
     Hostile("tab-indented", "dev", None, "not valid YAML", text="config:\n\tpd-inference:environment: dev\n"),

@@ -58,6 +58,9 @@ def test_registers_cluster_system_group_gpu_pools_plugins_and_operator(stack):
         "kube-prometheus-stack",
         "dcgm-exporter",
         "cluster-autoscaler",
+        # observability.tracing is on by default: the collector and the trace store.
+        "opentelemetry-collector",
+        "tempo",
     }
 
 
@@ -138,6 +141,8 @@ def test_charts_pinned_to_versions_module(stack):
             versions.KUBE_PROMETHEUS_STACK,
             versions.DCGM_EXPORTER,
             versions.CLUSTER_AUTOSCALER,
+            versions.OTEL_COLLECTOR,
+            versions.TEMPO,
         )
     }
     for chart in stack.result.of_type(CHART):

@@ -32,7 +32,9 @@ PRIVILEGED_EXCEPTIONS = {
     "dcgm-exporter": "reads GPU telemetry through the driver as root with CAP_SYS_ADMIN (DCGM profiling counters) "
     "and the kubelet's pod-resources socket (hostPath)",
 }
-UNPRIVILEGED_CHARTS = {"kuberay-operator", "cluster-autoscaler"}
+# Reviewed: no privileged container, host path or host network in the values we give them (the
+# collector's presets that mount host paths stay off; Tempo runs as its non-root user).
+UNPRIVILEGED_CHARTS = {"kuberay-operator", "cluster-autoscaler", "opentelemetry-collector", "tempo"}
 
 
 def _pod_problems(spec: dict[str, Any], role: str) -> list[str]:

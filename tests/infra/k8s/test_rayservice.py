@@ -180,6 +180,7 @@ def test_secrets_reach_pods_only_by_reference(stack):
 
 def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
     from infra.k8s.rayservice import RayServiceInputs, serve_config_yaml
+    from infra.k8s.tracing import export_for
 
     rs = _rayservice(stack)
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
@@ -199,6 +200,7 @@ def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
             head_service_account="",
             worker_service_account="",
             api_keys=None,
+            tracing=export_for(cfg.observability.tracing, cfg.environment.value),
         )
     )
     assert yaml.safe_load(again) == serve
