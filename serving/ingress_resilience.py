@@ -420,4 +420,18 @@ def dispatch_call(handle: Any, body: Any, call_method: str, raw_request: Any) ->
     if isinstance(body, ChatCompletionRequest):
         body = ri.sanitize_chat_request(body)
     info = ri.RawRequestInfo.from_starlette_request(raw_request) if raw_request is not None else None
+    if info is not None:
+        _with_trace_context(info.headers)
     return getattr(handle, call_method).remote(body, info)
+
+
+def _with_trace_context(headers: dict[str, str]) -> None:
+    """The ingress's span (Serve attaches it to OpenTelemetry's current context,
+    ray/serve/_private/tracing_utils.py) becomes the parent of the engines' spans: vLLM takes
+    `traceparent` from the headers it is handed (vllm/tracing/otel.py
+    extract_trace_context). With tracing off there is no span and nothing is written."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:  # not in every image: then there are no spans either
+        return
+    propagate.inject(headers)
