@@ -54,22 +54,24 @@ class FrontDoorCpu:
         return self.proxy_ms[mode], self.ingress_ms[mode]
 
 
-# THE figure the head sizing uses, in one place. Until a `make bench` with the CPU sampler
-# (bench/cpu.py) has run, it is an upper bound read from wall times: at concurrency 1 a
-# hop's wall time is at least the CPU its one event-loop thread spends in it. It covers the
-# way to the engine only (the proxy -> ingress and ingress -> engine spans), not relaying
-# the streamed chunks back through the same two processes. Replace it with the bench JSON's
-# cpu.<mode>.all.classes.serve_proxy / .ingress cpu_ms_per_request (docs/capacity.md).
+# THE figure the head sizing uses, in one place: `make bench`'s CPU sampler (bench/cpu.py),
+# the proxy's and the ingress's CPU per request over the whole request, the stream's way back
+# included. Measured with unit tests running beside the bench; rerun on a quiet machine and
+# replace it from the bench JSON's cpu.<mode>.all.classes.serve_proxy / .ingress
+# cpu_ms_per_request (docs/capacity.md). The figure before (8.1 + 19.7 ms, read from wall
+# times of the way to the engine only) was under half of this one.
 FRONT_DOOR_CPU = FrontDoorCpu(
-    proxy_ms={"disaggregated": 8.1, "aggregated": 6.2},
-    ingress_ms={"disaggregated": 19.7, "aggregated": 14.1},
-    measured="2026-11-30 10:55 UTC",
-    machine="the project's 2-core, 24 GiB CPU machine, load average 10.3",
+    proxy_ms={"disaggregated": 21.96, "aggregated": 21.56},
+    ingress_ms={"disaggregated": 35.04, "aggregated": 34.06},
+    measured="2026-12-01 18:14 UTC",
+    machine="the project's 2-core, 24 GiB CPU machine, with unit tests running beside the bench (loaded)",
     source=(
-        "docs/performance.md, 'Where the time to first token goes', concurrency 1: Serve's spans "
-        "'proxy -> ingress replica' and 'ingress -> engine replica' (mean wall ms per request)"
+        "make bench (python -m bench.serving_bench --no-start-times), build/bench/serving.json "
+        "cpu.<mode>.all.classes.serve_proxy / .ingress cpu_ms_per_request: user + system CPU of "
+        "the processes over every batch of levels 1, 4 and 16 (bench/cpu.py), tiny model, "
+        "streamed chat with about 56 output tokens per request"
     ),
-    kind="provisional upper bound from wall times of the hops to the engine (not the stream's way back)",
+    kind="measured CPU per request (proxy and ingress processes, the whole request both ways)",
 )
 
 # The head's own work with no requests (GCS, Serve controller, dashboard, autoscaler, its

@@ -66,7 +66,7 @@ def test_the_plan_sizes_the_head_as_an_independent_computation_does(prod):
     assert f"planned rate {want['rate']:,.1f} req/s" in text
     assert f"head pod needs {want['head']} vCPUs" in text
     assert f"ingress replicas needed {want['ingress']}" in text
-    assert FRONT_DOOR_CPU.measured in text and "upper bound" in text
+    assert FRONT_DOOR_CPU.measured in text and FRONT_DOOR_CPU.kind in text
 
 
 def test_a_system_node_too_small_for_the_planned_rate_is_refused_with_the_key(prod):
@@ -94,19 +94,21 @@ def test_too_few_ingress_replicas_for_the_planned_rate_are_refused_with_the_key(
 
 def test_a_costlier_front_door_needs_more_of_both():
     cheap = head_sizing.size_head(100.0, "decode", "aggregated", "m7i.2xlarge", 2)
+    proxy, ingress = (2 * v for v in FRONT_DOOR_CPU.per_request_ms("aggregated"))
     dear = head_sizing.FrontDoorCpu(
-        proxy_ms={"aggregated": 10.0},
-        ingress_ms={"aggregated": 40.0},
+        proxy_ms={"aggregated": proxy},
+        ingress_ms={"aggregated": ingress},
         measured="test",
         machine="test",
         source="test",
         kind="test",
     )
     costly = head_sizing.size_head(100.0, "decode", "aggregated", "m7i.2xlarge", 2, dear)
-    # 100 req/s x 50 ms = 5 busy vCPUs; ingress 100 x 40 ms = 4 cores' worth.
-    assert costly.busy_vcpus == pytest.approx(5.0)
-    assert costly.head_vcpus == math.ceil(HEAD_BASE_VCPUS + 5.0 / TARGET_UTILIZATION)
-    assert costly.ingress_replicas == math.ceil(4.0 / TARGET_UTILIZATION)
+    # 100 req/s x (proxy + ingress) ms of CPU per request, over 1000 ms per second.
+    busy = 100.0 * (proxy + ingress) / 1000
+    assert costly.busy_vcpus == pytest.approx(busy)
+    assert costly.head_vcpus == math.ceil(HEAD_BASE_VCPUS + busy / TARGET_UTILIZATION)
+    assert costly.ingress_replicas == math.ceil(100.0 * ingress / 1000 / TARGET_UTILIZATION)
     assert costly.head_vcpus > cheap.head_vcpus and costly.ingress_replicas > cheap.ingress_replicas
     keys = [k for k, _ in head_sizing.head_errors(costly)]
     assert keys == ["systemNodes.instanceType", "serving.ingress.maxReplicas"]

@@ -99,8 +99,8 @@ def test_a_bigger_model_takes_longer():
         values["serving"]["model"]["id"] = "llama-3.1-8b-instruct"
         # An 8B model on the same GPUs is planned for ~8x the requests: a head and an ingress
         # that carry them (infra/model/head_sizing.py refuses prod's m7i.4xlarge and 4 replicas).
-        values["systemNodes"]["instanceType"] = "m7i.8xlarge"
-        values["serving"]["ingress"] = {"minReplicas": 2, "maxReplicas": 12}
+        values["systemNodes"]["instanceType"] = "m7i.12xlarge"
+        values["serving"]["ingress"] = {"minReplicas": 2, "maxReplicas": 20}
 
     big, small = _role(_plan("prod")), _role(_plan("prod", smaller))
     assert small.new_node_s is not None and big.new_node_s is not None
