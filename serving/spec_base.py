@@ -72,6 +72,10 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "enable_expert_parallel",
         "load_format",
         "model_loader_extra_config",
+        # serving.lora (serving/spec_models.py)
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
     }
 )
 

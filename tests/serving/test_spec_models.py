@@ -1,0 +1,133 @@
+"""serving.models: several models behind one front door, each a complete spec; LoRA per model.
+
+What flows through here: `serving:` values in the one-model and the many-model form ->
+ServingSpec -> its rendered app args, checked against Ray Serve LLM 2.60's own validators
+(LLMConfig, and the P/D builder's PDServingArgs) where the rule is Ray's.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from serving.spec import Mode, ServingSpec, Target
+from serving.spec_models import PER_MODEL_KEYS, ModelEntry
+
+PD = {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}}
+AGG = {
+    "model": {"id": "qwen", "source": "Qwen/Qwen2.5-7B-Instruct"},
+    "mode": "aggregated",
+    "pools": {"decode": "general"},
+    "lora": {"adaptersPath": "s3://acme-models/adapters/qwen/", "maxAdaptersPerReplica": 8},
+}
+GPU = Target(accelerator_type="L40S")
+
+
+def _many(*entries, **shared):
+    return ServingSpec.model_validate({"models": list(entries), **shared})
+
+
+def _error(data) -> str:
+    with pytest.raises(ValidationError) as e:
+        ServingSpec.model_validate(data)
+    return str(e.value.errors()[0]["msg"])
+
+
+def test_one_model_form_serves_itself_and_renders_as_before():
+    spec = ServingSpec.model_validate(PD)
+    assert spec.served == (spec,) and not spec.many
+    args = spec.app_args(GPU)
+    assert args["mode"] == "disaggregated" and "models" not in args
+    assert {"prefill_config", "decode_config"} <= set(args)
+
+
+def test_each_entry_is_served_with_its_own_mode_and_pools():
+    spec = _many(PD, AGG)
+    llama, qwen = spec.served
+    assert (llama.model.id, llama.mode, llama.pool_of("prefill"), llama.pool_of("decode")) == (
+        "llama",
+        Mode.DISAGGREGATED,
+        "prefill",
+        "decode",
+    )
+    assert (qwen.model.id, qwen.mode, qwen.pool_of("decode")) == ("qwen", Mode.AGGREGATED, "general")
+
+
+def test_many_models_render_one_app_with_an_entry_per_model_placed_on_its_pool():
+    args = _many(PD, AGG).app_args(GPU)
+    assert "mode" not in args and [m["model_id"] for m in args["models"]] == ["llama", "qwen"]
+    llama, qwen = args["models"]
+    assert llama["mode"] == "disaggregated" and {"prefill_config", "decode_config"} <= set(llama)
+    assert qwen["mode"] == "aggregated" and len(qwen["llm_configs"]) == 1
+    selector = qwen["llm_configs"][0]["deployment_config"]["placement_group_bundle_label_selector"]
+    assert selector == [{"pd-inference/node-group": "general"}]
+    # The shared keys are rendered once, for the one ingress.
+    assert {"auth", "resilience", "ingress_deployment_config"} <= set(args)
+
+
+def test_both_forms_at_once_is_one_error_naming_the_keys():
+    msg = _error({**PD, "models": [AGG]})
+    assert "exclusive" in msg and "model" in msg
+
+
+def test_a_bad_entry_names_its_index_and_model():
+    bad = {**PD, "model": {"id": "bad", "source": "o/b"}, "decode": {"pipelineParallelSize": 2}}
+    msg = _error({"models": [AGG, bad]})
+    assert msg.startswith("Value error, @serving.models[1] (bad)@") and "pipelineParallelSize" in msg
+
+
+def test_a_model_id_listed_twice_is_refused():
+    assert "listed twice" in _error({"models": [PD, PD]})
+
+
+def test_fallback_maps_each_model_and_names_no_stranger():
+    fb = {"baseUrl": "https://api.example.com/v1", "model": {"llama": "gpt-x"}}
+    spec = _many(PD, AGG, fallback=fb)
+    llama, qwen = spec.served
+    assert llama.fallback is not None and qwen.fallback is None
+    stray = {**fb, "model": {"nope": "gpt-x"}}
+    assert "'nope' is not the id of a model" in _error({"models": [PD, AGG], "fallback": stray})
+
+
+def test_model_entry_has_exactly_the_per_model_keys_of_the_one_model_form():
+    aliases = {f.alias or n for n, f in ModelEntry.model_fields.items()}
+    assert aliases == set(PER_MODEL_KEYS)
+    top = {f.alias or n for n, f in ServingSpec.model_fields.items()}
+    assert set(PER_MODEL_KEYS) <= top
+
+
+def test_lora_renders_ray_lora_config_and_vllm_switches():
+    (_, qwen) = _many(PD, AGG).served
+    cfg = qwen.app_args(GPU)["llm_configs"][0]
+    assert cfg["lora_config"] == {
+        "dynamic_lora_loading_path": "s3://acme-models/adapters/qwen",
+        "max_num_adapters_per_replica": 8,
+    }
+    kw = cfg["engine_kwargs"]
+    assert kw["enable_lora"] is True and kw["max_lora_rank"] == 16 and kw["max_loras"] <= 8
+
+
+def test_lora_rank_vllm_does_not_accept_is_refused():
+    bad = {**AGG, "lora": {"adaptersPath": "s3://acme-models/a", "maxLoraRank": 12}}
+    assert "not a rank vLLM accepts" in _error({"models": [bad]})
+
+
+def test_lora_switches_cannot_be_forked_through_engine_kwargs():
+    msg = _error({**PD, "engineKwargs": {"enable_lora": True}})
+    assert "enable_lora" in msg and "lora" in msg
+
+
+def test_rendered_configs_pass_ray_serve_llm_validators():
+    """Ray 2.60's own models: LLMConfig per aggregated model (lora_config included), and the P/D
+    builder's PDServingArgs, which requires the same LoRA path on both legs
+    (ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py _validate_lora_configs)."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
+    from ray.serve.llm import LLMConfig
+
+    pd_lora = {**PD, "lora": {"adaptersPath": "s3://acme-models/adapters/llama"}}
+    args = _many(pd_lora, AGG).app_args(GPU)
+    llama, qwen = args["models"]
+    assert llama["prefill_config"]["lora_config"] == llama["decode_config"]["lora_config"]
+    PDServingArgs.model_validate({"prefill_config": llama["prefill_config"], "decode_config": llama["decode_config"]})
+    parsed = LLMConfig.model_validate(qwen["llm_configs"][0])
+    assert parsed.lora_config.max_num_adapters_per_replica == 8
