@@ -3,7 +3,7 @@
 What flows through here: Pulumi's config for this stack -> `infra.model.config.load` (one line
 naming the stack file and key on any error, before anything is registered) -> Network ->
 the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
-node pool per engine role -> device plugins and the KubeRay operator -> the LLM service ->
+node pool per `nodePools` entry (one-model stacks: prefill and decode) -> device plugins and the KubeRay operator -> the LLM service ->
 observability (metrics pipeline, GPU metrics, monitors, alerts, dashboards) -> stack
 outputs. Only this file reads config.
 """
@@ -23,6 +23,7 @@ from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
+from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.model.planning import kv_link
@@ -97,10 +98,10 @@ cluster = Cluster(
     ),
 )
 pools = {
-    role: GpuNodePool(
-        f"gpu-{role}",
+    name: GpuNodePool(
+        f"gpu-{name}",
         GpuNodePoolArgs(
-            role=role,
+            role=name,
             pool=pool,
             cluster=cluster.eks,
             cluster_name=cluster.cluster_name,
@@ -114,7 +115,7 @@ pools = {
             tags=tags,
         ),
     )
-    for role, pool in (("prefill", cfg.node_pools.prefill), ("decode", cfg.node_pools.decode))
+    for name, pool in cfg.node_pools
 }
 if not region:
     raise pulumi.RunError(f"{stack_file(stack)}: aws:region: required (the node autoscaler calls the AWS APIs there)")
@@ -151,7 +152,9 @@ service = LlmService(
         provider=cluster.provider,
         operator=operator,
         serving=cfg.serving,
-        instances={role: pools[role].instance for role in cfg.serving.engine_roles()},
+        # In nodePools order: a pool added at the end becomes an appended worker group.
+        instances={name: pools[name].instance for name in pools if name in used_pools(cfg.serving)},
+        pool_bounds={name: PoolBounds(p.min_size, p.desired_size, p.max_size) for name, p in cfg.node_pools},
         image=worker_image.ref if worker_image else cfg.ray_image,
         exposure=cfg.service_exposure,
         allowed_cidrs=cfg.service_allowed_cidrs,
