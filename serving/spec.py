@@ -7,9 +7,14 @@ RayService's `serveConfigV2` and `make serve` both come from this one function; 
 `Target` (GPU type or CPU, where the code lives, extra environment) differs.
 
 A spec holds one model (its keys at the top of `serving:`) or several (`serving.models`, one
-front door for all): `served` gives one complete one-model spec per model, and the rendered
-`args` then carry `models`, one entry per model with that model's engine configs, each placed
-on its node pools by their Ray node label (`pools`, `pool_label`).
+front door for all): `served` gives one complete one-model spec per model. With several, the
+Serve config has one application per model (`MODEL_APP_PREFIX` + id, no HTTP route, its own
+`args`: that model's engine configs, placed on its node pools by their Ray node label) and the
+front door application, whose ingress learns the models from its `user_config` (`models`).
+Ray 2.60 rebuilds an application, and replaces all its replicas, when its `args` change
+(ray/serve/_private/deploy_utils.py `get_app_code_version` hashes import_path, runtime_env
+and args); a `user_config` change only reconfigures the running replicas. So adding a model
+adds an application and changes the ingress's user_config: no other model's engine restarts.
 
 The spec's parts live in serving/spec_base.py (constants, base model, enums),
 serving/spec_roles.py (model, roles, KV transfer, deadlines, SLOs), serving/spec_models.py
@@ -34,6 +39,9 @@ from serving.spec_base import (
     DEFAULT_LABEL_KEY,
     EAGER_SERVER_CLS,
     FIRST_CHUNK_KEY,
+    MODEL_APP_IMPORT_PATH,
+    MODEL_APP_PREFIX,
+    MODELS_MODE,
     PREFIX_ROUTER_CLS,
     PROXY_TIMEOUT_MARGIN_S,
     RAY_RESERVED_LABEL_PREFIX,
@@ -92,6 +100,9 @@ __all__ = [
     "INGRESS_DEPLOYMENT",
     "ITL_BUCKETS_S",
     "KEY_ID_RE",
+    "MODELS_MODE",
+    "MODEL_APP_IMPORT_PATH",
+    "MODEL_APP_PREFIX",
     "PREFIX_ROUTER_CLS",
     "PROXY_TIMEOUT_MARGIN_S",
     "RAY_RESERVED_LABEL_PREFIX",
@@ -462,12 +473,12 @@ class ServingSpec(SpecModel):
             "decode_config": self._llm_config("decode", roles["decode"], target),
         }
 
-    def app_args(self, target: Target, model_targets: Mapping[str, Target] | None = None) -> dict[str, Any]:
-        """The `args` of the application: what serving.app:build_app receives.
+    def app_args(self, target: Target) -> dict[str, Any]:
+        """The `args` of the front door application: what serving.app:build_app receives.
 
-        One-model form: `mode` and that model's engine args at the top (unchanged). Many-model
-        form: `models`, one entry per model ({model_id, mode, and its engine_args}), in order;
-        `model_targets` gives each model's own Target (its pools' GPUs), by model id.
+        One-model form: `mode` and that model's engine args (unchanged). Many-model form:
+        `mode: models` and the shared keys only (the models are in the ingress's user_config
+        and in their own applications: `model_app_args`), so adding a model leaves them alone.
         """
         ingress: dict[str, Any] = {
             "autoscaling_config": {
@@ -491,12 +502,30 @@ class ServingSpec(SpecModel):
         }
         if not self.many:
             return {"mode": self.mode.value, **args, **self.engine_args(target)}
-        targets = model_targets or {}
-        args["models"] = [
-            {"model_id": m.model.id, "mode": m.mode.value, **m.engine_args(targets.get(m.model.id, target))}
+        return {"mode": MODELS_MODE, **args}
+
+    def model_app_args(self, target: Target) -> dict[str, Any]:
+        """The `args` of one model's own application (many-model form; `self` is one of
+        `served`): what serving.app:build_model_app receives."""
+        return {
+            "model_id": self.model.id,
+            "mode": self.mode.value,
+            "resilience": self.resilience.runtime_args(),
+            **self.engine_args(target),
+        }
+
+    def model_table(self) -> list[dict[str, Any]]:
+        """The front door's view of the models (ingress user_config `models`), in order: the id
+        clients send, the application and mode that serve it, and its adapters' path."""
+        return [
+            {
+                "model_id": m.model.id,
+                "app_name": MODEL_APP_PREFIX + m.model.id,
+                "mode": m.mode.value,
+                "lora_path": m.lora.adapters_path if m.lora is not None else None,
+            }
             for m in self.served
         ]
-        return args
 
     def ingress_user_config(self) -> dict[str, Any]:
         """The ingress deployment's user_config: the fallback and the per-key limits.
@@ -544,16 +573,33 @@ class ServingSpec(SpecModel):
         self, target: Target, *, port: int = SERVE_PORT, model_targets: Mapping[str, Target] | None = None
     ) -> dict[str, Any]:
         """The Serve config (RayService serveConfigV2 / `serve deploy` file) for `target`
-        (and, with several models, each model's own Target by id)."""
+        (and, with several models, each model's own Target by id: one application each)."""
+        user_config = self.ingress_user_config()
+        if self.many:
+            user_config["models"] = self.model_table()
         app: dict[str, Any] = {
             "name": APP_NAME,
             "route_prefix": "/",
             "import_path": APP_IMPORT_PATH,
-            "args": self.app_args(target, model_targets),
-            "deployments": [{"name": INGRESS_DEPLOYMENT, "user_config": self.ingress_user_config()}],
+            "args": self.app_args(target),
+            "deployments": [{"name": INGRESS_DEPLOYMENT, "user_config": user_config}],
         }
+        apps = [app]
+        if self.many:
+            targets = model_targets or {}
+            for m in self.served:
+                apps.append(
+                    {
+                        "name": MODEL_APP_PREFIX + m.model.id,
+                        # Not over HTTP: the front door calls it through deployment handles.
+                        "route_prefix": None,
+                        "import_path": MODEL_APP_IMPORT_PATH,
+                        "args": m.model_app_args(targets.get(m.model.id, target)),
+                    }
+                )
         if target.working_dir:
-            app["runtime_env"] = {"working_dir": target.working_dir}
+            for a in apps:
+                a["runtime_env"] = {"working_dir": target.working_dir}
         return {
             "proxy_location": target.proxy_location,
             # Serve's own request timeout backs the ingress's total deadline up (a hung
@@ -563,7 +609,7 @@ class ServingSpec(SpecModel):
                 "port": port,
                 "request_timeout_s": self.resilience.total_timeout_s + PROXY_TIMEOUT_MARGIN_S,
             },
-            "applications": [app],
+            "applications": apps,
         }
 
 

@@ -333,7 +333,7 @@ def _group_sizes(inp: RayServiceInputs, pool: str, roles: list[RoleSpec]) -> dic
     """The worker group's pods: from the one model's replicas (one-model form), or the pool's
     node bounds (many-model form: adding a model leaves the group as it is)."""
     inst = inp.instances[pool]
-    if not inp.serving.many:
+    if not inp.serving.many and len(roles) == 1:
         (spec,) = roles
         return {
             "replicas": pods_for(spec, inst, spec.starting_replicas),

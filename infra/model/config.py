@@ -170,4 +170,4 @@ def load(
             data, context={"secrets_present": frozenset(secrets_present), "region": region}
         )
     except ValidationError as err:
-        raise ConfigError(one_line(source, err), missing_secrets(err)) from None
+        raise ConfigError(one_line(source, err, data), missing_secrets(err)) from None

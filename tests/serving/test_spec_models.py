@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from serving.spec import Mode, ServingSpec, Target
+from serving.spec import APP_NAME, MODELS_MODE, Mode, ServingSpec, Target
 from serving.spec_models import PER_MODEL_KEYS, ModelEntry
 
 PD = {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}}
@@ -53,16 +53,50 @@ def test_each_entry_is_served_with_its_own_mode_and_pools():
     assert (qwen.model.id, qwen.mode, qwen.pool_of("decode")) == ("qwen", Mode.AGGREGATED, "general")
 
 
-def test_many_models_render_one_app_with_an_entry_per_model_placed_on_its_pool():
-    args = _many(PD, AGG).app_args(GPU)
-    assert "mode" not in args and [m["model_id"] for m in args["models"]] == ["llama", "qwen"]
-    llama, qwen = args["models"]
-    assert llama["mode"] == "disaggregated" and {"prefill_config", "decode_config"} <= set(llama)
-    assert qwen["mode"] == "aggregated" and len(qwen["llm_configs"]) == 1
-    selector = qwen["llm_configs"][0]["deployment_config"]["placement_group_bundle_label_selector"]
+def _apps(spec):
+    return {a["name"]: a for a in spec.serve_config(GPU)["applications"]}
+
+
+def test_many_models_render_a_front_door_and_one_application_per_model_on_its_pool():
+    apps = _apps(_many(PD, AGG))
+    front = apps.pop(APP_NAME)
+    assert front["route_prefix"] == "/" and front["args"]["mode"] == MODELS_MODE
+    table = front["deployments"][0]["user_config"]["models"]
+    assert [(m["model_id"], m["mode"]) for m in table] == [("llama", "disaggregated"), ("qwen", "aggregated")]
+    assert {m["app_name"] for m in table} == set(apps)
+    llama, qwen = (apps[m["app_name"]] for m in table)
+    assert llama["route_prefix"] is None and {"prefill_config", "decode_config"} <= set(llama["args"])
+    assert len(qwen["args"]["llm_configs"]) == 1
+    selector = qwen["args"]["llm_configs"][0]["deployment_config"]["placement_group_bundle_label_selector"]
     assert selector == [{"pd-inference/node-group": "general"}]
-    # The shared keys are rendered once, for the one ingress.
-    assert {"auth", "resilience", "ingress_deployment_config"} <= set(args)
+
+
+def test_the_rendered_serve_config_passes_serves_own_schema():
+    from ray.serve.schema import ServeDeploySchema
+
+    config = _many(PD, AGG).serve_config(GPU)
+    parsed = ServeDeploySchema.model_validate(config)
+    assert len(parsed.applications) == 3
+
+
+def test_adding_a_model_keeps_every_other_applications_code_version():
+    """Ray 2.60 replaces an application's replicas when its code version changes
+    (ray/serve/_private/application_state.py apply_app_config; the version hashes import_path,
+    runtime_env and args: deploy_utils.get_app_code_version). Adding a model must leave the
+    front door's and the other models' versions as they were."""
+    from ray.serve._private.deploy_utils import get_app_code_version
+    from ray.serve.schema import ServeApplicationSchema
+
+    def versions(spec):
+        return {
+            a["name"]: get_app_code_version(ServeApplicationSchema.model_validate(a))
+            for a in spec.serve_config(GPU)["applications"]
+        }
+
+    mistral = {"model": {"id": "mistral", "source": "mistralai/Mistral-7B-Instruct-v0.3"}, "mode": "aggregated"}
+    before, after = versions(_many(PD, AGG)), versions(_many(PD, AGG, mistral))
+    assert set(after) - set(before) == {"llm-model-mistral"}
+    assert {k: after[k] for k in before} == before
 
 
 def test_both_forms_at_once_is_one_error_naming_the_keys():
@@ -98,7 +132,7 @@ def test_model_entry_has_exactly_the_per_model_keys_of_the_one_model_form():
 
 def test_lora_renders_ray_lora_config_and_vllm_switches():
     (_, qwen) = _many(PD, AGG).served
-    cfg = qwen.app_args(GPU)["llm_configs"][0]
+    cfg = qwen.model_app_args(GPU)["llm_configs"][0]
     assert cfg["lora_config"] == {
         "dynamic_lora_loading_path": "s3://acme-models/adapters/qwen",
         "max_num_adapters_per_replica": 8,
@@ -125,8 +159,7 @@ def test_rendered_configs_pass_ray_serve_llm_validators():
     from ray.serve.llm import LLMConfig
 
     pd_lora = {**PD, "lora": {"adaptersPath": "s3://acme-models/adapters/llama"}}
-    args = _many(pd_lora, AGG).app_args(GPU)
-    llama, qwen = args["models"]
+    llama, qwen = (m.model_app_args(GPU) for m in _many(pd_lora, AGG).served)
     assert llama["prefill_config"]["lora_config"] == llama["decode_config"]["lora_config"]
     PDServingArgs.model_validate({"prefill_config": llama["prefill_config"], "decode_config": llama["decode_config"]})
     parsed = LLMConfig.model_validate(qwen["llm_configs"][0])

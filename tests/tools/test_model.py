@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from infra.k8s import upgrades
+from infra.k8s.labels import ROLE_LABEL
 from infra.model import catalog
 from tools import model, render, stackfile
 
@@ -47,10 +48,15 @@ def test_adding_a_model_to_existing_pools_is_an_in_place_serve_update(before):
     a, b = _rayservice(rendered), _rayservice(after)
     verdict = upgrades.classify(a, b)
     assert verdict.kind == "serve-in-place" and verdict.extra_gpu_nodes == 0
-    # The other models' engine configs are untouched: Serve keeps their replicas running.
-    old = yaml.safe_load(a["spec"]["serveConfigV2"])["applications"][0]["args"]["models"]
-    new = yaml.safe_load(b["spec"]["serveConfigV2"])["applications"][0]["args"]["models"]
-    assert new[: len(old)] == old and new[-1]["model_id"] == "mistral-7b"
+    # Every application that was there keeps its import path, runtime env and args, which
+    # is what Serve's code version hashes (Ray 2.60 deploy_utils.get_app_code_version): Serve
+    # keeps their replicas; the new model is an application of its own.
+    old = {x["name"]: x for x in yaml.safe_load(a["spec"]["serveConfigV2"])["applications"]}
+    new = {x["name"]: x for x in yaml.safe_load(b["spec"]["serveConfigV2"])["applications"]}
+    assert set(new) - set(old) == {"llm-model-mistral-7b"}
+    for name, app in old.items():
+        kept = ("import_path", "runtime_env", "args")
+        assert {k: app.get(k) for k in kept} == {k: new[name].get(k) for k in kept}, name
 
 
 def test_adding_a_pool_at_the_end_adds_a_worker_group_to_the_running_cluster(before):
@@ -62,8 +68,9 @@ def test_adding_a_pool_at_the_end_adds_a_worker_group_to_the_running_cluster(bef
     assert groups[-1] == "big"
     verdict = upgrades.classify(a, b)
     assert verdict.kind == "cluster-in-place" and verdict.extra_gpu_nodes == 0
-    node_groups = {r.name for r in after.result.of_type("eks:index:ManagedNodeGroup")}
-    assert any(n.endswith("big") for n in node_groups)
+    # The pool itself is a new EKS node group labelled for its worker group.
+    labels = {r.inputs["labels"].get(ROLE_LABEL) for r in after.result.of_type("eks:index:ManagedNodeGroup")}
+    assert "big" in labels
 
 
 def test_changing_a_pools_instance_type_starts_a_new_cluster_and_prices_the_switch(before):

@@ -128,7 +128,7 @@ class NodePools(RootModel[dict[str, NodePool]]):
     def __getattr__(self, name: str) -> NodePool:
         root = self.__dict__.get("root")
         if root is not None and name in root:
-            return root[name]  # type: ignore[no-any-return]
+            return root[name]
         raise AttributeError(name)
 
     def __iter__(self) -> Iterator[tuple[str, NodePool]]:  # type: ignore[override]
@@ -314,8 +314,19 @@ def pool_errors(cfg: StackConfig) -> list[tuple[str, str]]:
     for i, spec in enumerate(cfg.serving.served):
         if spec.mode is not Mode.DISAGGREGATED:
             continue
-        p, d = (cfg.node_pools[spec.pool_of(r)].instance for r in ("prefill", "decode"))
-        if p.efa != d.efa:
+        pre, dec = (cfg.node_pools[spec.pool_of(r)].instance for r in ("prefill", "decode"))
+        if spec.pool_of("prefill") == spec.pool_of("decode") and pre.efa:
+            # EFA has no intra-host loopback: a prefill and a decode replica on one node cannot
+            # move KV over it (ai-dynamo/dynamo#7764), and one pool lets Ray place them so.
+            errors.append(
+                (
+                    f"{model_key(cfg, i)}.pools",
+                    f"prefill and decode of {spec.model.id!r} share the EFA pool {spec.pool_of('decode')}: "
+                    "EFA has no loopback between two replicas on one node (ai-dynamo/dynamo#7764); "
+                    "give each role its own pool",
+                )
+            )
+        if pre.efa != dec.efa:
             key = "nodePools" if not cfg.serving.many else f"{model_key(cfg, i)}.pools"
             errors.append((key, "prefill and decode pools must both have EFA or neither (KV transfer path)"))
     return errors

@@ -136,3 +136,12 @@ def test_plan_text_has_every_model_and_every_pool(parsed):
         assert f"=== model {spec.model.id}" in text
     for name in cfg.node_pools.names():
         assert f"  {name} " in text
+
+
+def test_pd_roles_sharing_one_efa_pool_are_refused_with_the_upstream_reason():
+    values, secrets, others = copy.deepcopy(stackfile.read("staging"))
+    values["serving"]["pools"] = {"prefill": "decode"}
+    with pytest.raises(ConfigError) as e:
+        stackfile.load_offline(values, secrets, others, "stacks/Pulumi.staging.yaml")
+    assert "serving.pools: prefill and decode of 'llama-3.1-70b-instruct' share the EFA pool decode" in str(e.value)
+    assert "dynamo#7764" in str(e.value)
