@@ -375,7 +375,10 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
             {"name": "ray-tmp", "mountPath": "/tmp/ray"},
         ],
     }
-    if any(replicas_span_pods(spec, inst) for spec in roles):
+    # Several models share a pool, and its group follows the pool's node bounds: a pod may hold
+    # no replica at all, so no proxy. Such pods (and those of replicas that span pods) are Ready
+    # on their node's health and are no serve endpoint; the head's proxy takes the API traffic.
+    if inp.serving.many or any(replicas_span_pods(spec, inst) for spec in roles):
         # Only bundle 0's pod of a replica runs a proxy: every pod is Ready on its node's
         # health, and none is a serve endpoint (no "serve" port for the Service to target).
         container["readinessProbe"] = node_readiness_probe()
