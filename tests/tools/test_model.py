@@ -120,3 +120,17 @@ def test_a_one_model_stack_moves_to_the_many_model_form_keeping_its_model_first(
     many = model.as_many(values["serving"])
     assert many["models"][0]["model"] == values["serving"]["model"]
     assert "model" not in many
+
+
+def test_the_pods_read_only_the_adapters_prefix_of_the_model_bucket(before):
+    """The platform stack's models come from Hugging Face and its adapters from S3: the pods'
+    role lists and reads the adapters' prefix of modelBucket and nothing else there."""
+    import json
+
+    _, rendered = before
+    (policy,) = [r for r in rendered.result.of_type("aws:iam/rolePolicy:RolePolicy") if r.name == "llm-pods-read"]
+    statements = {s["Sid"]: s for s in json.loads(policy.inputs["policy"])["Statement"]}
+    lora = next(m.lora for m in rendered.config.serving.served if m.lora is not None)
+    bucket, prefix = lora.bucket, lora.prefix
+    assert statements["ModelRead"]["Resource"] == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+    assert statements["ModelList"]["Condition"]["StringLike"]["s3:prefix"] == [prefix, f"{prefix}/*"]
