@@ -26,8 +26,10 @@ from infra.k8s.monitoring import kuberay_operator_target
 from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
-from infra.model.planning import kv_link
+from infra.model.model_plans import model_view
+from infra.model.planning import KvLink, kv_link
 from infra.paths import stack_file
+from serving.spec import Mode
 
 
 def _raw_config() -> tuple[dict, set, str | None]:
@@ -171,6 +173,14 @@ service = LlmService(
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )
+
+
+def _kv_link() -> KvLink | None:
+    """The prefill -> decode link of the first disaggregated model, planned on its own pools."""
+    pd = next((m for m in cfg.serving.served if m.mode is Mode.DISAGGREGATED), None)
+    return kv_link(model_view(cfg, pd)) if pd is not None else None
+
+
 observability = ObservabilityStack(
     "obs",
     ObservabilityArgs(
@@ -183,7 +193,8 @@ observability = ObservabilityStack(
         # The monitor list is data: a component that exposes metrics adds its target here.
         targets=[kuberay_operator_target(KUBERAY_NAMESPACE), node_autoscaler.scrape_target],
         # P/D only: KV bytes at zero while requests succeed, transfers slower than the plan's link.
-        extra_rule_groups=kv_rule_groups(link) if (link := kv_link(cfg)) else [],
+        # (With several models: the first P/D model's link, on its own pools.)
+        extra_rule_groups=kv_rule_groups(link) if (link := _kv_link()) else [],
         region=region,
         tags=tags,
     ),
