@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling chaos stack diff clean efa-check
+.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling chaos stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -20,6 +20,7 @@ help:
 	@echo "make docs               regenerate the command outputs shown in the docs"
 	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
 	@echo "make plan STACK=prod    capacity plan for a stack"
+	@echo "make model STACK=platform MODEL=org/name [POOL=decode=general] [WRITE=1]   add a model: plan, diff, rollout kind"
 	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
 	@echo "make efa-check STACK=prod   EFA fabric check between a prefill and a decode node (DRY_RUN=1: offline)"
 	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.txt only)"
@@ -164,6 +165,12 @@ efa-check: pulumi-venv
 # "--": a NAME that starts with "-" is a (rejected) name, not an option.
 stack: pulumi-venv
 	$(PULUMI_PY) -m tools.newstack $(if $(MODEL),--model "$(MODEL)") $(if $(REGION),--region "$(REGION)") -- "$(NAME)"
+
+# Add a model to a stack (serving.models): validated, planned, rendered, with the diff and the
+# rollout KubeRay does. POOL=decode=general places a role; MODE=disaggregated; WRITE=1 writes the file.
+model: pulumi-venv
+	@test -n "$(STACK)" -a -n "$(MODEL)" || { echo "usage: make model STACK=<env> MODEL=<hf id or s3 path> [ID=] [MODE=] [POOL=role=pool] [WRITE=1]" >&2; exit 1; }
+	$(PULUMI_PY) -m tools.model --stack "$(STACK)" --model "$(MODEL)" $(if $(ID),--id "$(ID)") $(if $(MODE),--mode "$(MODE)") $(foreach p,$(POOL),--pool "$(p)") $(if $(WRITE),--write)
 
 diff: pulumi-venv
 	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }

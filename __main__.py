@@ -3,9 +3,9 @@
 What flows through here: Pulumi's config for this stack -> `infra.model.config.load` (one line
 naming the stack file and key on any error, before anything is registered) -> Network ->
 the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
-node pool per engine role -> device plugins and the KubeRay operator -> the LLM service ->
-observability (metrics pipeline, GPU metrics, monitors, alerts, dashboards, request traces)
--> stack outputs. Only this file reads config.
+node pool per `nodePools` entry (one-model stacks: prefill and decode) -> device plugins and
+the KubeRay operator -> the LLM service -> observability (metrics pipeline, GPU metrics,
+monitors, alerts, dashboards, request traces) -> stack outputs. Only this file reads config.
 """
 
 import pulumi
@@ -23,12 +23,15 @@ from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
+from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.k8s.tracing import export_for
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.model.head_sizing import HEAD_BASE_VCPUS
-from infra.model.planning import cold_start_seconds, kv_link, plan
+from infra.model.model_plans import model_view
+from infra.model.planning import KvLink, cold_start_seconds, kv_link, plan
 from infra.paths import stack_file
+from serving.spec import Mode
 
 
 def _raw_config() -> tuple[dict, set, str | None]:
@@ -99,10 +102,10 @@ cluster = Cluster(
     ),
 )
 pools = {
-    role: GpuNodePool(
-        f"gpu-{role}",
+    name: GpuNodePool(
+        f"gpu-{name}",
         GpuNodePoolArgs(
-            role=role,
+            role=name,
             pool=pool,
             cluster=cluster.eks,
             cluster_name=cluster.cluster_name,
@@ -116,7 +119,7 @@ pools = {
             tags=tags,
         ),
     )
-    for role, pool in (("prefill", cfg.node_pools.prefill), ("decode", cfg.node_pools.decode))
+    for name, pool in cfg.node_pools
 }
 if not region:
     raise pulumi.RunError(f"{stack_file(stack)}: aws:region: required (the node autoscaler calls the AWS APIs there)")
@@ -153,7 +156,9 @@ service = LlmService(
         provider=cluster.provider,
         operator=operator,
         serving=cfg.serving,
-        instances={role: pools[role].instance for role in cfg.serving.engine_roles()},
+        # In nodePools order: a pool added at the end becomes an appended worker group.
+        instances={name: pools[name].instance for name in pools if name in used_pools(cfg.serving)},
+        pool_bounds={name: PoolBounds(p.min_size, p.desired_size, p.max_size) for name, p in cfg.node_pools},
         image=worker_image.ref if worker_image else cfg.ray_image,
         exposure=cfg.service_exposure,
         allowed_cidrs=cfg.service_allowed_cidrs,
@@ -176,6 +181,14 @@ service = LlmService(
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )
+
+
+def _kv_link() -> KvLink | None:
+    """The prefill -> decode link of the first disaggregated model, planned on its own pools."""
+    pd = next((m for m in cfg.serving.served if m.mode is Mode.DISAGGREGATED), None)
+    return kv_link(model_view(cfg, pd)) if pd is not None else None
+
+
 observability = ObservabilityStack(
     "obs",
     ObservabilityArgs(
@@ -188,7 +201,8 @@ observability = ObservabilityStack(
         # The monitor list is data: a component that exposes metrics adds its target here.
         targets=[kuberay_operator_target(KUBERAY_NAMESPACE), node_autoscaler.scrape_target],
         # P/D only: KV bytes at zero while requests succeed, transfers slower than the plan's link.
-        extra_rule_groups=kv_rule_groups(link) if (link := kv_link(cfg)) else [],
+        # (With several models: the first P/D model's link, on its own pools.)
+        extra_rule_groups=kv_rule_groups(link) if (link := _kv_link()) else [],
         region=region,
         tags=tags,
     ),

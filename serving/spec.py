@@ -6,20 +6,30 @@ config (`applications:` and friends) whose `args` feed `serving.app:build_app`. 
 RayService's `serveConfigV2` and `make serve` both come from this one function; only the
 `Target` (GPU type or CPU, where the code lives, extra environment) differs.
 
+A spec holds one model (its keys at the top of `serving:`) or several (`serving.models`, one
+front door for all): `served` gives one complete one-model spec per model. With several, the
+Serve config has one application per model (`MODEL_APP_PREFIX` + id, no HTTP route, its own
+`args`: that model's engine configs, placed on its node pools by their Ray node label) and the
+front door application, whose ingress learns the models from its `user_config` (`models`).
+Ray 2.60 rebuilds an application, and replaces all its replicas, when its `args` change
+(ray/serve/_private/deploy_utils.py `get_app_code_version` hashes import_path, runtime_env
+and args); a `user_config` change only reconfigures the running replicas. So adding a model
+adds an application and changes the ingress's user_config: no other model's engine restarts.
+
 The spec's parts live in serving/spec_base.py (constants, base model, enums),
-serving/spec_roles.py (model, roles, KV transfer, deadlines, SLOs) and serving/spec_hybrid.py
-(fallback, limits); this module composes them, renders, and re-exports them (the spec's one
-public surface). pydantic and the standard library only: the Pulumi program imports it, and
+serving/spec_roles.py (model, roles, KV transfer, deadlines, SLOs), serving/spec_models.py
+(pools per role, LoRA, the `serving.models` entry), serving/spec_hybrid.py (fallback, limits)
+and serving/spec_target.py (where it runs); this module composes them, renders, and
+re-exports them (the spec's one public surface). pydantic and the standard library only: the Pulumi program imports it, and
 the Pulumi program must not need Ray or vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from serving.drain import DrainPlan
 from serving.scaling_spec import policy_config, slo_thresholds
@@ -30,6 +40,9 @@ from serving.spec_base import (
     DEFAULT_LABEL_KEY,
     EAGER_SERVER_CLS,
     FIRST_CHUNK_KEY,
+    MODEL_APP_IMPORT_PATH,
+    MODEL_APP_PREFIX,
+    MODELS_MODE,
     PREFIX_ROUTER_CLS,
     PROXY_TIMEOUT_MARGIN_S,
     RAY_RESERVED_LABEL_PREFIX,
@@ -61,6 +74,7 @@ from serving.spec_hybrid import (
     LimitsSpec,
     key_id,
 )
+from serving.spec_models import PER_MODEL_KEYS, LoraSpec, ModelEntry, RolePools, duplicate_model_ids
 from serving.spec_roles import (
     ITL_BUCKETS_S,
     TTFT_BUCKETS_S,
@@ -74,6 +88,7 @@ from serving.spec_roles import (
     SloSpec,
     StreamingSpec,
 )
+from serving.spec_target import Target
 
 __all__ = [
     "API_KEYS_ENV",
@@ -86,6 +101,9 @@ __all__ = [
     "INGRESS_DEPLOYMENT",
     "ITL_BUCKETS_S",
     "KEY_ID_RE",
+    "MODELS_MODE",
+    "MODEL_APP_IMPORT_PATH",
+    "MODEL_APP_PREFIX",
     "PREFIX_ROUTER_CLS",
     "PROXY_TIMEOUT_MARGIN_S",
     "RAY_RESERVED_LABEL_PREFIX",
@@ -107,12 +125,15 @@ __all__ = [
     "KvLoadFailurePolicy",
     "KvTransferSpec",
     "LimitsSpec",
+    "LoraSpec",
     "Mode",
     "ModelArchitecture",
+    "ModelEntry",
     "ModelSpec",
     "MoeParallelism",
     "PlacementSpec",
     "ResilienceSpec",
+    "RolePools",
     "RoleSpec",
     "Router",
     "ServingSpec",
@@ -123,53 +144,22 @@ __all__ = [
     "check_order",
     "key_id",
     "parse_api_keys",
+    "pool_label",
 ]
 
 
-@dataclass(frozen=True)
-class Target:
-    """Where a rendered application runs: the only thing the cloud and local runs differ in.
+class ServingSpec(SpecModel):
+    """One model (the one-model form: the model's keys at the top), or several models behind
+    one front door (`models`: a list of entries with those keys, serving/spec_models.py).
 
-    accelerator_type: Ray's accelerator type for GPU engines (e.g. "H100"); None means CPU.
-    working_dir: the runtime_env working_dir holding serving/ (an s3:// zip in the cloud).
-    engine_env: extra environment for engine replicas (e.g. NIXL/EFA settings, CPU KV size).
-    ingress_env: extra environment for the ingress replicas.
-    kv_backend: the NIXL backend the nodes' fabric calls for (the catalog's `nixl_backend`:
-        LIBFABRIC on EFA types, UCX elsewhere and on CPU); used when the spec says auto.
-    role_accelerator_types: per engine role, when the pools differ (e.g. H100 prefill, A100
-        decode); a role not listed takes `accelerator_type`.
-    proxy_location: where Serve runs HTTP proxies. "EveryNode" (Serve's default) in the cloud:
-      KubeRay 1.7 gives RayService worker pods a readiness probe on the proxy's /-/healthz and
-      puts them in the serve Service (ray.io/serve=true), so each worker must run a proxy
-      (Serve starts one on the head and on every node holding a replica). "HeadOnly" locally,
-      where several Ray nodes share one host and would fight over the port.
+    In the many-model form the top-level model keys hold a copy of the first entry (so code
+    that asks "the" model's SLO or mode gets the first one); `served` is the list to iterate:
+    one complete ServingSpec per model, shared keys included.
     """
 
-    accelerator_type: str | None = None
-    working_dir: str | None = None
-    engine_env: Mapping[str, str] = field(default_factory=dict)
-    ingress_env: Mapping[str, str] = field(default_factory=dict)
-    kv_backend: KvBackend = KvBackend.UCX
-    role_accelerator_types: Mapping[str, str] = field(default_factory=dict)
-    proxy_location: str = "EveryNode"
-    # Per engine role: autoscaling thresholds the planner derived (infra/model/scaling_signals.py)
-    # and the PromQL label selector of the role's engine series (none: Serve's signals only).
-    role_thresholds: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
-    metrics_selectors: Mapping[str, str] = field(default_factory=dict)
-    # Per engine role at minReplicas 0: the planner's first request after idle, seconds
-    # (infra/model/planning.py cold_start_seconds); decode's is the ingress's Retry-After for
-    # a 503 while no decode replica runs (ResilienceSpec.coldStartRetryAfterS).
-    cold_start_s: Mapping[str, float] = field(default_factory=dict)
-    # The OpenTelemetry collector's OTLP/gRPC address: every engine exports vLLM's request spans
-    # there (engine argument `otlp_traces_endpoint`, vLLM 0.29 and 0.32); None: no engine traces.
-    traces_endpoint: str | None = None
-
-    @property
-    def cpu(self) -> bool:
-        return self.accelerator_type is None
-
-
-class ServingSpec(SpecModel):
+    # Declared first so that a bad entry is reported under serving.models[i], not under its
+    # copy at the top.
+    models: tuple[ModelEntry, ...] = ()
     model: ModelSpec
     mode: Mode = Mode.DISAGGREGATED
     prefill: RoleSpec = Field(default_factory=RoleSpec)
@@ -186,6 +176,31 @@ class ServingSpec(SpecModel):
     # serve, and per-API-key limits. See docs/hybrid-routing.md.
     fallback: FallbackSpec | None = None
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
+    # Where each engine role runs (a nodePools name; default: the pool named after the role),
+    # and the model's LoRA adapters. Per model (serving/spec_models.py PER_MODEL_KEYS).
+    pools: RolePools = Field(default_factory=RolePools)
+    lora: LoraSpec | None = None
+    _served: tuple[ServingSpec, ...] | None = PrivateAttr(default=None)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_form(cls, data: Any) -> Any:
+        """The many-model form: no model key at the top; the first entry's keys copied there."""
+        if not isinstance(data, dict) or "models" not in data:
+            return data
+        from pydantic.alias_generators import to_snake
+
+        both = [k for k in PER_MODEL_KEYS if k in data or to_snake(k) in data]
+        if both:
+            raise ValueError(
+                f"models and the one-model keys ({', '.join(both)}) are exclusive: "
+                "move them into each serving.models entry"
+            )
+        models = data["models"]
+        if isinstance(models, (list, tuple)) and not models:
+            raise ValueError("models: list at least one model (or use the one-model form)")
+        first = models[0] if isinstance(models, (list, tuple)) else None
+        return {**data, **first} if isinstance(first, dict) else data
 
     @field_validator("engine_kwargs")
     @classmethod
@@ -203,13 +218,15 @@ class ServingSpec(SpecModel):
         clash = sorted(RESERVED_ENGINE_KWARGS & set(v))
         if clash:
             raise ValueError(
-                f"{', '.join(clash)} set by the spec itself (model, prefill/decode, kvTransfer); "
+                f"{', '.join(clash)} set by the spec itself (model, prefill/decode, kvTransfer, lora); "
                 "remove from engineKwargs"
             )
         return v
 
     @model_validator(mode="after")
     def _cross(self) -> ServingSpec:
+        if self.models:
+            return self._check_models()
         if self.mode is Mode.DISAGGREGATED:
             problem = self._pd_layout_problem()
             if problem:
@@ -239,6 +256,64 @@ class ServingSpec(SpecModel):
         if len(set(labels)) != 3:
             raise ValueError("placement.head, placement.prefill and placement.decode must differ")
         return self
+
+    def _check_models(self) -> ServingSpec:
+        """Each entry of the many-model form as a complete spec; the first problem, naming the
+        model's entry and the key (`@key@ message`, the stack config's cross-field form)."""
+        dup = duplicate_model_ids(self.models)
+        if dup:
+            raise ValueError(f"models: model id {dup[0]!r} is listed twice (ids are what clients put in `model`)")
+        if self.fallback is not None:
+            if isinstance(self.fallback.model, str):
+                raise ValueError(
+                    "fallback.model: with serving.models, map each model id to the provider's model "
+                    "({our id: theirs}); models left out have no fallback"
+                )
+            ids = {e.model.id for e in self.models}
+            stray = sorted(set(self.fallback.model) - ids)
+            if stray:
+                raise ValueError(f"fallback.model: {stray[0]!r} is not the id of a model in serving.models")
+        for i, entry in enumerate(self.models):
+            try:
+                self.for_entry(entry)
+            except ValidationError as err:
+                e = err.errors(include_url=False)[0]
+                where = ".".join(str(p) for p in e["loc"] if not str(p).startswith("function-"))
+                msg = str(e["msg"]).removeprefix("Value error, ")
+                key = f"serving.models[{i}] ({entry.model.id})" + (f".{where}" if where else "")
+                raise ValueError(f"@{key}@ {msg}") from None
+        return self
+
+    def for_entry(self, entry: ModelEntry) -> ServingSpec:
+        """One model of the many-model form as a complete spec: the shared keys and its own.
+        The fallback stays only for a model the fallback's map names."""
+        shared = self.model_dump(exclude={"models", *ModelEntry.model_fields})
+        if self.fallback is not None and entry.model.id not in self.fallback.models_for(entry.model.id):
+            shared["fallback"] = None
+        return ServingSpec.model_validate({**shared, **entry.model_dump()})
+
+    @property
+    def served(self) -> tuple[ServingSpec, ...]:
+        """Every model this spec serves, each as a complete one-model spec, in order."""
+        if not self.models:
+            return (self,)
+        if self._served is None:
+            self._served = tuple(self.for_entry(e) for e in self.models)
+        return self._served
+
+    @property
+    def many(self) -> bool:
+        """Whether this is the many-model form (`serving.models`)."""
+        return bool(self.models)
+
+    def pool_of(self, role: str) -> str:
+        """The node pool (a nodePools name) the engine role runs on."""
+        return self.pools.pool(role)
+
+    def pool_label(self, role: str) -> str:
+        """The Ray node label value of the role's pool: the pool's name, or for the pools named
+        prefill and decode the placement labels they have always had."""
+        return pool_label(self.placement, self.pool_of(role))
 
     def _pd_layout_problem(self) -> str | None:
         """Why the prefill/decode layouts cannot run together, in one line; None when they can.
@@ -286,7 +361,7 @@ class ServingSpec(SpecModel):
         return {"bucket_uri": src} if src.startswith("s3://") else src
 
     def _llm_config(self, role: str, spec: RoleSpec, target: Target) -> dict[str, Any]:
-        label = getattr(self.placement, role)
+        label = self.pool_label(role)
         engine_kwargs: dict[str, Any] = {
             "dtype": self.model.dtype.value,
             "max_model_len": self.model.max_model_len,
@@ -322,6 +397,8 @@ class ServingSpec(SpecModel):
             kv["kv_connector_extra_config"] = {**extra, "backends": [KvBackend(backend).value]}
             engine_kwargs["kv_transfer_config"] = kv
         engine_kwargs.update(self.model.loading.engine_kwargs(self.model.source))
+        if self.lora is not None:
+            engine_kwargs.update(self.lora.engine_kwargs())
         engine_kwargs.update(self.engine_kwargs)
 
         autoscaling: dict[str, Any] = {
@@ -353,6 +430,9 @@ class ServingSpec(SpecModel):
                 "placement_group_bundle_label_selector": [{self.placement.label_key: label} for _ in range(bundles)],
             },
         }
+        if self.lora is not None:
+            # The same path on both P/D legs (Ray's PDServingArgs refuses a mismatch).
+            config["lora_config"] = self.lora.llm_config()
         if spec.router is Router.PREFIX_CACHE_AFFINITY:
             config["deployment_config"]["request_router_config"] = {"request_router_class": PREFIX_ROUTER_CLS}
         config["experimental_configs"] = {
@@ -392,8 +472,24 @@ class ServingSpec(SpecModel):
         # what local prefill on decode relies on (the transfer direction comes from the params).
         return "kv_producer" if role == "prefill" else "kv_consumer"
 
+    def engine_args(self, target: Target) -> dict[str, Any]:
+        """One model's engines as Ray Serve LLM's builders take them: `llm_configs` (aggregated,
+        build_openai_app) or `prefill_config` and `decode_config` (build_pd_openai_app)."""
+        roles = self.engine_roles()
+        if self.mode is Mode.AGGREGATED:
+            return {"llm_configs": [self._llm_config("decode", roles["decode"], target)]}
+        return {
+            "prefill_config": self._llm_config("prefill", roles["prefill"], target),
+            "decode_config": self._llm_config("decode", roles["decode"], target),
+        }
+
     def app_args(self, target: Target) -> dict[str, Any]:
-        """The `args` of the application: what serving.app:build_app receives."""
+        """The `args` of the front door application: what serving.app:build_app receives.
+
+        One-model form: `mode` and that model's engine args (unchanged). Many-model form:
+        `mode: models` and the shared keys only (the models are in the ingress's user_config
+        and in their own applications: `model_app_args`), so adding a model leaves them alone.
+        """
         ingress: dict[str, Any] = {
             "autoscaling_config": {
                 "min_replicas": self.ingress.min_replicas,
@@ -411,19 +507,37 @@ class ServingSpec(SpecModel):
         }
         ingress["ray_actor_options"]["runtime_env"] = {"env_vars": {**dict(target.ingress_env), **SERVING_ENV}}
         args: dict[str, Any] = {
-            "mode": self.mode.value,
             "auth": {"mode": self.auth.value, "api_keys_env": API_KEYS_ENV},
             # decode serves every request's tokens (the aggregated engine is the decode role).
             "resilience": self.resilience.runtime_args(target.cold_start_s.get("decode")),
             "ingress_deployment_config": ingress,
         }
-        roles = self.engine_roles()
-        if self.mode is Mode.AGGREGATED:
-            args["llm_configs"] = [self._llm_config("decode", roles["decode"], target)]
-        else:
-            args["prefill_config"] = self._llm_config("prefill", roles["prefill"], target)
-            args["decode_config"] = self._llm_config("decode", roles["decode"], target)
-        return args
+        if not self.many:
+            return {"mode": self.mode.value, **args, **self.engine_args(target)}
+        return {"mode": MODELS_MODE, **args}
+
+    def model_app_args(self, target: Target) -> dict[str, Any]:
+        """The `args` of one model's own application (many-model form; `self` is one of
+        `served`): what serving.app:build_model_app receives."""
+        return {
+            "model_id": self.model.id,
+            "mode": self.mode.value,
+            "resilience": self.resilience.runtime_args(),
+            **self.engine_args(target),
+        }
+
+    def model_table(self) -> list[dict[str, Any]]:
+        """The front door's view of the models (ingress user_config `models`), in order: the id
+        clients send, the application and mode that serve it, and its adapters' path."""
+        return [
+            {
+                "model_id": m.model.id,
+                "app_name": MODEL_APP_PREFIX + m.model.id,
+                "mode": m.mode.value,
+                "lora_path": m.lora.adapters_path if m.lora is not None else None,
+            }
+            for m in self.served
+        ]
 
     def ingress_user_config(self) -> dict[str, Any]:
         """The ingress deployment's user_config: the fallback and the per-key limits.
@@ -437,10 +551,12 @@ class ServingSpec(SpecModel):
         if fb is not None:
             fallback = {
                 "base_url": fb.base_url,
+                # Many-model form: the map names each model's provider model (spec_models).
                 "models": fb.models_for(self.model.id),
                 "when": [w.value for w in fb.when],
-                # The engine deployment the ingress calls: decode (or the aggregated engine).
-                "overflow_at": fb.overflow_at or self.decode.max_ongoing_requests,
+                # The engine deployment the ingress calls: decode (or the aggregated engine);
+                # with several models, the smallest of their bounds.
+                "overflow_at": fb.overflow_at or min(m.decode.max_ongoing_requests for m in self.served),
                 "first_token_timeout_s": fb.first_token_timeout_s,
                 "timeout_s": fb.timeout_s,
                 "connect_timeout_s": fb.connect_timeout_s,
@@ -465,17 +581,37 @@ class ServingSpec(SpecModel):
             },
         }
 
-    def serve_config(self, target: Target, *, port: int = SERVE_PORT) -> dict[str, Any]:
-        """The Serve config (RayService serveConfigV2 / `serve deploy` file) for `target`."""
+    def serve_config(
+        self, target: Target, *, port: int = SERVE_PORT, model_targets: Mapping[str, Target] | None = None
+    ) -> dict[str, Any]:
+        """The Serve config (RayService serveConfigV2 / `serve deploy` file) for `target`
+        (and, with several models, each model's own Target by id: one application each)."""
+        user_config = self.ingress_user_config()
+        if self.many:
+            user_config["models"] = self.model_table()
         app: dict[str, Any] = {
             "name": APP_NAME,
             "route_prefix": "/",
             "import_path": APP_IMPORT_PATH,
             "args": self.app_args(target),
-            "deployments": [{"name": INGRESS_DEPLOYMENT, "user_config": self.ingress_user_config()}],
+            "deployments": [{"name": INGRESS_DEPLOYMENT, "user_config": user_config}],
         }
+        apps = [app]
+        if self.many:
+            targets = model_targets or {}
+            for m in self.served:
+                apps.append(
+                    {
+                        "name": MODEL_APP_PREFIX + m.model.id,
+                        # Not over HTTP: the front door calls it through deployment handles.
+                        "route_prefix": None,
+                        "import_path": MODEL_APP_IMPORT_PATH,
+                        "args": m.model_app_args(targets.get(m.model.id, target)),
+                    }
+                )
         if target.working_dir:
-            app["runtime_env"] = {"working_dir": target.working_dir}
+            for a in apps:
+                a["runtime_env"] = {"working_dir": target.working_dir}
         return {
             "proxy_location": target.proxy_location,
             # Serve's own request timeout backs the ingress's total deadline up (a hung
@@ -485,5 +621,12 @@ class ServingSpec(SpecModel):
                 "port": port,
                 "request_timeout_s": self.drain().proxy_request_s,
             },
-            "applications": [app],
+            "applications": apps,
         }
+
+
+def pool_label(placement: PlacementSpec, pool: str) -> str:
+    """The Ray node label value of a node pool's worker group: the pool's name, except that the
+    pools named prefill and decode keep the placement labels they have always had (so a
+    one-model stack renders as before)."""
+    return str(getattr(placement, pool)) if pool in ("prefill", "decode") else pool

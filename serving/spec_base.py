@@ -20,6 +20,12 @@ from pydantic.alias_generators import to_camel
 # The application's import path: the builder in serving/app.py.
 APP_IMPORT_PATH = "serving.app:build_app"
 APP_NAME = "llm"
+# With several models (serving.models): each model is a Serve application of its own, built by
+# this builder, with no HTTP route (the front door reaches it by deployment handle), named
+# MODEL_APP_PREFIX + model id. The front door application (APP_NAME) runs args.mode MODELS_MODE.
+MODEL_APP_IMPORT_PATH = "serving.app:build_model_app"
+MODEL_APP_PREFIX = f"{APP_NAME}-model-"
+MODELS_MODE = "models"
 SERVE_PORT = 8000
 # The environment variable that carries the accepted API keys (comma-separated) into the
 # ingress replicas; in the cloud it is fed from a Kubernetes Secret.
@@ -74,6 +80,10 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "model_loader_extra_config",
         # observability.tracing owns it (the stack's collector).
         "otlp_traces_endpoint",
+        # serving.lora (serving/spec_models.py)
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
     }
 )
 

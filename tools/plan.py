@@ -2,7 +2,8 @@
 
 What flows through here: `stacks/Pulumi.<name>.yaml` is read offline (tools.stackfile) and
 validated (infra.model.config.load, which already rejects a model that does not fit its GPUs);
-the valid config goes to infra.model.planning.plan and its table to stdout. A bad stack file
+the valid config goes to infra.model.planning.plan (per model, with cost per model and per
+pool first when the stack serves several: infra.model.model_plans) and its table to stdout. A bad stack file
 prints its one-line error to stderr and exits 1. `plan` and `format_plan` are re-exported
 here for `make render`.
 """
@@ -13,6 +14,7 @@ import argparse
 import sys
 
 from infra.model.config import ConfigError
+from infra.model.model_plans import format_stack_plan
 from infra.model.planning import Plan, Workload, format_plan, plan
 from infra.paths import stack_file
 from tools.stackfile import StackFileError, load_offline, read
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr)
         return 1
     print(f"Capacity plan: {stack_file(args.stack)} ({config.environment.value})")
+    # Several models (serving.models): cost per model and per pool, then each model's plan.
     print(
-        format_plan(plan(config, context_len=args.context, workload=Workload(args.prompt_tokens, args.output_tokens)))
+        format_stack_plan(config, context_len=args.context, workload=Workload(args.prompt_tokens, args.output_tokens))
     )
     return 0
 

@@ -30,6 +30,7 @@ import yaml
 
 from infra.model import planning as planner
 from infra.model.config import ConfigError, StackConfig
+from infra.model.model_plans import format_stack_plan
 from infra.paths import BUILD_DIR, stack_file
 from tools import mock_runtime, stackfile
 
@@ -77,7 +78,19 @@ def render(stack: str, *, stand_in_secrets: bool = False) -> Rendered:
     """Run the program for `stack` under mocks; RenderError for a bad stack file. With
     `stand_in_secrets`, a secret the config needs and the file lacks gets a stand-in."""
     try:
-        values, secrets, others = stackfile.read(stack)
+        parsed = stackfile.read(stack)
+    except stackfile.StackFileError as e:
+        raise RenderError(str(e)) from None
+    return render_parsed(stack, parsed, stand_in_secrets=stand_in_secrets)
+
+
+def render_parsed(
+    stack: str, parsed: tuple[dict[str, Any], set[str], dict[str, Any]], *, stand_in_secrets: bool = False
+) -> Rendered:
+    """`render` of a stack file's parsed values (`stackfile.parse`/`read`), e.g. a stack file
+    as `make model` would change it, before it is written."""
+    values, secrets, others = parsed
+    try:
         if stand_in_secrets:
             loaded = stackfile.load_offline(values, secrets, others, stack_file(stack))
         else:
@@ -102,7 +115,8 @@ def write(rendered: Rendered, out: Path) -> None:
     for fname, obj in sorted(rendered.manifests().items()):
         (out / "manifests" / fname).write_text(yaml.safe_dump(obj, sort_keys=False))
     cfg = rendered.config
-    if cfg.node_pools.prefill.instance.efa and cfg.node_pools.decode.instance.efa:
+    pools = cfg.node_pools
+    if "prefill" in pools and "decode" in pools and pools.prefill.instance.efa and pools.decode.instance.efa:
         # The fabric check the deploy workflow runs after `pulumi up` (not a Pulumi resource).
         from tools import efa_check
 
@@ -114,7 +128,7 @@ def write(rendered: Rendered, out: Path) -> None:
 def pool_summary(rendered: Rendered) -> list[dict[str, Any]]:
     """Per GPU pool: type, sizes, GPUs/EFA per node and in total at max size, cost per hour."""
     rows = []
-    for role, pool in (("prefill", rendered.config.node_pools.prefill), ("decode", rendered.config.node_pools.decode)):
+    for role, pool in rendered.config.node_pools:
         f = planner.pool_figures(pool)
         rows.append(
             {
@@ -148,7 +162,7 @@ def summary(rendered: Rendered) -> str:
             f"${row['usdPerHourMax']:.2f}/h max"
         )
     # Totals from unrounded prices: summing the rounded per-pool figures drifts by cents.
-    pools = [planner.pool_figures(p) for p in (rendered.config.node_pools.prefill, rendered.config.node_pools.decode)]
+    pools = [planner.pool_figures(p) for _, p in rendered.config.node_pools]
     total_desired = sum(p.usd_per_hour_desired for p in pools)
     total_max = sum(p.usd_per_hour_max for p in pools)
     lines.append(
@@ -161,7 +175,7 @@ def summary(rendered: Rendered) -> str:
 def _image_line(rendered: Rendered) -> str:
     """What the Ray pods run; a built image's tag is its content hash, so a new tag = a rebuild."""
     built = rendered.result.of_type("docker-build:index:Image")
-    backend = rendered.config.node_pools.prefill.instance.nixl_backend.value
+    backend = next(iter(rendered.config.node_pools))[1].instance.nixl_backend.value
     if built:
         (tag,) = built[0].inputs["tags"]
         return (
@@ -172,7 +186,7 @@ def _image_line(rendered: Rendered) -> str:
 
 
 def _plan_text(cfg: StackConfig) -> str:
-    return planner.format_plan(planner.plan(cfg))
+    return format_stack_plan(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

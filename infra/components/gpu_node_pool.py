@@ -1,9 +1,10 @@
-"""GpuNodePool: one EKS managed node group of GPU instances for one engine role.
+"""GpuNodePool: one EKS managed node group of GPU instances for one named pool (`nodePools.<name>`).
 
 What flows through here: a pool's config (instance type, capacity type, sizes, storage) and
 the catalog entry of its type -> an `eks.ManagedNodeGroup` on the AL2023 NVIDIA AMI, tainted
-`nvidia.com/gpu=true:NoSchedule` and labelled with its role so only the Ray worker group of
-that role lands there.
+`nvidia.com/gpu=true:NoSchedule` and labelled with the pool's name (the role label) so only
+the Ray worker group of that pool lands there. One-model stacks name their pools after the
+engine roles (`prefill`, `decode`); with `serving.models` several models' roles share pools.
 
 EFA types and Capacity Blocks get a launch template this component builds itself: every EFA
 interface of the type (card 0 "efa", the rest "efa-only"), an EFA security group that allows
@@ -79,7 +80,7 @@ systemctl daemon-reload
 @dataclass
 class GpuNodePoolArgs:
     role: str
-    """Engine role of the pool: `prefill` or `decode` (node label and names)."""
+    """The pool's name (`nodePools` key): its node label and names (`prefill`, `decode`, ...)."""
     pool: NodePool
     """The pool's validated config: instance type, capacity type, sizes, storage."""
     cluster: eks.Cluster

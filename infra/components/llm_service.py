@@ -4,8 +4,8 @@ What flows through here: the serving spec, the pools' instance types, the secret
 (API keys, Hugging Face token, Redis password) and the stack's endpoint settings ->
 - a code bucket (private, encrypted, versioned) holding serving/ as a content-hashed zip,
   which the RayService's runtime_env points at (no custom image);
-- an IAM role the Ray pods assume through EKS Pod Identity: read that zip and, if set, the
-  model bucket; nothing else;
+- an IAM role the Ray pods assume through EKS Pod Identity: read that zip and, in the model
+  bucket, only each model's prefix and each model's LoRA adapters' prefix; nothing else;
 - Kubernetes Secrets fed from Pulumi secrets, reaching the pods only as secret references;
 - the RayService (`infra.k8s.rayservice.rayservice_manifest`) whose `serveService` is the
   OpenAI API's Service (ClusterIP or an internal NLB limited to the allowed CIDRs; KubeRay
@@ -32,7 +32,7 @@ import pulumi_kubernetes as k8s
 from infra.components.iam import trusted_by
 from infra.k8s.egress import fallback_egress_policy
 from infra.k8s.labels import KUBERAY_NAMESPACE
-from infra.k8s.rayservice import RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
+from infra.k8s.rayservice import PoolBounds, RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from infra.k8s.tracing import TraceExport, exporter_configmap
 from infra.model import catalog
 from infra.model.config import ServiceExposure
@@ -57,7 +57,7 @@ class LlmServiceArgs:
     serving: ServingSpec
     """The serving spec: renders serveConfigV2 and sizes the worker groups."""
     instances: dict[str, catalog.InstanceType]
-    """Engine role -> its node pool's instance type (GPUs and EFA per pod)."""
+    """Node pool name -> its instance type (GPUs and EFA per pod), for the pools the models use."""
     image: pulumi.Input[str]
     """Ray image of the head and workers: a pinned reference, or the built worker image's Output."""
     exposure: ServiceExposure
@@ -88,6 +88,8 @@ class LlmServiceArgs:
     tracing: TraceExport | None = None
     """Request tracing (observability.tracing): the collector's address and the sampling
     ratio the Ray pods and engines export with; None: no tracing."""
+    pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
+    """Node pool name -> its node group sizes: the worker groups' bounds with several models."""
     tags: dict[str, str] = field(default_factory=dict)
     """Tags for every AWS resource of the component."""
     head_cpus: int = HEAD_BASE_VCPUS
@@ -225,11 +227,11 @@ def create_pod_identity(
         opts=aws_opts,
     )
     model_bucket = args.model_bucket
-    model_prefix = model_key_prefix(args.serving.model.source, model_bucket)
+    prefixes = read_prefixes(args.serving, model_bucket)
     policy = aws.iam.RolePolicy(
         f"{name}-pods-read",
         role=role.id,
-        policy=code_bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket, model_prefix))),
+        policy=code_bucket.arn.apply(lambda arn: json.dumps(_read_policy(arn, model_bucket, prefixes))),
         opts=aws_opts,
     )
     created: list[pulumi.Resource] = [policy]
@@ -341,6 +343,7 @@ def create_rayservice(
         head_cpus=args.head_cpus,
         cold_start_s=dict(args.cold_start_s),
         tracing=args.tracing,
+        pool_bounds=dict(args.pool_bounds),
         **_exposure(args.exposure, args.allowed_cidrs),
     )
     # Everything but serveConfigV2 is known at preview, so policies see the pods even
@@ -418,9 +421,28 @@ def model_key_prefix(source: str, bucket: str | None) -> str | None:
     return source[len(f"s3://{bucket}") :].strip("/")
 
 
-def _read_policy(code_bucket_arn: str, model_bucket: str | None, model_prefix: str | None = None) -> dict:
-    """Read the serving code, and the model's files under its prefix only (the Run:ai streamer and
-    Ray's mirror download list the prefix, then get its objects)."""
+def read_prefixes(serving: ServingSpec, bucket: str | None) -> list[str] | None:
+    """The key prefixes the pods may read in the model bucket: each model's weights (an s3://
+    source there) and each model's LoRA adapters; None when none is in the bucket (a Hugging
+    Face model with a modelBucket keeps the whole-bucket read it always had). "" is the whole
+    bucket, which then covers everything."""
+    found: list[str] = []
+    for m in serving.served:
+        weights = model_key_prefix(m.model.source, bucket)
+        if weights is not None:
+            found.append(weights)
+        if m.lora is not None and bucket and m.lora.bucket == bucket:
+            found.append(m.lora.prefix)
+    if not found:
+        return None
+    if "" in found:
+        return [""]
+    return list(dict.fromkeys(found))
+
+
+def _read_policy(code_bucket_arn: str, model_bucket: str | None, prefixes: list[str] | None = None) -> dict:
+    """Read the serving code, and the models' and adapters' files under their prefixes only (the
+    Run:ai streamer, Ray's mirror download and its LoRA download list a prefix, then get its objects)."""
     statements = [
         {
             "Sid": "ServingCode",
@@ -436,12 +458,13 @@ def _read_policy(code_bucket_arn: str, model_bucket: str | None, model_prefix: s
             "Action": ["s3:ListBucket"],
             "Resource": [f"arn:aws:s3:::{model_bucket}"],
         }
-        objects = f"arn:aws:s3:::{model_bucket}/*"
-        if model_prefix:
-            listing["Condition"] = {"StringLike": {"s3:prefix": [model_prefix, f"{model_prefix}/*"]}}
-            objects = f"arn:aws:s3:::{model_bucket}/{model_prefix}/*"
+        objects = [f"arn:aws:s3:::{model_bucket}/*"]
+        scoped = [p for p in prefixes or [] if p]
+        if scoped and "" not in (prefixes or []):
+            listing["Condition"] = {"StringLike": {"s3:prefix": [x for p in scoped for x in (p, f"{p}/*")]}}
+            objects = [f"arn:aws:s3:::{model_bucket}/{p}/*" for p in scoped]
         statements += [
             listing,
-            {"Sid": "ModelRead", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": [objects]},
+            {"Sid": "ModelRead", "Effect": "Allow", "Action": ["s3:GetObject"], "Resource": objects},
         ]
     return {"Version": "2012-10-17", "Statement": statements}

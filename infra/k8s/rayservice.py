@@ -1,9 +1,16 @@
-"""The RayService manifest, as plain data: head, prefill and decode groups from one spec.
+"""The RayService manifest, as plain data: the head and one worker group per GPU pool.
 
 What flows through here: the serving spec (which renders `serveConfigV2` through
-`ServingSpec.serve_config`, the same function `make serve` uses), the catalog entry of each
-pool's instance type, the pools' role labels and GPU taint, secret and service-account names
--> a `ray.io/v1` RayService dict. No Pulumi here: `LlmService` calls it inside an apply once
+`ServingSpec.serve_config`, the same function `make serve` uses; one model, or several behind
+one front door), the catalog entry of each pool's instance type, the pools' role labels and
+GPU taint, secret and service-account names -> a `ray.io/v1` RayService dict.
+
+Worker groups are per pool, never per model: a one-model stack has the groups `prefill` and
+`decode` sized from the model's replicas, as always; in the many-model form a pool's group
+takes the pool's node bounds (`PoolBounds`), so that adding a model to existing pools changes
+serveConfigV2 only, which KubeRay 1.7 applies to the running cluster's Serve in place
+(infra/k8s/upgrades.py). Every model's Serve deployments reach their pools through the pool's
+Ray node label (`ServingSpec.pool_label`) in their placement bundles' label selectors. No Pulumi here: `LlmService` calls it inside an apply once
 the code bucket's name is known, and the tests call it directly.
 
 Sizing rules (all from the catalog, never literals): a worker pod owns its node, asks for
@@ -27,7 +34,7 @@ from infra.model.head_sizing import HEAD_BASE_VCPUS
 from infra.model.scaling_signals import role_thresholds
 from infra.model.versions import RAY_VERSION
 from serving.drain import NODE_DRAIN_ENV
-from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target
+from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -110,12 +117,22 @@ class SecretRef:
 
 
 @dataclass(frozen=True)
+class PoolBounds:
+    """A pool's node group sizes: the worker group's bounds in the many-model form."""
+
+    min_size: int
+    desired_size: int
+    max_size: int
+
+
+@dataclass(frozen=True)
 class RayServiceInputs:
     name: str
     namespace: str
     image: str
     serving: ServingSpec
-    instances: dict[str, catalog.InstanceType]  # by engine role
+    # By pool name (nodePools); a one-model stack's pools are named after its roles.
+    instances: dict[str, catalog.InstanceType]
     working_dir: str  # s3:// URL of the packaged serving/ code
     head_service_account: str
     worker_service_account: str
@@ -144,6 +161,8 @@ class RayServiceInputs:
     # (infra/model/planning.py cold_start_seconds): decode's becomes the ingress's Retry-After
     # while it has no running replica (serving.spec.Target.cold_start_s).
     cold_start_s: dict[str, float] = field(default_factory=dict)
+    # By pool name: the node group sizes (needed in the many-model form only).
+    pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
 
 
 def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
@@ -214,33 +233,58 @@ def _pod_security() -> dict[str, Any]:
     return {"runAsNonRoot": True, "runAsUser": RAY_UID, "fsGroup": 100, "seccompProfile": {"type": "RuntimeDefault"}}
 
 
-def _target(inp: RayServiceInputs) -> Target:
+def used_pools(serving: ServingSpec) -> list[str]:
+    """The pools some model's engine role runs on, in the order the models first name them."""
+    return list(dict.fromkeys(m.pool_of(r) for m in serving.served for r in m.engine_roles()))
+
+
+def group_order(inp: RayServiceInputs) -> list[str]:
+    """The worker groups' order: the roles' (prefill, decode) with one model; with several, the
+    order of `instances` (nodePools order). KubeRay 1.7 adds worker groups APPENDED at the end
+    to the running cluster in place and starts a new cluster for any other change of the groups
+    (rayservice_controller.go shouldPrepareNewCluster -> isClusterSpecHashEqual partial=true),
+    so a new pool goes at the end of nodePools."""
+    used = used_pools(inp.serving)
+    if not inp.serving.many:
+        return used
+    return [p for p in inp.instances if p in used]
+
+
+def _target(inp: RayServiceInputs, spec: ServingSpec) -> Target:
+    """One model's Target: its pools' GPU types, fabric, planned thresholds and metric selectors."""
+    pools = used_pools(inp.serving)
     engine_env = dict(inp.extra_env)
-    engine_env.update(efa_engine_env(list(inp.instances.values())))
-    if any(i.efa for i in inp.instances.values()):
+    engine_env.update(efa_engine_env([inp.instances[p] for p in pools]))
+    if any(inp.instances[p].efa for p in pools):
         engine_env.update(NCCL_EFA_ENV)
-    backends = {i.nixl_backend for i in inp.instances.values()}
+    insts = {role: inp.instances[spec.pool_of(role)] for role in spec.engine_roles()}
+    backends = {i.nixl_backend for i in insts.values()}
     if len(backends) != 1:  # the config refuses EFA on one side only; never render it
         raise ValueError(f"prefill and decode pools need the same fabric (got {sorted(b.value for b in backends)})")
-    per_role = {role: i.ray_accelerator for role, i in inp.instances.items()}
+    per_role = {role: i.ray_accelerator for role, i in insts.items()}
     first = next(iter(per_role.values()))
+    # The scrape gives engine series a `role` label from the worker group's (pool's) name
+    # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST. On a
+    # pool several models share, vLLM's own `model_name` label tells their series apart.
+    model_sel = f',model_name="{spec.model.id}"' if inp.serving.many else ""
     return Target(
         accelerator_type=first,
         role_accelerator_types=per_role,
         working_dir=inp.working_dir,
         engine_env=engine_env,
         kv_backend=backends.pop(),
-        role_thresholds=role_thresholds(inp.serving, inp.instances),
-        # The scrape gives engine series a `role` label from the worker group's name
-        # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST.
-        metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{role}"' for role in inp.instances},
+        role_thresholds=role_thresholds(spec, insts),
+        metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{spec.pool_of(role)}"{model_sel}' for role in insts},
         cold_start_s=dict(inp.cold_start_s),
         traces_endpoint=inp.tracing.endpoint if inp.tracing else None,
     )
 
 
 def serve_config_yaml(inp: RayServiceInputs) -> str:
-    return yaml.safe_dump(inp.serving.serve_config(_target(inp)), sort_keys=False)
+    targets = {m.model.id: _target(inp, m) for m in inp.serving.served}
+    main = targets[inp.serving.served[0].model.id]
+    config = inp.serving.serve_config(main, model_targets=targets if inp.serving.many else None)
+    return yaml.safe_dump(config, sort_keys=False)
 
 
 def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
@@ -328,9 +372,33 @@ def _add_tracing(
     mounts.append(exporter_mount())
 
 
-def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
-    inst = inp.instances[role]
-    label = getattr(inp.serving.placement, role)
+def _pool_roles(serving: ServingSpec, pool: str) -> list[RoleSpec]:
+    """Every engine role (of every model) that runs on `pool`."""
+    return [rs for m in serving.served for r, rs in m.engine_roles().items() if m.pool_of(r) == pool]
+
+
+def _group_sizes(inp: RayServiceInputs, pool: str, roles: list[RoleSpec]) -> dict[str, int]:
+    """The worker group's pods: from the one model's replicas (one-model form), or the pool's
+    node bounds (many-model form: adding a model leaves the group as it is)."""
+    inst = inp.instances[pool]
+    if not inp.serving.many and len(roles) == 1:
+        (spec,) = roles
+        return {
+            "replicas": pods_for(spec, inst, spec.starting_replicas),
+            "minReplicas": pods_for(spec, inst, spec.min_replicas),
+            "maxReplicas": pods_for(spec, inst, spec.max_replicas),
+        }
+    b = inp.pool_bounds.get(pool)
+    if b is None:
+        raise ValueError(f"pool {pool!r}: its node bounds are needed to size its worker group (pool_bounds)")
+    return {"replicas": b.desired_size, "minReplicas": b.min_size, "maxReplicas": b.max_size}
+
+
+def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
+    role = pool  # the group, its container and its node label are named after the pool
+    inst = inp.instances[pool]
+    roles = _pool_roles(inp.serving, pool)
+    label = pool_label(inp.serving.placement, pool)
     limits = {
         "cpu": str(inst.pod_cpus),
         "memory": f"{inst.pod_memory_gib}Gi",
@@ -354,7 +422,6 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
         {"name": "ray-tmp", "mountPath": "/tmp/ray"},
     ]
     _add_tracing(inp, role, env, volumes, mounts)
-    initial = spec.starting_replicas
     container: dict[str, Any] = {
         "name": f"ray-{role}",
         "image": inp.image,
@@ -363,7 +430,10 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
         "securityContext": _security_context(),
         "volumeMounts": mounts,
     }
-    if replicas_span_pods(spec, inst):
+    # Several models share a pool, and its group follows the pool's node bounds: a pod may hold
+    # no replica at all, so no proxy. Such pods (and those of replicas that span pods) are Ready
+    # on their node's health and are no serve endpoint; the head's proxy takes the API traffic.
+    if inp.serving.many or any(replicas_span_pods(spec, inst) for spec in roles):
         # Only bundle 0's pod of a replica runs a proxy: every pod is Ready on its node's
         # health, and none is a serve endpoint (no "serve" port for the Service to target).
         container["readinessProbe"] = node_readiness_probe()
@@ -372,9 +442,7 @@ def _worker(inp: RayServiceInputs, role: str, spec: RoleSpec) -> dict[str, Any]:
         container["ports"] = [{"containerPort": SERVE_PORT, "name": SERVE_PORT_NAME}]
     return {
         "groupName": role,
-        "replicas": pods_for(spec, inst, initial),
-        "minReplicas": pods_for(spec, inst, spec.min_replicas),
-        "maxReplicas": pods_for(spec, inst, spec.max_replicas),
+        **_group_sizes(inp, pool, roles),
         "labels": {inp.serving.placement.label_key: label},
         # What the engines' placement bundles ask for besides CPU/GPU/memory: without it the
         # Ray autoscaler sees the demand as infeasible and never adds a pod (Ray 2.60
@@ -415,7 +483,7 @@ def rayservice_manifest(inp: RayServiceInputs) -> dict[str, Any]:
             "securityContext": _security_context(),
         },
         "headGroupSpec": _head(inp),
-        "workerGroupSpecs": [_worker(inp, role, spec) for role, spec in inp.serving.engine_roles().items()],
+        "workerGroupSpecs": [_worker(inp, pool) for pool in group_order(inp)],
     }
     if inp.gcs_redis_address:
         gcs: dict[str, Any] = {"redisAddress": inp.gcs_redis_address}

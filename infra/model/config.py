@@ -25,7 +25,6 @@ from pydantic import ValidationError, ValidationInfo, model_validator
 
 from infra.model.ami_check import ami_driver_errors
 from infra.model.head_sizing import stack_head_errors
-from infra.model.scale_to_zero import scale_to_zero_errors
 from infra.model.stack import cluster, gcs, network, pools, secrets, service
 from infra.model.stack import serving as served
 from infra.model.stack.cluster import AccessKeys, ClusterKeys, EndpointAccess, Environment
@@ -86,6 +85,10 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
     def _cross(self, info: ValidationInfo) -> StackConfig:
         """Checks that span several keys; every failing one is reported, the first one first."""
         ctx = info.context or {}
+        # Every other check reads the pools the models name: an unknown one stops here.
+        unknown = pools.pool_reference_errors(self)
+        if unknown:
+            raise cross_field(unknown)
         errors = [
             *network.zone_errors(self, ctx.get("region")),
             *cluster.ami_errors(self),
@@ -95,13 +98,13 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
             # Which secrets the stack holds comes from load(), never from the file's values.
             *secrets.secret_errors(self, ctx.get("secrets_present", frozenset())),
             *served.model_source_errors(self),
-            *scale_to_zero_errors(self.environment.value, self.serving),
+            *served.scale_to_zero_problems(self),
             *pools.pool_errors(self),
             *served.kv_transfer_errors(self),
             *served.vllm_option_errors(self),
             *service.image_errors(self),
             *ami_driver_errors(self.ami_release_version, {r: p.instance for r, p in self.node_pools}),
-            # Does the model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
+            # Does each model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
             *served.fit_problems(self),
         ]
         # The head's sizing reads the capacity plan, which assumes every check above passed.
@@ -171,4 +174,4 @@ def load(
             data, context={"secrets_present": frozenset(secrets_present), "region": region}
         )
     except ValidationError as err:
-        raise ConfigError(one_line(source, err), missing_secrets(err)) from None
+        raise ConfigError(one_line(source, err, data), missing_secrets(err)) from None

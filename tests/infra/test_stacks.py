@@ -204,10 +204,8 @@ def test_stack_outputs(stack):
     assert out["clusterName"] == f"pd-inference-{stack.stack}"
     assert json.loads(out["kubeconfig"])["kind"] == "Config"
     assert out["oidcIssuer"].startswith("https://oidc.eks.")
-    assert out["nodePools"] == {
-        "prefill": f"pd-inference-{stack.stack}-prefill",
-        "decode": f"pd-inference-{stack.stack}-decode",
-    }
+    # One EKS node group per nodePools entry (one-model stacks: prefill and decode).
+    assert out["nodePools"] == {name: f"pd-inference-{stack.stack}-{name}" for name in stack.config.node_pools.names()}
     assert out["systemNodeGroup"] == f"pd-inference-{stack.stack}-system"
     assert out["endpoint"].endswith(":8000/v1")
 

@@ -116,7 +116,9 @@ def test_ray_pods_are_shown_to_checkov(rendered_stacks) -> None:
     for stack, rendered in rendered_stacks.items():
         pods = ray_pods(rendered.manifests())
         groups = {p["metadata"]["name"].rsplit("-", 1)[-1] for p in pods.values()}
-        assert groups == {"head", *rendered.config.serving.engine_roles()}, stack
+        # The head and one worker group per pool a model runs on (one-model stacks: its roles).
+        serving = rendered.config.serving
+        assert groups == {"head", *(m.pool_of(r) for m in serving.served for r in m.engine_roles())}, stack
 
 
 @pytest.mark.parametrize("stack", STACKS)

@@ -83,6 +83,12 @@ def test_render_of_an_efa_stack_needs_no_serving_or_test_packages(tmp_path: Path
         ("tools.plan", ("--stack", "prod")),
         ("tools.diff", ("dev", "staging")),
         ("tools.efa_check", ("--stack", "prod", "--dry-run")),
+        ("tools.plan", ("--stack", "platform")),
+        # Without --write: validates, renders before and after, prints; changes no file.
+        (
+            "tools.model",
+            ("--stack", "platform", "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--pool", "decode=general"),
+        ),
     ],
 )
 def test_other_offline_tools_need_no_serving_or_test_packages(module: str, args: tuple[str, ...], tmp_path) -> None:

@@ -39,7 +39,9 @@ def cross_field(errors: list[tuple[str, str]]) -> ValueError:
 def _loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for p in loc:
-        if isinstance(p, int):
+        if isinstance(p, str) and p.startswith("\0"):  # a note on the part before it: "[1] (id)"
+            parts.append(f" {p[1:]}")
+        elif isinstance(p, int):
             parts.append(f"[{p}]")
         elif parts:
             parts.append(f".{p}")
@@ -48,9 +50,25 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return "".join(parts)
 
 
-def one_line(source: str, err: ValidationError) -> str:
+def _model_id(data: Any, loc: tuple[Any, ...]) -> str | None:
+    """The model id of the `serving.models[i]` entry an error's location points into, if any."""
+    if len(loc) < 3 or loc[:2] != ("serving", "models") or not isinstance(loc[2], int) or not isinstance(data, dict):
+        return None
+    try:
+        model_id = data["serving"]["models"][loc[2]]["model"]["id"]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return model_id if isinstance(model_id, str) else None
+
+
+def one_line(source: str, err: ValidationError, data: Any = None) -> str:
+    """The first error of `err` as one line naming the file and the key (with `data`, the
+    stack's values, a `serving.models[i]` key also names that entry's model id)."""
     e = err.errors(include_url=False)[0]
     loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and p.startswith(("function-", "tagged-union"))))
+    model_id = _model_id(data, loc)
+    if model_id is not None:
+        loc = (*loc[:3], f"\0({model_id})", *loc[3:])
     msg = str(e["msg"])
     for prefix in ("Value error, ", "Assertion failed, "):
         if msg.startswith(prefix):

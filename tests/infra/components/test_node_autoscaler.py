@@ -52,11 +52,13 @@ def stack(request, rendered_stacks):
 
 
 def _gpu_groups(stack) -> dict:
-    # By role label: a pool with a pinned amiId carries no `gpu` flag (amiId excludes it).
+    # By role label (the pool's name): a pool with a pinned amiId carries no `gpu` flag (amiId
+    # excludes it). Every nodePools entry is a GPU node group (platform: prefill, decode, general).
+    pools = set(stack.config.node_pools.names())
     return {
         r.inputs["labels"][ROLE_LABEL]: r
         for r in stack.result.of_type(MNG)
-        if (r.inputs.get("labels") or {}).get(ROLE_LABEL) in ("prefill", "decode")
+        if (r.inputs.get("labels") or {}).get(ROLE_LABEL) in pools
     }
 
 

@@ -20,6 +20,7 @@ import logging
 import pytest
 import yaml
 
+from serving.spec import MODEL_APP_PREFIX
 from tests.conftest import STACKS
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -44,7 +45,19 @@ def _node_types(rayservice: dict, *, from_zero: bool = True, strip_resources: bo
     return AutoscalingConfig(config).get_node_type_configs(), config["max_workers"]
 
 
-def _replica_gang(rayservice: dict, role: str):
+def _engine_config(rayservice: dict, role: str, model_id: str | None = None) -> dict:
+    """A role's LLMConfig as rendered: the one application's args, or with several models
+    (serving.models) the args of that model's own application."""
+    apps = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    args = (
+        apps[0]["args"]
+        if model_id is None
+        else next(a for a in apps if a["name"] == MODEL_APP_PREFIX + model_id)["args"]
+    )
+    return args[f"{role}_config"] if f"{role}_config" in args else args["llm_configs"][0]
+
+
+def _replica_gang(rayservice: dict, role: str, model_id: str | None = None):
     """One engine replica's placement-group demand, as Ray Serve LLM builds it."""
     from ray.autoscaler.v2.utils import ResourceRequestUtil
     from ray.core.generated.autoscaler_pb2 import GangResourceRequest
@@ -52,8 +65,7 @@ def _replica_gang(rayservice: dict, role: str):
     from ray.llm._internal.serve.engines.vllm.vllm_models import VLLMEngineConfig
     from ray.serve.llm import LLMConfig
 
-    args = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"][0]["args"]
-    raw = args[f"{role}_config"] if f"{role}_config" in args else args["llm_configs"][0]
+    raw = _engine_config(rayservice, role, model_id)
     llm = LLMConfig.model_validate(raw)
     bundles = VLLMEngineConfig.from_llm_config(llm).placement_bundles
     selectors = raw["deployment_config"]["placement_group_bundle_label_selector"]
@@ -90,14 +102,19 @@ def test_one_more_replica_adds_one_pod_of_its_own_group(stack_name, rendered_sta
     rendered = rendered_stacks[stack_name]
     rs = _rayservice(rendered)
     node_types, max_workers = _node_types(rs)
-    for role, spec in rendered.config.serving.engine_roles().items():
-        inst = getattr(rendered.config.node_pools, role).instance
-        launched, infeasible = _schedule(node_types, max_workers, [_replica_gang(rs, role)])
-        assert infeasible == [], f"{stack_name}: Ray's autoscaler finds a {role} replica infeasible"
-        # One Serve replica is one engine rank (TP x PP GPUs); with data parallelism a DP group
-        # is data_parallel_size such replicas, each a gang of its own.
-        expected = sizing.nodes_for(1, spec.gpus_per_rank, inst.gpus)
-        assert launched == {role: expected}, f"{stack_name}: a {role} replica launched {launched}"
+    serving = rendered.config.serving
+    # Every model's roles (one-model stacks: the one model; its pools are named after the roles).
+    for model in serving.served:
+        model_id = model.model.id if serving.many else None
+        for role, spec in model.engine_roles().items():
+            pool = model.pool_of(role)
+            inst = rendered.config.node_pools[pool].instance
+            launched, infeasible = _schedule(node_types, max_workers, [_replica_gang(rs, role, model_id)])
+            assert infeasible == [], f"{stack_name}: Ray's autoscaler finds a {role} replica infeasible"
+            # One Serve replica is one engine rank (TP x PP GPUs); with data parallelism a DP group
+            # is data_parallel_size such replicas, each a gang of its own.
+            expected = sizing.nodes_for(1, spec.gpus_per_rank, inst.gpus)
+            assert launched == {pool: expected}, f"{stack_name}: a {model.model.id} {role} replica launched {launched}"
 
 
 @pytest.mark.parametrize("stack_name", STACKS)

@@ -86,10 +86,16 @@ def _node_drain_s(pod: dict) -> float:
 def _serve(rs: dict) -> tuple[float, list[float]]:
     """(Serve's proxy request timeout, every deployment's graceful_shutdown_timeout_s)."""
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    args = serve["applications"][0]["args"]
-    engines = args.get("llm_configs") or [args["prefill_config"], args["decode_config"]]
-    timeouts = [args["ingress_deployment_config"]["graceful_shutdown_timeout_s"]]
-    timeouts += [e["deployment_config"]["graceful_shutdown_timeout_s"] for e in engines]
+    timeouts = []
+    # One application (one model), or a front door plus one application per model.
+    for app in serve["applications"]:
+        args = app["args"]
+        engines = [args[k] for k in ("prefill_config", "decode_config") if k in args] + list(
+            args.get("llm_configs", [])
+        )
+        if "ingress_deployment_config" in args:
+            timeouts.append(args["ingress_deployment_config"]["graceful_shutdown_timeout_s"])
+        timeouts += [e["deployment_config"]["graceful_shutdown_timeout_s"] for e in engines]
     return serve["http_options"]["request_timeout_s"], timeouts
 
 

@@ -125,8 +125,12 @@ def test_nlb_settings_ride_on_the_serve_service(rendered_stacks):
 
 # --- item 4: every pod becomes Ready; only pods that run a proxy get API traffic -------------------
 def _engines(rs: dict) -> list[dict]:
-    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
-    return [args[k] for k in ("prefill_config", "decode_config") if k in args] + list(args.get("llm_configs", []))
+    """Every engine config of every application (several with serving.models: one per model)."""
+    out: list[dict] = []
+    for app in yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]:
+        args = app["args"]
+        out += [args[k] for k in ("prefill_config", "decode_config") if k in args] + list(args.get("llm_configs", []))
+    return out
 
 
 def _group_of(rs: dict, engine: dict) -> str:

@@ -30,11 +30,13 @@ def _rayservice(rendered) -> dict:
 
 
 def _kv_configs(serve: dict) -> dict[str, dict]:
-    args = serve["applications"][0]["args"]
+    """Every P/D side's KV transfer config, by "<application> <side>" (one application per
+    model with serving.models)."""
     return {
-        side: args[side]["engine_kwargs"]["kv_transfer_config"]
+        f"{app['name']} {side}": app["args"][side]["engine_kwargs"]["kv_transfer_config"]
+        for app in serve["applications"]
         for side in ("prefill_config", "decode_config")
-        if side in args
+        if side in app["args"]
     }
 
 

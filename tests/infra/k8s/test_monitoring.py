@@ -98,10 +98,11 @@ def test_ray_pods_are_scraped_on_kuberays_metrics_port_with_their_role(stack):
         ["__meta_kubernetes_pod_label_ray_io_node_type"],
     ]
     assert role_rules[1]["regex"] == "head" and role_rules[1]["replacement"] == "head"
-    # The worker groups are named after the roles the dashboards and rules group by.
+    # The worker groups are named after the pools the models' roles run on (one-model stacks:
+    # the roles the dashboards and rules group by).
     rs = next(o for o in stack.manifests().values() if o.get("kind") == "RayService")
     groups = {g["groupName"] for g in rs["spec"]["rayClusterConfig"]["workerGroupSpecs"]}
-    assert groups == set(stack.config.serving.engine_roles())
+    assert groups == {m.pool_of(r) for m in stack.config.serving.served for r in m.engine_roles()}
     for c in [rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]]:
         # No port of ours may take the name or number KubeRay's metrics port needs.
         assert all(p.get("name") != "metrics" and p["containerPort"] != 8080 for p in c.get("ports", []))

@@ -24,6 +24,7 @@ from infra.k8s.labels import ROLE_LABEL
 from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE, pods_for
 from infra.model import catalog
 from infra.paths import ROOT
+from serving.spec import MODEL_APP_PREFIX, pool_label
 from tests.conftest import STACKS
 
 CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "schemas" / "kuberay-1.7.0"))
@@ -99,10 +100,11 @@ def test_crd_validation_can_fail(stack):
 
 def test_worker_groups_ask_for_every_gpu_and_efa_interface_of_their_pool(stack):
     cfg, rs = stack.config, _rayservice(stack)
-    pools = {"prefill": cfg.node_pools.prefill, "decode": cfg.node_pools.decode}
+    pools = dict(cfg.node_pools)
     mngs = {r.inputs["labels"][ROLE_LABEL]: r.inputs for r in stack.result.of_type("eks:index:ManagedNodeGroup")}
     groups = _groups(rs)
-    assert set(groups) == set(cfg.serving.engine_roles())
+    # One group per pool a model's role runs on (one-model stacks: its roles' pools).
+    assert set(groups) == {m.pool_of(r) for m in cfg.serving.served for r in m.engine_roles()}
     for role, group in groups.items():
         inst = catalog.lookup(pools[role].instance_type)
         pod = group["template"]["spec"]
@@ -132,11 +134,19 @@ def test_worker_groups_ask_for_every_gpu_and_efa_interface_of_their_pool(stack):
             )
         shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}
-        assert group["labels"] == {cfg.serving.placement.label_key: getattr(cfg.serving.placement, role)}
+        assert group["labels"] == {cfg.serving.placement.label_key: pool_label(cfg.serving.placement, role)}
 
 
 def test_replica_counts_follow_the_spec(stack):
     cfg = stack.config
+    if cfg.serving.many:
+        # Several models: a group follows its pool's node bounds (adding a model leaves it
+        # alone); the stack check made maxSize hold every model on the pool.
+        for name, group in _groups(_rayservice(stack)).items():
+            pool = cfg.node_pools[name]
+            got = (group["minReplicas"], group["replicas"], group["maxReplicas"])
+            assert got == (pool.min_size, pool.desired_size, pool.max_size)
+        return
     for role, group in _groups(_rayservice(stack)).items():
         spec = cfg.serving.engine_roles()[role]
         inst = catalog.lookup(getattr(cfg.node_pools, role).instance_type)
@@ -195,7 +205,11 @@ def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
             namespace=cfg.namespace,
             image=cfg.ray_image,
             serving=cfg.serving,
-            instances={r: catalog.lookup(getattr(cfg.node_pools, r).instance_type) for r in cfg.serving.engine_roles()},
+            instances={
+                m.pool_of(r): cfg.node_pools[m.pool_of(r)].instance
+                for m in cfg.serving.served
+                for r in m.engine_roles()
+            },
             working_dir=app["runtime_env"]["working_dir"],
             head_service_account="",
             worker_service_account="",
@@ -209,16 +223,26 @@ def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(serve)
-    args = app["args"]
-    configs = args.get("llm_configs") or [args["prefill_config"], args["decode_config"]]
-    for llm in configs:
-        parsed = LLMConfig.model_validate(llm)
-        inst = catalog.lookup(stack.config.node_pools.decode.instance_type)
-        assert parsed.accelerator_type == inst.ray_accelerator
-    if "prefill_config" in args:
-        from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
+    from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
 
-        PDServingArgs.model_validate({k: args[k] for k in ("prefill_config", "decode_config")})
+    # The engines: the one application's, or each model's own application's.
+    apps = {a["name"]: a for a in serve["applications"]}
+    for model in cfg.serving.served:
+        args = apps[MODEL_APP_PREFIX + model.model.id]["args"] if cfg.serving.many else app["args"]
+        roles = (
+            {"decode": args["llm_configs"][0]}
+            if "llm_configs" in args
+            else {
+                "prefill": args["prefill_config"],
+                "decode": args["decode_config"],
+            }
+        )
+        for role, llm in roles.items():
+            parsed = LLMConfig.model_validate(llm)
+            inst = cfg.node_pools[model.pool_of(role)].instance
+            assert parsed.accelerator_type == inst.ray_accelerator
+        if "prefill_config" in args:
+            PDServingArgs.model_validate({k: args[k] for k in ("prefill_config", "decode_config")})
 
 
 def test_code_hash_changes_with_serving_code(tmp_path, monkeypatch):
@@ -356,12 +380,20 @@ def test_the_serve_controller_can_read_the_stacks_prometheus(stack):
     head_env = rs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
     host = next(e for e in head_env if e["name"] == "RAY_PROMETHEUS_HOST")
     assert host["value"] == stack.result.outputs["prometheusUrl"]
-    args = yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"][0]["args"]
-    configs = {r: args[f"{r}_config"] for r in ("prefill", "decode") if f"{r}_config" in args}
-    configs = configs or {"decode": args["llm_configs"][0]}
-    for role, cfg in configs.items():
-        policy = cfg["deployment_config"]["autoscaling_config"]["policy"]
-        assert policy["policy_kwargs"]["metrics_selector"] == f'role="{role}"'
+    serving = stack.config.serving
+    apps = {a["name"]: a for a in yaml.safe_load(rs["spec"]["serveConfigV2"])["applications"]}
+    for model in serving.served:
+        args = apps[MODEL_APP_PREFIX + model.model.id]["args"] if serving.many else apps["llm"]["args"]
+        configs = {r: args[f"{r}_config"] for r in ("prefill", "decode") if f"{r}_config" in args}
+        configs = configs or {"decode": args["llm_configs"][0]}
+        for role, cfg in configs.items():
+            policy = cfg["deployment_config"]["autoscaling_config"]["policy"]
+            # The scrape labels series by worker group (= pool); on a shared pool vLLM's
+            # model_name label tells the models apart.
+            want = f'role="{model.pool_of(role)}"'
+            if serving.many:
+                want += f',model_name="{model.model.id}"'
+            assert policy["policy_kwargs"]["metrics_selector"] == want
 
 
 def test_prod_streams_its_s3_weights_with_the_runai_streamer(rendered_stacks):

@@ -194,8 +194,14 @@ def test_every_engine_exports_vllm_spans_to_the_same_collector(stack):
     rs = _rayservice(stack.result)
     head_env = _env(_containers(rs)["head"][1])
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
-    args = serve["applications"][0]["args"]
-    configs = [args[k] for k in ("prefill_config", "decode_config") if k in args] + list(args.get("llm_configs", []))
+    # One application (one model), or a front door plus one application per model.
+    configs = [
+        c
+        for app in serve["applications"]
+        for c in [app["args"].get(k) for k in ("prefill_config", "decode_config")]
+        + list(app["args"].get("llm_configs", []))
+        if c
+    ]
     assert configs
     for c in configs:
         assert c["engine_kwargs"]["otlp_traces_endpoint"] == head_env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"]
