@@ -29,6 +29,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
+from infra.components.buckets import private_bucket
 from infra.components.iam import trusted_by
 from infra.k8s.egress import fallback_egress_policy
 from infra.k8s.labels import KUBERAY_NAMESPACE
@@ -151,35 +152,7 @@ class CodeBucket:
 
 def create_code_bucket(name: str, tags: dict[str, str], opts: pulumi.ResourceOptions) -> CodeBucket:
     """serving/ as a content-hashed zip in a private, KMS-encrypted, versioned bucket."""
-    bucket = aws.s3.Bucket(f"{name}-code", bucket_prefix=f"{name}-code-", force_destroy=True, tags=tags, opts=opts)
-    aws.s3.BucketPublicAccessBlock(
-        f"{name}-code-pab",
-        bucket=bucket.id,
-        block_public_acls=True,
-        block_public_policy=True,
-        ignore_public_acls=True,
-        restrict_public_buckets=True,
-        opts=opts,
-    )
-    aws.s3.BucketOwnershipControls(
-        f"{name}-code-owner",
-        bucket=bucket.id,
-        rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
-        opts=opts,
-    )
-    aws.s3.BucketServerSideEncryptionConfiguration(
-        f"{name}-code-sse",
-        bucket=bucket.id,
-        rules=[
-            aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
-                apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
-                    sse_algorithm="aws:kms"
-                ),
-                bucket_key_enabled=True,
-            )
-        ],
-        opts=opts,
-    )
+    bucket = private_bucket(f"{name}-code", tags, opts)
     aws.s3.BucketVersioning(
         f"{name}-code-versioning",
         bucket=bucket.id,

@@ -23,6 +23,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
+from infra.components.buckets import private_bucket
 from infra.components.helm import release
 from infra.components.iam import trusted_by
 from infra.k8s import tracing
@@ -97,35 +98,7 @@ def create_trace_store(
 
 def _bucket(name: str, retention_days: int, tags: dict[str, str], opts: pulumi.ResourceOptions) -> aws.s3.Bucket:
     """Tempo's blocks: private, KMS-encrypted, expired a day after Tempo's own retention."""
-    bucket = aws.s3.Bucket(f"{name}-traces", bucket_prefix=f"{name}-traces-", force_destroy=True, tags=tags, opts=opts)
-    aws.s3.BucketPublicAccessBlock(
-        f"{name}-traces-pab",
-        bucket=bucket.id,
-        block_public_acls=True,
-        block_public_policy=True,
-        ignore_public_acls=True,
-        restrict_public_buckets=True,
-        opts=opts,
-    )
-    aws.s3.BucketOwnershipControls(
-        f"{name}-traces-owner",
-        bucket=bucket.id,
-        rule=aws.s3.BucketOwnershipControlsRuleArgs(object_ownership="BucketOwnerEnforced"),
-        opts=opts,
-    )
-    aws.s3.BucketServerSideEncryptionConfiguration(
-        f"{name}-traces-sse",
-        bucket=bucket.id,
-        rules=[
-            aws.s3.BucketServerSideEncryptionConfigurationRuleArgs(
-                apply_server_side_encryption_by_default=aws.s3.BucketServerSideEncryptionConfigurationRuleApplyServerSideEncryptionByDefaultArgs(
-                    sse_algorithm="aws:kms"
-                ),
-                bucket_key_enabled=True,
-            )
-        ],
-        opts=opts,
-    )
+    bucket = private_bucket(f"{name}-traces", tags, opts)
     aws.s3.BucketLifecycleConfiguration(
         f"{name}-traces-lifecycle",
         bucket=bucket.id,
