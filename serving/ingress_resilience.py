@@ -148,6 +148,10 @@ async def first_chunk(
         return first, stream
 
 
+# Between two tries of a continuation that Serve refused for back-pressure.
+CONTINUATION_BACKOFF_S = 0.25
+
+
 @dataclass
 class Migration:
     """What `guarded_stream` needs to continue a stream cut after its first byte
@@ -257,12 +261,22 @@ async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | str:
         logger.warning("stream cut (%s): no continuation left", cut.value)
         return sse_error("The model stream failed; the answer is incomplete.", 500)
     migration.attempts -= 1
-    try:
-        resumed = await migration.resume(body)
-    except Exception as exc:  # Unservable (no replica, deadline), an engine refusal
-        migration.on_outcome(cut, MigrationOutcome.FAILED)
-        logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
-        return sse_error("The model stream failed; the answer is incomplete.", 500)
+    # Serve's back-pressure right after a replica died (its streams and the new requests all
+    # land on the survivors at once) is waited out for up to stallTimeoutS: the client already
+    # holds part of this answer, so its continuation queues where a new request is refused.
+    patience = time.monotonic() + migration.stall_timeout_s
+    while True:
+        try:
+            resumed = await migration.resume(body)
+            break
+        except Exception as exc:  # Unservable (no replica, overload, the deadline), an engine refusal
+            busy = isinstance(exc, Unservable) and exc.reason is Reason.OVERLOADED
+            if busy and time.monotonic() + CONTINUATION_BACKOFF_S < patience:
+                await asyncio.sleep(CONTINUATION_BACKOFF_S)
+                continue
+            migration.on_outcome(cut, MigrationOutcome.FAILED)
+            logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
+            return sse_error("The model stream failed; the answer is incomplete.", 500)
     migration.on_outcome(cut, MigrationOutcome.CONTINUED)
     logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
     return resumed

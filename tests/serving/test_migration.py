@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError
 from serving.ingress_resilience import Migration, guarded_stream
 from serving.migration import APPLIED, CARRIED, NOT_CONTINUED, RECOMPUTED, StreamRecord, not_continuable
 from serving.request_fields import ALLOWED
-from serving.resilience import Reason, sse_error
+from serving.resilience import Reason, overloaded, sse_error
 from tests.serving.fakes import FakeStream, collect, run
 
 PROMPT = [101, 102, 103, 104]
@@ -120,7 +120,7 @@ def client_view(packets):
     return text, ids, finishes, usage, done, errors
 
 
-def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=None, resume_fails=False):
+def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=None, resume_fails=False, busy=0):
     record = StreamRecord(endpoint, fields, max_tokens)
     sent, outcomes = [], []
 
@@ -128,6 +128,8 @@ def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=
         sent.append(body)
         if resume_fails:
             raise RuntimeError("no decode replica")
+        if len(sent) <= busy:  # Serve's back-pressure on the surviving replicas
+            raise overloaded(1)
         packets = engine_events("completions", body["prompt"], rid="cmpl-cont", max_tokens=body.get("max_tokens"))
         if die_again_after is not None and len(sent) == 1:
             packets = [*packets[:die_again_after], RayActorError()]
@@ -333,3 +335,20 @@ def test_a_chat_stream_with_tool_calls_or_reasoning_is_not_continued():
     }
     record.relay(f"data: {json.dumps(ev)}\n\n")
     assert record.not_continuable() == "reasoning"
+
+
+def test_a_continuation_waits_out_back_pressure_within_the_stall_bound():
+    """Right after a death the survivors get its streams and the new requests at once: Serve
+    refuses some for back-pressure. The continuation tries again (not a new migration)."""
+    fields = {"model": "m", "stream": True, **USAGE}
+    original = engine_events("chat", PROMPT, rid="r", max_tokens=None)
+    m, sent, outcomes = make_migration("chat", fields, None, attempts=1, busy=3)
+    out, _ = relay([*original[:4], RayActorError()], m)
+    assert client_view(out)[0] == full_text() and outcomes == [(Reason.REPLICA_DIED, "continued")]
+    assert len(sent) == 4  # three refusals, then taken
+    # Past the stall bound it gives up with the error event.
+    m, sent, outcomes = make_migration("chat", fields, None, busy=10**6)
+    m.stall_timeout_s = 0.6
+    out, _ = relay([*original[:4], RayActorError()], m)
+    assert len(client_view(out)[5]) == 1 and outcomes == [(Reason.REPLICA_DIED, "failed")]
+    assert 2 <= len(sent) <= 4

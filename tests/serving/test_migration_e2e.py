@@ -121,12 +121,19 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
 
     results, _ = asyncio.run(scenario())
     assert results, "no stream finished"
+    # 24 clients on the one replica left after the kill may meet Serve's admission bound: a
+    # request refused before its first byte gets the designed 503 + Retry-After (the overload
+    # tests cover it). A stream that started must end complete.
+    refused = [r for _, r in results if r.status == 503 and r.retry_after and "overloaded" in (r.error or "")]
     bad = []
     for kind, r in results:
+        if any(r is x for x in refused):
+            continue
         finish = r.usage and r.usage.get("completion_tokens")
         if not r.ok or finish != MAX_TOKENS:
             bad.append((kind, r.kind, r.usage, r.error_event, r.error))
     assert not bad, f"{len(bad)} of {len(results)} streams cut or short: {bad[:4]}"
+    assert len(refused) < len(results) / 10, f"{len(refused)} of {len(results)} refused"
     # The kill cut streams, and each of them was continued on the other replica.
     deadline = time.monotonic() + 60
     after = before
