@@ -64,17 +64,7 @@ async def _round(ctx: Any, fault: Any = None) -> list[Streamed]:
 
 
 def _migrations(urls: list[str]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for url in urls:
-        try:
-            text = httpx.get(url, timeout=10).text
-        except httpx.HTTPError:
-            continue
-        for series, labels, value in hops.parse_prometheus(text):
-            if series == MIGRATIONS:
-                key = labels.get("outcome", "")
-                out[key] = out.get(key, 0.0) + value
-    return out
+    return hops.scrape_by_label(urls, MIGRATIONS, "outcome")
 
 
 def _summary(got: list[Streamed], reference: str | None) -> dict[str, Any]:

@@ -50,6 +50,24 @@ def metric_total(
     return sum(v for n, labels, v in samples if n == name and where(labels))
 
 
+def scrape_by_label(metrics_urls: Iterable[str], name: str, label: str) -> dict[str, float]:
+    """{value of `label`: total} of one series, summed over the metrics endpoints that answer
+    (an endpoint that does not, e.g. a node restarting, is skipped)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for url in metrics_urls:
+        try:
+            text = httpx.get(url, timeout=10).text
+        except httpx.HTTPError:
+            continue
+        for series, labels, value in parse_prometheus(text):
+            if series == name:
+                key = labels.get(label, "")
+                out[key] = out.get(key, 0.0) + value
+    return out
+
+
 # The engine histograms the breakdown reads, by their vLLM names (vllm/v1/metrics/loggers.py).
 ENGINE_HISTOGRAMS = {
     "ttft": "vllm:time_to_first_token_seconds",

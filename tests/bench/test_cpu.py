@@ -153,7 +153,7 @@ def test_ray_daemons_by_command_name():
 
 def test_the_local_prometheus_is_no_targets():
     # `make serve` runs a Prometheus for the autoscaling signals: not on any request's path.
-    assert classify("/work/.cache/prometheus/usr/bin/prometheus --config.file=x", name="prometheus")[1] is None
+    assert classify(".cache/prometheus/usr/bin/prometheus --config.file=x", name="prometheus")[1] is None
 
 
 def test_engine_core_and_workers_take_the_role_of_the_replica_above_them():

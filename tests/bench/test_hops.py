@@ -153,3 +153,23 @@ def test_engine_rows_through_ray_are_marked_approximate_and_plain_vllm_is_not():
     proxy = next(line for line in lines if line.startswith("proxy -> ingress"))
     assert "~" not in proxy  # Serve's spans are exact
     assert out.endswith(RAY_HISTOGRAM_NOTE)
+
+
+def test_scrape_by_label_sums_a_series_over_the_endpoints_that_answer(monkeypatch):
+    import httpx
+
+    from bench import hops
+
+    texts = {
+        "http://a/metrics": 'ray_x_total{outcome="continued"} 2.0\nray_x_total{outcome="failed"} 1.0\nray_y_total 9.0\n',
+        "http://b/metrics": 'ray_x_total{outcome="continued"} 3.0\n',
+    }
+
+    def get(url, timeout):
+        if url not in texts:
+            raise httpx.ConnectError("node restarting")
+        return httpx.Response(200, text=texts[url])
+
+    monkeypatch.setattr(httpx, "get", get)
+    got = hops.scrape_by_label([*texts, "http://c/metrics"], "ray_x_total", "outcome")
+    assert got == {"continued": 5.0, "failed": 1.0}

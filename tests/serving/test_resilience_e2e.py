@@ -31,17 +31,7 @@ def _metric_total(stack, name: str) -> dict[str, float]:
 
 def _metric_total_by(stack, name: str, label: str) -> dict[str, float]:
     """{value of `label`: total} of a Ray-exported counter, summed over the nodes' endpoints."""
-    out: dict[str, float] = {}
-    for node in stack.nodes:
-        try:
-            text = httpx.get(node["metrics_url"], timeout=10).text
-        except httpx.HTTPError:
-            continue
-        for series, labels, value in hops.parse_prometheus(text):
-            if series == name:
-                key = labels.get(label, "")
-                out[key] = out.get(key, 0.0) + value
-    return out
+    return hops.scrape_by_label([n["metrics_url"] for n in stack.nodes], name, label)
 
 
 # After the killed prefill replica is back, the stack must be doing P/D again within this
