@@ -38,19 +38,28 @@ from pydantic import TypeAdapter, ValidationError
 from ray.serve import Application
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.llm import build_openai_app, build_pd_openai_app
-from ray.serve.llm.ingress import OpenAiIngress
+from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
 from ray.serve.llm.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
 )
 from starlette.responses import JSONResponse, Response
 
+from serving.catalog import ModelCatalog
 from serving.fallback import SERVED_BY
 from serving.hybrid import HybridRouting
 from serving.ingress_resilience import ResilientIngressMixin, dispatch_call
 from serving.request_fields import refused_field
-from serving.resilience import OVERLOADED_MESSAGE, Unservable, in_background
-from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec, parse_api_keys
+from serving.resilience import OVERLOADED_MESSAGE, Reason, Unservable, in_background
+from serving.spec import (
+    API_KEYS_ENV,
+    APP_NAME,
+    INGRESS_DEPLOYMENT,
+    MODELS_MODE,
+    AuthMode,
+    ResilienceSpec,
+    parse_api_keys,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -94,6 +103,23 @@ def error_response(
         }
     }
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
+
+
+def model_not_found(model: str) -> JSONResponse:
+    """OpenAI's answer for a model that does not exist or that the key may not use: the same
+    words for both, so a key learns nothing about models outside its own."""
+    return error_response(
+        404,
+        f"The model '{model}' does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )
+
+
+# A model whose application Serve has not deployed yet (it deploys a config's applications
+# side by side): retry soon.
+MODEL_STARTING_MESSAGE = "The model is not available yet; retry later."
+MODEL_STARTING_RETRY_S = 5
 
 
 def auth_mode(mode: str, where: str = "auth mode") -> AuthMode:
@@ -198,9 +224,12 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         auth_mode: str = AUTH_API_KEY,
         api_keys_env: str = DEFAULT_API_KEYS_ENV,
         resilience: Mapping[str, Any] | None = None,
+        models_mode: bool = False,
         **kwargs: Any,
     ):
         super().__init__(llm_deployments, model_cards, **kwargs)
+        # The many-model front door: its models arrive in user_config (serving/catalog.py).
+        self._catalog = ModelCatalog() if models_mode else None
         # Deadlines, retries, fast refusals for chat/completions (serving/ingress_resilience.py).
         self._init_resilience(resilience or ResilienceSpec().runtime_args())
         keys = parse_api_keys(os.environ.get(api_keys_env))
@@ -225,7 +254,11 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             app_name, own = APP_NAME, INGRESS_DEPLOYMENT
 
         def engine(model: str) -> str | None:
-            return getattr(self._default_serve_handles.get(model), "deployment_name", None)
+            deployment = getattr(self._default_serve_handles.get(model), "deployment_name", None)
+            if self._catalog is None or deployment is None:
+                return deployment
+            # Another application's deployment: ClusterWatch keys those "<app>/<deployment>".
+            return f"{self._catalog.entries[model].app_name}/{deployment}" if model in self._catalog.entries else None
 
         def default_model() -> str | None:
             return next(iter(self._model_cards)) if len(self._model_cards) == 1 else None
@@ -264,8 +297,54 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
 
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's lightweight update: the fallback and limits from the Serve config's
-        `deployments[].user_config` (ServingSpec.ingress_user_config), no restart."""
+        `deployments[].user_config` (ServingSpec.ingress_user_config), no restart; in the
+        many-model form also the models (ServingSpec.model_table), so adding one touches
+        neither this replica nor any other model's engines."""
+        if self._catalog is not None:
+            self._take_models(user_config.get("models"))
         await self._hybrid.reconfigure(user_config)
+
+    def _take_models(self, rows: Any) -> None:
+        """The model table into Ray's ingress tables (serving/catalog.py); handles of models
+        that left or moved are dropped, new ones looked up on their first request."""
+        assert self._catalog is not None
+        added, removed = self._catalog.update(rows)
+        self._model_cards = self._catalog.cards()
+        self._lora_paths = self._catalog.lora_paths()
+        for model_id in list(self._default_serve_handles):
+            if self._catalog.handle(model_id) is None:
+                del self._default_serve_handles[model_id]
+        for model_id in list(self._configured_serve_handles):
+            if model_id.split(":", 1)[0] not in self._default_serve_handles:
+                del self._configured_serve_handles[model_id]
+        logger.info(
+            "front door models: %s (added %s, removed %s)", sorted(self._model_cards), sorted(added), sorted(removed)
+        )
+
+    async def _get_model_id(self, model: str | None) -> str:
+        """Ray's choice of model (404 for an unknown one), and in the many-model form the
+        handle to its application, looked up on its first request."""
+        model_id: str = await super()._get_model_id(model)
+        base = model_id.split(":", 1)[0]
+        if self._catalog is not None and base not in self._default_serve_handles:
+            try:
+                self._default_serve_handles[base] = await self._catalog.resolve(base)
+            except Exception as exc:  # its application is not deployed (yet)
+                logger.warning("no handle to model %s yet: %r", base, exc)
+                raise Unservable(
+                    Reason.DECODE_UNAVAILABLE, 503, MODEL_STARTING_MESSAGE, MODEL_STARTING_RETRY_S
+                ) from None
+        return model_id
+
+    def _unknown_model(self, model: Any) -> JSONResponse | None:
+        """OpenAI's 404 for a model (or `<model>:<adapter>`) this front door does not serve,
+        before any limit is charged."""
+        if not isinstance(model, str):
+            return None  # absent: Ray picks the only model, or answers 400
+        base, _, adapter = model.partition(":")
+        if base in self._model_cards and (not adapter or base in self._lora_paths):
+            return None
+        return model_not_found(model)
 
     async def on_unservable(self, body: Any, raw_request: Request, failure: Any) -> Response | None:
         """The resilience layer's hook: the cluster cannot serve `body` (before any byte was
@@ -298,6 +377,9 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             refused = refused_field(endpoint, body)
             if refused is not None:
                 return error_response(400, refused[1], param=refused[0], code="unsupported_parameter")
+            unknown = self._unknown_model(body.get("model"))
+            if unknown is not None:
+                return unknown
         try:
             typed = _adapter(model_cls).validate_python(body)
         except ValidationError as err:
@@ -337,7 +419,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         except Exception as exc:
             resp = _from_exception(exc)
             if resp.status_code == 404:
-                return error_response(404, f"The model '{model}' does not exist.", param="model")
+                return model_not_found(model)
             return resp
 
     # Endpoints a chat model's P/D stack does not serve: refused (after auth, so the answer
@@ -412,20 +494,24 @@ def _body_type(endpoint: str) -> type:
     return inspect.signature(getattr(OpenAiIngress, endpoint)).parameters["body"].annotation
 
 
-def _ingress_cls_config(auth: Mapping[str, Any], resilience: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def _ingress_cls_config(
+    auth: Mapping[str, Any], resilience: Mapping[str, Any] | None = None, *, models_mode: bool = False
+) -> dict[str, Any]:
     mode = auth_mode(auth.get("mode", AUTH_API_KEY), "args.auth.mode").value
-    return {
-        "ingress_cls": AuthenticatedIngress,
-        "ingress_extra_kwargs": {
-            "auth_mode": mode,
-            "api_keys_env": auth.get("api_keys_env", DEFAULT_API_KEYS_ENV),
-            "resilience": dict(resilience or ResilienceSpec().runtime_args()),
-        },
+    extra: dict[str, Any] = {
+        "auth_mode": mode,
+        "api_keys_env": auth.get("api_keys_env", DEFAULT_API_KEYS_ENV),
+        "resilience": dict(resilience or ResilienceSpec().runtime_args()),
     }
+    if models_mode:
+        extra["models_mode"] = True
+    return {"ingress_cls": AuthenticatedIngress, "ingress_extra_kwargs": extra}
 
 
-_PD_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config", "prefill_config", "decode_config"}
-_AGG_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config", "llm_configs"}
+_FRONT_DOOR_KEYS = {"mode", "auth", "resilience", "ingress_deployment_config"}
+_PD_KEYS = {*_FRONT_DOOR_KEYS, "prefill_config", "decode_config"}
+_AGG_KEYS = {*_FRONT_DOOR_KEYS, "llm_configs"}
+_MODEL_APP_KEYS = {"model_id", "mode", "resilience", "prefill_config", "decode_config", "llm_configs"}
 
 
 # Ray 2.60 registers its NIXL connector backend (per-replica side-channel port, a unique engine id,
@@ -472,8 +558,10 @@ def build_app(args: dict) -> Application:
         allowed, builder = _PD_KEYS, None
     elif mode == "aggregated":
         allowed, builder = _AGG_KEYS, build_openai_app
+    elif mode == MODELS_MODE:
+        allowed, builder = _FRONT_DOOR_KEYS, _build_front_door
     else:
-        raise ValueError(f"args.mode {mode!r} is not 'disaggregated' or 'aggregated'")
+        raise ValueError(f"args.mode {mode!r} is not 'disaggregated', 'aggregated' or {MODELS_MODE!r}")
     unknown = sorted(set(args) - allowed)
     if unknown:
         raise ValueError(f"unknown keys in args for mode {mode!r}: {', '.join(unknown)}")
@@ -483,7 +571,9 @@ def build_app(args: dict) -> Application:
     # Defaults live in the spec; a config rendered before resilience existed gets them.
     resilience = args.get("resilience") or ResilienceSpec().runtime_args()
     builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
-    builder_args["ingress_cls_config"] = _ingress_cls_config(args.get("auth") or {}, resilience)
+    builder_args["ingress_cls_config"] = _ingress_cls_config(
+        args.get("auth") or {}, resilience, models_mode=mode == MODELS_MODE
+    )
     if builder is None:
         if _data_parallel(args):
             # Ray's builder picks its data-parallel P/D servers (DPPDPrefillServer /
@@ -495,3 +585,60 @@ def build_app(args: dict) -> Application:
 
         return build_pd_app(builder_args, resilience)
     return builder(builder_args)
+
+
+def _build_front_door(builder_args: dict) -> Application:
+    """The many-model front door: the ingress alone. Its models come from its user_config
+    (serving/catalog.py); each model is its own application (build_model_app)."""
+    from ray import serve
+
+    from serving import ray_internals as ri
+
+    cls_config = builder_args["ingress_cls_config"]
+    ingress_cls = cls_config["ingress_cls"]
+    options = ri.maybe_apply_llm_deployment_config_defaults(
+        ingress_cls.get_deployment_options([]), builder_args.get("ingress_deployment_config") or {}
+    )
+    deployment: Any = serve.deployment
+    return deployment(make_fastapi_ingress(ingress_cls), **options).bind(
+        llm_deployments={}, model_cards={}, lora_paths={}, **cls_config["ingress_extra_kwargs"]
+    )
+
+
+def build_model_app(args: dict) -> Application:
+    """One model's own application in the many-model form (`args` as rendered by
+    ServingSpec.model_app_args()): its engines with no HTTP ingress. The application's ingress
+    deployment is the server that answers chat and completions (P/D: the resilient decode
+    tier bound to its prefill tier; aggregated: Ray's LLMServer), which the front door
+    reaches by `serve.get_app_handle`. Adding or changing one model's application leaves
+    every other application, engines included, as it is."""
+    from ray.serve.llm import LLMConfig, build_llm_deployment
+
+    from serving import ray_internals
+    from serving.pd_graph import build_pd_engines, pd_args
+
+    ray_internals.check_hooks()
+    args = dict(args)
+    unknown = sorted(set(args) - _MODEL_APP_KEYS)
+    if unknown:
+        raise ValueError(f"unknown keys in a model application's args: {', '.join(unknown)}")
+    model_id, mode = args.get("model_id"), args.get("mode")
+    if PUSH_CONNECTOR in _kv_connectors(args):
+        register_push_connector_backend()
+    resilience = args.get("resilience") or ResilienceSpec().runtime_args()
+    if mode == "disaggregated":
+        pd = pd_args({"prefill_config": args.get("prefill_config"), "decode_config": args.get("decode_config")})
+        configs = [pd.decode_config, pd.prefill_config]
+        app = build_pd_engines(pd, resilience)
+    elif mode == "aggregated":
+        llm_configs = args.get("llm_configs") or []
+        if len(llm_configs) != 1:
+            raise ValueError(f"model {model_id!r}: an aggregated model application has one LLM config")
+        configs = [LLMConfig.model_validate(llm_configs[0])]
+        app = build_llm_deployment(configs[0])
+    else:
+        raise ValueError(f"model {model_id!r}: args.mode {mode!r} is not 'disaggregated' or 'aggregated'")
+    stray = [c.model_id for c in configs if c.model_id != model_id]
+    if stray:
+        raise ValueError(f"model {model_id!r}: its engines serve {stray[0]!r}")
+    return app

@@ -1,7 +1,9 @@
 """What Serve says about the application: running replicas per deployment, kept fresh.
 
 What flows through here: `serve.status()` (Serve's controller; it blocks, so it is polled in
-a thread every `period_s`) -> running replicas per deployment of this application -> the
+a thread every `period_s`) -> running replicas per deployment of this application (and of
+every other one, by "<app>/<deployment>": a many-model front door watches the models'
+applications) -> the
 hybrid routing rules (serving/hybrid.py): is the deployment that serves a model's tokens
 down, and how many decode replicas share the load.
 """
@@ -10,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -20,6 +24,19 @@ class ClusterState:
     running: dict[str, int] = field(default_factory=dict)
     updated: float = 0.0
     error: str | None = None
+
+
+def running_replicas(applications: Mapping[str, Any], own_app: str) -> dict[str, int]:
+    """Running replicas by deployment: this application's by their name, every application's
+    (the many-model form's model applications included) as "<app>/<deployment>"."""
+    running: dict[str, int] = {}
+    for app_name, app in applications.items():
+        for name, d in app.deployments.items():
+            n = sum(k for state, k in d.replica_states.items() if state == "RUNNING")
+            running[f"{app_name}/{name}"] = n
+            if app_name == own_app:
+                running[name] = n
+    return running
 
 
 class ClusterWatch:
@@ -44,13 +61,7 @@ class ClusterWatch:
     def _poll(self) -> dict[str, int]:
         from ray import serve
 
-        app = serve.status().applications.get(self.app_name)
-        if app is None:
-            return {}
-        return {
-            name: sum(n for state, n in d.replica_states.items() if state == "RUNNING")
-            for name, d in app.deployments.items()
-        }
+        return running_replicas(serve.status().applications, self.app_name)
 
     async def _run(self) -> None:
         while True:

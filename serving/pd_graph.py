@@ -6,7 +6,9 @@ ingress -> ResilientPDDecodeServer -> PDPrefillServer, the same three tiers that
 `build_pd_openai_app` builds (Ray 2.60, ray/llm/_internal/serve/serving_patterns/
 prefill_decode/builder.py), composed from the public `ray.serve.llm.build_llm_deployment`
 so that the decode tier can be our subclass. Ray's builder hard-codes PDDecodeServer
-(LLMConfig.server_cls is ignored there), which is why this module exists.
+(LLMConfig.server_cls is ignored there), which is why this module exists. Without the
+ingress (`build_pd_engines`), the same two tiers are one model's own application in the
+many-model form (serving.app.build_model_app).
 
 Not covered here: data-parallel engines (DPPD*Server; serving.app.build_app hands those
 to Ray's own builder) and RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING.
@@ -201,6 +203,31 @@ def _prefill_watch() -> ClusterWatch | None:
     return watch
 
 
+def build_pd_engines(pd: Any, resilience: Mapping[str, Any]) -> Any:
+    """The decode tier bound to its prefill tier (ResilientPDDecodeServer -> PDPrefillServer),
+    from Ray's validated PDServingArgs `pd`: the engines of one P/D model, without an ingress."""
+    ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
+    # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
+    prefill_cls: Any = PDPrefillServer
+    decode_cls: Any = ResilientPDDecodeServer
+    for role, config in (("prefill", pd.prefill_config), ("decode", pd.decode_config)):
+        if config.engine_kwargs.get("data_parallel_size", 1) > 1:
+            raise ValueError(f"{role}: data_parallel_size > 1 is not supported by the resilient P/D graph")
+    prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=prefill_cls)
+    return build_llm_deployment(
+        pd.decode_config,
+        name_prefix="Decode:",
+        bind_kwargs={"prefill_server": prefill, "resilience": dict(resilience)},
+        deployment_cls=decode_cls,
+    )
+
+
+def pd_args(builder_args: Mapping[str, Any]) -> Any:
+    """`builder_args` validated by Ray's own PDServingArgs (the same inputs accepted and refused
+    as by build_pd_openai_app); the config fields are LLMConfig objects from here on."""
+    return ri.PDServingArgs.model_validate(dict(builder_args))
+
+
 def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]) -> Any:
     """Ray's P/D graph (ingress -> decode -> prefill) with ResilientPDDecodeServer.
 
@@ -208,22 +235,9 @@ def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any])
     PDServingArgs, so the same inputs are accepted and refused.
     """
     ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
-    # Validated: the config fields are LLMConfig / IngressClsConfig objects from here on.
-    pd: Any = ri.PDServingArgs.model_validate(dict(builder_args))
-    # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
-    prefill_cls: Any = PDPrefillServer
-    decode_cls: Any = ResilientPDDecodeServer
+    pd = pd_args(builder_args)
+    decode = build_pd_engines(pd, resilience)
     deployment: Any = serve.deployment
-    for role, config in (("prefill", pd.prefill_config), ("decode", pd.decode_config)):
-        if config.engine_kwargs.get("data_parallel_size", 1) > 1:
-            raise ValueError(f"{role}: data_parallel_size > 1 is not supported by the resilient P/D graph")
-    prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=prefill_cls)
-    decode = build_llm_deployment(
-        pd.decode_config,
-        name_prefix="Decode:",
-        bind_kwargs={"prefill_server": prefill, "resilience": dict(resilience)},
-        deployment_cls=decode_cls,
-    )
     ingress_cls_config = pd.ingress_cls_config
     options = ri.maybe_apply_llm_deployment_config_defaults(
         ingress_cls_config.ingress_cls.get_deployment_options([pd.decode_config]),

@@ -13,13 +13,15 @@ Upstream: ray-project/ray, Ray 2.60.0,
                                                             NON_STREAMING_RESPONSE_TYPES)
   python/ray/llm/_internal/serve/core/protocol.py           (RawRequestInfo)
   python/ray/llm/_internal/serve/core/configs/openai_api_models.py (ErrorResponse,
-                                                            to_model_metadata)
+                                                            ModelCard, to_model_metadata)
   python/ray/llm/_internal/common/dict_utils.py             (maybe_apply_llm_deployment_config_defaults)
   python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py (PDServingArgs)
   python/ray/serve/_private/http_util.py                    (session_id_from_headers)
   python/ray/llm/_internal/serve/utils/batcher.py           (Batcher)
 Methods and attributes of public classes that the resilience layer relies on, also checked
-by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle,
+by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the routing
+tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
+_lora_paths: the many-model front door fills them, serving/catalog.py),
 PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once, the
 connector backend's prepare_prefill_request / prepare_decode_request /
 requires_peer_binding / concurrent_handoff, and Serve's
@@ -34,6 +36,7 @@ from ray.llm._internal.common.dict_utils import (
 )
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ErrorResponse,
+    ModelCard,
     to_model_metadata,
 )
 from ray.llm._internal.serve.core.ingress.utils import (
@@ -87,6 +90,7 @@ __all__ = [
     "NON_STREAMING_RESPONSE_TYPES",
     "Batcher",
     "ErrorResponse",
+    "ModelCard",
     "PDServingArgs",
     "RawRequestInfo",
     "check_hooks",

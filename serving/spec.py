@@ -274,6 +274,18 @@ class ServingSpec(SpecModel):
             if stray:
                 raise ValueError(f"fallback.model: {stray[0]!r} is not the id of a model in serving.models")
         for i, entry in enumerate(self.models):
+            if entry.mode is Mode.DISAGGREGATED:
+                for role in ("prefill", "decode"):
+                    if getattr(entry, role).data_parallel_size > 1:
+                        # serving.app.build_model_app composes the resilient P/D tiers
+                        # (serving/pd_graph.py), which do not cover Ray's data-parallel P/D
+                        # servers; Ray's own DP builder binds an HTTP ingress into the model's
+                        # application, which would bypass the front door's keys and limits.
+                        raise ValueError(
+                            f"@serving.models[{i}] ({entry.model.id}).{role}.dataParallelSize@ a P/D model "
+                            "in serving.models runs without data parallelism (serve it in the one-model "
+                            "form, or aggregated)"
+                        )
             try:
                 self.for_entry(entry)
             except ValidationError as err:
@@ -528,12 +540,14 @@ class ServingSpec(SpecModel):
 
     def model_table(self) -> list[dict[str, Any]]:
         """The front door's view of the models (ingress user_config `models`), in order: the id
-        clients send, the application and mode that serve it, and its adapters' path."""
+        clients send, the application and mode that serve it, its context length (its card in
+        `/v1/models`) and its adapters' path."""
         return [
             {
                 "model_id": m.model.id,
                 "app_name": MODEL_APP_PREFIX + m.model.id,
                 "mode": m.mode.value,
+                "max_model_len": m.model.max_model_len,
                 "lora_path": m.lora.adapters_path if m.lora is not None else None,
             }
             for m in self.served

@@ -31,3 +31,14 @@ def test_the_hooks_take_what_the_serving_code_passes():
 
     assert list(inspect.signature(LLMServer._batch_output_stream).parameters) == ["self", "generator"]
     assert list(inspect.signature(DeploymentResponseGenerator._fetch_future_result_async).parameters)[:1] == ["self"]
+
+
+def test_the_ingress_routing_tables_the_front_door_fills_exist_with_their_shapes():
+    """serving/catalog.py's models reach requests only through these attributes of Ray's
+    OpenAiIngress: a Ray that renames one would route nothing in the many-model form."""
+    from ray.serve.llm.ingress import OpenAiIngress
+
+    ingress = OpenAiIngress({}, {}, lora_paths={"m": "s3://b/p"})
+    for name in ("_default_serve_handles", "_configured_serve_handles", "_model_cards", "_lora_paths"):
+        assert isinstance(getattr(ingress, name), dict), name
+    assert ingress._lora_paths == {"m": "s3://b/p"}

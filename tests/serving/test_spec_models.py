@@ -164,3 +164,13 @@ def test_rendered_configs_pass_ray_serve_llm_validators():
     PDServingArgs.model_validate({"prefill_config": llama["prefill_config"], "decode_config": llama["decode_config"]})
     parsed = LLMConfig.model_validate(qwen["llm_configs"][0])
     assert parsed.lora_config.max_num_adapters_per_replica == 8
+
+
+def test_a_data_parallel_pd_model_is_refused_in_the_many_model_form_naming_it():
+    """build_model_app composes the resilient P/D tiers, which do not cover Ray's DP P/D
+    servers; the config says so before anything is rendered."""
+    big = {**PD, "decode": {"dataParallelSize": 2}}
+    msg = _error({"models": [AGG, big]})
+    assert "serving.models[1] (llama).decode.dataParallelSize" in msg and "without data parallelism" in msg
+    # the same model alone, in the one-model form, is not refused for it
+    assert ServingSpec.model_validate({**PD, "decode": {"dataParallelSize": 2}}).decode.data_parallel_size == 2
