@@ -29,6 +29,7 @@ help:
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
 	@echo "make serve SIGNALS=1    per-role autoscaling on the engines' signals (local Prometheus)"
 	@echo "make serve SCALE_TO_ZERO=1   decode idles to zero (needs PD_FALLBACK_BASE_URL)"
+	@echo "make serve PD_MODELS=2  a second model (aggregated, with a LoRA adapter) behind the same front door"
 	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
@@ -127,7 +128,7 @@ test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 
 # SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus (issue 29).
 serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
-	$(PY) -m serving.local --port $(PORT) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
+	$(PY) -m serving.local --port $(PORT) $(if $(PD_MODELS),--models $(PD_MODELS)) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
 
 # Faults and overload under streamed load (bench/chaos.py): about 10 minutes; SOAK=1 adds
 # a 10-minute soak at concurrency 16.

@@ -30,8 +30,12 @@ from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_requ
 from serving.local.config import (
     AGGREGATED_PREFIX,
     HOST,
+    MAX_LOCAL_MODELS,
     MAX_LOCAL_REPLICAS,
+    MODEL_B_ID,
+    MODEL_C_ID,
     MODEL_ID,
+    MODELS_ENV,
     MODES,
     REPLICAS_ENV,
     SCALE_TO_ZERO_ENV,
@@ -46,7 +50,7 @@ from serving.local.config import (
 from serving.local.procs import AlreadyRunning, free_port, instance_lock, port_in_use
 from serving.local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
 from serving.local.prometheus import binary as prometheus_binary
-from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, Mode, parse_api_keys
+from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, Mode, key_id, parse_api_keys
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -105,6 +109,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"for `unavailable` (default ${SCALE_TO_ZERO_ENV}=1)",
     )
     p.add_argument(
+        "--models",
+        type=int,
+        choices=range(1, MAX_LOCAL_MODELS + 1),
+        default=int(os.environ.get(MODELS_ENV) or 1),
+        help=f"2: also serve {MODEL_B_ID} (aggregated, with a LoRA adapter from a local S3) through "
+        f"the same front door; 3: and {MODEL_C_ID} at zero replicas (default ${MODELS_ENV} or 1)",
+    )
+    p.add_argument(
         "--state-file",
         type=Path,
         default=None,
@@ -135,6 +147,8 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
             prometheus_binary()
         except PrometheusMissing as exc:
             return str(exc)
+    if args.models > 1 and args.mode != "disaggregated":
+        return f"{MODELS_ENV}={args.models} serves the tiny model disaggregated: leave the mode at its default"
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(instance_lock(args.port))
@@ -157,6 +171,7 @@ def _state(
     urls: dict[str, str],
     cluster: LocalCluster,
     config: dict[str, Any],
+    extra: dict[str, Any],
 ) -> dict[str, Any]:
     """What --state-file records for tests and benches (serving/local/background.py)."""
     return {
@@ -170,14 +185,45 @@ def _state(
         "gcs_address": cluster.gcs_address,
         "nodes": cluster.nodes(),
         "config": config,
+        **extra,
     }
 
 
-def _ready_line(mode: str, urls: dict[str, str], api_key: str | None) -> str:
+def _models_extras(args: argparse.Namespace, stack: contextlib.ExitStack, keys: list[str]) -> dict[str, Any]:
+    """With --models 2: the local S3 holding the tiny LoRA adapter (its environment goes to the
+    Ray nodes), and, with auth, one more key limited to the first model. What the render, the
+    cluster and the state file need: lora_path, s3_env, key_models, models, adapter, limited_key."""
+    if args.models < 2:
+        return {}
+    from serving.local.s3 import local_adapters
+    from serving.local.tiny_lora import ADAPTER_NAME
+
+    s3_env, lora_path = stack.enter_context(local_adapters())
+    extras: dict[str, Any] = {
+        "lora_path": lora_path,
+        "s3_env": s3_env,
+        "models": [MODEL_ID, MODEL_B_ID, MODEL_C_ID][: args.models],
+        "adapter": f"{MODEL_B_ID}:{ADAPTER_NAME}",
+    }
+    if not args.no_auth:
+        limited = "sk-local-" + secrets.token_urlsafe(18)
+        keys.append(limited)
+        extras["limited_key"] = limited
+        extras["key_models"] = {key_id(limited): [MODEL_ID]}
+    return extras
+
+
+def _ready_line(mode: str, urls: dict[str, str], api_key: str | None, extras: dict[str, Any]) -> str:
     """The one line a person reads: where the API is, the key, and a curl to try."""
+    auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
+    if "models" in urls:
+        limited = f" | key for {MODEL_ID} only: {extras['limited_key']}" if "limited_key" in extras else ""
+        return (
+            f"OpenAI API at {urls['models']} | models: {', '.join(extras['models'])}, adapter {extras['adapter']}"
+            f" | api key: {api_key}{limited} | try: curl -s {urls['models']}/models{auth_header} | Ctrl-C stops"
+        )
     base = urls.get("disaggregated") or urls["aggregated"]
     also = f" (aggregated app at {urls['aggregated']})" if len(urls) > 1 else ""
-    auth_header = f" -H 'Authorization: Bearer {api_key}'" if api_key else ""
     key_note = f" api key: {api_key} |" if api_key else " auth: off |"
     body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
     kind = "aggregated" if mode == "aggregated" else "disaggregated"
@@ -216,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
 
         say("building or loading the tiny model (random weights, local tokenizer)")
         model_dir = ensure_tiny_model()
+        extras = _models_extras(args, stack, keys)
+        if extras:
+            say(f"local S3 with the tiny LoRA adapter at {extras['lora_path']} ({extras['adapter']})")
         config = render_local_config(
             args.mode,
             model_dir,
@@ -226,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             decode_replicas=args.decode_replicas,
             signals=args.signals,
             scale_to_zero=args.scale_to_zero,
+            models=args.models,
+            lora_path=extras.get("lora_path"),
+            key_models=extras.get("key_models"),
         )
         if "fallback" in hybrid:
             fb = hybrid["fallback"]
@@ -233,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [a["name"] for a in config["applications"]]
 
         say("starting a local Ray cluster: nodes labelled head, prefill, decode")
-        env = cluster_env()
+        env = {**cluster_env(), **extras.get("s3_env", {})}
         if auth:
             env[API_KEYS_ENV] = ",".join(keys)
         extra_prefill = args.prefill_replicas - 1
@@ -243,7 +295,9 @@ def main(argv: list[str] | None = None) -> int:
             prometheus = LocalPrometheus(free_port())
             env[PROMETHEUS_HOST_ENV] = prometheus.url
             extra_prefill = max(extra_prefill, 1)  # room for a second prefill replica
-        cluster.start(env, extra_prefill=extra_prefill, extra_decode=args.decode_replicas - 1)
+        # The second model's engine runs on the decode node too.
+        extra_decode = args.decode_replicas - 1 + (args.models - 1)
+        cluster.start(env, extra_prefill=extra_prefill, extra_decode=extra_decode)
         if prometheus is not None:
             prometheus.start(cluster.nodes())
             if not prometheus.ready():
@@ -261,17 +315,21 @@ def main(argv: list[str] | None = None) -> int:
         wait_running(cluster.dashboard_url, names, timeout=args.timeout, progress=say)
         urls = app_urls(config, args.port)
         for mode, url in urls.items():
-            say(f"test request through the {mode} app")
-            smoke_request(url, api_key, MODEL_ID)
+            for model in extras.get("models", [MODEL_ID])[:2]:  # a third starts on its first request
+                say(f"test request through the {mode} app ({model})")
+                smoke_request(url, api_key, model)
 
         if args.state_file:
-            args.state_file.write_text(json.dumps(_state(args, model_dir, api_key, urls, cluster, config), indent=2))
+            state = _state(
+                args, model_dir, api_key, urls, cluster, config, {k: v for k, v in extras.items() if k != "s3_env"}
+            )
+            args.state_file.write_text(json.dumps(state, indent=2))
 
         # Ray's metrics export port on each node: Ray's, Serve's and vLLM's metrics (ray_vllm_*),
         # what Prometheus scrapes in the cloud (infra/k8s/monitoring.py).
         metrics = ", ".join(f"{n['label']} {n['metrics_url']}" for n in cluster.nodes())
         say(f"metrics (Prometheus text format): {metrics}")
-        print(f"READY in {time.monotonic() - t0:.0f}s: {_ready_line(args.mode, urls, api_key)}", flush=True)
+        print(f"READY in {time.monotonic() - t0:.0f}s: {_ready_line(args.mode, urls, api_key, extras)}", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:

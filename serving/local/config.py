@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from infra.paths import ROOT
 from serving.spec import APP_NAME, Mode, ServingSpec, Target
+from serving.spec_models import PER_MODEL_KEYS
 
 MODEL_ID = "tiny-llama"
 MAX_MODEL_LEN = 1024
@@ -26,6 +27,19 @@ AGGREGATED_APP = f"{APP_NAME}-aggregated"
 AGGREGATED_PREFIX = "/aggregated"
 HOST = "127.0.0.1"
 MODES = ("disaggregated", "aggregated", "both")
+# `make serve PD_MODELS=2` (issue 26): the many-model form. The tiny model P/D as before, and a
+# second model, aggregated on the decode node, with a LoRA adapter the project builds itself
+# (serving/local/tiny_lora.py) loaded on demand from a local S3 (serving/local/s3.py); both
+# behind the one front door. The second model has the same weights under its own id: what
+# the front door routes on is the id, and two engines of one recipe cost no second build.
+MODELS_ENV = "PD_MODELS"
+MAX_LOCAL_MODELS = 3
+MODEL_B_ID = "tiny-llama-b"
+# PD_MODELS=3 adds a third, aggregated, at zero replicas (Serve starts it on its first
+# request): how the e2e test adds a model to a running stack without a third engine's CPU.
+MODEL_C_ID = "tiny-llama-c"
+# The adapter's rank and how many stay loaded: one adapter, rank 8 (serving/local/tiny_lora.py).
+LOCAL_LORA = {"maxAdaptersPerReplica": 2, "maxLoraRank": 8, "maxLoras": 1}
 
 # Logical CPUs per node. Ray only counts them (the OS shares the real cores); each engine
 # replica takes 2 (its actor plus the vLLM worker bundle). The head offers none, as in the
@@ -206,10 +220,15 @@ def local_spec(
     decode_replicas: int = 1,
     signals: bool = False,
     scale_to_zero: bool = False,
+    models: int = 1,
+    lora_path: str | None = None,
+    key_models: dict[str, list[str]] | None = None,
 ) -> ServingSpec:
-    """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`)."""
+    """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`);
+    with `models=2` the many-model form (the second model's adapters at `lora_path`, and
+    `key_models`: key ids limited to some models)."""
     try:
-        return _local_spec(
+        data = _local_spec(
             mode,
             model_dir,
             auth=auth,
@@ -219,6 +238,9 @@ def local_spec(
             signals=signals,
             scale_to_zero=scale_to_zero,
         )
+        if models > 1:
+            data = _many_models(data, models, lora_path, key_models or {})
+        return ServingSpec.model_validate(data)
     except ValidationError as err:
         where = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors())
         raise LocalConfigError(f"the PD_FALLBACK_*/PD_LIMIT_* settings are not valid: {where}") from None
@@ -234,7 +256,7 @@ def _local_spec(
     decode_replicas: int,
     signals: bool = False,
     scale_to_zero: bool = False,
-) -> ServingSpec:
+) -> dict[str, Any]:
     def role(n: int) -> dict[str, Any]:
         return {"minReplicas": n, "maxReplicas": n, **LOCAL_ROLE_LIMITS}
 
@@ -250,27 +272,60 @@ def _local_spec(
     prefill = role(prefill_replicas)
     if signals and mode is Mode.DISAGGREGATED and prefill_replicas == 1:
         prefill = {**LOCAL_PREFILL_AUTOSCALING, **LOCAL_ROLE_LIMITS}
-    return ServingSpec.model_validate(
-        {
-            **hybrid,
-            "model": {
-                "id": MODEL_ID,
-                "source": str(model_dir),
-                "dtype": "float32",
-                "maxModelLen": MAX_MODEL_LEN,
-            },
-            "mode": mode.value,
-            "auth": "api-key" if auth else "disabled",
-            # One ingress replica: a second would only compete for the same two cores.
-            "ingress": {"minReplicas": 1, "maxReplicas": 1},
-            # No CUDA graphs on CPU.
-            "engineKwargs": {"enforce_eager": True},
-            "prefill": prefill,
-            "decode": decode,
-            "resilience": LOCAL_RESILIENCE,
-            "slo": LOCAL_SLO,
-        }
-    )
+    return {
+        **hybrid,
+        "model": {
+            "id": MODEL_ID,
+            "source": str(model_dir),
+            "dtype": "float32",
+            "maxModelLen": MAX_MODEL_LEN,
+        },
+        "mode": mode.value,
+        "auth": "api-key" if auth else "disabled",
+        # One ingress replica: a second would only compete for the same two cores.
+        "ingress": {"minReplicas": 1, "maxReplicas": 1},
+        # No CUDA graphs on CPU.
+        "engineKwargs": {"enforce_eager": True},
+        "prefill": prefill,
+        "decode": decode,
+        "resilience": LOCAL_RESILIENCE,
+        "slo": LOCAL_SLO,
+    }
+
+
+def _many_models(
+    one: dict[str, Any], models: int, lora_path: str | None, key_models: dict[str, list[str]]
+) -> dict[str, Any]:
+    """The one-model local spec `one` as the first of `models` models (serving.models): the
+    second aggregated with its LoRA adapters, a third aggregated at zero replicas; a fallback
+    maps each model to the provider's."""
+    first = {k: one[k] for k in PER_MODEL_KEYS if k in one}
+    data = {k: v for k, v in one.items() if k not in PER_MODEL_KEYS}
+    second: dict[str, Any] = {
+        "model": {**first["model"], "id": MODEL_B_ID},
+        "mode": Mode.AGGREGATED.value,
+        "engineKwargs": first["engineKwargs"],
+        "decode": {"minReplicas": 1, "maxReplicas": 1, **LOCAL_ROLE_LIMITS},
+        "slo": first["slo"],
+    }
+    if lora_path is not None:
+        second["lora"] = {"adaptersPath": lora_path, **LOCAL_LORA}
+    third = {
+        **second,
+        "model": {**first["model"], "id": MODEL_C_ID},
+        "decode": {"minReplicas": 0, "initialReplicas": 0, "maxReplicas": 1, **LOCAL_ROLE_LIMITS},
+    }
+    third.pop("lora", None)
+    data["models"] = [first, second, third][:models]
+    if "fallback" in data:
+        theirs = data["fallback"]["model"]
+        data["fallback"] = {**data["fallback"], "model": {m["model"]["id"]: theirs for m in data["models"]}}
+    if key_models:
+        keys = dict((data.get("limits") or {}).get("keys") or {})
+        for kid, ids in key_models.items():
+            keys[kid] = {**keys.get(kid, {}), "models": list(ids)}
+        data["limits"] = {**(data.get("limits") or {}), "keys": keys}
+    return data
 
 
 def local_target(signals: bool = False) -> Target:
@@ -306,10 +361,17 @@ def render_local_config(
     decode_replicas: int = 1,
     signals: bool = False,
     scale_to_zero: bool = False,
+    models: int = 1,
+    lora_path: str | None = None,
+    key_models: dict[str, list[str]] | None = None,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target(signals)
     modes = [Mode.DISAGGREGATED, Mode.AGGREGATED] if mode == "both" else [Mode(mode)]
+    if models > 1 and modes != [Mode.DISAGGREGATED]:
+        raise LocalConfigError(
+            f"{MODELS_ENV}={models} serves the tiny model disaggregated: leave the mode at its default"
+        )
     configs = [
         local_spec(
             m,
@@ -320,6 +382,9 @@ def render_local_config(
             decode_replicas=decode_replicas,
             signals=signals,
             scale_to_zero=scale_to_zero,
+            models=models,
+            lora_path=lora_path,
+            key_models=key_models,
         ).serve_config(target, port=port)
         for m in modes
     ]
@@ -348,6 +413,8 @@ def app_urls(config: dict[str, Any], port: int) -> dict[str, str]:
     """OpenAI base URL (…/v1) of each application, by its mode."""
     urls = {}
     for app in config["applications"]:
+        if app["route_prefix"] is None:
+            continue  # a model's own application (many-model form): reached through the front door
         prefix = app["route_prefix"].rstrip("/")
         urls[app["args"]["mode"]] = f"http://{HOST}:{port}{prefix}/v1"
     return urls
