@@ -21,10 +21,12 @@ LAST = "test_ctrl_c_shuts_everything_down"
 
 def pytest_collection_modifyitems(config, items):
     # Disruptive tests (they kill replicas, then wait for recovery) run after the others.
-    last = [i for i in items if i.originalname == LAST]
-    disruptive = [i for i in items if i.get_closest_marker("disruptive") and i not in last]
-    rest = [i for i in items if i not in last and i not in disruptive]
-    items[:] = rest + disruptive + last
+    # Tests with a stack of their own run after that: the machine runs one Ray stack at a time.
+    own = [i for i in items if i.get_closest_marker("own_stack")]
+    last = [i for i in items if i.originalname == LAST and i not in own]
+    disruptive = [i for i in items if i.get_closest_marker("disruptive") and i not in last and i not in own]
+    rest = [i for i in items if i not in last and i not in disruptive and i not in own]
+    items[:] = rest + disruptive + last + own
 
 
 @pytest.fixture(scope="session")
