@@ -1,8 +1,16 @@
-"""Hybrid routing in the ingress: limits, then the cluster or the external fallback, then usage.
+"""Hybrid routing in the ingress: access and limits, then the cluster or the external
+fallback, then usage.
 
 What flows through here, per chat or completion request that passed auth and parsed as JSON:
-  1. the key id (hash of the API key) is checked against its requests- and tokens-per-minute
-     limits in the application's shared ledger (serving.limits) -> 429 + Retry-After when over;
+  0. the key id (hash of the API key) must be allowed the model the body names
+     (`limits.keys.<id>.models`; an adapter `<model>:<adapter>` when its base model is; every
+     model when the key lists none or auth is disabled) -> else 404 `model_not_found`,
+     before any limit is charged. 404, not 403: it is what OpenAI answers for a model a key
+     cannot see ("The model '<id>' does not exist or you do not have access to it."), and
+     a 403 would tell a probing client which model ids exist;
+  1. the key's requests- and tokens-per-minute limits on that model (its own, the model's, or
+     the defaults; counted per key and model) are checked in the application's shared
+     ledger (serving.limits) -> 429 + Retry-After when over;
   2. the routing rules pick a destination:
        unavailable  the deployment that serves the model's tokens (decode, or the aggregated
                     engine) has no running replica (Serve's status); prefill down is not
@@ -51,6 +59,9 @@ DEADLINE = FallbackWhen.DEADLINE.value
 ErrorFn = Callable[..., JSONResponse]
 # How often a request waiting for the cluster's first byte looks at the routing rules again.
 WATCH_TICK_S = 0.5
+# OpenAI's answer for a model that does not exist or that the key may not use (the same words
+# for both, so that a refusal tells no client which ids exist).
+MODEL_NOT_FOUND = "The model '{model}' does not exist or you do not have access to it."
 
 
 def _with_running_usage(body: dict[str, Any]) -> dict[str, Any]:
@@ -190,12 +201,16 @@ class HybridRouting:
         elif self.watch is not None:
             self.watch.stop()
             self.watch = None
+        limits = self.limiter.config
         logger.info(
-            "hybrid routing: fallback %s; limits default rpm=%s tpm=%s, %d per-key",
+            "hybrid routing: fallback %s; limits default rpm=%s tpm=%s, %d per-key, %d per-model; "
+            "%d key(s) limited to some models",
             f"to {cfg.base_url} when {sorted(cfg.when)}" if cfg else "off",
-            self.limiter.config.default.requests_per_minute,
-            self.limiter.config.default.tokens_per_minute,
-            len(self.limiter.config.keys),
+            limits.default.requests_per_minute,
+            limits.default.tokens_per_minute,
+            len(limits.keys),
+            len(limits.models),
+            len(limits.access),
         )
 
     # --- the routing rules ------------------------------------------------------------------
@@ -234,14 +249,41 @@ class HybridRouting:
                     return OVERLOADED, f"{ongoing} ongoing requests >= {limit:g} for {replicas} decode replica(s)"
         return None
 
-    # --- one request --------------------------------------------------------------------------
-    async def admit_only(self, request: Any) -> Response | None:
-        """The key's limits for a request that generates nothing (tokenize): None to go on,
-        else the 429/503 to send. It counts as one request and no tokens."""
+    # --- access: which models a key may use ----------------------------------------------------
+    def may_use(self, request: Any, model_id: str) -> bool:
+        """Whether the (authenticated) request's API key may use `model_id`: a served model
+        id, or an adapter `<model>:<adapter>` (allowed when its base model is). True for every
+        model when the key lists no models (`limits.keys.<id>.models`) or auth is disabled.
+        For the ingress to filter `/v1/models` and guard endpoints that `handle` and
+        `admit_only` do not see; it says nothing about whether the model exists."""
+        if not self.auth_enabled:
+            return True
         kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
-        decision = await self.limiter.admit(kid, {})
+        return self.limiter.config.may_use(kid, model_id)
+
+    def model_not_found(self, model_id: str) -> Response:
+        """OpenAI's 404 for a model that does not exist or that the key may not use."""
+        return self._error(
+            404,
+            MODEL_NOT_FOUND.format(model=model_id),
+            type="invalid_request_error",
+            param="model",
+            code="model_not_found",
+            headers={SERVED_BY: "cluster"},
+        )
+
+    # --- one request --------------------------------------------------------------------------
+    async def admit_only(self, request: Any, model: str | None = None) -> Response | None:
+        """The key's access and limits for a request that generates nothing (tokenize) on
+        `model` (the body's; None: the only model): None to go on, else the 404/429/503 to
+        send. It counts as one request and no tokens."""
+        model = model or self._default_model() or ""
+        if not self.may_use(request, model):
+            return self.model_not_found(model)
+        kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
+        decision = await self.limiter.admit(kid, model, {})
         if decision.ok:
-            self.limiter.settle(kid, decision, 0)
+            self.limiter.settle(kid, model, decision, 0)
             return None
         return self._refusal(decision)
 
@@ -261,11 +303,13 @@ class HybridRouting:
         endpoint: str,
         call_cluster: Callable[[dict[str, Any]], Awaitable[Response]],
     ) -> Response:
+        model = body.get("model") or self._default_model() or ""
+        if not self.may_use(request, model):
+            return self.model_not_found(model)  # before any limit is charged
         kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
-        decision = await self.limiter.admit(kid, body)
+        decision = await self.limiter.admit(kid, model, body)
         if not decision.ok:
             return self._refusal(decision)
-        model = body.get("model") or self._default_model() or ""
         asked_usage = ask_for_usage(body)
 
         skip = self.pre_route(model)
@@ -351,10 +395,11 @@ class HybridRouting:
             return None
         cur = _IN_HAND.get(None)
         if cur is None:  # not under handle(): no admission happened
+            model = body.get("model") or self._default_model() or ""
+            if not self.may_use(request, model):
+                return self.model_not_found(model)  # no provider is paid for a model the key may not use
             kid = request_key_id(request.headers.get("authorization"), self.auth_enabled)
-            cur = AdmittedRequest(
-                kid, Decision(True), ask_for_usage(body), body.get("model") or self._default_model() or ""
-            )
+            cur = AdmittedRequest(kid, Decision(True), ask_for_usage(body), model)
         else:
             ask_for_usage(body)
         return await self._to_fallback(
@@ -384,15 +429,16 @@ class HybridRouting:
             )
         except FallbackError as err:
             self.meter.fallback(reason, "failed")
-            self.limiter.settle(kid, decision, 0)
+            self.limiter.settle(kid, model, decision, 0)
             headers = {SERVED_BY: "fallback"}
             if err.retry_after_s:
                 headers["Retry-After"] = str(err.retry_after_s)
             return self._error(err.status, f"{err.message} (cluster: {detail})", code=err.code, headers=headers)
 
     def _count(self, kid: str, model: str, destination: str, decision: Decision, usage: Usage) -> None:
+        # The model as asked (an adapter by name); the limits window is its base model's.
         self.meter.served(kid, model, destination, usage.prompt_tokens, usage.completion_tokens)
-        self.limiter.settle(kid, decision, usage.prompt_tokens + usage.completion_tokens)
+        self.limiter.settle(kid, model, decision, usage.prompt_tokens + usage.completion_tokens)
 
     def _metered(
         self, resp: Response, model: str, kid: str, decision: Decision, asked_usage: bool, ticket: int

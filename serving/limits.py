@@ -1,13 +1,22 @@
-"""Per-key request and token limits, and per-key usage, for the ingress.
+"""Per-key model access, request and token limits, and per-key usage, for the ingress.
 
 What flows through here: each authenticated request's API key -> its key id (`k-` + 12 hex
-of its SHA-256; the raw key never leaves the ingress) and an estimate of its tokens ->
-`Limiter.admit` asks ONE named Ray actor (`LimitsLedger`, shared by every ingress replica
-of the application, so the counts hold across replicas) whether the key is still under its
-requests-per-minute and tokens-per-minute limits -> a 429 with Retry-After, or a ticket ->
+of its SHA-256; the raw key never leaves the ingress), the model it asks for and an estimate
+of its tokens -> `LimitsConfig.may_use`: may the key use that model (`limits.keys.<id>.models`;
+an adapter `<model>:<adapter>` when its base model is) -> `Limiter.admit` asks ONE named Ray
+actor (`LimitsLedger`, shared by every ingress replica of the application, so the counts hold
+across replicas) whether the key is still under its requests-per-minute and tokens-per-minute
+limits on that model -> a 429 with Retry-After, or a ticket ->
 when the answer is complete, `Limiter.settle` replaces the estimate with the tokens really
 used, and `UsageMeter` counts requests, prompt and completion tokens per key id, model and
 destination (cluster or fallback) as Ray metrics (Prometheus, through Ray's metrics port).
+
+The limits of key k on model m are k's own (`limits.keys`), else the model's
+(`limits.models`), else the defaults. Windows are counted per (key id, base model id): a
+key's budget on one model is apart from its budget on another, because a cheap model's
+traffic must not starve the key's access to another model, and a token costs differently
+on each model (so one per-key budget across models would mean nothing). An adapter's
+requests count on its base model's window: adapters share the base model's engines.
 
 Windows are sliding minutes in one-second buckets. Tokens are reserved at admission
 (prompt estimate + max_tokens) and corrected when the request ends, so a burst of
@@ -31,11 +40,11 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
-from serving.spec import key_id
+from serving.spec import base_model_id, key_id
 from serving.sse import CHARS_PER_TOKEN
 
 logger = logging.getLogger("ray.serve")
@@ -62,31 +71,51 @@ class KeyLimit:
         return self.requests_per_minute <= 0 and self.tokens_per_minute <= 0
 
 
+def _rates(cfg: Mapping[str, Any]) -> KeyLimit:
+    return KeyLimit(int(cfg.get("requests_per_minute") or 0), int(cfg.get("tokens_per_minute") or 0))
+
+
 @dataclass(frozen=True)
 class LimitsConfig:
+    """The ingress user_config's `limits` (ServingSpec.ingress_user_config renders it)."""
+
     default: KeyLimit
-    keys: Mapping[str, KeyLimit]
+    keys: Mapping[str, KeyLimit]  # the keys with limits of their own
     when_ledger_unreachable: str = ALLOW
+    models: Mapping[str, KeyLimit] = field(default_factory=dict)  # every other key's, per model id
+    access: Mapping[str, frozenset[str]] = field(default_factory=dict)  # key id -> its models (absent: all)
 
     @classmethod
     def from_user_config(cls, cfg: Mapping[str, Any] | None) -> LimitsConfig:
         cfg = cfg or {}
-        keys = {
-            k: KeyLimit(int(v.get("requests_per_minute", 0)), int(v.get("tokens_per_minute", 0)))
-            for k, v in (cfg.get("keys") or {}).items()
-        }
-        default = KeyLimit(int(cfg.get("requests_per_minute", 0)), int(cfg.get("tokens_per_minute", 0)))
+        entries: Mapping[str, Mapping[str, Any]] = cfg.get("keys") or {}
+        # An entry names its own limits, its models, or both (one with models only keeps the
+        # limits every key has).
+        keys = {k: _rates(v) for k, v in entries.items() if "requests_per_minute" in v or "tokens_per_minute" in v}
+        access = {k: frozenset(v["models"]) for k, v in entries.items() if v.get("models") is not None}
+        models = {m: _rates(v) for m, v in (cfg.get("models") or {}).items()}
         policy = str(cfg.get("when_ledger_unreachable") or ALLOW)
         if policy not in (ALLOW, REFUSE):
             raise ValueError(f"limits.when_ledger_unreachable {policy!r} is not {ALLOW!r} or {REFUSE!r}")
-        return cls(default, keys, policy)
+        return cls(_rates(cfg), keys, policy, models, access)
 
-    def for_key(self, kid: str) -> KeyLimit:
-        return self.keys.get(kid, self.default)
+    def for_key(self, kid: str, model: str) -> KeyLimit:
+        """Key `kid`'s limits on `model` (an adapter: on its base model): its own, else the
+        model's, else the defaults."""
+        own = self.keys.get(kid)
+        if own is not None:
+            return own
+        return self.models.get(base_model_id(model), self.default)
+
+    def may_use(self, kid: str, model: str) -> bool:
+        """Whether key `kid` may use `model` (an adapter when its base model is allowed)."""
+        allowed = self.access.get(kid)
+        return allowed is None or base_model_id(model) in allowed
 
     @property
     def any(self) -> bool:
-        return not self.default.unlimited or any(not v.unlimited for v in self.keys.values())
+        """Whether any key has a limit on any model (else the ledger is never asked)."""
+        return any(not v.unlimited for v in (self.default, *self.keys.values(), *self.models.values()))
 
 
 @dataclass(frozen=True)
@@ -100,14 +129,15 @@ class Decision:
 
 # --- the window arithmetic (pure; the actor only holds it) ------------------------------------
 class SlidingWindows:
-    """Sliding one-minute windows of (requests, tokens) per key, in one-second buckets."""
+    """Sliding one-minute windows of (requests, tokens) per key (any hashable: the ledger's
+    are (key id, model id)), in one-second buckets."""
 
     def __init__(self, window_s: int = WINDOW_S):
         self.window_s = window_s
         # key -> deque of [second, requests, tokens], oldest first
-        self._buckets: dict[str, deque[list[int]]] = {}
+        self._buckets: dict[Hashable, deque[list[int]]] = {}
 
-    def _trim(self, key: str, now_s: int) -> deque[list[int]]:
+    def _trim(self, key: Hashable, now_s: int) -> deque[list[int]]:
         q = self._buckets.setdefault(key, deque())
         while q and q[0][0] <= now_s - self.window_s:
             q.popleft()
@@ -118,7 +148,7 @@ class SlidingWindows:
             q.append([now_s, 0, 0])
         return q[-1]
 
-    def totals(self, key: str, now_s: int) -> tuple[int, int]:
+    def totals(self, key: Hashable, now_s: int) -> tuple[int, int]:
         q = self._trim(key, now_s)
         return sum(b[1] for b in q), sum(b[2] for b in q)
 
@@ -133,24 +163,26 @@ class SlidingWindows:
                 return max(1, b[0] + self.window_s - now_s)
         return 1 if total <= most else self.window_s
 
-    def admit(self, key: str, now: float, limit: KeyLimit, tokens: int) -> Decision:
+    def admit(self, key: Hashable, now: float, limit: KeyLimit, tokens: int, subject: str = "this API key") -> Decision:
+        """Count one request of `tokens` in `key`'s window, or refuse it; `subject` names
+        whose limit it is in the refusal's message."""
         now_s = int(now)
         q = self._trim(key, now_s)
         reqs, toks = sum(b[1] for b in q), sum(b[2] for b in q)
         rpm, tpm = limit.requests_per_minute, limit.tokens_per_minute
         if rpm > 0 and reqs + 1 > rpm:
             wait = self._seconds_until(q, 1, rpm - 1, now_s)
-            return Decision(False, wait, "rpm", f"Rate limit reached: {rpm} requests per minute for this API key.")
+            return Decision(False, wait, "rpm", f"Rate limit reached: {rpm} requests per minute for {subject}.")
         if tpm > 0 and toks >= tpm:
             # The budget is spent (reservations included): wait until some of it leaves.
             wait = self._seconds_until(q, 2, tpm - 1, now_s)
-            return Decision(False, wait, "tpm", f"Rate limit reached: {tpm} tokens per minute for this API key.")
+            return Decision(False, wait, "tpm", f"Rate limit reached: {tpm} tokens per minute for {subject}.")
         b = self._bucket(q, now_s)
         b[1] += 1
         b[2] += tokens
         return Decision(True, ticket=(now_s, tokens))
 
-    def settle(self, key: str, now: float, ticket: tuple[int, int], used: int) -> None:
+    def settle(self, key: Hashable, now: float, ticket: tuple[int, int], used: int) -> None:
         """Replace a reservation by the tokens really used."""
         now_s = int(now)
         q = self._trim(key, now_s)
@@ -200,23 +232,25 @@ def estimate_tokens(body: Mapping[str, Any]) -> int:
 
 # --- the shared ledger --------------------------------------------------------------------------
 class LimitsLedger:
-    """The Ray actor every ingress replica asks; one per application (a named actor)."""
+    """The Ray actor every ingress replica asks; one per application (a named actor).
+    One window per (key id, base model id): see the module docstring."""
 
     def __init__(self) -> None:
         self._w = SlidingWindows()
         self._calls = 0
 
-    def admit(self, kid: str, rpm: int, tpm: int, tokens: int) -> Decision:
+    def admit(self, kid: str, model: str, rpm: int, tpm: int, tokens: int) -> Decision:
         self._calls += 1
         if self._calls % 10_000 == 0:
             self._w.forget_idle(time.time())
-        return self._w.admit(kid, time.time(), KeyLimit(rpm, tpm), tokens)
+        subject = f"this API key on model '{model}'"
+        return self._w.admit((kid, model), time.time(), KeyLimit(rpm, tpm), tokens, subject)
 
-    def settle(self, kid: str, ticket: tuple[int, int], used: int) -> None:
-        self._w.settle(kid, time.time(), ticket, used)
+    def settle(self, kid: str, model: str, ticket: tuple[int, int], used: int) -> None:
+        self._w.settle((kid, model), time.time(), ticket, used)
 
-    def totals(self, kid: str) -> tuple[int, int]:
-        return self._w.totals(kid, int(time.time()))
+    def totals(self, kid: str, model: str) -> tuple[int, int]:
+        return self._w.totals((kid, model), int(time.time()))
 
 
 def _ledger_version() -> str:
@@ -292,7 +326,7 @@ class Limiter:
         start: that is not an outage). Called when limits are configured, before traffic."""
         try:
             ledger = await asyncio.wait_for(self._handle(), timeout_s)
-            await asyncio.wait_for(_awaited(ledger.totals.remote(ANONYMOUS)), timeout_s)
+            await asyncio.wait_for(_awaited(ledger.totals.remote(ANONYMOUS, "")), timeout_s)
         except Exception as exc:
             logger.warning("limits ledger not ready after %.0fs: %r", timeout_s, exc)
             self._ledger = None
@@ -315,29 +349,32 @@ class Limiter:
             return Decision(False, int(LEDGER_RETRY_S), UNCHECKED, UNREACHABLE_MESSAGE)
         return Decision(True)
 
-    async def admit(self, kid: str, body: Mapping[str, Any]) -> Decision:
-        limit = self.config.for_key(kid)
+    async def admit(self, kid: str, model: str, body: Mapping[str, Any]) -> Decision:
+        """Count a request of key `kid` on `model` (the body's, adapter included) in the
+        window of (kid, base model), or refuse it."""
+        limit = self.config.for_key(kid, model)
         if limit.unlimited:
             return Decision(True)
         if self._clock() < self._down_until:
             return self._unreachable(None)
         tokens = estimate_tokens(body) if limit.tokens_per_minute > 0 else 0
+        base = base_model_id(model)
         try:
             ledger = await asyncio.wait_for(self._handle(), LEDGER_TIMEOUT_S)
-            ref = ledger.admit.remote(kid, limit.requests_per_minute, limit.tokens_per_minute, tokens)
+            ref = ledger.admit.remote(kid, base, limit.requests_per_minute, limit.tokens_per_minute, tokens)
             decision = await asyncio.wait_for(_awaited(ref), LEDGER_TIMEOUT_S)
         except Exception as exc:
             return self._unreachable(exc)
         if not decision.ok:
-            self._metrics.rate_limited(kid, decision.limit or "")
+            self._metrics.rate_limited(kid, base, decision.limit or "")
         return decision
 
-    def settle(self, kid: str, decision: Decision, used: int) -> None:
+    def settle(self, kid: str, model: str, decision: Decision, used: int) -> None:
         """Fire and forget: the answer has been sent already."""
         if decision.ticket is None or self._ledger is None:
             return
         try:
-            self._ledger.settle.remote(kid, decision.ticket, used)
+            self._ledger.settle.remote(kid, base_model_id(model), decision.ticket, used)
         except Exception as exc:
             logger.warning("limits ledger settle failed: %s", exc)
 
@@ -352,7 +389,12 @@ METRIC_LIMITER_ERRORS = "pd_limiter_errors"
 
 
 class UsageMeter:
-    """Counters per key id, model and destination, exported on Ray's metrics port."""
+    """Counters per key id, model and destination, exported on Ray's metrics port.
+
+    Usage counts the model as the client asked for it (`<model>:<adapter>` for an adapter):
+    what a key spent on each adapter is what a bill per adapter needs. 429s count the base
+    model, whose window was full.
+    """
 
     def __init__(self) -> None:
         from ray.serve import metrics
@@ -372,8 +414,8 @@ class UsageMeter:
         )
         self._limited = metrics.Counter(
             METRIC_RATE_LIMITED,
-            description="Requests refused with 429, per API key id and limit (rpm or tpm).",
-            tag_keys=cast(Any, ("key", "limit")),
+            description="Requests refused with 429, per API key id, base model and limit (rpm or tpm).",
+            tag_keys=cast(Any, ("key", "model", "limit")),
         )
         self._fallback = metrics.Counter(
             METRIC_FALLBACK,
@@ -392,8 +434,8 @@ class UsageMeter:
         if completion:
             self._completion.inc(completion, tags)
 
-    def rate_limited(self, kid: str, limit: str) -> None:
-        self._limited.inc(1, {"key": kid, "limit": limit})
+    def rate_limited(self, kid: str, model: str, limit: str) -> None:
+        self._limited.inc(1, {"key": kid, "model": model, "limit": limit})
 
     def fallback(self, reason: str, outcome: str) -> None:
         self._fallback.inc(1, {"reason": reason, "outcome": outcome})

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
 from serving.drain import DrainPlan
 from serving.scaling_spec import policy_config, slo_thresholds
@@ -72,9 +72,17 @@ from serving.spec_hybrid import (
     FallbackWhen,
     KeyLimitSpec,
     LimitsSpec,
+    RateLimitSpec,
     key_id,
 )
-from serving.spec_models import PER_MODEL_KEYS, LoraSpec, ModelEntry, RolePools, duplicate_model_ids
+from serving.spec_models import (
+    PER_MODEL_KEYS,
+    LoraSpec,
+    ModelEntry,
+    RolePools,
+    base_model_id,
+    duplicate_model_ids,
+)
 from serving.spec_roles import (
     ITL_BUCKETS_S,
     TTFT_BUCKETS_S,
@@ -89,6 +97,10 @@ from serving.spec_roles import (
     StreamingSpec,
 )
 from serving.spec_target import Target
+
+# The validation context of one entry's spec inside the many-model form (`for_entry`): what
+# concerns every model (limits naming model ids) is checked by the whole spec, not there.
+_ENTRY_OF_MANY = "entry_of_many"
 
 __all__ = [
     "API_KEYS_ENV",
@@ -132,6 +144,7 @@ __all__ = [
     "ModelSpec",
     "MoeParallelism",
     "PlacementSpec",
+    "RateLimitSpec",
     "ResilienceSpec",
     "RolePools",
     "RoleSpec",
@@ -141,6 +154,7 @@ __all__ = [
     "SpecModel",
     "StreamingSpec",
     "Target",
+    "base_model_id",
     "check_order",
     "key_id",
     "parse_api_keys",
@@ -173,7 +187,7 @@ class ServingSpec(SpecModel):
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     slo: SloSpec = Field(default_factory=SloSpec)
     # Hybrid routing (serving/hybrid.py): an external provider for what the cluster cannot
-    # serve, and per-API-key limits. See docs/hybrid-routing.md.
+    # serve, and per-API-key limits (per model) and model access. See docs/hybrid-routing.md.
     fallback: FallbackSpec | None = None
     limits: LimitsSpec = Field(default_factory=LimitsSpec)
     # Where each engine role runs (a nodePools name; default: the pool named after the role),
@@ -224,7 +238,12 @@ class ServingSpec(SpecModel):
         return v
 
     @model_validator(mode="after")
-    def _cross(self) -> ServingSpec:
+    def _cross(self, info: ValidationInfo) -> ServingSpec:
+        if not (info.context or {}).get(_ENTRY_OF_MANY):
+            # Limits name the models of the whole spec: checked once, not in each entry's spec.
+            unknown = self.limits.unknown_model([m.model.id for m in self.models] or [self.model.id])
+            if unknown is not None:
+                raise ValueError(f"@serving.{unknown[0]}@ {unknown[1]}")
         if self.models:
             return self._check_models()
         if self.mode is Mode.DISAGGREGATED:
@@ -302,7 +321,7 @@ class ServingSpec(SpecModel):
         shared = self.model_dump(exclude={"models", *ModelEntry.model_fields})
         if self.fallback is not None and entry.model.id not in self.fallback.models_for(entry.model.id):
             shared["fallback"] = None
-        return ServingSpec.model_validate({**shared, **entry.model_dump()})
+        return ServingSpec.model_validate({**shared, **entry.model_dump()}, context={_ENTRY_OF_MANY: True})
 
     @property
     def served(self) -> tuple[ServingSpec, ...]:
@@ -554,7 +573,8 @@ class ServingSpec(SpecModel):
         ]
 
     def ingress_user_config(self) -> dict[str, Any]:
-        """The ingress deployment's user_config: the fallback and the per-key limits.
+        """The ingress deployment's user_config: the fallback, and the per-key limits and
+        model access (snake_case, read by serving.limits.LimitsConfig.from_user_config).
 
         A user_config change reaches the running ingress through `reconfigure` (Serve's
         lightweight update); application `args` changes rebuild every deployment, engines
@@ -583,12 +603,11 @@ class ServingSpec(SpecModel):
         return {
             "fallback": fallback,
             "limits": {
-                "requests_per_minute": limits.requests_per_minute,
-                "tokens_per_minute": limits.tokens_per_minute,
-                "keys": {
-                    k: {"requests_per_minute": v.requests_per_minute, "tokens_per_minute": v.tokens_per_minute}
-                    for k, v in sorted(limits.keys.items())
-                },
+                **_rates(limits),
+                # A key's own limits when its entry names one; the models it may use when listed.
+                "keys": {k: _key_entry(v) for k, v in sorted(limits.keys.items())},
+                # Every key's limits on a model, unless the key has its own.
+                "models": {m: _rates(v) for m, v in sorted(limits.models.items())},
                 "when_ledger_unreachable": limits.when_ledger_unreachable,
                 # Where the shared limits actor lives: with the ingress, on the head.
                 "label_selector": {self.placement.label_key: self.placement.head},
@@ -637,6 +656,18 @@ class ServingSpec(SpecModel):
             },
             "applications": apps,
         }
+
+
+def _rates(limit: RateLimitSpec) -> dict[str, int]:
+    return {"requests_per_minute": limit.requests_per_minute, "tokens_per_minute": limit.tokens_per_minute}
+
+
+def _key_entry(entry: KeyLimitSpec) -> dict[str, Any]:
+    own = entry.own_limits
+    rendered: dict[str, Any] = _rates(own) if own is not None else {}
+    if entry.models is not None:
+        rendered["models"] = list(entry.models)
+    return rendered
 
 
 def pool_label(placement: PlacementSpec, pool: str) -> str:

@@ -2,7 +2,8 @@
 
 What flows through here: the `serving.fallback` and `serving.limits` keys of a stack file ->
 validated models (a provider's OpenAI-compatible root, model map, when to use it, deadlines;
-requests and tokens per minute per key id, what to do while the ledger is unreachable),
+requests and tokens per minute per key id and per model, the models each key id may use, what
+to do while the ledger is unreachable),
 rendered by serving/spec.py into the ingress's `user_config`. Also the key id of an API key
 (`k-` + 12 hex of its SHA-256), which stacks and metrics use instead of the key.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Sequence
 from enum import Enum
 from typing import Literal
 from urllib.parse import urlsplit
@@ -20,6 +22,7 @@ from pydantic import Field, field_validator
 from serving.spec_base import (
     SpecModel,
 )
+from serving.spec_models import ADAPTER_SEP, base_model_id
 
 # --- hybrid routing: the external fallback and per-key limits (issue 14) ----------------------
 # The environment variable holding the fallback provider's API key in the ingress replicas; in
@@ -108,19 +111,64 @@ class FallbackSpec(SpecModel):
         return {model_id: self.model} if isinstance(self.model, str) else dict(self.model)
 
 
-class KeyLimitSpec(SpecModel):
+class RateLimitSpec(SpecModel):
     """Requests and tokens (prompt + completion) per sliding minute; 0 means no limit."""
 
     requests_per_minute: int = Field(default=0, ge=0)
     tokens_per_minute: int = Field(default=0, ge=0)
 
 
-class LimitsSpec(KeyLimitSpec):
-    """Per-API-key limits: the defaults above for every key, `keys` overriding them by key id
-    (`k-` + 12 hex of the key's SHA-256, as in the usage metrics; `python -m tools.keyid`
-    prints a key's id)."""
+class KeyLimitSpec(SpecModel):
+    """One key id's entry in `limits.keys`: its own limits, and the models it may use.
+
+    Naming requestsPerMinute or tokensPerMinute gives the key its own limits on every model
+    (the one not named is 0, no limit), replacing `limits.models` and the defaults. An entry
+    that names only `models` keeps the limits every other key has: restricting a key's models
+    must not lift its limits by accident.
+    """
+
+    requests_per_minute: int | None = Field(default=None, ge=0)
+    tokens_per_minute: int | None = Field(default=None, ge=0)
+    models: tuple[str, ...] | None = Field(
+        default=None,
+        description="The served model ids this key may use (absent: every model); an adapter "
+        "`<model>:<adapter>` is allowed when its base model is. Any other model answers 404.",
+    )
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("list at least one model id (or drop models: the key may use every model)")
+        twice = sorted({m for m in v if v.count(m) > 1})
+        if twice:
+            raise ValueError(f"{twice[0]!r} is listed twice")
+        return v
+
+    @property
+    def own_limits(self) -> RateLimitSpec | None:
+        """The key's own limits, or None when the entry names neither (it only lists models)."""
+        if self.requests_per_minute is None and self.tokens_per_minute is None:
+            return None
+        return RateLimitSpec(
+            requests_per_minute=self.requests_per_minute or 0, tokens_per_minute=self.tokens_per_minute or 0
+        )
+
+
+class LimitsSpec(RateLimitSpec):
+    """Per-API-key limits and model access. For key k on model m, the limits are k's own
+    (`keys`, when its entry names a limit), else `models[m]`, else the defaults above; they
+    are counted per (key, model): a key's budget on one model is apart from its budget on
+    another. Key ids are `k-` + 12 hex of the key's SHA-256, as in the usage metrics
+    (`python -m tools.keyid` prints a key's id)."""
 
     keys: dict[str, KeyLimitSpec] = Field(default_factory=dict)
+    models: dict[str, RateLimitSpec] = Field(
+        default_factory=dict,
+        description="The limits of every key on a model by its id (a key's own limits replace them).",
+    )
     when_ledger_unreachable: Literal["allow", "refuse"] = Field(
         default="allow",
         description="What a limited key's request gets while the shared limits ledger does not answer: "
@@ -138,3 +186,18 @@ class LimitsSpec(KeyLimitSpec):
                 "stack; get its id with `python -m tools.keyid`"
             )
         return v
+
+    def unknown_model(self, served: Sequence[str]) -> tuple[str, str] | None:
+        """(key path under `limits`, message) of the first model id named here that is not
+        one of the `served` ids; None when every one is."""
+        named = [(f"limits.models.{m}", m) for m in self.models]
+        for k, entry in self.keys.items():
+            named += [(f"limits.keys.{k}.models[{i}]", m) for i, m in enumerate(entry.models or ())]
+        for path, m in named:
+            if m in served:
+                continue
+            hint = ""
+            if ADAPTER_SEP in m and base_model_id(m) in served:
+                hint = f"; an adapter is allowed with its base model: list {base_model_id(m)!r}"
+            return path, f"{m!r} is not the id of a served model (ids: {', '.join(served)}{hint})"
+        return None

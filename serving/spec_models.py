@@ -39,6 +39,10 @@ POOL_NAME = re.compile(r"^[a-z][a-z0-9-]{0,22}[a-z0-9]$")
 RESERVED_POOL_NAMES = frozenset({"head", "system", "headgroup"})
 # vLLM 0.32 vllm/config/lora.py MaxLoRARanks (the same set in 0.29).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+# What joins an adapter to its base model in a request's `model` (`<model id>:<adapter>`): Ray
+# Serve LLM 2.60 reads the base model as `model.split(":")[0]`
+# (ray/llm/_internal/common/utils/lora_utils.py `get_base_model_id`); a model id has no ":".
+ADAPTER_SEP = ":"
 # Ray Serve LLM's remote-path check for dynamic_lora_loading_path; the stack's pods read S3 only.
 _ADAPTERS_PATH = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](?:/[A-Za-z0-9._/-]*)?$")
 
@@ -56,6 +60,12 @@ PER_MODEL_KEYS = (
     "pools",
     "lora",
 )
+
+
+def base_model_id(model: str) -> str:
+    """The served model a request's `model` names: itself, or an adapter's base model
+    (`qwen:tenant-a` -> `qwen`), as Ray Serve LLM routes it."""
+    return model.split(ADAPTER_SEP, 1)[0]
 
 
 def pool_name_problem(name: str) -> str | None:

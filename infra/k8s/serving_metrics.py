@@ -39,7 +39,8 @@ def ray_counter(name: str) -> str:
 
 
 # serving.limits: labels key, model, destination (cluster, fallback) for the usage counters;
-# key, limit (rpm, tpm) for 429s; reason, outcome (ok, failed) for fallbacks; none for errors.
+# key, model (the base model, whose window was full), limit (rpm, tpm) for 429s; reason, outcome
+# (ok, failed) for fallbacks; none for errors.
 REQUESTS = ray_counter(METRIC_REQUESTS)
 PROMPT_TOKENS = ray_counter(METRIC_PROMPT_TOKENS)
 COMPLETION_TOKENS = ray_counter(METRIC_COMPLETION_TOKENS)

@@ -289,6 +289,13 @@ CASES: list[Hostile] = [
         _set("serving.engineKwargs", {"log_level": "debug"}),
         "serving.engineKwargs",
     ),
+    # --- limits name model ids: only served ones (issue 26) -----------------------------------
+    Hostile(
+        "limits-key-model-not-served",
+        "platform",
+        _set("serving.limits", {"keys": {"k-0123456789ab": {"models": ["qwen2.5-7b-instruct", "gpt-4o"]}}}),
+        "serving.limits.keys.k-0123456789ab.models[1]",
+    ),
     # --- images and capacity ---------------------------------------------------------------
     Hostile(
         "image-bad-digest", "prod", _set("rayImage", "rayproject/ray-llm:2.60.0-py312-cu130@sha256:abc"), "rayImage"

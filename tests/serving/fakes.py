@@ -1,5 +1,7 @@
 """Stand-ins for Serve's response streams and Ray's ErrorResponse, shared by the resilience
-tests (serving/resilience.py, prefill_hop.py, ingress_resilience.py): no Ray started.
+tests (serving/resilience.py, prefill_hop.py, ingress_resilience.py), and the real limits
+ledger behind an actor handle's `.method.remote()` (test_limits.py, test_hybrid.py): no Ray
+started.
 
 Each fake stream behaves like a Serve DeploymentResponseGenerator: async-iterable, with
 .cancel() and the router's assignment step; it can fail, hang or answer.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from serving.limits import LimitsLedger
 from serving.resilience import ResilienceConfig
 
 CFG = ResilienceConfig(
@@ -85,3 +88,34 @@ def run(coro):
 
 async def collect(agen):
     return [x async for x in agen]
+
+
+class _Done:
+    def __init__(self, value):
+        self.value = value
+
+    def __await__(self):
+        async def get():
+            return self.value
+
+        return get().__await__()
+
+
+class LocalLedger:
+    """serving.limits.LimitsLedger called in this process as its actor handle would be
+    (`ledger.admit.remote(...)` returns an awaitable): the real windows, no Ray."""
+
+    def __init__(self):
+        self.actor = LimitsLedger()
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name):
+        method = getattr(self.actor, name)
+        outer = self
+
+        class _Method:
+            def remote(self, *args):
+                outer.calls.append((name, *args))
+                return _Done(method(*args))
+
+        return _Method()

@@ -620,8 +620,8 @@ def test_tokenize_is_behind_the_keys_request_limit(monkeypatch):
     ingress, handle = make_ingress(monkeypatch)
     asked = []
 
-    async def refuse(kid, body):
-        asked.append((kid, body))
+    async def refuse(kid, model, body):
+        asked.append((kid, model, body))
         return Decision(False, 9, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
 
     ingress._hybrid.limiter.admit = refuse

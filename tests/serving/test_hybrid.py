@@ -20,8 +20,10 @@ from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig
 from serving.limits import Decision
 
 
-def _error(status, message, *, code=None, headers=None, **_):
-    return JSONResponse({"error": {"message": message, "code": code}}, status_code=status, headers=headers)
+def _error(status, message, *, type=None, param=None, code=None, headers=None):
+    """serving.app.error_response's shape, with what the caller chose and no defaults."""
+    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class _Meter:
@@ -36,8 +38,8 @@ class _Meter:
     def fallback(self, reason, outcome):
         self.fallbacks.append((reason, outcome))
 
-    def rate_limited(self, kid, limit):
-        self.limited.append((kid, limit))
+    def rate_limited(self, kid, model, limit):
+        self.limited.append((kid, model, limit))
 
     def limiter_error(self):
         pass
@@ -177,7 +179,7 @@ def test_a_cluster_stream_cut_before_its_usage_event_still_counts_the_tokens_gen
     """A client that disconnects early must not get its tokens free of limits and metering."""
     r, meter, _ = _routing(monkeypatch)
     settled = []
-    r.limiter.settle = lambda kid, decision, used: settled.append(used)
+    r.limiter.settle = lambda kid, model, decision, used: settled.append(used)
 
     async def call(body):
         async def gen():
@@ -326,7 +328,7 @@ def test_overflow_at_the_threshold_per_decode_replica(monkeypatch):
 def test_rate_limited_key_gets_429_with_retry_after(monkeypatch):
     r, _, calls = _routing(monkeypatch)
 
-    async def refuse(kid, body):
+    async def refuse(kid, model, body):
         return Decision(False, 12, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
 
     r.limiter.admit = refuse
@@ -401,3 +403,107 @@ def test_a_layer_below_can_hand_the_request_to_the_fallback(monkeypatch):
         return await r.unservable("completions", {"prompt": "x"}, _Request(), "overloaded", "queue full")
 
     assert asyncio.run(not_for_this_reason()) is None
+
+
+# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+def _limited(r, cfg):
+    """`r` with limits `cfg` (an ingress user_config's `limits`) on the real windows, in process."""
+    from serving.limits import LimitsConfig
+    from tests.serving.fakes import LocalLedger
+
+    ledger = LocalLedger()
+    r.limiter.config = LimitsConfig.from_user_config(cfg)
+    r.limiter._factory = lambda: ledger
+    return ledger
+
+
+def _cluster_echo(seen):
+    async def call(body):
+        seen.append(body["model"])
+        return JSONResponse(
+            {"model": body["model"], "choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+        )
+
+    return call
+
+
+def test_a_key_outside_its_models_gets_openais_404_before_any_limit_is_charged(monkeypatch):
+    from serving.spec import key_id
+
+    r, meter, calls = _routing(monkeypatch)
+    ledger = _limited(r, {"requests_per_minute": 100, "keys": {key_id("sk-client"): {"models": ["a"]}}})
+    seen = []
+    for model in ("b", "b:tenant"):
+        resp, _ = _run(r, {"model": model, "prompt": "x"}, _cluster_echo(seen))
+        assert resp.status_code == 404
+        assert json.loads(resp.body) == {
+            "error": {
+                "message": f"The model '{model}' does not exist or you do not have access to it.",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+        }
+    assert ledger.calls == [] and seen == [] and calls == [] and meter.calls == []
+    for model in ("a", "a:tenant"):
+        resp, _ = _run(r, {"model": model, "prompt": "x"}, _cluster_echo(seen))
+        assert resp.status_code == 200
+    assert seen == ["a", "a:tenant"]
+    # Usage names the model as asked (the adapter too); both requests and their 3 tokens each
+    # were counted on a's window.
+    kid = key_id("sk-client")
+    assert [c[:3] for c in meter.calls] == [(kid, "a", "cluster"), (kid, "a:tenant", "cluster")]
+    assert ledger.actor.totals(kid, "a") == (2, 6)
+    # Another key lists no models: it may use every one.
+    resp, _ = _run(r, {"model": "b", "prompt": "x"}, _cluster_echo(seen), key="sk-other")
+    assert resp.status_code == 200
+
+
+def test_may_use_is_per_key_and_every_model_with_auth_disabled(monkeypatch):
+    from serving.spec import key_id
+
+    r, _, _ = _routing(monkeypatch, fallback=False)
+    _limited(r, {"keys": {key_id("sk-client"): {"models": ["a"]}}})
+    assert r.may_use(_Request(), "a:tenant") and not r.may_use(_Request(), "b")
+    assert r.may_use(_Request("sk-other"), "b")
+    r.auth_enabled = False
+    assert r.may_use(_Request(), "b")
+
+
+def test_exhausting_a_keys_requests_on_one_model_leaves_the_other_admitted(monkeypatch):
+    r, _, _ = _routing(monkeypatch, fallback=False)
+    _limited(r, {"requests_per_minute": 1})
+    seen = []
+    statuses = [_run(r, {"model": m, "prompt": "x"}, _cluster_echo(seen))[0].status_code for m in ("a", "a", "b")]
+    assert statuses == [200, 429, 200] and seen == ["a", "b"]
+
+
+def test_admit_only_checks_access_then_counts_on_the_models_window(monkeypatch):
+    from serving.spec import key_id
+
+    r, _, _ = _routing(monkeypatch, fallback=False)
+    kid = key_id("sk-client")
+    ledger = _limited(r, {"models": {"a": {"requests_per_minute": 1}}, "keys": {kid: {"models": ["a", "ours"]}}})
+
+    async def go(model):
+        return await r.admit_only(_Request(), model)
+
+    denied = asyncio.run(go("b:tenant"))
+    assert denied.status_code == 404 and json.loads(denied.body)["error"]["code"] == "model_not_found"
+    assert ledger.calls == []
+    assert asyncio.run(go("a:tenant")) is None
+    assert asyncio.run(go("a")).status_code == 429  # a's one request a minute was the adapter's
+    assert asyncio.run(go(None)) is None  # no model: the only one (`ours`), which it may use
+
+
+def test_a_request_the_fallback_would_take_outside_handle_is_refused_for_a_model_the_key_may_not_use(monkeypatch):
+    from serving.spec import key_id
+
+    r, _, calls = _routing(monkeypatch)
+    _limited(r, {"keys": {key_id("sk-client"): {"models": ["a"]}}})
+
+    async def go():
+        return await r.unservable("completions", {"model": "ours", "prompt": "x"}, _Request(), "deadline", "late")
+
+    resp = asyncio.run(go())
+    assert resp.status_code == 404 and calls == []

@@ -80,8 +80,8 @@ def test_unlimited_keys_and_per_key_overrides():
             "keys": {"k-000000000000": {"requests_per_minute": 0, "tokens_per_minute": 0}},
         }
     )
-    assert cfg.for_key("k-000000000000").unlimited
-    assert cfg.for_key("k-111111111111") == KeyLimit(10, 0)
+    assert cfg.for_key("k-000000000000", "m").unlimited
+    assert cfg.for_key("k-111111111111", "m") == KeyLimit(10, 0)
     assert LimitsConfig.from_user_config(None).default.unlimited
 
 
@@ -102,8 +102,8 @@ class _Meter:
     def __init__(self):
         self.limited, self.errors = [], 0
 
-    def rate_limited(self, kid, limit):
-        self.limited.append((kid, limit))
+    def rate_limited(self, kid, model, limit):
+        self.limited.append((kid, model, limit))
 
     def limiter_error(self):
         self.errors += 1
@@ -141,9 +141,9 @@ def test_limiter_skips_the_ledger_for_unlimited_keys_and_fails_open_when_it_is_s
     meter = _Meter()
     ledger = _Ledger(Decision(True), delay=1.0)
     lim = limits.Limiter(LimitsConfig.from_user_config(None), lambda: ledger, meter)
-    assert asyncio.run(lim.admit("k-1", {})).ok and ledger.calls == []
+    assert asyncio.run(lim.admit("k-1", "m", {})).ok and ledger.calls == []
     lim.config = LimitsConfig.from_user_config({"requests_per_minute": 1})
-    assert asyncio.run(lim.admit("k-1", {})).ok  # slow ledger: let through, counted
+    assert asyncio.run(lim.admit("k-1", "m", {})).ok  # slow ledger: let through, counted
     assert meter.errors == 1 and len(ledger.calls) == 1
 
 
@@ -151,10 +151,10 @@ def test_limiter_refusal_is_counted_per_key_and_limit():
     meter = _Meter()
     ledger = _Ledger(Decision(False, 7, "rpm", "no"))
     lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 1}), lambda: ledger, meter)
-    d = asyncio.run(lim.admit("k-abc", {"prompt": "x"}))
+    d = asyncio.run(lim.admit("k-abc", "m:adapter", {"prompt": "x"}))
     assert not d.ok and d.retry_after_s == 7
-    assert meter.limited == [("k-abc", "rpm")]
-    assert ledger.calls == [("k-abc", 1, 0, 0)]  # tokens are not estimated without a TPM limit
+    assert meter.limited == [("k-abc", "m", "rpm")]  # the window's model: the adapter's base
+    assert ledger.calls == [("k-abc", "m", 1, 0, 0)]  # tokens are not estimated without a TPM limit
 
 
 def test_while_the_ledger_is_down_the_policy_decides_at_once_and_refuse_keeps_limits(monkeypatch):
@@ -166,7 +166,7 @@ def test_while_the_ledger_is_down_the_policy_decides_at_once_and_refuse_keeps_li
     lim = limits.Limiter(cfg, lambda: ledger, meter, clock=lambda: now[0])
 
     async def go():
-        return [await lim.admit("k-1", {}) for _ in range(3)]
+        return [await lim.admit("k-1", "m", {}) for _ in range(3)]
 
     decisions = asyncio.run(go())
     assert [d.ok for d in decisions] == [False, False, False]
@@ -174,7 +174,7 @@ def test_while_the_ledger_is_down_the_policy_decides_at_once_and_refuse_keeps_li
     assert len(ledger.calls) == 1  # asked once; the next two decided without waiting on it
     assert meter.errors == 3
     now[0] = limits.LEDGER_RETRY_S + 1  # later it is asked again
-    asyncio.run(lim.admit("k-1", {}))
+    asyncio.run(lim.admit("k-1", "m", {}))
     assert len(ledger.calls) == 2
 
 
@@ -193,19 +193,22 @@ def test_the_ledger_is_looked_up_off_the_event_loop():
         return _Ledger(Decision(True))
 
     lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 5}), factory, _Meter())
-    assert asyncio.run(lim.admit("k-1", {})).ok
+    assert asyncio.run(lim.admit("k-1", "m", {})).ok
     assert seen == [False]
 
 
-def test_the_ledger_name_changes_with_its_code():
-    """A detached ledger outlives deploys: a deploy that changes its code must not call the
-    old actor (whose methods may no longer match), so the name carries a hash of the code."""
+@pytest.mark.parametrize("part", ["LimitsLedger", "SlidingWindows"])
+def test_the_ledger_name_changes_with_its_code(part):
+    """A detached ledger outlives deploys: a deploy that changes its code (its methods, as
+    when they gained the model, or its windows) must not call the old actor, so the name
+    carries a hash of the code."""
     name = limits.ledger_name("llm")
     assert name.startswith("pd-limits-llm-") and name.endswith(limits.LEDGER_VERSION)
+    assert limits._ledger_version() == limits.LEDGER_VERSION
     original = limits.inspect.getsource
 
     def changed(obj):
-        return original(obj) + ("# changed\n" if obj is limits.LimitsLedger else "")
+        return original(obj) + ("# changed\n" if obj is getattr(limits, part) else "")
 
     limits.inspect.getsource = changed
     try:
@@ -225,7 +228,120 @@ def test_a_new_ledger_is_waited_for_before_traffic_not_counted_as_down(monkeypat
     async def go():
         assert await lim.warm_up(timeout_s=1.0)
         ledger.admit = _Ledger(Decision(False, 3, "rpm", "no")).admit  # started: answers at once
-        return await lim.admit("k-1", {})
+        return await lim.admit("k-1", "m", {})
 
     d = asyncio.run(go())
     assert not d.ok and d.limit == "rpm" and meter.errors == 0
+
+
+# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+KID, OTHER = "k-0123456789ab", "k-111111111111"
+
+
+def test_a_key_limited_to_models_may_use_them_and_their_adapters_only():
+    cfg = LimitsConfig.from_user_config({"keys": {KID: {"models": ["a"]}}})
+    assert [cfg.may_use(KID, m) for m in ("a", "a:tenant", "b", "b:tenant", "ab", "")] == [
+        True,
+        True,
+        False,
+        False,
+        False,  # a model whose id starts with an allowed one is another model
+        False,
+    ]
+    assert all(cfg.may_use(OTHER, m) for m in ("a", "b", "b:tenant"))  # lists no models: every one
+    assert cfg.for_key(KID, "b") == KeyLimit()  # listing models lifts or adds no limit
+
+
+def test_model_limits_apply_to_unlisted_keys_and_a_keys_own_values_replace_them():
+    cfg = LimitsConfig.from_user_config(
+        {
+            "requests_per_minute": 100,
+            "keys": {
+                KID: {"requests_per_minute": 5, "tokens_per_minute": 0},
+                "k-22222222222c": {"models": ["a"]},  # models only: everyone's limits
+            },
+            "models": {"a": {"requests_per_minute": 1, "tokens_per_minute": 50}},
+        }
+    )
+    assert cfg.for_key(OTHER, "a") == cfg.for_key(OTHER, "a:tenant") == KeyLimit(1, 50)
+    assert cfg.for_key(OTHER, "b") == KeyLimit(100, 0)
+    assert cfg.for_key(KID, "a") == cfg.for_key(KID, "b") == KeyLimit(5, 0)
+    assert cfg.for_key("k-22222222222c", "a") == KeyLimit(1, 50)
+    assert cfg.any
+    assert LimitsConfig.from_user_config({"models": {"a": {"requests_per_minute": 1}}}).any
+    assert not LimitsConfig.from_user_config({"keys": {KID: {"models": ["a"]}}}).any  # access needs no ledger
+
+
+def _limiter(cfg):
+    from tests.serving.fakes import LocalLedger
+
+    ledger = LocalLedger()
+    return limits.Limiter(LimitsConfig.from_user_config(cfg), lambda: ledger, _Meter()), ledger
+
+
+def test_windows_are_per_key_and_model_an_adapter_counting_on_its_base():
+    """Exhausting a key's requests on model a leaves its budget on b whole (and another key's
+    on a): a cheap model's traffic must not starve the key's access to another."""
+    lim, _ = _limiter({"requests_per_minute": 2})
+
+    async def go():
+        on_a = [(await lim.admit(KID, m, {})).ok for m in ("a", "a:tenant", "a")]
+        return on_a, (await lim.admit(KID, "b", {})).ok, (await lim.admit(OTHER, "a", {})).ok
+
+    on_a, on_b, other_on_a = asyncio.run(go())
+    assert on_a == [True, True, False]  # the adapter's request counted on a's window
+    assert on_b and other_on_a
+
+
+def test_a_refusal_names_the_model_whose_budget_is_spent():
+    lim, _ = _limiter({"models": {"a": {"requests_per_minute": 1}}})
+
+    async def go():
+        await lim.admit(KID, "a", {})
+        return await lim.admit(KID, "a:tenant", {})
+
+    d = asyncio.run(go())
+    assert not d.ok and "1 requests per minute for this API key on model 'a'" in d.message
+    assert lim._metrics.limited == [(KID, "a", "rpm")]
+
+
+def test_settled_tokens_land_in_the_window_they_were_reserved_in():
+    lim, ledger = _limiter({"tokens_per_minute": 1000})
+
+    async def go():
+        d = await lim.admit(KID, "a:tenant", {"prompt": "abcd", "max_tokens": 99})
+        lim.settle(KID, "a:tenant", d, 7)
+        return d
+
+    d = asyncio.run(go())
+    assert d.ok and d.ticket[1] == 100
+    assert ledger.actor.totals(KID, "a") == (1, 7) and ledger.actor.totals(KID, "b") == (0, 0)
+
+
+def test_the_spec_renders_what_the_ingress_reads():
+    from serving.spec import ServingSpec
+
+    spec = ServingSpec.model_validate(
+        {
+            "models": [
+                {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}},
+                {"model": {"id": "qwen", "source": "Qwen/Qwen2.5-7B-Instruct"}, "mode": "aggregated"},
+            ],
+            "limits": {
+                "tokensPerMinute": 9000,
+                "keys": {KID: {"models": ["qwen"]}, OTHER: {"requestsPerMinute": 30}},
+                "models": {"llama": {"requestsPerMinute": 10}},
+                "whenLedgerUnreachable": "refuse",
+            },
+        }
+    )
+    cfg = LimitsConfig.from_user_config(spec.ingress_user_config()["limits"])
+    assert cfg.when_ledger_unreachable == "refuse"
+    assert (cfg.may_use(KID, "qwen:tenant"), cfg.may_use(KID, "llama"), cfg.may_use(OTHER, "llama")) == (
+        True,
+        False,
+        True,
+    )
+    assert cfg.for_key(KID, "qwen") == KeyLimit(0, 9000)  # its entry lists models only
+    assert cfg.for_key(KID, "llama") == KeyLimit(10, 0)
+    assert cfg.for_key(OTHER, "llama") == cfg.for_key(OTHER, "qwen") == KeyLimit(30, 0)

@@ -118,3 +118,96 @@ def test_plain_http_host_and_port():
     assert fb.plain_http and (fb.host, fb.port) == ("10.0.0.5", 8080)
     fb = FallbackSpec.model_validate({"baseUrl": "https://api.example.com/v1", "model": "m"})
     assert not fb.plain_http and (fb.host, fb.port) == ("api.example.com", 443)
+
+
+# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+KID = "k-0123456789ab"
+LLAMA = {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}}
+QWEN = {
+    "model": {"id": "qwen", "source": "Qwen/Qwen2.5-7B-Instruct"},
+    "mode": "aggregated",
+    "pools": {"decode": "general"},
+    "lora": {"adaptersPath": "s3://acme-models/adapters/qwen"},
+}
+
+
+def many(limits) -> ServingSpec:
+    return ServingSpec.model_validate({"models": [LLAMA, QWEN], "limits": limits})
+
+
+def error(data) -> str:
+    with pytest.raises(ValidationError) as e:
+        ServingSpec.model_validate(data)
+    return str(e.value.errors()[0]["msg"]).removeprefix("Value error, ")
+
+
+def test_key_models_and_model_limits_render_into_the_ingress_user_config():
+    s = many(
+        {
+            "requestsPerMinute": 100,
+            "keys": {
+                KID: {"models": ["qwen"]},
+                "k-00000000000b": {"requestsPerMinute": 5, "models": ["llama", "qwen"]},
+                "k-00000000000c": {"tokensPerMinute": 100},
+            },
+            "models": {"llama": {"requestsPerMinute": 2, "tokensPerMinute": 50}},
+        }
+    )
+    limits = s.ingress_user_config()["limits"]
+    # A key that only lists models renders no limits of its own: it keeps everyone's.
+    assert limits["keys"] == {
+        KID: {"models": ["qwen"]},
+        "k-00000000000b": {"requests_per_minute": 5, "tokens_per_minute": 0, "models": ["llama", "qwen"]},
+        "k-00000000000c": {"requests_per_minute": 0, "tokens_per_minute": 100},
+    }
+    assert limits["models"] == {"llama": {"requests_per_minute": 2, "tokens_per_minute": 50}}
+    assert (limits["requests_per_minute"], limits["tokens_per_minute"]) == (100, 0)
+    # The per-model specs of the many-model form keep the shared limits as they are.
+    assert all(m.limits == s.limits for m in s.served)
+
+
+def test_the_one_model_form_names_its_one_model():
+    s = spec(limits={"keys": {KID: {"models": ["llama-8b"]}}, "models": {"llama-8b": {"requestsPerMinute": 3}}})
+    limits = s.ingress_user_config()["limits"]
+    assert limits["keys"] == {KID: {"models": ["llama-8b"]}}
+    assert limits["models"] == {"llama-8b": {"requests_per_minute": 3, "tokens_per_minute": 0}}
+    msg = error({"model": MODEL, "limits": {"keys": {KID: {"models": ["qwen"]}}}})
+    assert msg.startswith(f"@serving.limits.keys.{KID}.models[0]@ ")
+    assert "'qwen' is not the id of a served model (ids: llama-8b)" in msg
+
+
+@pytest.mark.parametrize(
+    "limits,where,fragment",
+    [
+        (
+            {"keys": {KID: {"models": ["llama", "foo"]}}},
+            f"serving.limits.keys.{KID}.models[1]",
+            "'foo' is not the id of a served model (ids: llama, qwen)",
+        ),
+        ({"models": {"foo": {"requestsPerMinute": 1}}}, "serving.limits.models.foo", "'foo' is not the id"),
+        (
+            {"keys": {KID: {"models": ["qwen:tenant-a"]}}},
+            f"serving.limits.keys.{KID}.models[0]",
+            "an adapter is allowed with its base model: list 'qwen'",
+        ),
+        ({"models": {"qwen:tenant-a": {}}}, "serving.limits.models.qwen:tenant-a", "list 'qwen'"),
+    ],
+)
+def test_a_model_id_the_limits_name_must_be_served(limits, where, fragment):
+    msg = error({"models": [LLAMA, QWEN], "limits": limits})
+    assert msg.startswith(f"@{where}@ ") and fragment in msg
+
+
+@pytest.mark.parametrize(
+    "entry,fragment",
+    [
+        ({"models": []}, "list at least one model id"),
+        ({"models": ["qwen", "qwen"]}, "'qwen' is listed twice"),
+        ({"requestsPerMinute": -1}, "greater than or equal to 0"),
+    ],
+)
+def test_bad_key_entries_name_the_key(entry, fragment):
+    with pytest.raises(ValidationError) as e:
+        many({"keys": {KID: entry}})
+    err = e.value.errors()[0]
+    assert err["loc"][:3] == ("limits", "keys", KID) and fragment in err["msg"]

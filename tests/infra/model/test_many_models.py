@@ -47,6 +47,20 @@ def test_platform_stack_serves_a_pd_model_and_an_aggregated_model_with_adapters(
     assert agg.lora is not None and agg.lora.adapters_path.startswith("s3://")
 
 
+def test_platform_stacks_example_key_may_use_the_qwen_and_its_adapters_only(parsed):
+    """What the stack file's comment on serving.limits promises, read as the ingress reads it."""
+    from serving.limits import KeyLimit, LimitsConfig
+
+    limits = LimitsConfig.from_user_config(_load(parsed).serving.ingress_user_config()["limits"])
+    example, other = "k-0123456789ab", "k-ffffffffffff"
+    assert limits.may_use(example, "qwen2.5-7b-instruct:support-bot")
+    assert not limits.may_use(example, "llama-3.1-8b-instruct")
+    assert limits.for_key(example, "qwen2.5-7b-instruct") == KeyLimit(30, 0)
+    assert limits.may_use(other, "llama-3.1-8b-instruct") and limits.may_use(other, "qwen2.5-7b-instruct")
+    assert limits.for_key(other, "llama-3.1-8b-instruct") == KeyLimit(120, 200_000)
+    assert limits.for_key(other, "qwen2.5-7b-instruct").unlimited
+
+
 def test_unknown_pool_is_one_error_naming_model_role_and_pool(parsed):
     def point_at_missing(values):
         values["serving"]["models"][1]["pools"] = {"decode": "gpu-huge"}
@@ -86,6 +100,7 @@ def test_a_shared_pool_too_small_for_its_models_is_refused_naming_pool_and_model
 def test_a_model_that_does_not_fit_its_pool_is_refused_naming_model_and_pool(parsed):
     def too_big(values):
         values["serving"]["models"][1]["model"] = {"id": "qwen72", "source": "Qwen/Qwen2.5-72B-Instruct"}
+        values["serving"].pop("limits", None)  # they name the replaced model's id
 
     msg = _refusal(parsed, too_big)
     assert "serving.models[1] (qwen72)" in msg and "(pool general)" in msg
