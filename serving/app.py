@@ -105,17 +105,6 @@ def error_response(
     return JSONResponse(status_code=status, content=body, headers=dict(headers or {}))
 
 
-def model_not_found(model: str) -> JSONResponse:
-    """OpenAI's answer for a model that does not exist or that the key may not use: the same
-    words for both, so a key learns nothing about models outside its own."""
-    return error_response(
-        404,
-        f"The model '{model}' does not exist or you do not have access to it.",
-        param="model",
-        code="model_not_found",
-    )
-
-
 # A model whose application Serve has not deployed yet (it deploys a config's applications
 # side by side): retry soon.
 MODEL_STARTING_MESSAGE = "The model is not available yet; retry later."
@@ -336,15 +325,16 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
                 ) from None
         return model_id
 
-    def _unknown_model(self, model: Any) -> JSONResponse | None:
+    def _unknown_model(self, model: Any) -> Response | None:
         """OpenAI's 404 for a model (or `<model>:<adapter>`) this front door does not serve,
-        before any limit is charged."""
+        before any limit is charged; the same words as for a model the key may not use
+        (serving/hybrid.py), so a key learns nothing about models outside its own."""
         if not isinstance(model, str):
             return None  # absent: Ray picks the only model, or answers 400
         base, _, adapter = model.partition(":")
         if base in self._model_cards and (not adapter or base in self._lora_paths):
             return None
-        return model_not_found(model)
+        return self._hybrid.model_not_found(model)
 
     async def on_unservable(self, body: Any, raw_request: Request, failure: Any) -> Response | None:
         """The resilience layer's hook: the cluster cannot serve `body` (before any byte was
@@ -365,9 +355,15 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         return await self._parsed_call(request, model_cls, parent_method)
 
     async def _parsed_call(
-        self, request: Request, model_cls: Any, parent_method: Callable[..., Awaitable[Any]]
+        self,
+        request: Request,
+        model_cls: Any,
+        parent_method: Callable[..., Awaitable[Any]],
+        *,
+        admit_only: bool = False,
     ) -> Response:
-        """An authenticated request: its body parsed, checked and typed, then served."""
+        """An authenticated request: its body parsed, checked and typed, then served
+        (`admit_only`: a request that generates nothing, charged one request on its model)."""
         body = await _json_body(request)
         if isinstance(body, JSONResponse):
             return body
@@ -377,9 +373,14 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             refused = refused_field(endpoint, body)
             if refused is not None:
                 return error_response(400, refused[1], param=refused[0], code="unsupported_parameter")
-            unknown = self._unknown_model(body.get("model"))
-            if unknown is not None:
-                return unknown
+        unknown = self._unknown_model(body.get("model"))
+        if unknown is not None:
+            return unknown
+        if admit_only:
+            model = body.get("model")
+            denied = await self._hybrid.admit_only(request, model if isinstance(model, str) else None)
+            if denied is not None:
+                return denied
         try:
             typed = _adapter(model_cls).validate_python(body)
         except ValidationError as err:
@@ -406,20 +407,25 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         if denied is not None:
             return denied
         try:
-            return await super().models()
+            listing = await super().models()
         except Exception as exc:
             return _from_exception(exc)
+        # A key limited to some models sees only those (and their adapters).
+        listing.data = [m for m in listing.data if self._hybrid.may_use(request, m.id)]
+        return listing
 
     async def model_data(self, model: str, request: Request) -> Any:
         denied = self._auth.check(request)
         if denied is not None:
             return denied
+        if not self._hybrid.may_use(request, model):
+            return self._hybrid.model_not_found(model)
         try:
             return await super().model_data(model)
         except Exception as exc:
             resp = _from_exception(exc)
             if resp.status_code == 404:
-                return model_not_found(model)
+                return self._hybrid.model_not_found(model)
             return resp
 
     # Endpoints a chat model's P/D stack does not serve: refused (after auth, so the answer
@@ -452,10 +458,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         denied = self._auth.check(request)
         if denied is not None:
             return denied
-        refused = await self._hybrid.admit_only(request)
-        if refused is not None:
-            return refused
-        return await self._parsed_call(request, _body_type(endpoint), getattr(super(), endpoint))
+        return await self._parsed_call(request, _body_type(endpoint), getattr(super(), endpoint), admit_only=True)
 
 
 async def _drain(stream: Any) -> None:

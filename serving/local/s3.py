@@ -55,7 +55,12 @@ class LocalS3:
 
     def start(self) -> str:
         """Listen on a free port of `host`; returns the endpoint URL once the socket is bound."""
+        import logging
+
         from moto.server import ThreadedMotoServer
+
+        # One line per S3 request (werkzeug's access log) would bury make serve's own lines.
+        logging.getLogger("werkzeug").setLevel(logging.WARNING)
 
         server = ThreadedMotoServer(ip_address=self.host, port=0, verbose=False)  # port 0: a free one
         server.start()

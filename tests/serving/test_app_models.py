@@ -269,3 +269,49 @@ def test_the_catalog_refuses_a_repeated_or_malformed_row():
         ModelCatalog().update([{"model_id": "a", "app_name": "x", "mode": "aggregated"}] * 2)
     with pytest.raises(ValueError, match=r"models\[0\]: not a model row"):
         ModelCatalog().update([{"model_id": "a"}])
+
+
+# --- keys limited to some models --------------------------------------------------------------
+OTHER_KEY = "sk-unit-limited"
+
+
+def _limited_front_door(monkeypatch):
+    from serving.spec import key_id
+
+    spec = ServingSpec.model_validate({"models": [PD, AGG], "limits": {"keys": {key_id(OTHER_KEY): {"models": ["llama"]}}}})
+    apps = Apps(MODEL_APP_PREFIX + "llama", MODEL_APP_PREFIX + "qwen")
+    ingress, _ = _front_door(monkeypatch, apps, spec)
+    monkeypatch.setattr(ingress._auth, "_keys", (KEY.encode(), OTHER_KEY.encode()))
+    return ingress, apps
+
+
+def test_a_limited_key_lists_and_reads_only_its_models(monkeypatch):
+    from ray.llm._internal.serve.core.ingress import ingress as ray_ingress
+
+    monkeypatch.setattr(ray_ingress, "get_lora_model_ids", lambda dynamic_lora_loading_path, base_model_id: [])
+    ingress, _ = _limited_front_door(monkeypatch)
+    get = {"path": "/v1/models", "method": "GET"}
+    assert [m.id for m in asyncio.run(ingress.models(make_request(key=OTHER_KEY, **get))).data] == ["llama"]
+    assert [m.id for m in asyncio.run(ingress.models(make_request(key=KEY, **get))).data] == ["llama", "qwen"]
+    status, err = error_of(asyncio.run(ingress.model_data("qwen", make_request(key=OTHER_KEY, **get))))
+    assert status == 404 and err["message"] == "The model 'qwen' does not exist or you do not have access to it."
+    assert asyncio.run(ingress.model_data("qwen", make_request(key=KEY, **get))).id == "qwen"
+
+
+@pytest.mark.parametrize("model", ["qwen", "qwen:support-v2"])
+def test_a_limited_key_gets_the_unknown_models_404_for_another_model_and_nothing_is_served(monkeypatch, model):
+    ingress, apps = _limited_front_door(monkeypatch)
+    denied = error_of(asyncio.run(ingress.chat(make_request(chat(model), key=OTHER_KEY))))
+    unknown = error_of(asyncio.run(ingress.chat(make_request(chat("gpt-9"), key=OTHER_KEY))))
+    assert denied[0] == unknown[0] == 404
+    assert denied[1] == {**unknown[1], "message": unknown[1]["message"].replace("gpt-9", model)}
+    assert apps.handles[MODEL_APP_PREFIX + "qwen"].calls == []
+    assert asyncio.run(ingress.chat(make_request(chat("llama"), key=OTHER_KEY))).status_code == 200
+    assert asyncio.run(ingress.chat(make_request(chat(model), key=KEY))).status_code == 200
+
+
+def test_tokenize_of_another_model_is_404_for_a_limited_key(monkeypatch):
+    ingress, _ = _limited_front_door(monkeypatch)
+    body = {"model": "qwen", "prompt": "hello"}
+    status, err = error_of(asyncio.run(ingress.tokenize(make_request(body, key=OTHER_KEY, path="/tokenize"))))
+    assert status == 404 and err["code"] == "model_not_found"
