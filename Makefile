@@ -22,7 +22,7 @@ help:
 	@echo "make plan STACK=prod    capacity plan for a stack"
 	@echo "make model STACK=platform MODEL=org/name [POOL=decode=general] [WRITE=1]   add a model: plan, diff, rollout kind"
 	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
-	@echo "make efa-check STACK=prod   EFA fabric check between a prefill and a decode node (DRY_RUN=1: offline)"
+	@echo "make efa-check STACK=prod   EFA fabric check between each P/D model's prefill and decode pools (DRY_RUN=1: offline)"
 	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.txt only)"
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
@@ -157,8 +157,9 @@ render: pulumi-venv
 plan: pulumi-venv
 	$(PULUMI_PY) -m tools.plan --stack $(STACK)
 
-# The EFA fabric between a prefill and a decode node, on the cluster of the current kubeconfig
-# (fi_info + fi_pingpong per EFA device; bandwidth vs the catalog). DRY_RUN=1: render and
+# The EFA fabric between each P/D model's prefill and decode pools (a node of each), and NCCL
+# across two nodes of each EFA pool whose replicas span nodes, on the cluster of the current
+# kubeconfig (fi_info + fi_pingpong per EFA device; bandwidth vs the catalog). DRY_RUN=1: render and
 # validate only. IMAGE=<ref>: the worker image (the deploy workflow passes the stack output).
 efa-check: pulumi-venv
 	$(PULUMI_PY) -m tools.efa_check --stack $(STACK) $(if $(DRY_RUN),--dry-run) $(if $(IMAGE),--image "$(IMAGE)")

@@ -114,14 +114,14 @@ def write(rendered: Rendered, out: Path) -> None:
     )
     for fname, obj in sorted(rendered.manifests().items()):
         (out / "manifests" / fname).write_text(yaml.safe_dump(obj, sort_keys=False))
-    cfg = rendered.config
-    pools = cfg.node_pools
-    if "prefill" in pools and "decode" in pools and pools.prefill.instance.efa and pools.decode.instance.efa:
-        # The fabric check the deploy workflow runs after `pulumi up` (not a Pulumi resource).
-        from tools import efa_check
+    # The fabric checks the deploy workflow runs after `pulumi up` (not Pulumi resources): one
+    # per P/D model's EFA pool pair, one NCCL check per EFA pool whose replicas span nodes.
+    from tools import efa_check
 
-        inp = efa_check.inputs_for(cfg, rendered.stack, None, 0.5)
-        objects = {**efa_check.efa_check.manifests(inp), **efa_check.nccl_objects(cfg, inp.image)}
+    cfg = rendered.config
+    image = efa_check.offline_image(cfg, rendered.stack)
+    objects = efa_check.objects_for(cfg, efa_check.inputs_for(cfg, rendered.stack, image, 0.5), image)
+    if objects:
         efa_check.write(objects, out / "efa-check", cfg.kubernetes_version)
 
 

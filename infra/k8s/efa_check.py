@@ -1,8 +1,10 @@
 """The EFA fabric check, as plain data: one pod on a prefill node, one on a decode node.
 
-What flows through here: a stack's pools (their catalog entries), the namespace, the worker
-image and the role label/taint -> a headless Service and two Jobs (`efa-check-server` on a
-prefill node, `efa-check-client` on a decode node). Each pod asks for all of its node's EFA
+What flows through here: a P/D model's two pools (their names and catalog entries), the
+namespace, the worker image and the role label/taint -> a headless Service and two Jobs
+(`<name>-server` on a node of the prefill pool, `<name>-client` on a node of the decode pool;
+`check_names` gives each pool pair of a stack its own name, `efa-check` for the pools named
+prefill and decode). Each pod asks for all of its node's EFA
 interfaces (and no GPUs) and runs as the engines do (uid 1000, every capability dropped, the
 engines' libfabric environment from `infra.k8s.rayservice.efa_engine_env`). Each checks what
 memory registration needs in such a pod (docs/efa.md, "Memory registration in the pods"):
@@ -19,8 +21,11 @@ the objects against the Kubernetes OpenAPI schema.
 
 from __future__ import annotations
 
+import hashlib
 import re
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
@@ -36,15 +41,48 @@ BASE_PORT = 47592
 MESSAGE_BYTES = 4 << 20
 ITERATIONS = 200
 RAY_UID = 1000  # the worker image's user (same security context as the Ray workers)
+# The longest name of one pair's objects: its Jobs and Service add "-server" / "-client", and a
+# Job's name is also its pods' `job-name` label value, at most 63 characters (Kubernetes,
+# "Labels and Selectors": a label value is at most 63 characters).
+MAX_NAME = 63 - len("-server")
+DEFAULT_POOLS = ("prefill", "decode")
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+def check_names(pairs: Sequence[tuple[str, str]]) -> dict[tuple[str, str], str]:
+    """(prefill pool, decode pool) -> the name of that pair's objects, distinct within a stack.
+
+    The pools named prefill and decode keep `efa-check` (what a one-model stack has always
+    rendered); any other pair is `efa-check-<prefill pool>-<decode pool>`. Where that is longer
+    than MAX_NAME (pool names have up to 24 characters) or two pairs would share it (pool names
+    hold '-': `a-b` with `c`, `a` with `b-c`), it is cut short and ends in 8 hex digits of the
+    pair's SHA-256 instead.
+    """
+    readable = {p: NAME if tuple(p) == DEFAULT_POOLS else f"{NAME}-{p[0]}-{p[1]}" for p in pairs}
+    shared = Counter(readable.values())
+    names = {}
+    for pair, name in readable.items():
+        if len(name) > MAX_NAME or shared[name] > 1:
+            digest = hashlib.sha256(f"{pair[0]}/{pair[1]}".encode()).hexdigest()[:8]
+            name = f"{name[: MAX_NAME - 9].rstrip('-')}-{digest}"
+        names[pair] = name
+    if len(set(names.values())) < len(names):
+        raise ValueError(f"two EFA pool pairs would share one check name: {sorted(names.items())}")
+    return names
 
 
 @dataclass(frozen=True)
 class EfaCheckInputs:
-    """What the check needs from a stack.
+    """What the check of one pool pair needs from a stack.
 
     namespace: where the Jobs run (the LLM namespace: its NetworkPolicy admits pod-to-pod traffic).
     image: the worker image (it carries fi_info and fi_pingpong from the EFA installer).
-    instances: the catalog entries of the prefill and decode pools.
+    instances: the catalog entries of the two sides, by role: `prefill` (the server's pool) and
+        `decode` (the client's).
+    pools: the node pool of each side, by role (its nodes' role label value); by default the
+        pools named prefill and decode.
+    name: what the Service and Jobs are called (`<name>-server`, `<name>-client`) and their
+        `app.kubernetes.io/name` label, distinct per pool pair (`check_names`).
     min_fraction: the share of the catalog's line rate below which the check fails.
     """
 
@@ -55,13 +93,21 @@ class EfaCheckInputs:
     message_bytes: int = MESSAGE_BYTES
     iterations: int = ITERATIONS
     timeout_s: int = 900
+    pools: dict[str, str] = field(default_factory=lambda: {"prefill": "prefill", "decode": "decode"})
+    name: str = NAME
 
     def __post_init__(self) -> None:
-        if set(self.instances) != {"prefill", "decode"}:
+        if set(self.instances) != {"prefill", "decode"} or set(self.pools) != {"prefill", "decode"}:
             raise ValueError("the EFA check needs a prefill and a decode pool")
+        if self.pools["prefill"] == self.pools["decode"]:
+            raise ValueError(f"prefill and decode share the pool {self.pools['decode']}: nothing between pools")
         for role, inst in self.instances.items():
             if not inst.efa:
-                raise ValueError(f"{role} pool {inst.name} has no EFA: there is no fabric to check")
+                raise ValueError(
+                    f"{role} pool {self.pools[role]} ({inst.name}) has no EFA: there is no fabric to check"
+                )
+        if len(self.name) > MAX_NAME or not _DNS_LABEL.match(self.name):
+            raise ValueError(f"{self.name!r} is not a check name (a DNS label of at most {MAX_NAME} characters)")
         if not 0 < self.min_fraction <= 1:
             raise ValueError("min_fraction must be in (0, 1]")
         if not 0 < self.message_bytes <= 6 << 20:
@@ -74,7 +120,7 @@ def devices_expected(inp: EfaCheckInputs) -> int:
 
 
 def server_host(inp: EfaCheckInputs) -> str:
-    return f"{NAME}-server.{inp.namespace}.svc.cluster.local"
+    return f"{inp.name}-server.{inp.namespace}.svc.cluster.local"
 
 
 # What libfabric prints when registration fails (util/pingpong.c PP_PRINTERR("fi_mr_reg", ret);
@@ -168,20 +214,22 @@ def client_script(inp: EfaCheckInputs) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _labels(component: str) -> dict[str, str]:
-    return {"app.kubernetes.io/name": NAME, "app.kubernetes.io/component": component}
+def _labels(inp: EfaCheckInputs, component: str) -> dict[str, str]:
+    # The name differs per pool pair, so each pair's Service selects its own server only.
+    return {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": component}
 
 
 def _pod(inp: EfaCheckInputs, role: str, component: str, script: str) -> dict[str, Any]:
     inst = inp.instances[role]
     resources = {"cpu": "2", "memory": "4Gi", EFA_RESOURCE: str(inst.efa_interfaces)}
     return {
-        "metadata": {"labels": _labels(component)},
+        "metadata": {"labels": _labels(inp, component)},
         "spec": {
             "restartPolicy": "Never",
             "automountServiceAccountToken": False,
-            # A node of this role's pool only: prefill and decode are different pools.
-            "nodeSelector": {ROLE_LABEL: role, INSTANCE_TYPE_LABEL: inst.name},
+            # A node of this side's pool only (the role label holds the pool's name); the two
+            # sides are different pools.
+            "nodeSelector": {ROLE_LABEL: inp.pools[role], INSTANCE_TYPE_LABEL: inst.name},
             "tolerations": [GPU_TOLERATION],
             # The Ray workers' security context: the check proves the fabric works for them.
             "securityContext": {
@@ -218,7 +266,7 @@ def _job(inp: EfaCheckInputs, role: str, component: str, script: str) -> dict[st
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
-        "metadata": {"name": f"{NAME}-{component}", "namespace": inp.namespace, "labels": _labels(component)},
+        "metadata": {"name": f"{inp.name}-{component}", "namespace": inp.namespace, "labels": _labels(inp, component)},
         "spec": {
             "backoffLimit": 0,
             "activeDeadlineSeconds": inp.timeout_s,
@@ -234,13 +282,13 @@ def manifests(inp: EfaCheckInputs) -> dict[str, dict[str, Any]]:
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": f"{NAME}-server", "namespace": inp.namespace, "labels": _labels("server")},
+        "metadata": {"name": f"{inp.name}-server", "namespace": inp.namespace, "labels": _labels(inp, "server")},
         "spec": {
             # Headless: the name resolves to the server pod's IP, as fi_pingpong's control
             # connection needs (the EFA traffic itself never crosses the Service).
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
-            "selector": _labels("server"),
+            "selector": _labels(inp, "server"),
             "ports": [
                 {"name": f"ctrl-{i}", "port": BASE_PORT + i, "targetPort": BASE_PORT + i, "protocol": "TCP"}
                 for i in range(n)
@@ -248,9 +296,9 @@ def manifests(inp: EfaCheckInputs) -> dict[str, dict[str, Any]]:
         },
     }
     return {
-        f"service-{NAME}-server.yaml": service,
-        f"job-{NAME}-server.yaml": _job(inp, "prefill", "server", server_script(inp)),
-        f"job-{NAME}-client.yaml": _job(inp, "decode", "client", client_script(inp)),
+        f"service-{inp.name}-server.yaml": service,
+        f"job-{inp.name}-server.yaml": _job(inp, "prefill", "server", server_script(inp)),
+        f"job-{inp.name}-client.yaml": _job(inp, "decode", "client", client_script(inp)),
     }
 
 

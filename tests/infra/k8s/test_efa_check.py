@@ -14,6 +14,7 @@ what the real tools print, so their shell and their parsing are tested, not only
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 from pathlib import Path
@@ -212,3 +213,61 @@ def test_the_check_pods_run_with_the_engines_libfabric_settings() -> None:
         assert efa_engine_env([P5, P5]).items() <= env.items()
         assert c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert not c["securityContext"].get("privileged")
+
+
+# --- issue 26: one check per pool pair, named after its pools -------------------------------
+# A Job's name is its pods' `job-name` label value and a Service's name a DNS-1035 label:
+# at most 63 characters, lowercase alphanumerics and '-', a letter first, alphanumeric last
+# (Kubernetes "Object Names and IDs", "Labels and Selectors").
+DNS_1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+LONGEST = "a" + "b" * 22 + "c"  # a pool name has 2-24 characters (serving/spec_models.py POOL_NAME)
+
+
+def test_pools_prefill_and_decode_keep_the_name_efa_check_other_pairs_are_named_after_theirs() -> None:
+    assert efa_check.check_names([("prefill", "decode"), ("h100-a", "h100-b")]) == {
+        ("prefill", "decode"): "efa-check",
+        ("h100-a", "h100-b"): "efa-check-h100-a-h100-b",
+    }
+
+
+def test_check_names_are_distinct_kubernetes_names_for_any_pool_names() -> None:
+    pairs = [
+        ("prefill", "decode"),
+        (LONGEST, LONGEST[::-1]),
+        (LONGEST, "decode"),
+        ("a-b", "c1"),  # efa-check-a-b-c1 ...
+        ("a", "b-c1"),  # ... twice, but for the pools' SHA-256
+        ("decode", "prefill"),
+    ]
+    names = efa_check.check_names(pairs)
+    assert len(set(names.values())) == len(pairs)
+    assert names[("a-b", "c1")] != names[("a", "b-c1")]
+    for pair, name in names.items():
+        for obj in efa_check.manifests(_inp(pools={"prefill": pair[0], "decode": pair[1]}, name=name)).values():
+            assert re.match(DNS_1035, obj["metadata"]["name"]), obj["metadata"]["name"]
+            for value in obj["metadata"]["labels"].values():
+                assert len(value) <= 63
+
+
+def test_a_pairs_pods_run_on_its_pools_and_its_service_selects_its_own_server() -> None:
+    default = efa_check.manifests(_inp())
+    other = efa_check.manifests(_inp(P5, P4DE, pools={"prefill": "h100-a", "decode": "a100"}, name="efa-check-x"))
+    jobs = {o["metadata"]["name"]: o["spec"]["template"] for o in other.values() if o["kind"] == "Job"}
+    assert jobs["efa-check-x-server"]["spec"]["nodeSelector"] == {ROLE_LABEL: "h100-a", INSTANCE_TYPE_LABEL: P5.name}
+    assert jobs["efa-check-x-client"]["spec"]["nodeSelector"] == {ROLE_LABEL: "a100", INSTANCE_TYPE_LABEL: P4DE.name}
+    service = other["service-efa-check-x-server.yaml"]
+    default_server = default["job-efa-check-server.yaml"]["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"] == jobs["efa-check-x-server"]["metadata"]["labels"]
+    assert not service["spec"]["selector"].items() <= default_server.items()
+    assert "efa-check-x-server.llm.svc.cluster.local" in efa_check.client_script(
+        _inp(pools={"prefill": "h100-a", "decode": "a100"}, name="efa-check-x")
+    )
+
+
+def test_refuses_one_pool_on_both_sides_and_a_name_kubernetes_would_refuse() -> None:
+    with pytest.raises(ValueError, match="share the pool"):
+        _inp(pools={"prefill": "h100-a", "decode": "h100-a"})
+    with pytest.raises(ValueError, match="not a check name"):
+        _inp(name="efa-check-" + "x" * 50)
+    with pytest.raises(ValueError, match="not a check name"):
+        _inp(name="EFA_check")

@@ -127,16 +127,18 @@ def test_check_pods_can_register_memory_as_the_engines_do(rendered_stacks, tmp_p
     memlock = _memlock_per_pool(rendered_stacks, tmp_path)
     for stack in {s for s, _ in memlock}:
         cfg = rendered_stacks[stack].config
-        inp = efa_check_tool.inputs_for(cfg, stack, "example.com/ray-llm-efa:1", 0.5)
-        objects = {**efa_check_tool.efa_check.manifests(inp), **efa_check_tool.nccl_objects(cfg, inp.image)}
+        image = "example.com/ray-llm-efa:1"
+        checks = efa_check_tool.inputs_for(cfg, stack, image, 0.5)
+        objects = efa_check_tool.objects_for(cfg, checks, image)
+        assert checks and any(o["kind"] == "Job" for o in objects.values()), stack
         for name, obj in objects.items():
             if obj["kind"] != "Job":
                 continue
             spec = obj["spec"]["template"]["spec"]
-            role = spec["nodeSelector"]["pd-inference/role"]
-            inst = inp.instances[role]
+            pool = spec["nodeSelector"]["pd-inference/role"]  # the role label holds the pool's name
+            inst = cfg.node_pools[pool].instance
             env = {e["name"]: e["value"] for e in spec["containers"][0]["env"] if "value" in e}
-            assert _pod_problems(spec, inst, memlock[(stack, role)], env) == [], (stack, name)
+            assert _pod_problems(spec, inst, memlock[(stack, pool)], env) == [], (stack, name)
 
 
 def test_the_rules_bite() -> None:
