@@ -1,6 +1,7 @@
-"""The bytes a client reads of a streamed answer through the whole ingress: stream
-migration's relay (serving/migration.py, driven by guarded_stream in
-serving/ingress_resilience.py), then serving/hybrid.py's metering (serving/sse.py).
+"""The ingress's one pass over a streamed answer (serving/sse.py EventPipeline, driven by
+guarded_stream in serving/ingress_resilience.py, read by serving/hybrid.py's metering): each
+event decoded once and encoded at most once, and the bytes a client reads those of the two
+passes it replaced.
 
 Driven through serving.app.AuthenticatedIngress in front of a stand-in decode handle that
 streams vLLM-shaped events in Ray's batches (bench/ingress_events.py): the composition
@@ -11,6 +12,7 @@ the metering), no Ray started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -32,6 +34,8 @@ from bench.ingress_events import (
     piece,
     request_body,
 )
+
+N = 50  # JSON events in a stream
 
 
 def client_bytes(ingress: Any, endpoint: str, body: dict[str, Any]) -> str:
@@ -62,6 +66,54 @@ def text_of(docs: list[Any]) -> str:
         if isinstance(d, dict)
         for c in d.get("choices") or []
     )
+
+
+@contextlib.contextmanager
+def counted(monkeypatch: pytest.MonkeyPatch):
+    """Counts every JSON decode (json.loads and any JSONDecoder) and encode (json.dumps and
+    any JSONEncoder) of the standard library while inside."""
+    calls = {"decode": 0, "encode": 0}
+    raw_decode, encode = json.JSONDecoder.raw_decode, json.JSONEncoder.encode
+
+    def counting_decode(self, *a, **kw):
+        calls["decode"] += 1
+        return raw_decode(self, *a, **kw)
+
+    def counting_encode(self, *a, **kw):
+        calls["encode"] += 1
+        return encode(self, *a, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(json.JSONDecoder, "raw_decode", counting_decode)
+        m.setattr(json.JSONEncoder, "encode", counting_encode)
+        yield calls
+
+
+# --- one decode per event ---------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("migrations", [2, 0])
+def test_each_streamed_event_is_decoded_once_and_encoded_at_most_once(monkeypatch, endpoint, migrations):
+    def script(ep, body):  # N JSON events: the tokens, chat's role chunk, the usage event
+        return batches(engine_events(ep, N - (2 if ep == "chat" else 1), **asked(body)), 4)
+
+    handle = EngineHandle(script)
+    ingress = make_ingress(handle, migrations=migrations)
+
+    async def go():
+        resp = await call(ingress, endpoint, request_body(endpoint, N))
+        with counted(monkeypatch) as calls:  # the stream only: the request was parsed above
+            chunks = [c async for c in resp.body_iterator]
+        return chunks, calls
+
+    chunks, calls = asyncio.run(go())
+    # The engine was asked for token ids (migration) and usage in every chunk (metering).
+    assert asked(handle.calls[0][1]) == {"ids": migrations > 0, "every_usage": True, "final_usage": True}
+    assert calls["decode"] == N
+    docs = docs_of("".join(chunks))
+    assert 0 < calls["encode"] <= N and calls["encode"] == len(docs) - 1  # every JSON event the client got
+    # and nothing was lost on the way: the whole answer, no usage the client did not ask for
+    assert text_of(docs) == "".join(piece(i) for i in range(N - (2 if endpoint == "chat" else 1)))
+    assert docs[-1] == "[DONE]" and all(d["usage"] is None for d in docs[:-1])
 
 
 # --- migration through the ingress ------------------------------------------------------------
@@ -99,8 +151,8 @@ def test_a_cut_stream_is_continued_with_the_fields_the_client_set(endpoint):
 
 
 # --- the bytes a client reads -------------------------------------------------------------------
-# What the client reads: each packet through two passes, each decoding and writing every JSON
-# event (the documented behaviour, not the code):
+# What the client read when each packet went through two passes, each decoding and writing
+# every JSON event (the documented behaviour, not the code); the one pass keeps it byte for byte:
 #  1. stream migration's relay (serving/migration.py, when the request can be continued): a
 #     JSON object that is not an error event loses its token ids unless the client asked for
 #     them, a chat chunk that exists only to carry ids (a delta with nothing but empty
