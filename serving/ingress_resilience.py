@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serving.migration import StreamRecord, not_continuable
+from serving.migration import NOT_CONTINUED, ClientFields, StreamRecord, not_continuable
 from serving.resilience import (
     METRICS,
     EngineRefused,
@@ -447,12 +447,14 @@ class ResilientIngressMixin:
         cfg = self._resilience
         if cfg.migrations <= 0:
             return None
-        fields = body.model_dump(exclude_unset=True)
-        blocked = not_continuable(call_method, fields)
+        # The whole body is dumped only if a continuation needs it (a stream that is cut).
+        fields = ClientFields(body)
+        deciding = fields.among([*NOT_CONTINUED, "return_token_ids"])
+        blocked = not_continuable(call_method, deciding)
         record = None
         if blocked is None:
             limit = body.max_tokens if call_method == "completions" else (body.max_completion_tokens or body.max_tokens)
-            record = StreamRecord(call_method, fields, limit, client_ids=bool(fields.get("return_token_ids")))
+            record = StreamRecord(call_method, fields, limit, client_ids=bool(deciding.get("return_token_ids")))
 
         async def resume(cont: dict[str, Any]) -> tuple[Any, Any]:
             request = CompletionRequest.model_validate({**cont, "model": model_id})

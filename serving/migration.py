@@ -2,12 +2,13 @@
 
 What flows through here, for a streamed chat or completion that the ingress sent to decode:
   1. `not_continuable(endpoint, fields)` decides once, before dispatch, whether the request
-     can be continued. Every field a client may send (serving.request_fields.ALLOWED) is
-     either carried to the continuation, already inside the prompt's token ids (or already
-     sent), recomputed, or makes the request one that is not continued: tools, structured
-     output, logprobs, n > 1 and a completion suffix shape or parse the whole answer, and a
-     restart in the middle would change it. tests/serving/test_migration.py fails when an
-     allowed field has no class here.
+     can be continued, from the few fields that decide it (`ClientFields.among`; the rest of
+     the request is dumped only when a continuation needs it). Every field a client may send
+     (serving.request_fields.ALLOWED) is either carried to the continuation, already inside
+     the prompt's token ids (or already sent), recomputed, or makes the request one that is
+     not continued: tools, structured output, logprobs, n > 1 and a completion suffix shape
+     or parse the whole answer, and a restart in the middle would change it.
+     tests/serving/test_migration.py fails when an allowed field has no class here.
   2. `StreamRecord.relay_event` reads every SSE event of the original stream (a step of the
      ingress's one pass over the events, serving.sse.EventPipeline): the response id,
      created and model, the prompt's token ids and each chunk's token ids (vLLM's
@@ -38,7 +39,7 @@ generated tokens only (presence/frequency) see the continuation's output only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,13 +127,48 @@ def not_continuable(endpoint: str, fields: Mapping[str, Any]) -> str | None:
     return None
 
 
+class ClientFields(Mapping[str, Any]):
+    """The fields a client set on a typed request (pydantic's `model_dump(exclude_unset=True)`),
+    dumped when first read. Only a cut stream reads them whole (its continuation, or the
+    finish written for it); before dispatch `among` dumps the few that decide whether the
+    request can be continued, and only those the client set."""
+
+    def __init__(self, body: Any):
+        self._body = body
+        self._dump: dict[str, Any] | None = None
+
+    def _fields(self) -> dict[str, Any]:
+        if self._dump is None:
+            self._dump = self._body.model_dump(exclude_unset=True)
+        return self._dump
+
+    def __getitem__(self, name: str) -> Any:
+        return self._fields()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields())
+
+    def __len__(self) -> int:
+        return len(self._fields())
+
+    def among(self, names: Iterable[str]) -> dict[str, Any]:
+        """Those of `names` the client set, valued as in the whole dump."""
+        wanted = set(names) & set(self._body.model_fields_set)
+        if not wanted:
+            return {}
+        if self._dump is not None:
+            return {k: v for k, v in self._dump.items() if k in wanted}
+        return dict(self._body.model_dump(include=wanted, exclude_unset=True))
+
+
 @dataclass
 class StreamRecord:
     """What a continuation needs of one streamed answer (choice 0), and its client view."""
 
     endpoint: str
-    # The original request as the client set it (pydantic exclude_unset), and its
-    # max_tokens after the server's defaults (chat: none; completions: 16).
+    # The original request as the client set it (pydantic exclude_unset; ClientFields dumps
+    # it when first read), and its max_tokens after the server's defaults (chat: none;
+    # completions: 16).
     fields: Mapping[str, Any]
     max_tokens: int | None
     client_ids: bool = False  # the client itself asked for return_token_ids

@@ -1,7 +1,7 @@
 """The ingress's one pass over a streamed answer (serving/sse.py EventPipeline, driven by
 guarded_stream in serving/ingress_resilience.py, read by serving/hybrid.py's metering): each
 event decoded once and encoded at most once, and the bytes a client reads those of the two
-passes it replaced.
+passes it replaced; the request dumped only for a continuation.
 
 Driven through serving.app.AuthenticatedIngress in front of a stand-in decode handle that
 streams vLLM-shaped events in Ray's batches (bench/ingress_events.py): the composition
@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ray.exceptions import RayActorError
-from ray.serve.llm.openai_api_models import CompletionRequest
+from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
 from bench.ingress_events import (
     PIECES,
@@ -117,6 +117,27 @@ def test_each_streamed_event_is_decoded_once_and_encoded_at_most_once(monkeypatc
 
 
 # --- migration through the ingress ------------------------------------------------------------
+def test_a_stream_that_is_never_cut_never_dumps_its_request(monkeypatch):
+    """Migration needs the client's fields only for a continuation: a stream that ends well
+    must not pay a pydantic dump of its whole body."""
+    dumps = []
+    for cls in (ChatCompletionRequest, CompletionRequest):
+        real = cls.model_dump
+
+        def counting(self, *a, _real=real, **kw):
+            dumps.append((type(self).__name__, kw))
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(cls, "model_dump", counting)
+    handle = EngineHandle(lambda ep, body: batches(engine_events(ep, 6, **asked(body)), 2))
+    ingress = make_ingress(handle, migrations=2)
+    for endpoint in ("chat", "completions"):
+        out = client_bytes(ingress, endpoint, request_body(endpoint, 6, seed=3, top_p=0.9))
+        assert text_of(docs_of(out)) == "".join(piece(i) for i in range(6))
+    assert handle.calls[0][1].return_token_ids  # the stream can still be continued
+    assert dumps == []
+
+
 def _dying_then_continuing(die_after: int, n: int):
     """An engine whose first stream breaks after `die_after` batches (replica died), and
     which continues any /v1/completions body whose prompt holds the answer's first ids."""
