@@ -202,6 +202,7 @@ async def guarded_stream(
     Each packet's events are decoded once, when anything reads them: the migration record
     and whatever a layer above added to `events` (serving/hybrid.py's metering) read and
     edit the same dicts, and each kept event is encoded once (serving.sse.EventPipeline).
+    A packet (one of Ray Serve LLM's batches) goes on as one chunk.
     """
     done_sent = False
     finished = False

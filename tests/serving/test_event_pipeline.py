@@ -116,6 +116,53 @@ def test_each_streamed_event_is_decoded_once_and_encoded_at_most_once(monkeypatc
     assert docs[-1] == "[DONE]" and all(d["usage"] is None for d in docs[:-1])
 
 
+def test_the_metering_counts_the_ingress_stream_when_it_ends_and_when_the_client_leaves():
+    """The metering settles a stream of the ingress's own at its end: its usage counted once,
+    its in-flight ticket closed, also for a client that goes away mid-stream."""
+    handle = EngineHandle(lambda ep, body: batches(engine_events(ep, 12, **asked(body)), 2))
+    ingress = make_ingress(handle, migrations=2)
+    settled = []
+    ingress._hybrid._count = lambda kid, model, where, decision, usage: settled.append(
+        (where, usage.prompt_tokens, usage.completion_tokens)
+    )
+    client_bytes(ingress, "chat", request_body("chat", 12))
+    assert settled == [("cluster", len(PROMPT_IDS), 12)] and ingress._hybrid.inflight.count() == 0
+
+    async def leave_after_three_chunks():
+        resp = await call(ingress, "completions", request_body("completions", 12))
+        it = resp.body_iterator.__aiter__()
+        got = [await it.__anext__() for _ in range(3)]
+        await it.aclose()  # what Starlette does when the client goes away
+        return got
+
+    sent = docs_of("".join(asyncio.run(leave_after_three_chunks())))
+    tokens = sum(len(d["choices"]) for d in sent)  # completions: one token a chunk here
+    assert 3 <= tokens < 12
+    assert settled[1:] == [("cluster", len(PROMPT_IDS), tokens)] and ingress._hybrid.inflight.count() == 0
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_one_engine_batch_reaches_the_client_as_one_chunk(endpoint):
+    """Ray Serve LLM sends a stream's events in batches (streaming.batchIntervalMs): the
+    ingress passes a batch on as one chunk, so Serve's proxy carries a message per batch,
+    not one per token (as the fallback relay joins a provider's events)."""
+    sent: list[list[str]] = []
+
+    def script(ep, body):
+        sent[:] = batches(engine_events(ep, 20, **asked(body)), 4)
+        return sent
+
+    ingress = make_ingress(EngineHandle(script), migrations=2)
+
+    async def go():
+        resp = await call(ingress, endpoint, request_body(endpoint, 20))
+        return [c async for c in resp.body_iterator]
+
+    chunks = asyncio.run(go())
+    assert len(chunks) == len(sent) and len(docs_of(chunks[1])) == 4
+    assert text_of(docs_of("".join(chunks))) == "".join(piece(i) for i in range(20))
+
+
 # --- migration through the ingress ------------------------------------------------------------
 def test_a_stream_that_is_never_cut_never_dumps_its_request(monkeypatch):
     """Migration needs the client's fields only for a continuation: a stream that ends well
