@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling chaos stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress chaos stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -27,6 +27,7 @@ help:
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
+	@echo "make bench-ingress      CPU per streamed event on the ingress's stream path vs a bare passthrough (no Ray)"
 	@echo "make serve SIGNALS=1    per-role autoscaling on the engines' signals (local Prometheus)"
 	@echo "make serve SCALE_TO_ZERO=1   decode idles to zero (needs PD_FALLBACK_BASE_URL)"
 	@echo "make serve PD_MODELS=2  a second model (aggregated, with a LoRA adapter) behind the same front door"
@@ -150,6 +151,11 @@ bench-scaling: venv $(PROMETHEUS)
 
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
+
+# Issue 27: the ingress's CPU per streamed event (parse, migration record, metering) against a
+# bare passthrough beside it, in process (no Ray started; a minute or two). Not part of make bench.
+bench-ingress: venv
+	$(PY) -m bench.ingress_events
 
 render: pulumi-venv
 	$(PULUMI_PY) -m tools.render --stack $(STACK) --stand-in-secrets

@@ -25,7 +25,9 @@ What flows through here, per chat or completion request that passed auth and par
      the planner's time to serve as Retry-After (args.resilience.cold_start_retry_after_s);
   4. the response is marked `x-served-by: cluster|fallback`; its usage (prompt and completion
      tokens, read from the answer itself) is counted per key id, model and destination, and
-     replaces the token reservation in the ledger.
+     replaces the token reservation in the ledger. A stream of the ingress's own
+     (serving.sse.EventStreamResponse) is read in the same pass as its events are decoded
+     for stream migration: the rewriter is added to that pass, not run over the text again.
 
 Configuration arrives as the ingress deployment's `user_config` (`reconfigure`), so changing
 limits or the fallback in a stack updates the ingress in place without restarting engines.
@@ -38,7 +40,7 @@ import contextvars
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +51,7 @@ from serving.fallback import SERVED_BY, FallbackClient, FallbackConfig, Fallback
 from serving.limits import UNCHECKED, Decision, Limiter, LimitsConfig, UsageMeter, get_ledger, request_key_id
 from serving.resilience import UNAVAILABLE_MESSAGE, Reason, Unservable
 from serving.spec import FallbackWhen
-from serving.sse import SseRewriter, Usage, ask_for_usage, estimated_usage
+from serving.sse import EventStreamResponse, SseRewriter, Usage, ask_for_usage, estimated_usage
 
 logger = logging.getLogger("ray.serve")
 
@@ -448,25 +450,20 @@ class HybridRouting:
             return resp
         resp.headers[SERVED_BY] = "cluster"
         if isinstance(resp, StreamingResponse):
-            inner = resp.body_iterator
             rewriter = SseRewriter(model=None, keep_usage_event=asked_usage, keep_chunk_usage=False)
 
-            async def metered() -> AsyncIterator[str]:
-                try:
-                    async for chunk in inner:
-                        text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
-                        for e in rewriter.feed(text):
-                            yield e
-                    for e in rewriter.flush():
-                        yield e
-                finally:
-                    self.inflight.close(ticket)
-                    # Usage so far comes with every chunk: a stream cut before its usage
-                    # event (the client went away) still counts what was generated.
-                    usage = rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter)
-                    self._count(kid, model, "cluster", decision, usage)
+            def settle() -> None:
+                self.inflight.close(ticket)
+                # Usage so far comes with every chunk: a stream cut before its usage
+                # event (the client went away) still counts what was generated.
+                usage = rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter)
+                self._count(kid, model, "cluster", decision, usage)
 
-            resp.body_iterator = metered()
+            if isinstance(resp, EventStreamResponse):
+                # The ingress's own stream: the rewriter reads the events it decodes anyway.
+                resp.events.meter(rewriter, settle)
+            else:
+                resp.body_iterator = _rewritten(resp.body_iterator, rewriter, settle)
             return resp
         self.inflight.close(ticket)
         usage = Usage()
@@ -477,3 +474,18 @@ class HybridRouting:
             pass
         self._count(kid, model, "cluster", decision, usage)
         return resp
+
+
+async def _rewritten(
+    inner: AsyncIterable[Any], rewriter: SseRewriter, on_close: Callable[[], None]
+) -> AsyncIterator[str]:
+    """Any other streamed answer, read and rewritten event by event; `on_close` at its end."""
+    try:
+        async for chunk in inner:
+            text = chunk if isinstance(chunk, str) else bytes(chunk).decode()
+            for e in rewriter.feed(text):
+                yield e
+        for e in rewriter.flush():
+            yield e
+    finally:
+        on_close()

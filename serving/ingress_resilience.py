@@ -7,7 +7,9 @@ is known degraded; Serve's back-pressure and a request no replica takes in time 
 Retry-After; the first-token and total deadlines -> 504) -> `guarded_stream`: the SSE
 packets of the started stream, cut at the total deadline, ended with an OpenAI-style error
 event when the stream fails after bytes went out, the downstream call cancelled when the
-client goes away. `ResilientIngressMixin` wires both into Ray's OpenAiIngress for
+client goes away; each packet's events decoded once, read and edited there by the migration
+record and the metering a layer above adds (serving.sse.EventPipeline), each encoded once.
+`ResilientIngressMixin` wires both into Ray's OpenAiIngress for
 chat/completions; `on_unservable` is the hook for "the cluster cannot serve this request"
 (the external fallback overrides it).
 """
@@ -20,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from serving.migration import StreamRecord, not_continuable
+from serving.migration import NOT_CONTINUED, ClientFields, StreamRecord, not_continuable
 from serving.resilience import (
     METRICS,
     EngineRefused,
@@ -36,7 +38,19 @@ from serving.resilience import (
     is_server_error,
     logger,
     overloaded,
+    server_error_in,
     sse_error,
+    sse_error_doc,
+)
+from serving.sse import (
+    DONE,
+    DONE_EVENTS,
+    DONE_PACKET,
+    EventPipeline,
+    EventStreamResponse,
+    OwnEvents,
+    decode_packet,
+    packet_of,
 )
 
 
@@ -174,6 +188,7 @@ async def guarded_stream(
     deadline_at: float,
     to_packet: Callable[[Any], str],
     migration: Migration | None = None,
+    events: EventPipeline | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[str]:
     """SSE packets of an already-started stream, cut at the total deadline.
@@ -183,11 +198,18 @@ async def guarded_stream(
     stream); otherwise, and at the deadline, it ends with an OpenAI-style error event. If
     the client goes away (the task is cancelled) or the stream ends early, the downstream
     request is cancelled so the engine stops.
+
+    Each packet's events are decoded once, when anything reads them: the migration record
+    and whatever a layer above added to `events` (serving/hybrid.py's metering) read and
+    edit the same dicts, and each kept event is encoded once (serving.sse.EventPipeline).
+    A packet (one of Ray Serve LLM's batches) goes on as one chunk.
     """
     done_sent = False
     finished = False
     record = migration.record if migration else None
-    translate: Callable[[str], str] = record.relay if record else (lambda p: p)
+    pipe = events if events is not None else EventPipeline()
+    if record is not None:
+        pipe.step = record.relay_event
     current, item = stream, first
     try:
         while True:
@@ -214,52 +236,80 @@ async def guarded_stream(
                     cut = Reason.REPLICA_DIED
             if cut is None:
                 packet, item = to_packet(item), None
-                if migration is None or not is_server_error(packet):
-                    packet = translate(packet)
-                    done_sent = done_sent or packet.rstrip().endswith("data: [DONE]")
-                    if packet:
-                        yield packet
+                sent = _relayed(packet, pipe, server_errors=migration is not None)
+                if sent is not None:
+                    text, done = sent
+                    done_sent = done_sent or done
+                    if text:
+                        yield text
                     continue
                 cut = Reason.ENGINE_ERROR
             assert migration is not None
             cancel_call(current)
             resumed = await _continue(migration, cut)
-            if isinstance(resumed, str):
-                yield resumed  # the finish, or the error event: the stream ends here
+            if isinstance(resumed, OwnEvents):
+                yield pipe.own(resumed)  # the finish, or the error event: the stream ends here
                 finished = done_sent = True
                 return
             item, current = resumed
-            translate = migration.record.reframe if migration.record else translate
+            if migration.record:
+                pipe.step = migration.record.reframe_event
         if not done_sent:
-            yield "data: [DONE]\n\n"
+            yield pipe.own(DONE_EVENTS)
         finished = True
     except TimeoutError:
-        yield sse_error("The request deadline passed during generation.", 504, "timeout_error")
+        yield pipe.own(_error_events("The request deadline passed during generation.", 504, "timeout_error"))
     except Exception as exc:
         logger.warning("stream failed after the first byte: %r", exc)
-        yield sse_error("The model stream failed; the answer is incomplete.", 500)
+        yield pipe.own(_error_events("The model stream failed; the answer is incomplete.", 500))
     finally:
-        if not finished:
-            cancel_call(current)
+        try:
+            if not finished:
+                cancel_call(current)
+        finally:
+            pipe.close()
 
 
-async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | str:
-    """After a cut: (first chunk, stream) of the continuation, or the text that ends the
+def _relayed(packet: str, pipe: EventPipeline, *, server_errors: bool) -> tuple[str, bool] | None:
+    """(text to send, whether it ends the stream with [DONE]) for one packet of the engine's
+    stream; None when it is a 5xx error event (looked for where a migration can follow)."""
+    if not pipe.reads:  # nothing reads the events: the packet goes on as it came, undecoded
+        if server_errors and is_server_error(packet):
+            return None
+        return packet, packet.rstrip().endswith("data: [DONE]")
+    decoded = decode_packet(packet)
+    if server_errors and server_error_in(packet, (ev.doc for ev in decoded)):
+        return None
+    return pipe.engine(packet, decoded)
+
+
+def _error_events(message: str, code: int, type_: str = "server_error") -> OwnEvents:
+    return OwnEvents([sse_error_doc(message, code, type_), DONE], lambda: sse_error(message, code, type_))
+
+
+def _finish_events(record: StreamRecord) -> OwnEvents:
+    docs = record.finish()
+    return OwnEvents([*docs, DONE], lambda: "".join(packet_of(d) for d in docs) + DONE_PACKET)
+
+
+async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | OwnEvents:
+    """After a cut: (first chunk, stream) of the continuation, or the events that end the
     stream (the answer's finish when nothing was left to generate, else the error event)."""
     record = migration.record
     why = migration.blocked or (record.not_continuable() if record else "no record")
+    failed = _error_events("The model stream failed; the answer is incomplete.", 500)
     if record is None or why is not None:
         migration.on_outcome(cut, MigrationOutcome.NOT_MIGRATABLE)
         logger.warning("stream cut (%s), not continued: %s", cut.value, why)
-        return sse_error("The model stream failed; the answer is incomplete.", 500)
+        return failed
     body = record.continuation()
     if body is None:  # every token was generated before the cut
         migration.on_outcome(cut, MigrationOutcome.CONTINUED)
-        return record.finish() + "data: [DONE]\n\n"
+        return _finish_events(record)
     if migration.attempts <= 0:
         migration.on_outcome(cut, MigrationOutcome.FAILED)
         logger.warning("stream cut (%s): no continuation left", cut.value)
-        return sse_error("The model stream failed; the answer is incomplete.", 500)
+        return failed
     migration.attempts -= 1
     # Serve's back-pressure right after a replica died (its streams and the new requests all
     # land on the survivors at once) is waited out for up to stallTimeoutS: the client already
@@ -276,7 +326,7 @@ async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | str:
                 continue
             migration.on_outcome(cut, MigrationOutcome.FAILED)
             logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
-            return sse_error("The model stream failed; the answer is incomplete.", 500)
+            return failed
     migration.on_outcome(cut, MigrationOutcome.CONTINUED)
     logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
     return resumed
@@ -326,7 +376,7 @@ class ResilientIngressMixin:
         return await self._resilient_call(body, "completions", request)
 
     async def _resilient_call(self, body: Any, call_method: str, raw_request: Any) -> Any:
-        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.responses import JSONResponse
 
         from serving import ray_internals as ri
 
@@ -360,14 +410,19 @@ class ResilientIngressMixin:
         if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
             # The engines' KV-transfer coordinates are internal: never in an answer.
             return JSONResponse(content=head.model_dump(exclude={"kv_transfer_params", "ec_transfer_params"}))
-        return StreamingResponse(
+        # guarded_stream decodes each event once; a layer above adds its own reading of them
+        # to `events` (serving/hybrid.py's metering) instead of decoding the stream again.
+        events = EventPipeline()
+        return EventStreamResponse(
             guarded_stream(
                 first,
                 stream,
                 deadline_at=started + cfg.total_timeout_s,
                 to_packet=ri.openai_sse_packet,
                 migration=migration,
+                events=events,
             ),
+            events=events,
             media_type="text/event-stream",
         )
 
@@ -393,12 +448,14 @@ class ResilientIngressMixin:
         cfg = self._resilience
         if cfg.migrations <= 0:
             return None
-        fields = body.model_dump(exclude_unset=True)
-        blocked = not_continuable(call_method, fields)
+        # The whole body is dumped only if a continuation needs it (a stream that is cut).
+        fields = ClientFields(body)
+        deciding = fields.among([*NOT_CONTINUED, "return_token_ids"])
+        blocked = not_continuable(call_method, deciding)
         record = None
         if blocked is None:
             limit = body.max_tokens if call_method == "completions" else (body.max_completion_tokens or body.max_tokens)
-            record = StreamRecord(call_method, fields, limit, client_ids=bool(fields.get("return_token_ids")))
+            record = StreamRecord(call_method, fields, limit, client_ids=bool(deciding.get("return_token_ids")))
 
         async def resume(cont: dict[str, Any]) -> tuple[Any, Any]:
             request = CompletionRequest.model_validate({**cont, "model": model_id})

@@ -2,13 +2,15 @@
 
 What flows through here, for a streamed chat or completion that the ingress sent to decode:
   1. `not_continuable(endpoint, fields)` decides once, before dispatch, whether the request
-     can be continued. Every field a client may send (serving.request_fields.ALLOWED) is
-     either carried to the continuation, already inside the prompt's token ids (or already
-     sent), recomputed, or makes the request one that is not continued: tools, structured
-     output, logprobs, n > 1 and a completion suffix shape or parse the whole answer, and a
-     restart in the middle would change it. tests/serving/test_migration.py fails when an
-     allowed field has no class here.
-  2. `StreamRecord.relay` reads every SSE event of the original stream: the response id,
+     can be continued, from the few fields that decide it (`ClientFields.among`; the rest of
+     the request is dumped only when a continuation needs it). Every field a client may send
+     (serving.request_fields.ALLOWED) is either carried to the continuation, already inside
+     the prompt's token ids (or already sent), recomputed, or makes the request one that is
+     not continued: tools, structured output, logprobs, n > 1 and a completion suffix shape
+     or parse the whole answer, and a restart in the middle would change it.
+     tests/serving/test_migration.py fails when an allowed field has no class here.
+  2. `StreamRecord.relay_event` reads every SSE event of the original stream (a step of the
+     ingress's one pass over the events, serving.sse.EventPipeline): the response id,
      created and model, the prompt's token ids and each chunk's token ids (vLLM's
      `return_token_ids`, which the ingress sets), the text the client has, the finish.
      It returns the events as the client would have had them without `return_token_ids`
@@ -19,9 +21,9 @@ What flows through here, for a streamed chat or completion that the ingress sent
      never re-tokenised text), with the same sampling values and what is left of
      max_tokens and min_tokens. The ingress dispatches it like any request: through
      prefill and NIXL, or prefilled on decode, as the spec and the circuit allow.
-  4. `StreamRecord.reframe` turns the continuation's events into the original stream's: the
-     same id, created and model, chat deltas or completion text, index 0, and a usage that
-     counts the prompt once and every generated token once.
+  4. `StreamRecord.reframe_event` turns the continuation's events into the original
+     stream's: the same id, created and model, chat deltas or completion text, index 0, and a
+     usage that counts the prompt once and every generated token once.
 The bounds (`migrations` per request, the request's total deadline) and the driver that
 uses this record live in serving/ingress_resilience.py (`guarded_stream`).
 
@@ -37,10 +39,11 @@ generated tokens only (presence/frequency) see the continuation's output only.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from serving.sse import EventPipeline, decode_packet
 
 # Fields sent on to the continuation unchanged: they steer sampling of every token.
 CARRIED = frozenset(
@@ -110,7 +113,6 @@ NOT_CONTINUED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "suffix": (_set, "suffix"),
 }
 
-DONE = "[DONE]"
 OBJECT = {"chat": "chat.completion.chunk", "completions": "text_completion"}
 
 
@@ -125,27 +127,38 @@ def not_continuable(endpoint: str, fields: Mapping[str, Any]) -> str | None:
     return None
 
 
-def events(packet: str) -> Iterator[tuple[str, Any]]:
-    """(raw event text, its JSON: a dict, DONE, or None when not JSON) for each SSE event."""
-    for raw in packet.split("\n\n"):
-        if not raw.strip():
-            continue
-        data = None
-        for line in raw.split("\n"):
-            if line.startswith("data:"):
-                payload = line[5:].strip()
-                if payload == DONE:
-                    data = DONE
-                else:
-                    try:
-                        data = json.loads(payload)
-                    except ValueError:
-                        data = None
-        yield raw + "\n\n", data
+class ClientFields(Mapping[str, Any]):
+    """The fields a client set on a typed request (pydantic's `model_dump(exclude_unset=True)`),
+    dumped when first read. Only a cut stream reads them whole (its continuation, or the
+    finish written for it); before dispatch `among` dumps the few that decide whether the
+    request can be continued, and only those the client set."""
 
+    def __init__(self, body: Any):
+        self._body = body
+        self._dump: dict[str, Any] | None = None
 
-def _packet(doc: Mapping[str, Any]) -> str:
-    return f"data: {json.dumps(doc, separators=(',', ':'))}\n\n"
+    def _fields(self) -> dict[str, Any]:
+        if self._dump is None:
+            self._dump = self._body.model_dump(exclude_unset=True)
+        return self._dump
+
+    def __getitem__(self, name: str) -> Any:
+        return self._fields()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields())
+
+    def __len__(self) -> int:
+        return len(self._fields())
+
+    def among(self, names: Iterable[str]) -> dict[str, Any]:
+        """Those of `names` the client set, valued as in the whole dump."""
+        wanted = set(names) & set(self._body.model_fields_set)
+        if not wanted:
+            return {}
+        if self._dump is not None:
+            return {k: v for k, v in self._dump.items() if k in wanted}
+        return dict(self._body.model_dump(include=wanted, exclude_unset=True))
 
 
 @dataclass
@@ -153,8 +166,9 @@ class StreamRecord:
     """What a continuation needs of one streamed answer (choice 0), and its client view."""
 
     endpoint: str
-    # The original request as the client set it (pydantic exclude_unset), and its
-    # max_tokens after the server's defaults (chat: none; completions: 16).
+    # The original request as the client set it (pydantic exclude_unset; ClientFields dumps
+    # it when first read), and its max_tokens after the server's defaults (chat: none;
+    # completions: 16).
     fields: Mapping[str, Any]
     max_tokens: int | None
     client_ids: bool = False  # the client itself asked for return_token_ids
@@ -177,24 +191,21 @@ class StreamRecord:
         return self.endpoint == "chat"
 
     # --- the original stream ---------------------------------------------------------------
+    # relay_event and reframe_event are steps of serving.sse.EventPipeline: they read one
+    # event's JSON object (not an error event: [DONE], comments and a 4xx error event go on
+    # as they came), edit it in place or return another, or None to drop the event.
     def relay(self, packet: str) -> str:
         """The original stream's packet as the client gets it; the record takes note."""
-        return self._each(packet, self._original)
+        return self._each(packet, self.relay_event)
 
     def reframe(self, packet: str) -> str:
         """A continuation's packet as a part of the original stream."""
-        return self._each(packet, self._continuation)
+        return self._each(packet, self.reframe_event)
 
-    def _each(self, packet: str, fn: Callable[[dict[str, Any]], dict[str, Any] | None]) -> str:
-        out = []
-        for raw, data in events(packet):
-            if not isinstance(data, dict) or "error" in data:
-                out.append(raw)  # [DONE], comments, a 4xx error event: as they came
-                continue
-            doc = fn(data)
-            if doc is not None:
-                out.append(_packet(doc))
-        return "".join(out)
+    def _each(self, packet: str, step: Callable[[dict[str, Any]], dict[str, Any] | None]) -> str:
+        pipe = EventPipeline()
+        pipe.step = step
+        return pipe.engine(packet, decode_packet(packet))[0]
 
     def _take(self, choice: Mapping[str, Any], text: Any) -> None:
         ids = [int(i) for i in choice.get("token_ids") or []]
@@ -211,7 +222,9 @@ class StreamRecord:
             self.kept.extend(self.pending)
             self.pending.clear()
 
-    def _original(self, data: dict[str, Any]) -> dict[str, Any] | None:
+    def relay_event(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        """One event of the original stream: noted, its token ids removed unless the client
+        asked for them; None for a chunk that exists only to carry token ids."""
         self.response_id = self.response_id or data.get("id")
         self.created = self.created or data.get("created")
         self.model = self.model or data.get("model")
@@ -294,7 +307,8 @@ class StreamRecord:
             self.usage_sent = self.usage_sent or not choices
         return doc
 
-    def _continuation(self, data: dict[str, Any]) -> dict[str, Any] | None:
+    def reframe_event(self, data: dict[str, Any]) -> dict[str, Any] | None:
+        """One event of a continuation, as a part of the original stream (None: dropped)."""
         usage = data.get("usage") if isinstance(data.get("usage"), Mapping) else None
         choices = []
         for choice in data.get("choices") or []:
@@ -317,21 +331,21 @@ class StreamRecord:
             return None
         return self._frame(choices, usage)
 
-    def finish(self) -> str:
-        """The end of an answer whose tokens were all generated before the cut: its finish
-        chunk (unless the client has it) and, when the stream was asked for usage, the usage
-        event; no [DONE] (the driver sends it)."""
-        out = ""
+    def finish(self) -> list[dict[str, Any]]:
+        """The end of an answer whose tokens were all generated before the cut, as events'
+        JSON: its finish chunk (unless the client has it) and, when the stream was asked for
+        usage, the usage event; no [DONE] (the driver sends it)."""
+        out = []
         if not self.finish_sent:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason or "length"}
             if self.chat:
                 choice["delta"] = {}
             else:
                 choice["text"] = ""
-            out += _packet(self._frame([choice], None))
+            out.append(self._frame([choice], None))
             self.finish_sent = True
         opts = self.fields.get("stream_options")
         if isinstance(opts, Mapping) and opts.get("include_usage") and not self.usage_sent:
             self._base = len(self.kept)
-            out += _packet(self._frame([], {"completion_tokens": 0}))
+            out.append(self._frame([], {"completion_tokens": 0}))
         return out

@@ -29,7 +29,7 @@ import contextlib
 import enum
 import json
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from typing import Any
 
@@ -224,11 +224,15 @@ async def aclose_quietly(gen: Any) -> None:
             await close()
 
 
+def sse_error_doc(message: str, code: int | str, type_: str = "server_error") -> dict[str, Any]:
+    """The JSON of an OpenAI-style error event."""
+    return {"error": {"message": message, "type": type_, "param": None, "code": code}}
+
+
 def sse_error(message: str, code: int | str, type_: str = "server_error", *, done: bool = True) -> str:
     """An OpenAI-style error event for a stream that already sent bytes, plus [DONE] (unless
     `done` is False: the stream already sent it)."""
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return f"data: {json.dumps(body)}\n\n" + ("data: [DONE]\n\n" if done else "")
+    return f"data: {json.dumps(sse_error_doc(message, code, type_))}\n\n" + ("data: [DONE]\n\n" if done else "")
 
 
 def is_server_error(item: Any) -> bool:
@@ -256,7 +260,25 @@ def sse_error_code(item: Any) -> int | None:
             msg = json.loads(line[5:])
         except ValueError:
             continue
-        if isinstance(msg, dict) and isinstance(msg.get("error"), dict):
-            code = msg["error"].get("code")
-            return code if isinstance(code, int) else 500
+        code = _error_code(msg)
+        if code is not None:
+            return code
+    return None
+
+
+def server_error_in(packet: str, docs: Iterable[Any]) -> bool:
+    """`is_server_error(packet)` for a packet whose events' JSON (`docs`) is decoded already."""
+    if '"error"' not in packet[:64]:
+        return False
+    for doc in docs:
+        code = _error_code(doc)
+        if code is not None:
+            return code >= 500
+    return False
+
+
+def _error_code(msg: Any) -> int | None:
+    if isinstance(msg, dict) and isinstance(msg.get("error"), dict):
+        code = msg["error"].get("code")
+        return code if isinstance(code, int) else 500
     return None

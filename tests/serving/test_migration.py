@@ -21,7 +21,15 @@ from hypothesis import strategies as st
 from ray.exceptions import RayActorError
 
 from serving.ingress_resilience import Migration, guarded_stream
-from serving.migration import APPLIED, CARRIED, NOT_CONTINUED, RECOMPUTED, StreamRecord, not_continuable
+from serving.migration import (
+    APPLIED,
+    CARRIED,
+    NOT_CONTINUED,
+    RECOMPUTED,
+    ClientFields,
+    StreamRecord,
+    not_continuable,
+)
 from serving.request_fields import ALLOWED
 from serving.resilience import Reason, overloaded, sse_error
 from tests.serving.fakes import FakeStream, collect, run
@@ -322,6 +330,34 @@ def test_every_field_a_client_may_send_has_a_migration_class():
 )
 def test_requests_whose_output_is_shaped_whole_are_not_continued(fields, why):
     assert not_continuable("chat", fields) == why
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({}, None),
+        ({"n": 2}, "n > 1"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"logprobs": True, "top_logprobs": 2}, "logprobs"),
+        ({"response_format": {"type": "json_object"}}, "structured output"),
+        ({"n": 1, "response_format": {"type": "text"}, "logprobs": False, "tool_choice": "none"}, None),
+    ],
+)
+def test_the_fields_that_decide_a_continuation_read_as_the_whole_dump_has_them(fields, why):
+    """The ingress decides from ClientFields.among, without dumping the whole request; the
+    answer is the one the whole dump gives, and the dump a continuation reads later is the
+    request as the client set it (not the copy the ingress dispatched)."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    body = ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "seed": 3, **fields}
+    )
+    whole = body.model_dump(exclude_unset=True)
+    lazy = ClientFields(body)
+    assert not_continuable("chat", lazy.among([*NOT_CONTINUED, "return_token_ids"])) == why
+    assert not_continuable("chat", whole) == why
+    body.model_copy(update={"return_token_ids": True})  # what the ingress dispatches
+    assert dict(lazy) == whole and lazy.among(["seed", "n"]) == {k: whole[k] for k in ("seed", "n") if k in whole}
 
 
 def test_a_chat_stream_with_tool_calls_or_reasoning_is_not_continued():
