@@ -28,8 +28,7 @@ from infra.k8s.tracing import export_for
 from infra.model import catalog
 from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.model.head_sizing import HEAD_BASE_VCPUS
-from infra.model.model_plans import model_view
-from infra.model.planning import KvLink, cold_start_seconds, kv_link, plan
+from infra.model.planning import KvLink, cold_start_seconds, kv_link, model_view, stack_head
 from infra.paths import stack_file
 from serving.spec import Mode
 
@@ -176,7 +175,7 @@ service = LlmService(
         tags=tags,
         # The head pod asks for what the planned rate needs (make plan; the config refused a
         # system node that cannot give it).
-        head_cpus=head.head_vcpus if (head := plan(cfg).head) else HEAD_BASE_VCPUS,
+        head_cpus=head.head_vcpus if (head := stack_head(cfg)) else HEAD_BASE_VCPUS,
         cold_start_s=cold_start_seconds(cfg),
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),

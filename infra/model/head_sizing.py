@@ -22,6 +22,7 @@ Pure arithmetic: no Pulumi, Ray or vLLM import.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping
@@ -115,6 +116,10 @@ class HeadSizing:
     figure: FrontDoorCpu
 
 
+# The serving mode of a head sized for several models (their figures weighted by rate).
+MIXED = "mixed"
+
+
 def size_head(
     planned_rps: float,
     bounded_by: str,
@@ -141,6 +146,28 @@ def size_head(
         head_pod_vcpus=None if node is None else catalog.pod_cpus(node),
         figure=figure,
     )
+
+
+def size_head_many(
+    parts: list[tuple[float, str, str]],
+    system_instance: str,
+    ingress_max_replicas: int,
+    figure: FrontDoorCpu = FRONT_DOOR_CPU,
+) -> HeadSizing:
+    """The head for several models behind one front door: `parts` are (planned req/s, what
+    bounds it, serving mode) per model; the rates add up, and the CPU per request is each
+    model's mode's, weighted by its rate."""
+    total = sum(rps for rps, _, _ in parts)
+    ms = [(rps, figure.per_request_ms(mode)) for rps, _, mode in parts]
+    proxy = sum(rps * m[0] for rps, m in ms) / total if total else 0.0
+    ingress = sum(rps * m[1] for rps, m in ms) / total if total else 0.0
+    weighted = dataclasses.replace(
+        figure,
+        proxy_ms={**figure.proxy_ms, MIXED: proxy},
+        ingress_ms={**figure.ingress_ms, MIXED: ingress},
+    )
+    bounded_by = " + ".join(b for _, b, _ in parts)
+    return size_head(total, bounded_by, MIXED, system_instance, ingress_max_replicas, weighted)
 
 
 def head_errors(h: HeadSizing) -> list[tuple[str, str]]:
@@ -194,7 +221,7 @@ def format_head(h: HeadSizing | None) -> list[str]:
 def stack_head_errors(cfg: StackConfig) -> list[tuple[str, str]]:
     """The stack config's check: the head sizing at the plan's planned rate (none when the
     model's shape, and so the roofline, is unknown)."""
-    from infra.model.planning import plan
+    from infra.model.planning import stack_head
 
-    h = plan(cfg).head
+    h = stack_head(cfg)
     return [] if h is None else head_errors(h)

@@ -15,17 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infra.model import sizing
-from infra.model.config import NodePools, StackConfig
-from infra.model.planning import Workload, format_plan, plan, pool_figures
-from serving.spec import ServingSpec
-
-
-def model_view(cfg: StackConfig, spec: ServingSpec) -> StackConfig:
-    """The stack as the one-model planner sees one of its models: that model's spec, and its
-    roles' pools named after the roles (as in a one-model stack). Not re-validated: the
-    whole stack was."""
-    pools = NodePools({role: cfg.node_pools[spec.pool_of(role)] for role in spec.engine_roles()})
-    return cfg.model_copy(update={"serving": spec, "node_pools": pools})
+from infra.model.config import StackConfig
+from infra.model.planning import Workload, format_plan, model_view, plan, pool_figures
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infra.model import catalog, sizing, startup
-from infra.model.config import LocalStorage, NodePool, StackConfig
+from infra.model.config import LocalStorage, NodePool, NodePools, StackConfig
 from infra.model.fit import (
     HEADROOM_GIB,
     LayoutOption,
@@ -30,10 +30,11 @@ from infra.model.fit import (
     resolve,
     weights_gib,
 )
-from infra.model.head_sizing import HeadSizing, size_head
+from infra.model.head_sizing import HeadSizing, size_head, size_head_many
 from infra.model.plan_text import format_layouts as format_layouts
 from infra.model.plan_text import format_plan as format_plan
 from serving.spec import Mode, ModelSpec, RoleSpec, ServingSpec
+from serving.spec_models import RolePools
 
 
 # --- one node pool: nodes, GPUs, EFA and price -----------------------------------------------
@@ -245,14 +246,25 @@ class Plan:
         return sum(r.usd_per_hour_max for r in self.roles)
 
 
+def model_view(cfg: StackConfig, spec: ServingSpec) -> StackConfig:
+    """The stack as the one-model planner sees one of its models: that model's spec, and its
+    roles' pools under the role names the planner reads (`serving.pools` or
+    `serving.models[i].pools` may name any pool). Not re-validated: the whole stack was."""
+    pools = NodePools({role: cfg.node_pools[spec.pool_of(role)] for role in spec.engine_roles()})
+    # In the view each role's pool is named after the role: a view of a view is the same view.
+    return cfg.model_copy(update={"serving": spec.model_copy(update={"pools": RolePools()}), "node_pools": pools})
+
+
 def plan(config: StackConfig, *, context_len: int | None = None, workload: Workload | None = None) -> Plan:
-    """The capacity plan of a validated stack.
+    """The capacity plan of a validated stack's model (with `serving.models`, the first one;
+    infra/model/model_plans.py plans each, `stack_head` sizes the head for all).
 
     GPU counts and prices cover the node pools of the engine roles that run (in aggregated
     mode, the decode pool only), at the pools' desiredSize and at their maxSize; system
     (CPU) nodes are left out. `context_len` is the context the decode roofline assumes
     (default: maxModelLen).
     """
+    config = model_view(config, config.serving.served[0])
     model = config.serving.model
     shape, origin = resolve(model)
     roles = [
@@ -303,8 +315,28 @@ def planned_rate(roles: list[RolePlan]) -> tuple[float, str] | None:
 def cold_start_seconds(config: StackConfig) -> dict[str, float]:
     """Engine role -> the plan's first request after idle (s), for the roles at minReplicas 0
     whose time to serve is known: what the ingress's Retry-After for a cold start says
-    (serving.spec.Target.cold_start_s)."""
-    return {r.role: s for r in plan(config).roles if (s := r.first_request_after_idle_s) is not None}
+    (serving.spec.Target.cold_start_s). With several models, the longest of theirs."""
+    out: dict[str, float] = {}
+    for spec in config.serving.served:
+        for r in plan(model_view(config, spec)).roles:
+            if (s := r.first_request_after_idle_s) is not None:
+                out[r.role] = max(out.get(r.role, 0.0), s)
+    return out
+
+
+def stack_head(config: StackConfig) -> HeadSizing | None:
+    """The head sizing for every model behind the one front door: each model's planned rate
+    (its slowest role's roofline at maxReplicas), summed, at each model's CPU per request
+    (P/D and aggregated differ). None while any model's rate is unknown."""
+    if not config.serving.many:
+        return plan(config).head
+    parts: list[tuple[float, str, str]] = []
+    for spec in config.serving.served:
+        rate = planned_rate(list(plan(model_view(config, spec)).roles))
+        if rate is None:
+            return None
+        parts.append((rate[0], f"{spec.model.id} {rate[1]}", spec.mode.value))
+    return size_head_many(parts, config.system_nodes.instance_type, config.serving.ingress.max_replicas)
 
 
 def _role_plan(

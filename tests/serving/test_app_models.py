@@ -278,7 +278,9 @@ OTHER_KEY = "sk-unit-limited"
 def _limited_front_door(monkeypatch):
     from serving.spec import key_id
 
-    spec = ServingSpec.model_validate({"models": [PD, AGG], "limits": {"keys": {key_id(OTHER_KEY): {"models": ["llama"]}}}})
+    spec = ServingSpec.model_validate(
+        {"models": [PD, AGG], "limits": {"keys": {key_id(OTHER_KEY): {"models": ["llama"]}}}}
+    )
     apps = Apps(MODEL_APP_PREFIX + "llama", MODEL_APP_PREFIX + "qwen")
     ingress, _ = _front_door(monkeypatch, apps, spec)
     monkeypatch.setattr(ingress._auth, "_keys", (KEY.encode(), OTHER_KEY.encode()))

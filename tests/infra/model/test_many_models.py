@@ -160,3 +160,49 @@ def test_pd_roles_sharing_one_efa_pool_are_refused_with_the_upstream_reason():
         stackfile.load_offline(values, secrets, others, "stacks/Pulumi.staging.yaml")
     assert "serving.pools: prefill and decode of 'llama-3.1-70b-instruct' share the EFA pool decode" in str(e.value)
     assert "dynamo#7764" in str(e.value)
+
+
+def _pools_renamed(values):
+    """The platform stack with no pool named prefill or decode: every role names its pool."""
+    pools = values["nodePools"]
+    pools["pd-a"], pools["pd-b"] = pools.pop("prefill"), pools.pop("decode")
+    for entry in values["serving"]["models"]:
+        if entry.get("mode", "disaggregated") == "disaggregated":
+            entry["pools"] = {"prefill": "pd-a", "decode": "pd-b"}
+
+
+def test_pools_of_any_name_plan_and_size_the_head_without_a_traceback(parsed):
+    """A model's roles may run on pools with any names: the plan, the head sizing and the cold
+    start read each role's own pool (they once looked pools up by the role's name)."""
+    from infra.model.planning import cold_start_seconds, stack_head
+
+    cfg = _load(parsed, _pools_renamed)
+    text = format_stack_plan(cfg)
+    assert "pd-a" in text and "pd-b" in text
+    assert stack_head(cfg) is not None
+    assert isinstance(cold_start_seconds(cfg), dict)
+
+
+def test_the_head_is_sized_for_every_model_behind_the_front_door(parsed):
+    """The planned rate of the one front door is the sum of each model's own planned rate, each
+    model planned as a one-model stack of its own (its entry's keys at the top of serving)."""
+    from infra.model.planning import plan, stack_head
+
+    def alone(index: int):
+        def mutate(values):
+            serving = values["serving"]
+            entry = serving.pop("models")[index]
+            limits = serving.pop("limits", None)  # they name both models
+            serving.update(entry)
+            if limits:
+                serving["limits"] = {k: v for k, v in limits.items() if k not in ("keys", "models")}
+            serving.pop("fallback", None)
+
+        return _load(parsed, mutate)
+
+    both = stack_head(_load(parsed))
+    singles = [plan(alone(i)).head for i in range(2)]
+    assert both is not None and all(h is not None for h in singles)
+    assert both.planned_rps == pytest.approx(sum(h.planned_rps for h in singles))
+    assert both.busy_vcpus == pytest.approx(sum(h.busy_vcpus for h in singles))
+    assert both.head_vcpus >= max(h.head_vcpus for h in singles)
