@@ -159,8 +159,8 @@ def size_head_many(
     model's mode's, weighted by its rate."""
     total = sum(rps for rps, _, _ in parts)
     ms = [(rps, figure.per_request_ms(mode)) for rps, _, mode in parts]
-    proxy = sum(rps * m[0] for rps, m in ms) / total if total else 0.0
-    ingress = sum(rps * m[1] for rps, m in ms) / total if total else 0.0
+    proxy = round(sum(rps * m[0] for rps, m in ms) / total, 2) if total else 0.0
+    ingress = round(sum(rps * m[1] for rps, m in ms) / total, 2) if total else 0.0
     weighted = dataclasses.replace(
         figure,
         proxy_ms={**figure.proxy_ms, MIXED: proxy},
