@@ -29,6 +29,7 @@ import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TypeVar
 
 Sample = tuple[str, dict[str, str], float]
 
@@ -66,6 +67,23 @@ def scrape_by_label(metrics_urls: Iterable[str], name: str, label: str) -> dict[
                 key = labels.get(label, "")
                 out[key] = out.get(key, 0.0) + value
     return out
+
+
+T = TypeVar("T")
+
+
+def settled(snapshot: Callable[[], T], quiet_s: float = 12.0, poll_s: float = 3.0) -> T:
+    """A reading of metrics that no longer moves: `snapshot()` unchanged for `quiet_s` (more
+    than one of Ray's export intervals), so what earlier requests left is no longer arriving."""
+    import time
+
+    before, since = snapshot(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        time.sleep(poll_s)
+        now = snapshot()
+        if now != before:
+            before, since = now, time.monotonic()
+    return before
 
 
 # The engine histograms the breakdown reads, by their vLLM names (vllm/v1/metrics/loggers.py).

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -132,24 +130,7 @@ def ensure_tiny_lora(cache_dir: Path | None = None) -> Path:
     $PD_CACHE_DIR, else .cache/); the adapter does not need the base model to be built."""
     root = Path(cache_dir) if cache_dir is not None else tiny_model.default_cache_dir()
     target = root / f"{tiny_model.MODEL_NAME}-lora-{recipe_key()}"
-    if (target / WEIGHTS_FILE).is_file() and (target / CONFIG_FILE).is_file():
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename, so a half-built directory is never used.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{tiny_model.MODEL_NAME}-lora-", dir=root))
-    try:
-        _build(tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is not secret
-        try:
-            tmp.rename(target)
-        except OSError:
-            # Another process finished first; its copy is identical.
-            if not (target / WEIGHTS_FILE).is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return tiny_model.cached_build(target, _build, (WEIGHTS_FILE, CONFIG_FILE))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -163,29 +164,38 @@ def _build_model(out: Path) -> None:
     ).save_pretrained(out)
 
 
-def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
-    """Return the model directory, building it first if the cache does not hold it."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"{MODEL_NAME}-{recipe_key()}"
-    if (target / "model.safetensors").is_file() and (target / "tokenizer.json").is_file():
+def cached_build(target: Path, build: Callable[[Path], None], files: tuple[str, ...]) -> Path:
+    """`target`, built by `build(folder)` unless it already holds `files`. The build runs in a
+    temporary folder next to it that is then renamed, so a half-built folder is never used,
+    and two processes building at once both end with one complete copy."""
+    if all((target / f).is_file() for f in files):
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    # Build next to the target and rename, so a half-built directory is never used.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=root))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _build_tokenizer(tmp)
-        _build_model(tmp)
+        build(tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private; the cache is not secret
         try:
             tmp.rename(target)
         except OSError:
             # Another process finished first; its copy is identical.
-            if not (target / "model.safetensors").is_file():
+            if not (target / files[0]).is_file():
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def ensure_tiny_model(cache_dir: Path | None = None) -> Path:
+    """Return the model directory, building it first if the cache does not hold it."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+
+    def build(out: Path) -> None:
+        _build_tokenizer(out)
+        _build_model(out)
+
+    return cached_build(root / f"{MODEL_NAME}-{recipe_key()}", build, ("model.safetensors", "tokenizer.json"))
 
 
 if __name__ == "__main__":

@@ -402,14 +402,8 @@ def test_decode_receives_the_prompt_by_kv_transfer(stack):
             "nixl_transfers": _metric(d, "ray_vllm_nixl_xfer_time_seconds_count"),
         }
 
-    # Metrics of earlier requests may still be on their way: start from a settled reading
-    # (unchanged across more than one of Ray's export intervals).
-    before, since = snapshot(), time.monotonic()
-    while time.monotonic() - since < 12:
-        time.sleep(3)
-        now = snapshot()
-        if now != before:
-            before, since = now, time.monotonic()
+    # Metrics of earlier requests may still be on their way: start from a settled reading.
+    before = hops.settled(snapshot)
     client = _client(stack.urls["disaggregated"], stack.api_key)
     prompt = "Disaggregated serving splits prefill and decode across separate engines. " * 6
     resp = client.completions.create(model=stack.model, prompt=prompt, max_tokens=4, **GREEDY)

@@ -104,14 +104,8 @@ def test_the_pd_model_still_moves_its_prompt_by_kv_transfer(models_stack):
                     out[key] = out.get(key, 0.0) + value
         return out
 
-    # Metrics of the earlier tests' requests may still be on their way: start from a settled
-    # reading (unchanged across more than one of Ray's export intervals).
-    before, since = snapshot(), time.monotonic()
-    while time.monotonic() - since < 12:
-        time.sleep(3)
-        now = snapshot()
-        if now != before:
-            before, since = now, time.monotonic()
+    # Metrics of earlier requests may still be on their way: start from a settled reading.
+    before = hops.settled(snapshot)
     prompt = "Disaggregated serving splits prefill and decode across separate engines. " * 6
     n = (
         _client(models_stack)
