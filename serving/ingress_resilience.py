@@ -355,8 +355,8 @@ class ResilientIngressMixin:
         )
         self._refusal_counter = Counter(
             METRICS["ingress_refusals"],
-            description="Requests the cluster could not serve (503/504 or fallback), by reason.",
-            tag_keys=("reason", "status"),
+            description="Requests the cluster could not serve (503/504 or fallback), by model and reason.",
+            tag_keys=("model", "reason", "status"),
         )
         self._migration_counter = Counter(
             METRICS["migrations"],
@@ -396,7 +396,9 @@ class ResilientIngressMixin:
         try:
             first, stream = await self._first_chunk(dispatch, started, streamed)
         except Unservable as failure:
-            self._refusal_counter.inc(tags={"reason": failure.reason.value, "status": str(failure.status)})
+            self._refusal_counter.inc(
+                tags={"model": model_id, "reason": failure.reason.value, "status": str(failure.status)}
+            )
             logger.warning("request refused: %s (%s)", failure.reason.value, failure.status)
             alternative = await self.on_unservable(body, raw_request, failure)
             if alternative is not None:

@@ -58,6 +58,11 @@ LOCAL_PREFILL_FOR = "10m"
 # like the shares above: any cut stream is a half answer a client saw.
 MIGRATIONS_FAILING_WINDOW = "5m"
 MIGRATIONS_FAILING_FOR = "10m"
+# The model label of vLLM's own series (vllm/v1/metrics/loggers.py: `model_name`, the served
+# model name); the serving code's own counters call it `model` (serving/limits.py,
+# serving/resilience.py), Serve's series name the application (`llm-model-<id>` for one model
+# of the many-model form, `llm` for the one-model form and the many-model front door).
+VLLM_MODEL = "model_name"
 
 
 @dataclass(frozen=True)
@@ -105,9 +110,10 @@ def slo_targets(slo: SloSpec) -> list[SloTarget]:
 def _bad_ratio(t: SloTarget, window: str) -> str:
     roles = "|".join(t.roles)
     sel = f'{ROLE}=~"{roles}"'
+    by = f"{ROLE}, {VLLM_MODEL}"
     return (
-        f'(1 - sum by ({ROLE}) (rate({t.metric}_bucket{{{sel}, le="{_le(t.threshold_s)}"}}[{window}]))'
-        f" / sum by ({ROLE}) (rate({t.metric}_count{{{sel}}}[{window}])))"
+        f'(1 - sum by ({by}) (rate({t.metric}_bucket{{{sel}, le="{_le(t.threshold_s)}"}}[{window}]))'
+        f" / sum by ({by}) (rate({t.metric}_count{{{sel}}}[{window}])))"
     )
 
 
@@ -127,7 +133,7 @@ def slo_rules(slo: SloSpec) -> list[dict[str, Any]]:
                     },
                     "annotations": {
                         "summary": (
-                            f"{{{{ $labels.{ROLE} }}}}: {t.what} above {t.threshold_s}s for more than "
+                            f"{{{{ $labels.{VLLM_MODEL} }}}} on {{{{ $labels.{ROLE} }}}}: {t.what} above {t.threshold_s}s for more than "
                             f"{burn}x the error budget of a {t.objective:.2%} SLO (window {long_w})"
                         ),
                         "runbook_url": runbook(t.alert),
@@ -166,12 +172,17 @@ def service_rules(namespace: str, obs: Observability) -> list[dict[str, Any]]:
         ),
         _alert(
             "PDHighErrorRate",
-            'sum(rate(ray_serve_num_http_error_requests_total{error_code=~"5.."}[5m]))'
-            " / sum(rate(ray_serve_num_http_requests_total[5m])) > "
+            # Serve's proxy counts each request under the application whose HTTP ingress took it:
+            # `llm` in both forms (the many-model front door calls the models' applications by
+            # handle), so this names the front door; a model's failures name it in
+            # PDRequestsRefused and the SLO burn alerts.
+            'sum by (application) (rate(ray_serve_num_http_error_requests_total{error_code=~"5.."}[5m]))'
+            " / sum by (application) (rate(ray_serve_num_http_requests_total[5m])) > "
             f"{ERROR_RATE_THRESHOLD}",
             "5m",
             "critical",
-            f"More than {ERROR_RATE_THRESHOLD:.0%} of API requests fail with 5xx ({{{{ $value | humanizePercentage }}}})",
+            f"{{{{ $labels.application }}}}: more than {ERROR_RATE_THRESHOLD:.0%} of API requests fail with 5xx "
+            "({{ $value | humanizePercentage }})",
         ),
         _alert(
             "PDEngineRestarts",
@@ -185,7 +196,9 @@ def service_rules(namespace: str, obs: Observability) -> list[dict[str, Any]]:
             f'sum by (namespace, pod) (increase(kube_pod_container_status_restarts_total{{namespace="{namespace}"}}[15m])) > 0',
             "0m",
             "warning",
-            "Replicas restarted in the last 30 minutes: {{ $labels.deployment }}{{ $labels.pod }}",
+            # The application names the model in the many-model form (`llm-model-<id>`).
+            "Replicas restarted in the last 30 minutes: "
+            "{{ with $labels.application }}{{ . }}/{{ end }}{{ $labels.deployment }}{{ $labels.pod }}",
         ),
     ]
 
@@ -232,10 +245,10 @@ def fault_rules() -> list[dict[str, Any]]:
         ),
         _alert(
             "PDRequestsRefused",
-            f"{refusal_share('5m')} > {REFUSAL_SHARE_THRESHOLD}",
+            f"{refusal_share('model', '5m')} > {REFUSAL_SHARE_THRESHOLD}",
             "5m",
             "warning",
-            f"More than {REFUSAL_SHARE_THRESHOLD:.0%} of requests refused as unservable (503/504, or sent to the "
+            f"{{{{ $labels.model }}}}: more than {REFUSAL_SHARE_THRESHOLD:.0%} of requests refused as unservable (503/504, or sent to the "
             "fallback) ({{ $value | humanizePercentage }})",
         ),
     ]

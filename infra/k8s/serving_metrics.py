@@ -49,8 +49,8 @@ FALLBACKS = ray_counter(METRIC_FALLBACK)
 LIMITER_ERRORS = ray_counter(METRIC_LIMITER_ERRORS)
 # The `destination` of a request the external fallback answered (serving/hybrid.py).
 FALLBACK_DESTINATION = "fallback"
-# serving.resilience (docs/resilience.md): label `reason` on all four, and `status` (503,
-# 504) on refusals. The ingress counts retries and refusals (head pods); the decode tier
+# serving.resilience (docs/resilience.md): label `reason` on all four, and `model` and
+# `status` (503, 504) on refusals. The ingress counts retries and refusals (head pods); the decode tier
 # counts prefill retries and local prefills (decode pods).
 INGRESS_RETRIES = ray_counter(RESILIENCE_METRICS["ingress_retries"])
 INGRESS_REFUSALS = ray_counter(RESILIENCE_METRICS["ingress_refusals"])
@@ -90,10 +90,13 @@ def local_prefill_share(by: str, window: str, sel: str = "") -> str:
     )
 
 
-def refusal_share(window: str) -> str:
-    """Requests the ingress found unservable (503/504, or handed to the fallback) / all HTTP
-    requests the proxies received."""
-    return f"sum(rate({INGRESS_REFUSALS}[{window}])) / sum(rate({HTTP_REQUESTS}[{window}]))"
+def refusal_share(by: str, window: str) -> str:
+    """Requests the ingress found unservable (503/504, or handed to the fallback), per `by`
+    labels (e.g. `model`) / all HTTP requests the proxies received. The proxies' count has no
+    model label, so a model's share is of all requests: with one model, the stack's share."""
+    return (
+        f"sum by ({by}) (rate({INGRESS_REFUSALS}[{window}])) / on () group_left () sum(rate({HTTP_REQUESTS}[{window}]))"
+    )
 
 
 def cut_streams_per_minute(by: str, window: str, sel: str = "") -> str:
