@@ -52,7 +52,8 @@ from infra.k8s.tracing import GRAFANA_TEMPO_UID
 DATASOURCE = "datasource"
 # Grafana's own range variable: at least four scrape intervals (Grafana docs).
 RATE = "$__rate_interval"
-SEL = f'{ROLE}=~"$role", {RAY_CLUSTER}=~"$cluster"'
+# vLLM's engine series carry the served model id as `model_name`: filtered by the Model variable.
+SEL = f'{ROLE}=~"$role", {RAY_CLUSTER}=~"$cluster", model_name=~"$model"'
 # The ingress's own counters live on the head (no engine role): select by Ray cluster only.
 CLUSTER_SEL = f'{RAY_CLUSTER}=~"$cluster"'
 # The serving code's per-model counters (label `model`, the served model id): also by model.
@@ -195,7 +196,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "short",
                 (
                     Query(
-                        f'sum by (stage) (ray_vllm_num_requests_kv_fetch_by_stage{{{ROLE}="decode", {RAY_CLUSTER}=~"$cluster"}})',
+                        f'sum by (stage) (ray_vllm_num_requests_kv_fetch_by_stage{{{ROLE}="decode", {RAY_CLUSTER}=~"$cluster", model_name=~"$model"}})',
                         "{{stage}}",
                     ),
                 ),
@@ -234,7 +235,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 (
                     Query(
                         f"sum(rate(ray_vllm_nixl_bytes_transferred_sum{{{SEL}}}[{RATE}])) / "
-                        f'sum(rate(ray_vllm_request_success_total{{{ROLE}="decode", {RAY_CLUSTER}=~"$cluster"}}[{RATE}]))',
+                        f'sum(rate(ray_vllm_request_success_total{{{ROLE}="decode", {RAY_CLUSTER}=~"$cluster", model_name=~"$model"}}[{RATE}]))',
                         "bytes / request",
                     ),
                 ),
@@ -262,7 +263,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 (
                     Query(
                         f'sum by (source) (rate(ray_vllm_prompt_tokens_by_source_total{{{ROLE}="decode", '
-                        f'{RAY_CLUSTER}=~"$cluster"}}[{RATE}]))',
+                        f'{RAY_CLUSTER}=~"$cluster", model_name=~"$model"}}[{RATE}]))',
                         "{{source}}",
                     ),
                 ),
@@ -311,7 +312,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (key, limit) (rate({RATE_LIMITED}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (key, limit) (rate({RATE_LIMITED}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}} {{limit}}",
                     ),
                 ),
@@ -344,7 +345,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason, status) (rate({INGRESS_REFUSALS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (reason, status) (rate({INGRESS_REFUSALS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{reason}} {{status}}",
                     ),
                 ),

@@ -316,6 +316,26 @@ def test_stream_migrations_are_shown_by_reason_and_outcome_and_filtered_by_model
                 assert 'model=~"$model"' in t["expr"], p["title"]
 
 
+def test_every_engine_panel_follows_the_model_filter():
+    """vLLM's engine series carry the served model id as `model_name` (as the many-model e2e
+    test reads them): every panel on them, and on the serving counters with a `model` tag
+    (requests refused, rate-limited), follows the dashboard's Model variable."""
+    from infra.k8s.dashboards import pd_service_dashboard
+    from infra.k8s.serving_metrics import INGRESS_REFUSALS, RATE_LIMITED
+
+    board = pd_service_dashboard()
+    checked = 0
+    for p in board["panels"]:
+        for t in p.get("targets") or []:
+            if "ray_vllm_" in t["expr"]:
+                # every selector of a vLLM series in the expression, not only the first
+                assert t["expr"].count("ray_vllm_") == t["expr"].count('model_name=~"$model"'), p["title"]
+                checked += 1
+            if INGRESS_REFUSALS in t["expr"] or RATE_LIMITED in t["expr"]:
+                assert 'model=~"$model"' in t["expr"], p["title"]
+    assert checked >= 10
+
+
 def test_a_renamed_node_autoscaler_metric_is_caught(rendered_stacks):
     exprs = ms.shipped_expressions(rendered_stacks)
     where = next(k for k, v in exprs.items() if ": rule " in k and "cluster_autoscaler_failed_scale_ups_total" in v)
