@@ -317,3 +317,17 @@ def test_tokenize_of_another_model_is_404_for_a_limited_key(monkeypatch):
     body = {"model": "qwen", "prompt": "hello"}
     status, err = error_of(asyncio.run(ingress.tokenize(make_request(body, key=OTHER_KEY, path="/tokenize"))))
     assert status == 404 and err["code"] == "model_not_found"
+
+
+def test_a_refusal_is_counted_under_the_model_that_was_asked(monkeypatch):
+    """PDRequestsRefused is per model: the ingress's refusal counter carries the model id."""
+    from ray.serve.exceptions import BackPressureError
+
+    apps = Apps(MODEL_APP_PREFIX + "llama", MODEL_APP_PREFIX + "qwen")
+    apps.handles[MODEL_APP_PREFIX + "qwen"] = FakeHandle(BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    ingress, _ = _front_door(monkeypatch, apps)
+    counted: list[dict] = []
+    monkeypatch.setattr(ingress._refusal_counter, "inc", lambda tags: counted.append(tags))
+    assert asyncio.run(ingress.chat(make_request(chat("llama")))).status_code == 200
+    assert asyncio.run(ingress.chat(make_request(chat("qwen")))).status_code == 503
+    assert [c["model"] for c in counted] == ["qwen"] and counted[0]["reason"] == "overloaded"
