@@ -324,7 +324,9 @@ def test_a_refusal_is_counted_under_the_model_that_was_asked(monkeypatch):
     from ray.serve.exceptions import BackPressureError
 
     apps = Apps(MODEL_APP_PREFIX + "llama", MODEL_APP_PREFIX + "qwen")
-    apps.handles[MODEL_APP_PREFIX + "qwen"] = FakeHandle(BackPressureError(num_queued_requests=9, max_queued_requests=8))
+    apps.handles[MODEL_APP_PREFIX + "qwen"] = FakeHandle(
+        BackPressureError(num_queued_requests=9, max_queued_requests=8)
+    )
     ingress, _ = _front_door(monkeypatch, apps)
     counted: list[dict] = []
     monkeypatch.setattr(ingress._refusal_counter, "inc", lambda tags: counted.append(tags))
