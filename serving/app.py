@@ -38,7 +38,7 @@ from pydantic import TypeAdapter, ValidationError
 from ray.serve import Application
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.llm import build_openai_app, build_pd_openai_app
-from ray.serve.llm.ingress import OpenAiIngress, make_fastapi_ingress
+from ray.serve.llm.ingress import OpenAiIngress
 from ray.serve.llm.openai_api_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,8 +58,10 @@ from serving.spec import (
     MODELS_MODE,
     AuthMode,
     ResilienceSpec,
+    base_model_id,
     parse_api_keys,
 )
+from serving.spec_models import ADAPTER_SEP
 
 logger = logging.getLogger("ray.serve")
 
@@ -304,7 +306,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
             if self._catalog.handle(model_id) is None:
                 del self._default_serve_handles[model_id]
         for model_id in list(self._configured_serve_handles):
-            if model_id.split(":", 1)[0] not in self._default_serve_handles:
+            if base_model_id(model_id) not in self._default_serve_handles:
                 del self._configured_serve_handles[model_id]
         logger.info(
             "front door models: %s (added %s, removed %s)", sorted(self._model_cards), sorted(added), sorted(removed)
@@ -314,7 +316,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         """Ray's choice of model (404 for an unknown one), and in the many-model form the
         handle to its application, looked up on its first request."""
         model_id: str = await super()._get_model_id(model)
-        base = model_id.split(":", 1)[0]
+        base = base_model_id(model_id)
         if self._catalog is not None and base not in self._default_serve_handles:
             try:
                 self._default_serve_handles[base] = await self._catalog.resolve(base)
@@ -331,7 +333,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         (serving/hybrid.py), so a key learns nothing about models outside its own."""
         if not isinstance(model, str):
             return None  # absent: Ray picks the only model, or answers 400
-        base, _, adapter = model.partition(":")
+        base, _, adapter = model.partition(ADAPTER_SEP)
         if base in self._model_cards and (not adapter or base in self._lora_paths):
             return None
         return self._hybrid.model_not_found(model)
@@ -593,18 +595,17 @@ def build_app(args: dict) -> Application:
 def _build_front_door(builder_args: dict) -> Application:
     """The many-model front door: the ingress alone. Its models come from its user_config
     (serving/catalog.py); each model is its own application (build_model_app)."""
-    from ray import serve
-
-    from serving import ray_internals as ri
+    from serving.pd_graph import bind_ingress
 
     cls_config = builder_args["ingress_cls_config"]
-    ingress_cls = cls_config["ingress_cls"]
-    options = ri.maybe_apply_llm_deployment_config_defaults(
-        ingress_cls.get_deployment_options([]), builder_args.get("ingress_deployment_config") or {}
-    )
-    deployment: Any = serve.deployment
-    return deployment(make_fastapi_ingress(ingress_cls), **options).bind(
-        llm_deployments={}, model_cards={}, lora_paths={}, **cls_config["ingress_extra_kwargs"]
+    return bind_ingress(
+        cls_config["ingress_cls"],
+        cls_config["ingress_extra_kwargs"],
+        builder_args.get("ingress_deployment_config"),
+        [],
+        llm_deployments={},
+        model_cards={},
+        lora_paths={},
     )
 
 

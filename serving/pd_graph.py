@@ -237,17 +237,38 @@ def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any])
     ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
     pd = pd_args(builder_args)
     decode = build_pd_engines(pd, resilience)
-    deployment: Any = serve.deployment
-    ingress_cls_config = pd.ingress_cls_config
-    options = ri.maybe_apply_llm_deployment_config_defaults(
-        ingress_cls_config.ingress_cls.get_deployment_options([pd.decode_config]),
-        pd.ingress_deployment_config,
-    )
     model_id = pd.decode_config.model_id
     lora = pd.decode_config.lora_config
-    return deployment(make_fastapi_ingress(ingress_cls_config.ingress_cls), **options).bind(
+    return bind_ingress(
+        pd.ingress_cls_config.ingress_cls,
+        pd.ingress_cls_config.ingress_extra_kwargs,
+        pd.ingress_deployment_config,
+        [pd.decode_config],
         llm_deployments={model_id: decode},
         model_cards={model_id: ri.to_model_metadata(model_id, pd.decode_config)},
         lora_paths={model_id: lora.dynamic_lora_loading_path} if lora is not None else {},
-        **ingress_cls_config.ingress_extra_kwargs,
+    )
+
+
+def bind_ingress(
+    ingress_cls: Any,
+    extra_kwargs: Mapping[str, Any],
+    deployment_config: Mapping[str, Any] | None,
+    llm_configs: list[Any],
+    *,
+    llm_deployments: Mapping[str, Any],
+    model_cards: Mapping[str, Any],
+    lora_paths: Mapping[str, str],
+) -> Any:
+    """The OpenAI ingress deployment bound to its engines, as Ray's builders bind it: the
+    class's default options for `llm_configs` under the rendered `deployment_config`."""
+    options = ri.maybe_apply_llm_deployment_config_defaults(
+        ingress_cls.get_deployment_options(llm_configs), dict(deployment_config or {})
+    )
+    deployment: Any = serve.deployment
+    return deployment(make_fastapi_ingress(ingress_cls), **options).bind(
+        llm_deployments=dict(llm_deployments),
+        model_cards=dict(model_cards),
+        lora_paths=dict(lora_paths),
+        **extra_kwargs,
     )
