@@ -16,19 +16,12 @@ import pytest
 
 from serving.app import AuthenticatedIngress, build_app, build_model_app
 from serving.catalog import ModelCatalog
-from serving.spec import APP_NAME, MODEL_APP_PREFIX, ServingSpec, Target
+from serving.spec import APP_NAME, MODEL_APP_PREFIX, ServingSpec
 from tests.serving.test_app import FakeHandle, error_of, make_request
 from tests.serving.test_pd_graph import _graph, no_ray  # noqa: F401  (a fixture)
+from tests.serving.test_spec_models import AGG, GPU, PD  # llama P/D; qwen aggregated, with LoRA
 
 KEY = "sk-unit-1"
-PD = {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}}
-AGG = {
-    "model": {"id": "qwen", "source": "Qwen/Qwen2.5-7B-Instruct"},
-    "mode": "aggregated",
-    "pools": {"decode": "general"},
-    "lora": {"adaptersPath": "s3://acme-models/adapters/qwen", "maxAdaptersPerReplica": 8},
-}
-GPU = Target(accelerator_type="L40S")
 
 
 def _spec(*entries) -> ServingSpec:
