@@ -45,6 +45,7 @@ from serving.local.config import (
     cluster_env,
     hybrid_from_env,
     local_spec,
+    models_problem,
     render_local_config,
 )
 from serving.local.procs import AlreadyRunning, free_port, instance_lock, port_in_use
@@ -147,8 +148,9 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
             prometheus_binary()
         except PrometheusMissing as exc:
             return str(exc)
-    if args.models > 1 and args.mode != "disaggregated":
-        return f"{MODELS_ENV}={args.models} serves the tiny model disaggregated: leave the mode at its default"
+    problem = models_problem(args.models, args.mode)
+    if problem:
+        return problem
     stack = contextlib.ExitStack()
     try:
         stack.enter_context(instance_lock(args.port))

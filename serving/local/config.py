@@ -349,6 +349,14 @@ def local_target(signals: bool = False) -> Target:
     )
 
 
+def models_problem(models: int, mode: str) -> str | None:
+    """Why `models` models cannot run in `mode` (the many-model form serves the tiny model
+    P/D), else None."""
+    if models > 1 and mode != Mode.DISAGGREGATED.value:
+        return f"{MODELS_ENV}={models} serves the tiny model disaggregated: leave the mode at its default"
+    return None
+
+
 def render_local_config(
     mode: str,
     model_dir: Path,
@@ -368,10 +376,9 @@ def render_local_config(
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target(signals)
     modes = [Mode.DISAGGREGATED, Mode.AGGREGATED] if mode == "both" else [Mode(mode)]
-    if models > 1 and modes != [Mode.DISAGGREGATED]:
-        raise LocalConfigError(
-            f"{MODELS_ENV}={models} serves the tiny model disaggregated: leave the mode at its default"
-        )
+    problem = models_problem(models, mode)
+    if problem:
+        raise LocalConfigError(problem)
     configs = [
         local_spec(
             m,
