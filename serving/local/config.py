@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra.paths import ROOT
-from serving.spec import APP_NAME, Mode, ServingSpec, Target
+from serving.spec import APP_NAME, DataPlane, IngressSpec, Mode, ServingSpec, Target
 from serving.spec_models import PER_MODEL_KEYS
 
 MODEL_ID = "tiny-llama"
@@ -33,6 +33,8 @@ MODES = ("disaggregated", "aggregated", "both")
 # behind the one front door. The second model has the same weights under its own id: what
 # the front door routes on is the id, and two engines of one recipe cost no second build.
 MODELS_ENV = "PD_MODELS"
+# make serve PD_DATA_PLANE=haproxy|grpc|ray-proxy (serving.spec DataPlane; default the spec's).
+DATA_PLANE_ENV = "PD_DATA_PLANE"
 MAX_LOCAL_MODELS = 3
 MODEL_B_ID = "tiny-llama-b"
 # PD_MODELS=3 adds a third, aggregated, at zero replicas (Serve starts it on its first
@@ -223,6 +225,7 @@ def local_spec(
     models: int = 1,
     lora_path: str | None = None,
     key_models: dict[str, list[str]] | None = None,
+    data_plane: str | None = None,
 ) -> ServingSpec:
     """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`);
     with `models=2` the many-model form (the second model's adapters at `lora_path`, and
@@ -238,6 +241,8 @@ def local_spec(
             signals=signals,
             scale_to_zero=scale_to_zero,
         )
+        if data_plane is not None:
+            data["ingress"] = {**data["ingress"], "dataPlane": data_plane}
         if models > 1:
             data = _many_models(data, models, lora_path, key_models or {})
         return ServingSpec.model_validate(data)
@@ -349,6 +354,12 @@ def local_target(signals: bool = False) -> Target:
     )
 
 
+def data_plane_env(data_plane: str | None) -> dict[str, str]:
+    """The Ray switches of `data_plane` (the spec's default when None), for the cluster's
+    environment: Ray reads them in every process, not from the Serve config."""
+    return DataPlane(data_plane).ray_env if data_plane else IngressSpec().data_plane.ray_env
+
+
 def models_problem(models: int, mode: str) -> str | None:
     """Why `models` models cannot run in `mode` (the many-model form serves the tiny model
     P/D), else None."""
@@ -372,6 +383,7 @@ def render_local_config(
     models: int = 1,
     lora_path: str | None = None,
     key_models: dict[str, list[str]] | None = None,
+    data_plane: str | None = None,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target(signals)
@@ -392,6 +404,7 @@ def render_local_config(
             models=models,
             lora_path=lora_path,
             key_models=key_models,
+            data_plane=data_plane,
         ).serve_config(target, port=port)
         for m in modes
     ]
