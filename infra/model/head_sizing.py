@@ -58,8 +58,8 @@ class FrontDoorCpu:
 # THE figure the head sizing uses, in one place: `make bench`'s CPU sampler (bench/cpu.py),
 # the proxy's and the ingress's CPU per request over the whole request, the stream's way back
 # included. Measured with unit tests running beside the bench; rerun on a quiet machine and
-# replace it from the bench JSON's cpu.<mode>.all.classes.serve_proxy / .ingress
-# cpu_ms_per_request (docs/capacity.md). The figure before (8.1 + 19.7 ms, read from wall
+# replace it from the bench JSON's cpu.<mode>.all.classes.serve_proxy (+ .haproxy, in Serve's
+# HAProxy mode: bench/cpu.py front_door_line) / .ingress cpu_ms_per_request (docs/capacity.md). The figure before (8.1 + 19.7 ms, read from wall
 # times of the way to the engine only) was under half of this one.
 FRONT_DOOR_CPU = FrontDoorCpu(
     proxy_ms={"disaggregated": 21.96, "aggregated": 21.56},

