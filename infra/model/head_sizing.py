@@ -2,9 +2,9 @@
 
 What flows through here: the stack's planned request rate (the capacity plan's roofline
 requests/s at maxReplicas, the slower engine role's: `infra.model.planning.planned_rate`),
-the serving mode, the system node instance type and `FRONT_DOOR_CPU` (the measured input:
-CPU-ms per request of Serve's HTTP proxy and of the ingress replicas, with its date, machine
-and source) -> `HeadSizing`: vCPUs the front door keeps busy, vCPUs the head pod needs, ingress
+the serving mode, the system node instance type and `FRONT_DOOR_CPU` (the measured input,
+per data plane: CPU-ms per request of Serve's HTTP proxy (and HAProxy) and of the ingress
+replicas, with its date, machine and source) -> `HeadSizing`: vCPUs the front door keeps busy, vCPUs the head pod needs, ingress
 replicas needed, and what one system node can give the head pod -> `format_head` (the plan's
 text) and `head_errors` (the stack config's refusal, one line naming the key).
 
@@ -55,25 +55,55 @@ class FrontDoorCpu:
         return self.proxy_ms[mode], self.ingress_ms[mode]
 
 
-# THE figure the head sizing uses, in one place: `make bench`'s CPU sampler (bench/cpu.py),
-# the proxy's and the ingress's CPU per request over the whole request, the stream's way back
-# included. Measured with unit tests running beside the bench; rerun on a quiet machine and
-# replace it from the bench JSON's cpu.<mode>.all.classes.serve_proxy (+ .haproxy, in Serve's
-# HAProxy mode: bench/cpu.py front_door_line) / .ingress cpu_ms_per_request (docs/capacity.md). The figure before (8.1 + 19.7 ms, read from wall
-# times of the way to the engine only) was under half of this one.
-FRONT_DOOR_CPU = FrontDoorCpu(
-    proxy_ms={"disaggregated": 21.96, "aggregated": 21.56},
-    ingress_ms={"disaggregated": 35.04, "aggregated": 34.06},
-    measured="2026-12-01 18:14 UTC",
-    machine="the project's 2-core, 24 GiB CPU machine, with unit tests running beside the bench (loaded)",
-    source=(
-        "make bench (python -m bench.serving_bench --no-start-times), build/bench/serving.json "
-        "cpu.<mode>.all.classes.serve_proxy / .ingress cpu_ms_per_request: user + system CPU of "
-        "the processes over every batch of levels 1, 4 and 16 (bench/cpu.py), tiny model, "
-        "streamed chat with about 56 output tokens per request"
-    ),
-    kind="measured CPU per request (proxy and ingress processes, the whole request both ways)",
+# THE figures the head sizing uses, in one place, per data plane (serving.ingress.dataPlane:
+# how requests reach the ingress; the stack's own value picks the figure): `make bench`'s CPU
+# sampler (bench/cpu.py), the front door's CPU per request over the whole request, the
+# stream's way back included. Replace a figure from the bench JSON's
+# cpu.<mode>.all.classes.serve_proxy (+ haproxy) / .ingress cpu_ms_per_request (docs/capacity.md).
+_BENCH_SOURCE = (
+    "build/bench/serving.json cpu.<mode>.all.classes: user + system CPU of the processes over "
+    "every batch of levels 1, 4 and 16 (bench/cpu.py), tiny model, streamed chat with about 56 "
+    "output tokens per request"
 )
+FRONT_DOOR_CPU: Mapping[str, FrontDoorCpu] = {
+    # Serve's Python proxy actor takes each request and calls the ingress replica (Ray's default).
+    "ray-proxy": FrontDoorCpu(
+        proxy_ms={"disaggregated": 21.96, "aggregated": 21.56},
+        ingress_ms={"disaggregated": 35.04, "aggregated": 34.06},
+        measured="2026-12-01 18:14 UTC",
+        machine="the project's 2-core, 24 GiB CPU machine, with unit tests running beside the bench (loaded)",
+        source=f"make bench with serving.ingress.dataPlane ray-proxy, {_BENCH_SOURCE}",
+        kind="measured CPU per request (proxy and ingress processes, the whole request both ways)",
+    ),
+    # HAProxy forwards to the ingress replica's own HTTP server; the proxy actor only manages
+    # HAProxy (and reads its per-request log lines for Serve's HTTP metrics).
+    "haproxy": FrontDoorCpu(
+        proxy_ms={"disaggregated": HAPROXY_PROXY_D, "aggregated": HAPROXY_PROXY_A},
+        ingress_ms={"disaggregated": HAPROXY_INGRESS_D, "aggregated": HAPROXY_INGRESS_A},
+        measured="HAPROXY_WHEN",
+        machine="HAPROXY_MACHINE",
+        source=f"make bench with serving.ingress.dataPlane haproxy, {_BENCH_SOURCE}",
+        kind="measured CPU per request (proxy actor + HAProxy, and ingress processes, the whole request both ways)",
+    ),
+    # Serve's proxy, gRPC between replicas: measured by make bench-data-plane only.
+    "grpc": FrontDoorCpu(
+        proxy_ms={"disaggregated": GRPC_PROXY_D, "aggregated": GRPC_PROXY_A},
+        ingress_ms={"disaggregated": GRPC_INGRESS_D, "aggregated": GRPC_INGRESS_A},
+        measured="GRPC_WHEN",
+        machine="GRPC_MACHINE",
+        source=(
+            "make bench-data-plane (bench/data_plane.py), build/bench/data-plane.json: the grpc runs' "
+            "proxy and ingress CPU-ms per request, medians over rounds, levels 1 and 16"
+        ),
+        kind="measured CPU per request (proxy and ingress processes, the whole request both ways)",
+    ),
+}
+
+
+def front_door_cpu(data_plane: str) -> FrontDoorCpu:
+    """The measured figure for a stack's serving.ingress.dataPlane value."""
+    return FRONT_DOOR_CPU[data_plane]
+
 
 # The head's own work with no requests (GCS, Serve controller, dashboard, autoscaler, its
 # raylet): the head pod's CPU request (infra/k8s/rayservice.py takes it from here).
@@ -126,7 +156,7 @@ def size_head(
     mode: str,
     system_instance: str,
     ingress_max_replicas: int,
-    figure: FrontDoorCpu = FRONT_DOOR_CPU,
+    figure: FrontDoorCpu,
 ) -> HeadSizing:
     """The head's vCPUs and the ingress replicas for `planned_rps` requests/s."""
     proxy, ingress = figure.per_request_ms(mode)
@@ -152,7 +182,7 @@ def size_head_many(
     parts: list[tuple[float, str, str]],
     system_instance: str,
     ingress_max_replicas: int,
-    figure: FrontDoorCpu = FRONT_DOOR_CPU,
+    figure: FrontDoorCpu,
 ) -> HeadSizing:
     """The head for several models behind one front door: `parts` are (planned req/s, what
     bounds it, serving mode) per model; the rates add up, and the CPU per request is each

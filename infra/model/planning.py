@@ -30,7 +30,7 @@ from infra.model.fit import (
     resolve,
     weights_gib,
 )
-from infra.model.head_sizing import HeadSizing, size_head, size_head_many
+from infra.model.head_sizing import HeadSizing, front_door_cpu, size_head, size_head_many
 from infra.model.plan_text import format_layouts as format_layouts
 from infra.model.plan_text import format_plan as format_plan
 from serving.spec import Mode, ModelSpec, RoleSpec, ServingSpec
@@ -281,6 +281,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
             config.serving.mode.value,
             config.system_nodes.instance_type,
             config.serving.ingress.max_replicas,
+            front_door_cpu(config.serving.ingress.data_plane.value),
         )
     )
     layout_roles, layouts = _layouts(config, shape, context_len)
@@ -336,7 +337,12 @@ def stack_head(config: StackConfig) -> HeadSizing | None:
         if rate is None:
             return None
         parts.append((rate[0], f"{spec.model.id} {rate[1]}", spec.mode.value))
-    return size_head_many(parts, config.system_nodes.instance_type, config.serving.ingress.max_replicas)
+    return size_head_many(
+        parts,
+        config.system_nodes.instance_type,
+        config.serving.ingress.max_replicas,
+        front_door_cpu(config.serving.ingress.data_plane.value),
+    )
 
 
 def _role_plan(

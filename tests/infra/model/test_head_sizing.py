@@ -9,7 +9,7 @@ import math
 import pytest
 
 from infra.model import config, head_sizing, planning
-from infra.model.head_sizing import FRONT_DOOR_CPU, HEAD_BASE_VCPUS, TARGET_UTILIZATION
+from infra.model.head_sizing import FRONT_DOOR_CPU, HEAD_BASE_VCPUS, TARGET_UTILIZATION, front_door_cpu
 from tools import stackfile
 
 SOURCE = "stacks/Pulumi.prod.yaml"
@@ -44,7 +44,8 @@ def expected(cfg: config.StackConfig) -> dict:
         rates.append(r.scaling.scale_out_rps / spec.min_replicas * spec.max_replicas)
     rate = min(rates)
     mode = cfg.serving.mode.value
-    proxy, ingress = FRONT_DOOR_CPU.proxy_ms[mode], FRONT_DOOR_CPU.ingress_ms[mode]
+    figure = FRONT_DOOR_CPU[cfg.serving.ingress.data_plane.value]
+    proxy, ingress = figure.proxy_ms[mode], figure.ingress_ms[mode]
     cpu_s_per_s = rate * (proxy + ingress) / 1000
     return {
         "rate": rate,
@@ -66,7 +67,8 @@ def test_the_plan_sizes_the_head_as_an_independent_computation_does(prod):
     assert f"planned rate {want['rate']:,.1f} req/s" in text
     assert f"head pod needs {want['head']} vCPUs" in text
     assert f"ingress replicas needed {want['ingress']}" in text
-    assert FRONT_DOOR_CPU.measured in text and FRONT_DOOR_CPU.kind in text
+    figure = FRONT_DOOR_CPU[cfg.serving.ingress.data_plane.value]
+    assert figure.measured in text and figure.kind in text
 
 
 def test_a_system_node_too_small_for_the_planned_rate_is_refused_with_the_key(prod):
@@ -93,8 +95,9 @@ def test_too_few_ingress_replicas_for_the_planned_rate_are_refused_with_the_key(
 
 
 def test_a_costlier_front_door_needs_more_of_both():
-    cheap = head_sizing.size_head(100.0, "decode", "aggregated", "m7i.2xlarge", 2)
-    proxy, ingress = (2 * v for v in FRONT_DOOR_CPU.per_request_ms("aggregated"))
+    base = front_door_cpu("haproxy")
+    cheap = head_sizing.size_head(100.0, "decode", "aggregated", "m7i.2xlarge", 2, base)
+    proxy, ingress = (2 * v for v in base.per_request_ms("aggregated"))
     dear = head_sizing.FrontDoorCpu(
         proxy_ms={"aggregated": proxy},
         ingress_ms={"aggregated": ingress},
@@ -147,3 +150,34 @@ def test_the_rendered_head_pod_asks_for_the_planned_vcpus(rendered_stacks):
         res = rs.inputs["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
         assert res["requests"]["cpu"] == str(want), name
         assert int(res["limits"]["cpu"]) >= want, name
+
+
+def test_the_stacks_data_plane_picks_its_own_measured_figure(prod):
+    """serving.ingress.dataPlane decides what a request costs the head: Serve's Python proxy
+    (ray-proxy) was measured dearer per request than HAProxy in front of the ingress
+    replica's own HTTP server (haproxy), so the same planned rate asks more of the head."""
+    values, secrets = prod
+    sizes = {}
+    for plane in ("haproxy", "grpc", "ray-proxy"):
+        v = copy.deepcopy(values)
+        v["serving"]["ingress"] = {**v["serving"].get("ingress", {}), "dataPlane": plane}
+        v["systemNodes"]["instanceType"] = "m7i.8xlarge"  # room for the dearest
+        cfg = _load(v, secrets)
+        head = planning.plan(cfg).head
+        assert head is not None
+        fig = FRONT_DOOR_CPU[plane]
+        mode = cfg.serving.mode.value
+        assert (head.proxy_ms, head.ingress_ms) == (fig.proxy_ms[mode], fig.ingress_ms[mode])
+        assert fig.measured in planning.format_plan(planning.plan(cfg))
+        sizes[plane] = head.busy_vcpus
+    assert sizes["haproxy"] < sizes["ray-proxy"]
+
+
+def test_every_data_plane_has_a_measured_figure_for_every_mode():
+    from serving.spec import DataPlane, Mode
+
+    for plane in DataPlane:
+        fig = front_door_cpu(plane.value)
+        for mode in (Mode.DISAGGREGATED, Mode.AGGREGATED):
+            proxy, ingress = fig.per_request_ms(mode.value)
+            assert proxy > 0 and ingress > 0

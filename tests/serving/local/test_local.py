@@ -98,6 +98,30 @@ def test_parse_args_defaults_and_choices():
         local_main.parse_args(["--mode", "hybrid"])
 
 
+def test_the_data_plane_comes_from_the_flag_or_env_and_sets_rays_switches(monkeypatch):
+    """Ray 2.60 reads its high-throughput switches from every Ray process's environment
+    (ray/serve/_private/constants.py; docs.ray.io "Enable High Throughput on Ray Serve with
+    KubeRay": RAY_SERVE_ENABLE_HA_PROXY=1 and RAY_SERVE_THROUGHPUT_OPTIMIZED=1), so make serve
+    puts them into the local cluster's environment; the default is the spec's (haproxy)."""
+    monkeypatch.delenv(local_config.DATA_PLANE_ENV, raising=False)
+    assert local_main.parse_args([]).data_plane is None
+    monkeypatch.setenv(local_config.DATA_PLANE_ENV, "grpc")
+    assert local_main.parse_args([]).data_plane == "grpc"
+    assert local_main.parse_args(["--data-plane", "ray-proxy"]).data_plane == "ray-proxy"
+    with pytest.raises(SystemExit):
+        local_main.parse_args(["--data-plane", "nginx"])
+    on = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    assert on.items() <= local_config.data_plane_env(None).items()
+    assert on.items() <= local_config.data_plane_env("haproxy").items()
+    off = local_config.data_plane_env("ray-proxy")
+    assert off["RAY_SERVE_ENABLE_HA_PROXY"] != "1" and off["RAY_SERVE_THROUGHPUT_OPTIMIZED"] != "1"
+    # gRPC between replicas behind Serve's own proxy: direct ingress stays off, or nothing
+    # would listen on the Serve port (constants.py: direct ingress starts no proxies).
+    grpc = local_config.data_plane_env("grpc")
+    assert (grpc["RAY_SERVE_THROUGHPUT_OPTIMIZED"], grpc["RAY_SERVE_ENABLE_HA_PROXY"]) == ("1", "0")
+    assert grpc["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+
+
 def test_replicas_per_role_from_flags_or_env(monkeypatch, capsys):
     monkeypatch.delenv(local_config.REPLICAS_ENV, raising=False)
     a = local_main.parse_args([])
@@ -199,6 +223,31 @@ def test_the_printed_curl_example_works(stack):
     cmd = stack.ready_line.split("try: ", 1)[1].rsplit(" | Ctrl-C", 1)[0]
     r = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and '"chat.completion"' in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.e2e
+def test_the_serve_port_is_haproxys_and_the_ingress_listens_on_its_own(stack):
+    """The designed front door (serving.ingress.dataPlane: haproxy): HAProxy, not Serve's
+    Python proxy actor, holds the Serve port, and the ingress replica serves HTTP itself
+    (direct ingress), so no proxy actor call sits between them."""
+    import psutil
+
+    def listener(port: int) -> psutil.Process:
+        for c in psutil.net_connections("tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+                return psutil.Process(c.pid)
+        raise AssertionError(f"nothing listens on {port}")
+
+    assert listener(stack.port).name() == "haproxy"
+    ingress_ports = {
+        c.laddr.port
+        for p in psutil.process_iter(["cmdline"])
+        if "ServeReplica:llm:AuthenticatedIngress" in " ".join(p.info["cmdline"] or [])
+        for c in p.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+    }
+    # Ray 2.60's direct-ingress HTTP range (constants.py RAY_SERVE_DIRECT_INGRESS_MIN/MAX_HTTP_PORT).
+    assert any(30000 <= port <= 31000 for port in ingress_ports), ingress_ports
 
 
 @pytest.mark.e2e
