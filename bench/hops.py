@@ -3,12 +3,14 @@
 What flows through here: Ray Serve's request spans (OpenTelemetry, written by Serve's
 file exporter when `RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH` is set: one
 `proxy_http_request` span in the proxy, one `replica_handle_request <deployment> <method>`
-span per replica the request passes), vLLM's engine histograms (Prometheus text: Ray
+span per replica the request passes; in Serve's HAProxy mode no proxy span: HAProxy hands
+the request to the ingress replica's own HTTP server, whose span is the trace's root), vLLM's engine histograms (Prometheus text: Ray
 re-exports them as `ray_vllm_*` labelled by `ReplicaId`; plain vLLM serves `vllm:*`), the
 NIXL transfer histogram, and the client's TTFTs -> mean milliseconds per request for each
 hop of one target at one concurrency:
 
-  proxy -> ingress       proxy span start -> ingress replica span start (Serve routing)
+  proxy -> ingress       proxy span start -> ingress replica span start (Serve routing);
+                         none in HAProxy mode (HAProxy is not traced; its time is in the rest)
   ingress -> engine      ingress span start -> engine (decode) replica span start
                          (our ingress: auth, parse, validation; then Serve routing)
   decode -> prefill      decode span start -> prefill span start (P/D only)
@@ -208,10 +210,11 @@ def _deployment(span: Span) -> str | None:
 @dataclass(frozen=True)
 class SpanHops:
     requests: int
-    proxy_to_ingress_ms: float | None
+    proxy_to_ingress_ms: float | None  # None: no trace had a proxy span (HAProxy mode)
     ingress_to_engine_ms: float | None
     decode_to_prefill_ms: float | None
     prefill_leg_ms: float | None
+    proxied: int = 0  # of `requests`, the traces with a proxy span
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -230,17 +233,20 @@ def span_hops(
     """Mean hop times (ms) over the traces of one application's requests.
 
     ingress/engine/prefill: deployment names (engine: the one that streams, decode in P/D).
-    Only traces with a proxy span and the ingress and engine spans count; `window` keeps
-    those whose proxy span started inside it.
+    Traces with the ingress and engine spans count. The proxy span is there when Serve's
+    proxy took the request; in HAProxy mode (direct ingress, ray/serve/_private/replica.py
+    `_wrap_request` on the replica's own HTTP server) the ingress replica's span is the root
+    and proxy -> ingress is None (a mean over the traces that have a proxy span, if only some
+    do). `window` keeps the traces whose first span (the proxy's, or else the ingress's)
+    started inside it.
     """
     by_trace: dict[str, list[Span]] = {}
     for s in spans:
         by_trace.setdefault(s.trace_id, []).append(s)
     p2i, i2e, d2p, leg = [], [], [], []
+    requests = 0
     for trace in by_trace.values():
         proxy = min((s for s in trace if s.name.startswith(PROXY_SPAN)), key=lambda s: s.start, default=None)
-        if proxy is None or (window and not window[0] <= proxy.start <= window[1]):
-            continue
         mine = [s for s in trace if _deployment(s) and s.attributes.get("app") == app]
         first: dict[str | None, Span] = {}
         for s in sorted(mine, key=lambda s: s.start):
@@ -248,25 +254,31 @@ def span_hops(
         ing, eng = first.get(ingress), first.get(engine)
         if ing is None or eng is None:
             continue
-        p2i.append(ing.start - proxy.start)
+        began = proxy.start if proxy is not None else ing.start
+        if window and not window[0] <= began <= window[1]:
+            continue
+        requests += 1
+        if proxy is not None:
+            p2i.append(ing.start - proxy.start)
         i2e.append(eng.start - ing.start)
         pre = first.get(prefill) if prefill else None
         if pre is not None:
             d2p.append(pre.start - eng.start)
             leg.append(pre.end - pre.start)
     return SpanHops(
-        requests=len(p2i),
+        requests=requests,
         proxy_to_ingress_ms=_mean(p2i),
         ingress_to_engine_ms=_mean(i2e),
         decode_to_prefill_ms=_mean(d2p),
         prefill_leg_ms=_mean(leg),
+        proxied=len(p2i),
     )
 
 
 # --- the table --------------------------------------------------------------------------------
 HOP_ROWS = (
     ("client_ttft", "client TTFT (vLLM's benchmark client)"),
-    ("proxy_to_ingress", "proxy -> ingress replica (Serve tracing)"),
+    ("proxy_to_ingress", "proxy -> ingress replica (Serve tracing; HAProxy: not traced, -)"),
     ("ingress_to_engine", "ingress -> engine replica: auth, parsing, routing (Serve tracing)"),
     ("decode_to_prefill", "decode replica -> prefill replica (Serve tracing)"),
     ("prefill_leg", "prefill call, whole (Serve tracing)"),
@@ -278,6 +290,17 @@ HOP_ROWS = (
     ("engine_compute", "  of which first-token compute (vLLM)"),
     ("delivery_rest", "HTTP in, stream delivery back, the rest (difference)"),
 )
+
+
+# A row shown whenever its companion is, even with no value: in HAProxy mode a Ray target has
+# Serve's spans (ingress -> engine) but no proxy span, and "-" there says so.
+SHOWN_WITH = {"proxy_to_ingress": "ingress_to_engine"}
+
+
+def row_shown(key: str, rows: Iterable[Mapping[str, float | None]]) -> bool:
+    """Whether a table shows the row `key`: any column has a value for it or for its companion."""
+    keys = (key, SHOWN_WITH[key]) if key in SHOWN_WITH else (key,)
+    return any(r.get(k) is not None for r in rows for k in keys)
 
 
 def _sub(a: float | None, *bs: float | None) -> float | None:
@@ -358,7 +381,7 @@ def format_breakdown(
     lines = [head, sub, "-" * len(head)]
     for key, label in HOP_ROWS:
         vals = [table[t][c].get(key) for t, c in cols]
-        if all(v is None for v in vals):
+        if not row_shown(key, [table[t][c] for t, c in cols]):
             continue
         marks = ["~" if t in approx and key in ENGINE_HISTOGRAM_ROWS else "" for t, _ in cols]
         lines.append(

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import BENCH_DIR, cpu, gaps
+from bench.hops import row_shown
 from infra.paths import ROOT
 
 BUILD = BENCH_DIR
@@ -89,7 +90,7 @@ def hops_table(rep: dict[str, Any], levels: tuple[str, ...] = ("1", "16")) -> st
     approx_r = set(rep.get("hops_approx_rows") or ())
     for key, label in labels.items():
         vals = [hops[t][c].get(key) for t, c in cols]
-        if all(v is None for v in vals):
+        if not row_shown(key, [hops[t][c] for t, c in cols]):
             continue
         cells = [
             ("~" if t in approx_t and key in approx_r and v is not None else "") + _f(v)
@@ -168,11 +169,14 @@ def floor_text(rep: dict[str, Any]) -> str:
     if not base:
         return "(no concurrency-1 breakdown in this run)"
     parts = []
-    for target, keys in (
+    for target, hop_keys in (
         ("aggregated", ("proxy_to_ingress", "ingress_to_engine")),
         ("disaggregated", ("proxy_to_ingress", "ingress_to_engine", "decode_to_prefill", "prefill_leg")),
     ):
         row = (hops.get(target) or {}).get("1") or {}
+        # No proxy span in Serve's HAProxy mode: HAProxy's time is in the rest, not here.
+        untraced = row.get("ingress_to_engine") is not None and row.get("proxy_to_ingress") is None
+        keys = [k for k in hop_keys if not (untraced and k == "proxy_to_ingress")]
         if any(row.get(k) is None for k in keys):
             continue
         vals = [float(row[k]) for k in keys]
@@ -180,8 +184,9 @@ def floor_text(rep: dict[str, Any]) -> str:
         parts.append(
             f"- **{target}**: the Serve hops before the engine sees the request "
             f"({' + '.join(f'{v:.1f}' for v in vals)} = {added:.1f} ms at concurrency 1, from Serve's "
-            f"spans, means) on top of plain vLLM's TTFT p50 of {base:.1f} ms put the floor at "
-            f"{(base + added) / base:.2f}x, before any stream delivery."
+            f"spans, means{'; HAProxy to the ingress not traced' if untraced else ''}) on top of plain "
+            f"vLLM's TTFT p50 of {base:.1f} ms put the floor at {(base + added) / base:.2f}x, before any "
+            "stream delivery."
         )
     head = (
         "At concurrency 1 the time to first token is plain vLLM's plus the hops Ray Serve adds. "

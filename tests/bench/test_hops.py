@@ -56,6 +56,55 @@ def test_span_hops_means_over_traces():
     assert hops.prefill_leg_ms == pytest.approx(40.0, abs=1e-3)
 
 
+def _haproxy_trace(trace, t0):
+    # Serve's HAProxy mode: HAProxy hands the request to the ingress replica's own HTTP server,
+    # whose span is the root (ray/serve/_private/replica.py: direct ingress builds the request's
+    # metadata with call_method "__call__", and `_tracing_context` names the span
+    # `replica_handle_request <deployment> <call_method>`); no proxy span.
+    return [
+        _span("replica_handle_request Ingress __call__", trace, t0 + 0.002, t0 + 1.0, deployment="Ingress", app="llm"),
+        *_pd_trace(trace, t0)[2:],
+    ]
+
+
+def test_span_hops_without_a_proxy_span_count_from_the_ingress():
+    spans = parse_spans("\n".join(_haproxy_trace("0xa", 1.0) + _haproxy_trace("0xb", 3.0)))
+    start = spans[0].start
+    hops = span_hops(
+        spans, app="llm", ingress="Ingress", engine="Decode", prefill="Prefill", window=(start, start + 10)
+    )
+    assert hops.requests == 2 and hops.proxied == 0
+    assert hops.proxy_to_ingress_ms is None
+    assert hops.ingress_to_engine_ms == pytest.approx(8.0, abs=1e-3)
+    assert hops.decode_to_prefill_ms == pytest.approx(3.0, abs=1e-3)
+    # The window reads the ingress span's start when there is no proxy span.
+    late = span_hops(spans, app="llm", ingress="Ingress", engine="Decode", window=(start + 0.001, start + 10))
+    assert late.requests == 1
+
+
+def test_a_proxy_span_on_some_traces_is_averaged_over_those():
+    spans = parse_spans("\n".join(_pd_trace("0xa", 1.0) + _haproxy_trace("0xb", 3.0)))
+    hops = span_hops(spans, app="llm", ingress="Ingress", engine="Decode", prefill="Prefill")
+    assert (hops.requests, hops.proxied) == (2, 1)
+    assert hops.proxy_to_ingress_ms == pytest.approx(2.0, abs=1e-3)
+
+
+def test_haproxy_mode_breakdown_shows_the_untraced_proxy_row_as_a_dash():
+    spans = parse_spans("\n".join(_haproxy_trace("0xa", 1.0)))
+    hops = span_hops(spans, app="llm", ingress="Ingress", engine="Decode", prefill="Prefill")
+    decode = EngineDelta(sums={"ttft": 0.2}, counts={"ttft": 10})
+    row = breakdown(100.0, decode, requests=10, hops=hops)
+    assert row["proxy_to_ingress"] is None
+    # 100 - (8 + 3 + 40 + 20): HAProxy's share is in the rest.
+    assert row["delivery_rest"] == pytest.approx(29.0, abs=1e-3)
+    lines = format_breakdown({"disaggregated": {1: row}}).splitlines()
+    proxy = next(line for line in lines if line.startswith("proxy -> ingress"))
+    assert "HAProxy: not traced" in proxy and proxy.split()[-1] == "-"
+    # Plain vLLM has neither span: no proxy row at all.
+    plain = format_breakdown({"vllm": {1: breakdown(25.0, decode, requests=10)}})
+    assert "proxy -> ingress" not in plain
+
+
 def test_span_hops_keeps_one_app_and_the_window():
     other = [s.replace('"llm"', '"llm-aggregated"') for s in _pd_trace("0xc", 5.0)]
     spans = parse_spans("\n".join(_pd_trace("0xa", 1.0) + other + _pd_trace("0xd", 30.0)))

@@ -160,3 +160,23 @@ def test_cpu_and_gap_sections_from_the_run():
     # A run from before the sampler says so instead of showing empty tables.
     old = report.render(SERVING, None, TEMPLATE)
     assert old.count(report.NOT_MEASURED) == 2
+
+
+def test_haproxy_mode_reads_dash_for_the_untraced_proxy_hop_and_floors_without_it():
+    from bench import hops
+    from bench.report import floor_text, hops_table
+
+    rep = {
+        "targets": {"vllm": {"1": {"ttft_p50_ms": 40.0}}},
+        "hop_rows": dict(hops.HOP_ROWS),
+        "hops_ms": {
+            # Serve's HAProxy mode: the ingress's span is the root, no proxy span.
+            "aggregated": {"1": {"proxy_to_ingress": None, "ingress_to_engine": 20.0}},
+            "vllm": {"1": {"client_ttft": 30.0}},
+        },
+    }
+    table = hops_table(rep)
+    assert "| proxy -> ingress replica (Serve tracing; HAProxy: not traced, -) | - | - |" in table
+    text = floor_text(rep)
+    assert "(20.0 = 20.0 ms" in text and "HAProxy to the ingress not traced" in text
+    assert "floor at 1.50x" in text  # (40 + 20) / 40
