@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress chaos stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
 	@echo "make bench-ingress      CPU per streamed event on the ingress's stream path vs a bare passthrough (no Ray)"
+	@echo "make bench-data-plane   Serve's data planes (ray-proxy, grpc, haproxy), a local stack each: latency, CPU per hop"
 	@echo "make serve SIGNALS=1    per-role autoscaling on the engines' signals (local Prometheus)"
 	@echo "make serve SCALE_TO_ZERO=1   decode idles to zero (needs PD_FALLBACK_BASE_URL)"
 	@echo "make serve PD_MODELS=2  a second model (aggregated, with a LoRA adapter) behind the same front door"
@@ -156,6 +157,12 @@ bench-prefix: venv
 # bare passthrough beside it, in process (no Ray started; a minute or two). Not part of make bench.
 bench-ingress: venv
 	$(PY) -m bench.ingress_events
+
+# Serve's three data planes (serving.ingress.dataPlane: ray-proxy, grpc, haproxy), one local stack
+# each, alternated over ROUNDS (default 2): latency and CPU per hop beside the ray-proxy run
+# (bench/data_plane.py; about half an hour on two cores). Not part of make bench.
+bench-data-plane: venv
+	$(PY) -m bench.data_plane --out build/bench/data-plane.json $(if $(ROUNDS),--rounds $(ROUNDS))
 
 render: pulumi-venv
 	$(PULUMI_PY) -m tools.render --stack $(STACK) --stand-in-secrets

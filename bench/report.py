@@ -1,9 +1,10 @@
 """docs/performance.md, generated from the benchmarks' JSON (build/bench/*.json).
 
-What flows through here: build/bench/serving.json (`make bench`) and build/bench/prefix.json
-(`make bench-prefix`), when present -> the figures' tables (targets, ratios against the
-issue's bars, the per-hop breakdown, CPU per hop and its bars, the gaps between streamed
-chunks, start times, prefix routing) between the page's
+What flows through here: build/bench/serving.json (`make bench`), build/bench/prefix.json
+(`make bench-prefix`) and build/bench/data-plane.json (`make bench-data-plane`), when present
+-> the figures' tables (targets, ratios against the issue's bars, the per-hop breakdown, CPU
+per hop and its bars, the gaps between streamed chunks, start times, prefix routing, Serve's
+data planes against ray-proxy) between the page's
 hand-written explanations -> docs/performance.md. Figures are never typed by hand: rerun
 the benchmarks, then `python -m bench.report`.
 """
@@ -16,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR, cpu, gaps
+from bench import BENCH_DIR, cpu, data_plane, gaps
 from bench.hops import row_shown
+from bench.stats import markdown
 from infra.paths import ROOT
 
 BUILD = BENCH_DIR
@@ -169,14 +171,14 @@ def floor_text(rep: dict[str, Any]) -> str:
     if not base:
         return "(no concurrency-1 breakdown in this run)"
     parts = []
-    for target, keys in (
+    for target, hop_keys in (
         ("aggregated", ("proxy_to_ingress", "ingress_to_engine")),
         ("disaggregated", ("proxy_to_ingress", "ingress_to_engine", "decode_to_prefill", "prefill_leg")),
     ):
         row = (hops.get(target) or {}).get("1") or {}
         # No proxy span in Serve's HAProxy mode: HAProxy's time is in the rest, not here.
         untraced = row.get("ingress_to_engine") is not None and row.get("proxy_to_ingress") is None
-        keys = tuple(k for k in keys if not (untraced and k == "proxy_to_ingress"))
+        keys = [k for k in hop_keys if not (untraced and k == "proxy_to_ingress")]
         if any(row.get(k) is None for k in keys):
             continue
         vals = [float(row[k]) for k in keys]
@@ -225,12 +227,42 @@ def cpu_section(rep: dict[str, Any]) -> str:
     )
 
 
+def data_plane_section(rep: dict[str, Any]) -> str:
+    """`make bench-data-plane`: the run, then latency and CPU per hop per data plane, each
+    beside its ratio to the ray-proxy run of the same round (bench/data_plane.py summary)."""
+    summ = data_plane.summary(rep)
+    work, machine = rep.get("workload") or {}, rep.get("machine") or {}
+    failed = [f"{r['data_plane']} round {r['round'] + 1}" for r in rep.get("runs") or [] if "error" in r]
+    head = (
+        f"Run of {rep['date']}: data planes {', '.join(summ['planes'])}, {work.get('rounds')} rounds "
+        f"(a stack each), requests per app and round at concurrency "
+        f"{', '.join(f'{c}: {n}' for c, n in (work.get('levels') or {}).items())}; "
+        f"{machine.get('cpus')} CPUs, load average at the end {machine.get('load_average_at_end')}; "
+        f"{rep.get('wall_s', 0):.0f} s." + (f" Failed, left out: {', '.join(failed)}." if failed else "")
+    )
+    return "\n\n".join(
+        [
+            head,
+            "Latency and throughput:\n\n" + markdown(data_plane.latency_rows(summ)),
+            *(
+                f"CPU-ms per request per hop, {app}, all levels pooled:\n\n" + markdown(data_plane.cpu_rows(summ, app))
+                for app in data_plane.TARGETS
+            ),
+        ]
+    )
+
+
 def gaps_section(rep: dict[str, Any]) -> str:
     by = rep.get("chunk_gaps") or {}
     return gaps.format_markdown(by) if by else NOT_MEASURED
 
 
-def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, template: str) -> str:
+def render(
+    serving: dict[str, Any] | None,
+    prefix: dict[str, Any] | None,
+    template: str,
+    data_planes: dict[str, Any] | None = None,
+) -> str:
     parts = {
         "SERVING_DATE": serving["date"] if serving else "(no run)",
         "SERVING_CONDITIONS": (
@@ -260,6 +292,7 @@ def render(serving: dict[str, Any] | None, prefix: dict[str, Any] | None, templa
         if prefix
         else "(run `make bench-prefix`)",
         "PREFIX_WORKLOAD": json.dumps(prefix["workload"]) if prefix else "",
+        "DATA_PLANE": data_plane_section(data_planes) if data_planes else "(run `make bench-data-plane`)",
     }
     out = template
     for k, v in parts.items():
@@ -295,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     template = (Path(__file__).parent / "performance.md.in").read_text()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     serving = load("serving.json")
-    args.out.write_text(render(serving, load("prefix.json"), template))
+    args.out.write_text(render(serving, load("prefix.json"), template, load(data_plane.DEFAULT_OUT.name)))
     print(f"wrote {args.out}")
     if args.readme.is_file() and BEGIN in args.readme.read_text():
         args.readme.write_text(replace_block(args.readme.read_text(), headline(serving)))

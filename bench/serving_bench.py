@@ -34,14 +34,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import httpx
 
 from bench import BENCH_DIR, cpu, gaps, hops, plots, vllm_load
 from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_per_request, ratios, samples, summarize
 from infra.paths import ROOT as REPO_ROOT
+
+if TYPE_CHECKING:
+    from serving.local.background import RunningStack
 
 DEFAULT_OUT = BENCH_DIR / "serving.json"
 TARGETS = ("disaggregated", "aggregated", "vllm")
@@ -89,6 +94,97 @@ def load_for(url: str, key: str | None, model: str, tokenizer: str, n: int, conc
         output_range_ratio=out_r,
         api_key=key,
     )
+
+
+# --- the load, level by level -------------------------------------------------------------------
+# One batch against one target: (target, requests, concurrency, seed) -> results, duration (s).
+Send = Callable[[str, int, int, int], tuple[list[RequestResult], float]]
+
+
+def sender(
+    urls: Mapping[str, str], keys: Mapping[str, str | None], model: str, tokenizer: str, log: TextIO | None
+) -> Send:
+    """Batches of the main workload through vLLM's client, to the target's URL with its key."""
+
+    def send(t: str, n: int, conc: int, seed: int) -> tuple[list[RequestResult], float]:
+        return vllm_load.run(load_for(urls[t], keys[t], model, tokenizer, n, conc, seed), log=log)
+
+    return send
+
+
+def warm_up(send: Send, targets: Sequence[str], seed: int) -> None:
+    """A few requests to each target; the first failure stops the run."""
+    for t in targets:
+        res, _ = send(t, WARMUP, 2, seed)
+        bad = [r.error for r in res if not r.ok]
+        if bad:
+            raise RuntimeError(f"warm-up against {t} failed: {bad[0]}")
+
+
+@dataclass
+class Level:
+    """What one concurrency level gave each target, its rounds pooled."""
+
+    results: dict[str, list[RequestResult]]
+    duration_s: dict[str, float]
+    window: tuple[float, float]  # epoch seconds: the level's start and end
+
+
+def run_level(
+    send: Send,
+    targets: Sequence[str],
+    conc: int,
+    n: int,
+    *,
+    rounds: int,
+    seed: int,
+    meter: cpu.Meter,
+    apps: Mapping[str, str],
+    shift: int = 0,
+    say: Callable[[str], None] | None = None,
+) -> Level:
+    """`n` requests per target at concurrency `conc`, split over `rounds`. Each round sends
+    the same prompts (one seed) to every target, in an order that rotates from round to round
+    (starting `shift` along); the meter counts each batch's CPU for its target (`apps`:
+    target -> Serve app name; a target not in it is plain vLLM)."""
+    start = time.time()
+    out = Level(results={t: [] for t in targets}, duration_s={t: 0.0 for t in targets}, window=(start, start))
+    for r in range(rounds):
+        k = (r + shift) % len(targets)
+        order = [*targets[k:], *targets[:k]]
+        per_round = n // rounds + (1 if r < n % rounds else 0)
+        for t in order:
+            with meter.batch(t, str(conc), apps.get(t)):
+                res, dur = send(t, per_round, conc, seed + 1000 * conc + r)
+            out.results[t].extend(res)
+            out.duration_s[t] += dur
+        if say is not None:
+            say(f"concurrency {conc}: round {r + 1}/{rounds} done ({' -> '.join(order)})")
+    out.window = (start, time.time())
+    return out
+
+
+def parse_levels(text: str) -> dict[int, int]:
+    """ "1:32,16:128" -> {concurrency: requests per target}."""
+    return {int(c): int(n) for c, n in (x.split(":") for x in text.split(","))}
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine the run took, for the JSON: cores, platform, Python, the load at the end."""
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_average_at_end": list(os.getloadavg()),
+    }
+
+
+def cpu_counts(summaries: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict[str, dict[str, tuple[int, int]]]:
+    """target -> level -> (completed requests, output tokens): what bench.cpu divides by."""
+    return {
+        t: {str(c): (int(s["completed"] or 0), int(s["output_tokens"] or 0)) for c, s in by.items()}
+        for t, by in summaries.items()
+    }
 
 
 # --- decode's NIXL counters ---------------------------------------------------------------------
@@ -196,6 +292,14 @@ def roles(app: dict[str, Any]) -> tuple[str, str, str | None]:
     return ingress, engine, prefill
 
 
+def stack_apps(stack: RunningStack) -> tuple[dict[str, str], dict[str, dict[str, Any]], dict[str, tuple[str, str]]]:
+    """A running local stack's Ray apps: target (the app's mode) -> Serve app name, Serve's
+    view of each app (serve_apps), and the CPU sampler's layout of their replicas."""
+    apps = {c["args"]["mode"]: c["name"] for c in stack.state["config"]["applications"]}
+    served = serve_apps(stack.state["dashboard_url"])
+    return apps, served, cpu.serve_layout({app: roles(served[app]) for app in apps.values()})
+
+
 def idle_cpu(root_pid: int, seconds: float = 5) -> dict[str, float]:
     """CPU use (% of one core) of the stack's processes while no request is in flight, by title.
 
@@ -273,7 +377,7 @@ def _say(t0: float, msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    levels = {int(c): int(n) for c, n in (x.split(":") for x in args.levels.split(","))}
+    levels = parse_levels(args.levels)
     t0 = time.monotonic()
     say = lambda m: _say(t0, m)  # noqa: E731
 
@@ -323,22 +427,14 @@ def main(argv: list[str] | None = None) -> int:
         backend = "+".join(kv_backends(stack.state.get("config") or {})) or "none"
         node_metrics = {n["label"]: n["metrics_url"] for n in stack.nodes}
         metric_urls = [node_metrics["decode"], node_metrics["prefill"], f"{vroot}/metrics"]
-        apps = {c["args"]["mode"]: c["name"] for c in stack.state["config"]["applications"]}
-
-        def batch(t: str, n: int, conc: int, seed: int) -> tuple[list[RequestResult], float]:
-            return vllm_load.run(load_for(urls[t], keys[t], MODEL_ID, model_dir, n, conc, seed), log=client_log)
+        send = sender(urls, keys, MODEL_ID, model_dir, client_log)
 
         say("all three targets up; warming up")
-        for t in TARGETS:
-            res, _ = batch(t, WARMUP, 2, args.seed - 1)
-            bad = [r.error for r in res if not r.ok]
-            if bad:
-                raise RuntimeError(f"warm-up against {t} failed: {bad[0]}")
+        warm_up(send, TARGETS, args.seed - 1)
 
-        served = serve_apps(stack.state["dashboard_url"])
+        apps, served, layout = stack_apps(stack)
         idle = {"stack": idle_cpu(stack.proc.pid), "vllm": idle_cpu(vproc.pid)}
         # CPU per hop: every process of the target whose batch runs, snapshot around the batch.
-        layout = cpu.serve_layout({app: roles(served[app]) for app in apps.values()})
         meter = cpu.Meter({"stack": stack.proc.pid, cpu.PLAIN: vproc.pid}, layout)
         say(f"idle CPU (% of a core) of the Ray stack's processes: {idle['stack']}")
         snaps = [settled(metric_urls)]
@@ -346,29 +442,18 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[int, list[RequestResult]]] = {t: {} for t in TARGETS}
         durations: dict[str, dict[int, float]] = {t: {} for t in TARGETS}
         for li, (conc, n) in enumerate(levels.items()):
-            start = time.time()
-            for r in range(args.rounds):
-                shift = (r + li) % len(TARGETS)
-                order = TARGETS[shift:] + TARGETS[:shift]
-                per_round = n // args.rounds + (1 if r < n % args.rounds else 0)
-                for t in order:
-                    # Same seed for every target in a round: the same prompts.
-                    with meter.batch(t, str(conc), apps.get(t)):
-                        res, dur = batch(t, per_round, conc, args.seed + 1000 * conc + r)
-                    results[t].setdefault(conc, []).extend(res)
-                    durations[t][conc] = durations[t].get(conc, 0.0) + dur
-                say(f"concurrency {conc}: round {r + 1}/{args.rounds} done ({' -> '.join(order)})")
-            windows[conc] = (start, time.time())
+            lv = run_level(
+                send, TARGETS, conc, n, rounds=args.rounds, seed=args.seed, meter=meter, apps=apps, shift=li, say=say
+            )
+            for t in TARGETS:
+                results[t][conc], durations[t][conc] = lv.results[t], lv.duration_s[t]
+            windows[conc] = lv.window
             snaps.append(settled(metric_urls))
         spans = read_spans(spans_since)
     client_log.close()
 
     summaries = {t: {c: summarize(results[t][c], durations[t][c]) for c in levels} for t in TARGETS}
-    counts = {
-        t: {str(c): (int(s["completed"] or 0), int(s["output_tokens"] or 0)) for c, s in by.items()}
-        for t, by in summaries.items()
-    }
-    cpu_figures = cpu.run_figures(meter.tallies, counts)
+    cpu_figures = cpu.run_figures(meter.tallies, cpu_counts(summaries))
     chunk_gaps = {t: {str(c): gaps.summary(results[t][c]) for c in levels} for t in TARGETS}
 
     # --- the hop breakdown, per target and level -------------------------------------------
@@ -427,12 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "requests_total": sum(levels.values()) * len(TARGETS),
         },
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "load_average_at_end": list(os.getloadavg()),
-        },
+        "machine": machine_info(),
         "model": {"id": MODEL_ID, "dir": Path(model_dir).name, "dtype": "float32"},
         "targets": {t: {str(c): s for c, s in by.items()} for t, by in summaries.items()},
         "ratios_vs_vllm": {

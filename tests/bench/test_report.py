@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bench import report
+from tests.bench.test_data_plane import REP, RUNS
 
 TEMPLATE = (Path(report.__file__).parent / "performance.md.in").read_text()
 
@@ -180,3 +182,25 @@ def test_haproxy_mode_reads_dash_for_the_untraced_proxy_hop_and_floors_without_i
     text = floor_text(rep)
     assert "(20.0 = 20.0 ms" in text and "HAProxy to the ingress not traced" in text
     assert "floor at 1.50x" in text  # (40 + 20) / 40
+
+
+# --- make bench-data-plane's section (bench/data_plane.py summary, on its tests' synthetic run) ---
+def test_the_page_renders_the_data_plane_section_from_the_json():
+    page = report.render(None, None, TEMPLATE, json.loads(json.dumps(REP)))
+    assert "{{" not in page
+    assert "Run of 2026-12-02 01:00 UTC: data planes ray-proxy, grpc, haproxy, 2 rounds" in page
+    assert "concurrency 1: 24, 16: 64" in page
+    assert "| aggregated c1 TTFT p50 ms | 90.0 (80.0–100.0) | 71.0 (70.0–72.0) | 0.80 (0.70–0.90) |" in page
+    assert "| HAProxy (Serve's HTTP front in haproxy mode) | - | - | - | 1.2 (1.0–1.4) | - |" in page
+    failed = {**REP, "runs": [*RUNS, {"round": 2, "data_plane": "grpc", "error": "x"}]}
+    assert "Failed, left out: grpc round 3." in report.render(None, None, TEMPLATE, failed)
+    # No run yet: the section says how to get one, as the prefix section does.
+    assert "(run `make bench-data-plane`)" in report.render(None, None, TEMPLATE)
+
+
+def test_the_switches_table_names_the_data_plane_and_why_direct_streaming_is_not_used():
+    page = report.render(None, None, TEMPLATE)
+    row = next(line for line in page.splitlines() if line.startswith("| `RAY_SERVE_ENABLE_HA_PROXY`"))
+    assert "`serving.ingress.dataPlane`" in row and "`haproxy` (default)" in row and "make bench-data-plane" in row
+    ds = next(line for line in page.splitlines() if line.startswith("| `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`"))
+    assert "one model per application" in ds and "ASGI middleware" in ds and "Not used" in ds

@@ -1,0 +1,61 @@
+"""make bench's level runner (bench/serving_bench.py run_level), shared with make
+bench-data-plane: the rounds, the rotation of targets, the seeds and the pooling, on a stand-in
+load and a stand-in CPU meter (no Ray, no vLLM)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from bench.serving_bench import cpu_counts, parse_levels, run_level
+from bench.stats import RequestResult
+
+
+class Meter:
+    """What run_level asks of bench.cpu.Meter: a context around each batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[str, str, str | None]] = []
+
+    @contextlib.contextmanager
+    def batch(self, target: str, level: str, app: str | None):
+        self.batches.append((target, level, app))
+        yield
+
+
+def test_run_level_splits_rotates_seeds_and_pools():
+    sent: list[tuple[str, int, int, int]] = []
+
+    def send(t: str, n: int, conc: int, seed: int):
+        sent.append((t, n, conc, seed))
+        return [RequestResult(ok=True, ttft_s=0.01, output_tokens=4)] * n, 0.5
+
+    meter = Meter()
+    said: list[str] = []
+    lv = run_level(
+        send, ("a", "b", "c"), 4, 5, rounds=2, seed=100, meter=meter, apps={"a": "app-a"}, shift=1, say=said.append
+    )
+    # 5 requests over 2 rounds: 3 then 2; round r starts (r + shift) along the targets.
+    assert sent == [
+        ("b", 3, 4, 4100),
+        ("c", 3, 4, 4100),
+        ("a", 3, 4, 4100),
+        ("c", 2, 4, 4101),
+        ("a", 2, 4, 4101),
+        ("b", 2, 4, 4101),
+    ]
+    assert {t: len(r) for t, r in lv.results.items()} == {"a": 5, "b": 5, "c": 5}
+    assert lv.duration_s == pytest.approx({"a": 1.0, "b": 1.0, "c": 1.0})
+    assert lv.window[0] <= lv.window[1]
+    # Each batch is metered for its target, with the Serve app name (None: not a Ray app).
+    assert meter.batches[:3] == [("b", "4", None), ("c", "4", None), ("a", "4", "app-a")]
+    assert said == ["concurrency 4: round 1/2 done (b -> c -> a)", "concurrency 4: round 2/2 done (c -> a -> b)"]
+
+
+def test_levels_and_cpu_counts():
+    assert parse_levels("1:24,16:64") == {1: 24, 16: 64}
+    summaries = {
+        "aggregated": {1: {"completed": 24, "output_tokens": 1300}, 16: {"completed": None, "output_tokens": None}}
+    }
+    assert cpu_counts(summaries) == {"aggregated": {"1": (24, 1300), "16": (0, 0)}}
