@@ -445,7 +445,7 @@ def _literal_env(container: dict) -> dict[str, str]:
 
 
 def test_every_ray_pod_carries_the_data_plane_switches(stack):
-    want = stack.config.serving.ingress.data_plane.ray_env
+    want = stack.config.serving.ray_env()  # the switches, and HAProxy's hard stop in that mode
     assert want
     for group, container in _ray_containers(_rayservice(stack)).items():
         env = _literal_env(container)
