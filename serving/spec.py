@@ -40,6 +40,7 @@ from serving.spec_base import (
     DEFAULT_LABEL_KEY,
     EAGER_SERVER_CLS,
     FIRST_CHUNK_KEY,
+    HAPROXY_HARD_STOP_ENV,
     MODEL_APP_IMPORT_PATH,
     MODEL_APP_PREFIX,
     MODELS_MODE,
@@ -111,6 +112,7 @@ __all__ = [
     "EAGER_SERVER_CLS",
     "FALLBACK_API_KEY_ENV",
     "FIRST_CHUNK_KEY",
+    "HAPROXY_HARD_STOP_ENV",
     "INGRESS_DEPLOYMENT",
     "ITL_BUCKETS_S",
     "KEY_ID_RE",
@@ -380,6 +382,20 @@ class ServingSpec(SpecModel):
         """How long each part may take to stop, from the longest stream the deadlines allow
         (serving/drain.py): rendered here per deployment and by the RayService per pod."""
         return DrainPlan.for_deadlines(self.resilience, PROXY_TIMEOUT_MARGIN_S)
+
+    def ray_env(self) -> dict[str, str]:
+        """The environment every Ray process of the cluster gets from the spec: the data
+        plane's switches (spec_base.DataPlane), and in HAProxy mode how long an HAProxy
+        process replaced by a reload (Serve reloads it whenever the ingress replicas change)
+        may finish its open streams before it is stopped: Ray 2.60 stops it after
+        RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S, 120 s by default (ray/serve/_private/haproxy.py
+        `_graceful_reload`, haproxy_templates.py `hard-stop-after`), which would cut a stream
+        that the deadlines allow to run longer. The node drain is that bound, rounded up
+        (serving/drain.py), so tuning totalTimeoutS within a step leaves the pods as they are."""
+        env = self.ingress.data_plane.ray_env
+        if self.ingress.data_plane is DataPlane.HAPROXY:
+            env[HAPROXY_HARD_STOP_ENV] = str(self.drain().node_drain_s)
+        return env
 
     def engine_roles(self) -> dict[str, RoleSpec]:
         """The engine roles that run, by the worker group (node label role) they run on."""

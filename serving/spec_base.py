@@ -48,6 +48,9 @@ SERVING_ENV = {
     # off, so that a release that starts reading it does not log prompts.
     "RAYLLM_ENABLE_REQUEST_PROMPT_LOGS": "0",
 }
+# How long Ray 2.60 lets an HAProxy process replaced by a reload serve its open streams
+# (ray/serve/_private/constants.py; ServingSpec.ray_env sets it from the drain plan).
+HAPROXY_HARD_STOP_ENV = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"
 # vLLM NixlConnector's kv_lease_duration default (nixl/base_scheduler.py, 0.29 and 0.32).
 VLLM_DEFAULT_KV_LEASE_S = 30
 PROXY_TIMEOUT_MARGIN_S = 5.0

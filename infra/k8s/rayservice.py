@@ -287,6 +287,16 @@ def serve_config_yaml(inp: RayServiceInputs) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
+def _data_plane_env(inp: RayServiceInputs) -> list[dict[str, str]]:
+    """The data plane's Ray switches (serving.ingress.dataPlane: `ServingSpec.ray_env`, the one
+    place that names them, with HAProxy's hard stop after a reload), for every Ray pod's container. Ray 2.60 reads them once, at import,
+    in every Ray process (ray/serve/_private/constants.py, end of the module: the throughput
+    block and the HAProxy block), never from the Serve config: the controller on the head, the
+    HAProxy managers or proxies on every proxy node, and the replicas that open direct-ingress
+    and gRPC servers must all agree, so every container carries the same values."""
+    return [{"name": k, "value": v} for k, v in inp.serving.ray_env().items()]
+
+
 def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
     """How long Ray drains a pod's node on SIGTERM (old cluster deleted, pod evicted, node
     drained) before it kills the node's processes: long enough for the node's Serve replicas and
@@ -314,6 +324,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     # PrometheusQueryMixin reads the engines' metrics from here (serving/autoscaling.py).
     env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
     env.append(_node_drain_env(inp))
+    env.extend(_data_plane_env(inp))
     volumes: list[dict[str, Any]] = [{"name": "ray-tmp", "emptyDir": {"sizeLimit": "20Gi"}}]
     mounts: list[dict[str, Any]] = [{"name": "ray-tmp", "mountPath": "/tmp/ray"}]
     _add_tracing(inp, "head", env, volumes, mounts)
@@ -413,6 +424,7 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
     env.append(_node_drain_env(inp))
+    env.extend(_data_plane_env(inp))
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
         {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},

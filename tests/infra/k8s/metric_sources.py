@@ -19,6 +19,10 @@ the metric names of every vector selector -> each checked against its exporter:
 - `cluster_autoscaler_*`: the names the Cluster Autoscaler registers, read from its source at
   every release tag the stack can deploy (`CLUSTER_AUTOSCALER_METRICS`, with its origin).
 Any other name has no known exporter and fails.
+
+Serve's HTTP ingress series (`ray_serve_num_http_*`, `ray_serve_http_request_latency_ms_*`)
+are also checked label by label against what Ray's HAProxy mode records
+(`haproxy_http_series`), since serving.ingress.dataPlane haproxy moves them out of the proxy.
 """
 
 from __future__ import annotations
@@ -206,4 +210,97 @@ def unknown_names(exprs: dict[str, str], ray_names: set[str]) -> list[str]:
                 ok, source = False, "any exporter this stack deploys"
             if not ok:
                 problems.append(f"{where}: {name} is not in {source}")
+    return problems
+
+
+# --- Serve's HTTP ingress series, which Ray 2.60 records in the proxy or in HAProxy's manager ------
+# Serve's HTTP request counters and latency histogram (ray/serve/_private/request_ingress_metrics.py
+# RequestIngressMetrics). With serving.ingress.dataPlane haproxy they come from the HAProxyManager
+# on each proxy node, one HAProxy log datagram per request (haproxy_metrics.py
+# HAProxyMetricsCollector, on by default: constants.py RAY_SERVE_HAPROXY_METRICS_ENABLED), and
+# the Python proxy stops recording them (proxy.py `_should_emit_request_ingress_metrics`).
+HTTP_INGRESS_PREFIXES = ("ray_serve_num_http_", "ray_serve_http_")
+# One request as HAProxy's http_frontend logs it (haproxy_templates.py `log-format-sd`: string
+# variables quoted, status, latency and termination state bare): a 503 from the ingress.
+HAPROXY_REQUEST_LOG = (
+    b'<143>1 2026-12-01T00:00:00Z node haproxy - - [serve@1 app="llm" route="/" method=POST '
+    b'status=503 latency_ms=12 deployment="OpenAiIngress" term_state=--] -'
+)
+
+
+def labels_read(expr: str) -> dict[str, set[str]]:
+    """Metric name -> the labels the expression reads from its series: its matchers, and the
+    `by` and `on` labels of the aggregations and operations above it (up to the nearest `by`,
+    which sets what the series below must carry)."""
+    out: dict[str, set[str]] = {}
+
+    def visit(node, need: frozenset[str]) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            names = {m.name for m in node.matchers.matchers if m.name != "__name__"}
+            out.setdefault(node.name, set()).update(names | need)
+        elif isinstance(node, promql_parser.AggregateExpr):
+            mod = node.modifier
+            by = mod is not None and mod.type == promql_parser.AggModifierType.By
+            visit(node.expr, frozenset(mod.labels) if by else need)
+        elif isinstance(node, promql_parser.BinaryExpr):
+            match = node.modifier.matching if node.modifier is not None else None
+            extra = frozenset(match.labels) if match is not None else frozenset()
+            visit(node.lhs, need | extra)
+            visit(node.rhs, need | extra)
+        elif isinstance(node, promql_parser.Call):
+            for arg in node.args:
+                visit(arg, need)
+        elif isinstance(node, promql_parser.MatrixSelector):
+            visit(node.vector_selector, need)
+        elif isinstance(node, (promql_parser.ParenExpr, promql_parser.UnaryExpr, promql_parser.SubqueryExpr)):
+            visit(node.expr, need)
+
+    visit(parse(expr), frozenset())
+    return out
+
+
+def haproxy_http_series() -> dict[str, set[str]]:
+    """Prometheus name -> label keys of every HTTP ingress series that Ray 2.60's HAProxy mode
+    records for one request (HAPROXY_REQUEST_LOG), read by driving Ray's own collector: its
+    parser, then its recorder, with each metric's `inc`/`observe` captured (no Ray started)."""
+    from ray.serve._private.haproxy_metrics import HAProxyMetricsCollector
+    from ray.util import metrics
+
+    collector = HAProxyMetricsCollector(haproxy_api=None, node_id="node")
+    seen: dict[str, set[str]] = {}
+
+    def capture(names: list[str]):
+        def record(*_args, tags=None, **_kw):
+            for n in names:
+                seen.setdefault(n, set()).update(tags or {})
+
+        return record
+
+    for metric in vars(collector.request_ingress_metrics).values():
+        if isinstance(metric, metrics.Counter):
+            metric.inc = capture([ray_counter(metric._name)])
+        elif isinstance(metric, metrics.Histogram):
+            base = f"ray_{metric._name}"
+            metric.observe = capture([f"{base}_bucket", f"{base}_sum", f"{base}_count"])
+    parsed = collector.parse_line(HAPROXY_REQUEST_LOG)
+    assert parsed is not None and parsed.status_code == "503", "Ray no longer parses HAProxy's request log line"
+    collector.record(parsed)
+    return seen
+
+
+def http_ingress_label_problems(exprs: dict[str, str], emitted: dict[str, set[str]]) -> list[str]:
+    """'where: name{label} (why)' for each Serve HTTP ingress series or label an expression
+    reads that `emitted` lacks."""
+    problems = []
+    for where, expr in exprs.items():
+        for name, labels in sorted(labels_read(expr).items()):
+            if not name.startswith(HTTP_INGRESS_PREFIXES):
+                continue
+            if name not in emitted:
+                problems.append(f"{where}: {name} is not recorded in HAProxy mode")
+                continue
+            problems += [
+                f"{where}: {name}{{{label}}} has no such label in HAProxy mode"
+                for label in sorted(labels - emitted[name])
+            ]
     return problems

@@ -271,6 +271,31 @@ def test_a_renamed_metric_is_caught(rendered_stacks):
         ms.parse("sum(rate(ray_vllm_num_requests_running[5m])")
 
 
+def test_haproxy_mode_records_every_http_series_and_label_the_rules_and_panels_read(rendered_stacks):
+    """serving.ingress.dataPlane haproxy (the default): Serve's HTTP request counters and
+    latency come from the HAProxyManager, not the proxy actor (Ray 2.60
+    ray/serve/_private/haproxy_metrics.py, proxy.py `_should_emit_request_ingress_metrics`).
+    Every such series a rule or panel reads, with every label it reads (application,
+    status_code, error_code), is what Ray records there for a request."""
+    exprs = ms.shipped_expressions(rendered_stacks)
+    emitted = ms.haproxy_http_series()
+    used = {n for e in exprs.values() for n in ms.labels_read(e) if n.startswith(ms.HTTP_INGRESS_PREFIXES)}
+    assert {"ray_serve_num_http_requests_total", "ray_serve_num_http_error_requests_total"} <= used
+    assert ms.http_ingress_label_problems(exprs, emitted) == []
+
+
+def test_the_haproxy_label_check_can_fail(rendered_stacks):
+    exprs = ms.shipped_expressions(rendered_stacks)
+    where, expr = next((k, v) for k, v in exprs.items() if ": rule " in k and 'error_code=~"5.."' in v)
+    broken = {where: expr.replace("error_code=~", "code=~")}
+    emitted = ms.haproxy_http_series()
+    problems = ms.http_ingress_label_problems(broken, emitted)
+    assert problems == [f"{where}: ray_serve_num_http_error_requests_total{{code}} has no such label in HAProxy mode"]
+    renamed = {where: expr.replace("ray_serve_num_http_requests_total", "ray_serve_num_http_request_total")}
+    problems = ms.http_ingress_label_problems(renamed, emitted)
+    assert problems == [f"{where}: ray_serve_num_http_request_total is not recorded in HAProxy mode"]
+
+
 def test_event_counters_are_checked_against_the_serving_codes_declarations(rendered_stacks):
     """The usage/429/fallback/limiter counters have no series before their first event, so
     they are found in the serving code's declarations, not the scrape; a renamed one fails."""

@@ -7,12 +7,18 @@ What flows through here: each stack's `Rendered.manifests()` ->
   ../shared/schemas/kuberay-1.7.0);
 - its serveConfigV2 against Ray Serve's own schema and Ray Serve LLM's config validators;
 - the arithmetic: devices per pod equal the pool's instance, selectors and tolerations match
-  the pools' labels and taints, TP x PP is consistent with GPUs per node.
+  the pools' labels and taints, TP x PP is consistent with GPUs per node;
+- serving.ingress.dataPlane: Ray's switches in every Ray pod, and what Ray 2.60 makes of them.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import subprocess
+import sys
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -20,12 +26,14 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra.k8s import upgrades
 from infra.k8s.labels import ROLE_LABEL
 from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE, pods_for
 from infra.model import catalog
 from infra.paths import ROOT
-from serving.spec import MODEL_APP_PREFIX, pool_label
+from serving.spec import MODEL_APP_PREFIX, DataPlane, IngressSpec, pool_label
 from tests.conftest import STACKS
+from tools import render, stackfile
 
 CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "schemas" / "kuberay-1.7.0"))
 
@@ -416,3 +424,164 @@ def test_prod_streams_its_s3_weights_with_the_runai_streamer(rendered_stacks):
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
         engine = AsyncEngineArgs(model=prod.config.serving.model.source, **kwargs)
         assert isinstance(get_model_loader(engine.create_load_config()), RunaiModelStreamerLoader)
+
+
+# --- serving.ingress.dataPlane ----------------------------------------------------------------
+# Ray 2.60 reads the data plane's switches once, at import, in every Ray process
+# (ray/serve/_private/constants.py): a pod without them runs Ray's defaults while the head's
+# controller runs HAProxy, so they must be in every Ray container's environment.
+def _ray_containers(rs: dict) -> dict[str, dict]:
+    """Group -> its Ray container (KubeRay's container index 0), the head's included."""
+    cluster = rs["spec"]["rayClusterConfig"]
+    out = {"head": cluster["headGroupSpec"]["template"]["spec"]["containers"][0]}
+    out.update({g["groupName"]: g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]})
+    return out
+
+
+def _literal_env(container: dict) -> dict[str, str]:
+    names = [e["name"] for e in container["env"]]
+    assert len(names) == len(set(names)), f"{container['name']}: a variable is set twice"
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+def test_every_ray_pod_carries_the_data_plane_switches(stack):
+    want = stack.config.serving.ray_env()  # the switches, and HAProxy's hard stop in that mode
+    assert want
+    for group, container in _ray_containers(_rayservice(stack)).items():
+        env = _literal_env(container)
+        assert {k: env.get(k) for k in want} == want, group
+
+
+SWITCH_STACK = "prod"
+
+
+@cache
+def _rendered_with(plane: DataPlane) -> dict:
+    """The RayService of SWITCH_STACK with serving.ingress.dataPlane set in its stack file
+    (rendered once per value; read only)."""
+    values, secrets, others = copy.deepcopy(stackfile.read(SWITCH_STACK))
+    values["serving"]["ingress"] = {**(values["serving"].get("ingress") or {}), "dataPlane": plane.value}
+    return _rayservice(render.render_parsed(SWITCH_STACK, (values, secrets, others), stand_in_secrets=True))
+
+
+# What each mode must be inside Ray 2.60 (ray/serve/_private/constants.py): HAProxy replaces
+# the proxy actor (controller.py) and forces direct ingress on; the throughput mode sends
+# calls between replicas over gRPC (RAY_SERVE_USE_GRPC_BY_DEFAULT -> handle_options.py
+# `_by_reference`), but not the proxy's call of the ingress (RAY_SERVE_PROXY_USE_GRPC is read
+# before the throughput block; default_impl.py), as docs/architecture.md says; ray-proxy is
+# Ray's defaults.
+RAY_MODES = {
+    DataPlane.HAPROXY: {
+        "RAY_SERVE_ENABLE_HA_PROXY": True,
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": True,
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT": True,
+        "RAY_SERVE_PROXY_USE_GRPC": False,
+    },
+    DataPlane.GRPC: {
+        "RAY_SERVE_ENABLE_HA_PROXY": False,
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": False,
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT": True,
+        "RAY_SERVE_PROXY_USE_GRPC": False,
+    },
+    DataPlane.RAY_PROXY: {
+        "RAY_SERVE_ENABLE_HA_PROXY": False,
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": False,
+        "RAY_SERVE_USE_GRPC_BY_DEFAULT": False,
+        "RAY_SERVE_PROXY_USE_GRPC": False,
+    },
+}
+
+
+def _ray_reads(env: dict[str, str]) -> dict[str, bool]:
+    """What Ray's Serve constants become in a fresh interpreter whose environment is `env` (and
+    no other RAY_SERVE_* variable): the constants module only, no Ray is started."""
+    flags = sorted(next(iter(RAY_MODES.values())))
+    code = (
+        "import json; from ray.serve._private import constants as c; "
+        f"print(json.dumps({{k: getattr(c, k) for k in {flags!r}}}))"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_SERVE_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=120, check=True
+    )
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("plane", list(DataPlane), ids=lambda p: p.value)
+def test_the_data_plane_switch_sets_rays_mode_in_every_pod(plane):
+    rs = _rendered_with(plane)
+    jsonschema.validate(rs, _crd_schema("ray.io_rayservices.yaml"))
+    switches = {
+        g: {k: v for k, v in _literal_env(c).items() if k in plane.ray_env} for g, c in _ray_containers(rs).items()
+    }
+    assert all(s == plane.ray_env for s in switches.values()), switches
+    assert _ray_reads(switches["head"]) == RAY_MODES[plane]
+
+
+def test_changing_the_data_plane_starts_a_new_cluster():
+    """The switches are pod environment, so a change is a new RayCluster for KubeRay 1.7 (not
+    a Serve update in place): docs/configuration.md says so."""
+    default = IngressSpec().data_plane
+    other = next(p for p in DataPlane if p is not default)
+    assert upgrades.classify(_rendered_with(default), _rendered_with(other)).kind == "new-cluster"
+
+
+def test_ray_worker_ports_stay_clear_of_the_direct_ingress_ports(stack):
+    """An ingress replica's own HTTP and gRPC servers take ports from the direct-ingress ranges
+    (Ray 2.60 ray/serve/_private/constants.py RAY_SERVE_DIRECT_INGRESS_MIN/MAX_*_PORT;
+    replica.py `allocate_and_start_server` fails when Ray's workers hold them). Ray's worker
+    ports are `ray start`'s --min/--max-worker-port (ray/scripts/scripts.py defaults) unless a
+    group's rayStartParams set them; no pod moves the direct-ingress ranges, so Ray's defaults."""
+    from ray.scripts.scripts import start
+    from ray.serve._private import constants as c
+
+    defaults = {p.name: p.default for p in start.params}
+    direct = [
+        (c.RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT, c.RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT),
+        (c.RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT, c.RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT),
+    ]
+    rs = _rayservice(stack)
+    cluster = rs["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        params = group["rayStartParams"]
+        assert "worker-port-list" not in params
+        lo = int(params.get("min-worker-port", defaults["min_worker_port"]))
+        hi = int(params.get("max-worker-port", defaults["max_worker_port"]))
+        for a, b in direct:
+            assert hi < a or lo > b, (group.get("groupName", "head"), (lo, hi), (a, b))
+    for group, container in _ray_containers(rs).items():
+        assert not [k for k in _literal_env(container) if k.startswith("RAY_SERVE_DIRECT_INGRESS_")], group
+
+
+def _haproxy_dir_problems(container: dict) -> list[str]:
+    """HAProxy's folders that the Ray user could not write in this container: none while the
+    root filesystem is writable; with a read-only one, those no volume covers."""
+    from ray.serve._private import constants as c
+
+    if not (container.get("securityContext") or {}).get("readOnlyRootFilesystem"):
+        return []
+    dirs = {
+        os.path.dirname(c.RAY_SERVE_HAPROXY_CONFIG_FILE_LOC),
+        os.path.dirname(c.RAY_SERVE_HAPROXY_SOCKET_PATH),
+        c.RAY_SERVE_HAPROXY_SERVER_STATE_BASE,
+        os.path.dirname(c.RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH),
+    }
+    mounts = [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts") or []]
+    return sorted(d for d in dirs if not any((d + "/").startswith(m) for m in mounts))
+
+
+def test_haproxy_can_write_its_files_in_every_ray_pod(stack):
+    """HAProxy's config, admin socket, server state and metrics socket live under
+    /tmp/haproxy-serve (Ray 2.60 ray/serve/_private/constants.py RAY_SERVE_HAPROXY_*;
+    haproxy.py `_initialize_directories_and_error_files` creates the folders as the Ray user,
+    in every Ray pod that runs a proxy). Only /tmp/ray is a volume in the Ray pods."""
+    problems = {g: p for g, c in _ray_containers(_rayservice(stack)).items() if (p := _haproxy_dir_problems(c))}
+    assert problems == {}
+
+
+def test_the_haproxy_folder_check_catches_a_read_only_root(rendered_stacks):
+    head = _ray_containers(_rayservice(rendered_stacks["prod"]))["head"]
+    bad = {**head, "securityContext": {**head["securityContext"], "readOnlyRootFilesystem": True}}
+    assert _haproxy_dir_problems(bad) == ["/tmp/haproxy-serve"]
+    fixed = {**bad, "volumeMounts": [*bad["volumeMounts"], {"name": "haproxy", "mountPath": "/tmp/haproxy-serve"}]}
+    assert _haproxy_dir_problems(fixed) == []
