@@ -62,6 +62,10 @@ def test_page_carries_the_run_and_marks_each_bar():
     assert "2026-11-30 05:40 UTC" in page
     assert "| disaggregated output tok/s ÷ vLLM at conc 16 >= 0.8 | 0.70 | no |" in page
     assert "| aggregated TTFT p50 ÷ vLLM at conc 1 <= 1.5 | 1.33 | yes |" in page
+    # Issue 27's bars: concurrency 16's TTFT too, and its tighter throughput bar.
+    assert "| aggregated TTFT p50 ÷ vLLM at conc 16 <= 1.5 | 1.50 | yes |" in page
+    assert "| disaggregated TTFT p50 ÷ vLLM at conc 16 <= 3.0 | 2.00 | yes |" in page
+    assert "| aggregated output tok/s ÷ vLLM at conc 16 >= 0.95 | 0.95 | yes |" in page
     assert "| warm `make serve` READY <= 45 s | 44 s | yes |" in page
     assert "| KV transfer | 3.0 | - |" in page
     assert "run `make bench-prefix`" in page

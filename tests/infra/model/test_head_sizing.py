@@ -86,9 +86,11 @@ def test_a_system_node_too_small_for_the_planned_rate_is_refused_with_the_key(pr
 
 def test_too_few_ingress_replicas_for_the_planned_rate_are_refused_with_the_key(prod):
     values, secrets = prod
+    # Serve's Python proxy in front (ray-proxy): prod's rate then needs several ingress replicas.
+    values["serving"]["ingress"] = {**values["serving"].get("ingress", {}), "dataPlane": "ray-proxy"}
     want = expected(_load(values, secrets))
     assert want["ingress"] > 1
-    values["serving"]["ingress"] = {"minReplicas": 1, "maxReplicas": want["ingress"] - 1}
+    values["serving"]["ingress"] = {"minReplicas": 1, "maxReplicas": want["ingress"] - 1, "dataPlane": "ray-proxy"}
     msg = _error(values, secrets)
     assert msg.startswith(f"{SOURCE}: serving.ingress.maxReplicas: {want['ingress'] - 1} ingress replicas cannot")
     assert f"it needs {want['ingress']}" in msg
