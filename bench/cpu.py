@@ -384,6 +384,14 @@ class Meter:
 
 
 # --- text -------------------------------------------------------------------------------------
+# The totals every CPU table prints after the hops (keys of a batch's figures, and labels).
+TOTALS = (
+    ("front_door", "front door (proxy actor, HAProxy, ingress)"),
+    ("non_engine", "non-engine total"),
+    ("engine", "engine total"),
+)
+
+
 def _cell(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:,.{digits}f}"
 
@@ -395,9 +403,8 @@ def table_rows(cpu: Mapping[str, Mapping[str, Mapping[str, Any]]], unit: str = "
     present = [k for k in CLASSES if any(k in cpu[t][lv]["classes"] for t, lv in cols)]
     for k in present:
         rows.append([CLASSES[k], *(_cell((cpu[t][lv]["classes"].get(k) or {}).get(unit)) for t, lv in cols)])
-    for label, key in (("front door (proxy, HAProxy, ingress)", "front_door"), ("non-engine total", "non_engine")):
+    for key, label in TOTALS:
         rows.append([label, *(_cell(cpu[t][lv][key][unit]) for t, lv in cols)])
-    rows.append(["engine total", *(_cell(cpu[t][lv]["engine"][unit]) for t, lv in cols)])
     rows.append(
         [
             "non-engine ÷ plain vLLM API server",

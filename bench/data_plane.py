@@ -56,12 +56,6 @@ LEVELS = {1: 24, 16: 64}  # concurrency -> requests per app, per plane and round
 ROUNDS = 2
 # The summary's latency rows (keys of bench.stats.summarize).
 LATENCY = (("ttft_p50_ms", "TTFT p50 ms"), ("tpot_p50_ms", "TPOT p50 ms"), ("output_tok_s", "output tok/s"))
-# The CPU summary's rows besides bench.cpu's hop classes: its totals.
-TOTALS = (
-    ("front_door", "front door (proxy actor, HAProxy, ingress)"),
-    ("non_engine", "non-engine total"),
-    ("engine", "engine total"),
-)
 
 Run = Mapping[str, Any]  # one entry of the JSON's "runs"
 Get = Callable[[Run], float | None]
@@ -182,7 +176,7 @@ def summary(rep: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"planes": planes, "cpu": {}, "latency": {}}
     for app in TARGETS:
         hops = [k for k in cpu.CLASSES if any(cpu_getter(app, k)(r) is not None for r in runs)]
-        hops += [k for k, _ in TOTALS]
+        hops += [k for k, _ in cpu.TOTALS]
         out["cpu"][app] = {k: {p: paired(runs, p, cpu_getter(app, k)) for p in planes} for k in hops}
         out["latency"][app] = {
             lv: {m: {p: paired(runs, p, latency_getter(app, lv, m)) for p in planes} for m, _ in LATENCY}
@@ -209,7 +203,7 @@ def _cells(by_plane: Mapping[str, tuple[Spread, Spread]], planes: Sequence[str],
 def cpu_rows(summ: Mapping[str, Any], app: str) -> list[list[str]]:
     """Rows (header first): per hop of `app`, the median CPU-ms per request over rounds (range)
     per plane, and the median of its round-by-round ratios to ray-proxy (range)."""
-    labels = {**cpu.CLASSES, **dict(TOTALS)}
+    labels = {**cpu.CLASSES, **dict(cpu.TOTALS)}
     rows = [_header(f"{app}: CPU-ms per request", summ["planes"])]
     for key, by_plane in summ["cpu"][app].items():
         rows.append([labels[key], *_cells(by_plane, summ["planes"], 1)])
