@@ -289,11 +289,12 @@ def serve_config_yaml(inp: RayServiceInputs) -> str:
 
 def _data_plane_env(inp: RayServiceInputs) -> list[dict[str, str]]:
     """The data plane's Ray switches (serving.ingress.dataPlane: `ServingSpec.ray_env`, the one
-    place that names them, with HAProxy's hard stop after a reload), for every Ray pod's container. Ray 2.60 reads them once, at import,
-    in every Ray process (ray/serve/_private/constants.py, end of the module: the throughput
-    block and the HAProxy block), never from the Serve config: the controller on the head, the
-    HAProxy managers or proxies on every proxy node, and the replicas that open direct-ingress
-    and gRPC servers must all agree, so every container carries the same values."""
+    place that names them, with HAProxy's hard stop after a reload), for every Ray pod's
+    container. Ray 2.60 reads them once, at import, in every Ray process
+    (ray/serve/_private/constants.py, end of the module: the throughput block and the HAProxy
+    block), never from the Serve config: the controller on the head, the HAProxy managers or
+    proxies on every proxy node, and the replicas that open direct-ingress and gRPC servers
+    must all agree, so every container carries the same values."""
     return [{"name": k, "value": v} for k, v in inp.serving.ray_env().items()]
 
 

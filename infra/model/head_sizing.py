@@ -4,9 +4,10 @@ What flows through here: the stack's planned request rate (the capacity plan's r
 requests/s at maxReplicas, the slower engine role's: `infra.model.planning.planned_rate`),
 the serving mode, the system node instance type and `FRONT_DOOR_CPU` (the measured input,
 per data plane: CPU-ms per request of Serve's HTTP proxy (and HAProxy) and of the ingress
-replicas, with its date, machine and source) -> `HeadSizing`: vCPUs the front door keeps busy, vCPUs the head pod needs, ingress
-replicas needed, and what one system node can give the head pod -> `format_head` (the plan's
-text) and `head_errors` (the stack config's refusal, one line naming the key).
+replicas, with its date, machine and source) -> `HeadSizing`: vCPUs the front door keeps
+busy, vCPUs the head pod needs, ingress replicas needed, and what one system node can give
+the head pod -> `format_head` (the plan's text) and `head_errors` (the stack config's
+refusal, one line naming the key).
 
 The arithmetic, for a planned rate R (requests/s), proxy and ingress CPU-ms per request p
 and i, and a target utilization U:

@@ -135,11 +135,13 @@ def test_an_haproxy_reload_does_not_stop_the_old_process_before_its_longest_stre
     ray/serve/_private/constants.py; haproxy_templates.py `hard-stop-after`), cutting what it
     still streams (tests/infra/k8s/test_haproxy_contract.py shows the cut). The spec gives every
     Ray process a hard stop no shorter than the longest request the proxy holds."""
+    import inspect
+
     from ray.serve._private import constants
 
     from serving.spec import HAPROXY_HARD_STOP_ENV, PROXY_TIMEOUT_MARGIN_S
 
-    assert f'"{HAPROXY_HARD_STOP_ENV}"' in inspect_source(constants)
+    assert f'"{HAPROXY_HARD_STOP_ENV}"' in inspect.getsource(constants)
     spec = make_spec(resilience={"totalTimeoutS": total})
     env = spec.ray_env()
     hard_stop = int(env[HAPROXY_HARD_STOP_ENV])
@@ -147,9 +149,3 @@ def test_an_haproxy_reload_does_not_stop_the_old_process_before_its_longest_stre
     assert hard_stop > constants.RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S or total + PROXY_TIMEOUT_MARGIN_S <= 120
     # Serve's own proxy needs no such bound: without HAProxy the variable is not set.
     assert HAPROXY_HARD_STOP_ENV not in make_spec(ingress={"dataPlane": "ray-proxy"}).ray_env()
-
-
-def inspect_source(module) -> str:
-    import inspect
-
-    return inspect.getsource(module)
