@@ -75,7 +75,7 @@ $(ACTIONLINT):
 # Prometheus server (its postinst runs `invoke-rc.d prometheus start`), which tests must not do.
 PROMTOOL := $(or $(shell command -v promtool 2>/dev/null),.cache/prometheus/usr/bin/promtool)
 # The Prometheus server from the same package, for `make serve SIGNALS=1` and the role-scaling
-# bench (serving/local/prometheus.py): the local stack's per-role autoscaling signals.
+# bench (local/prometheus.py): the local stack's per-role autoscaling signals.
 PROMETHEUS := $(or $(shell command -v prometheus 2>/dev/null),.cache/prometheus/usr/bin/prometheus)
 .cache/prometheus/usr/bin/%:
 	mkdir -p .cache/prometheus
@@ -130,7 +130,7 @@ test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 
 # SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus (issue 29).
 serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
-	$(PY) -m serving.local --port $(PORT) $(if $(PD_MODELS),--models $(PD_MODELS)) $(if $(PD_DATA_PLANE),--data-plane $(PD_DATA_PLANE)) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
+	$(PY) -m local --port $(PORT) $(if $(PD_MODELS),--models $(PD_MODELS)) $(if $(PD_DATA_PLANE),--data-plane $(PD_DATA_PLANE)) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
 
 # Faults and overload under streamed load (bench/chaos.py): about 10 minutes; SOAK=1 adds
 # a 10-minute soak at concurrency 16.

@@ -1,6 +1,6 @@
 """The composition root: read and validate the stack config, then wire the components.
 
-What flows through here: Pulumi's config for this stack -> `infra.model.config.load` (one line
+What flows through here: Pulumi's config for this stack -> `infra.config.load` (one line
 naming the stack file and key on any error, before anything is registered) -> Network ->
 the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
 node pool per `nodePools` entry (one-model stacks: prefill and decode) -> device plugins and
@@ -10,6 +10,7 @@ monitors, alerts, dashboards, request traces) -> stack outputs. Only this file r
 
 import pulumi
 
+from infra import catalog
 from infra.components.cluster import Cluster, ClusterArgs
 from infra.components.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
 from infra.components.gcs_redis import GcsRedis, GcsRedisArgs
@@ -20,16 +21,15 @@ from infra.components.network import Network, NetworkArgs
 from infra.components.node_autoscaler import NodeAutoscaler, NodeAutoscalerArgs
 from infra.components.observability import ObservabilityArgs, ObservabilityStack
 from infra.components.worker_image import WorkerImage, WorkerImageArgs
+from infra.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
 from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.k8s.tracing import export_for
-from infra.model import catalog
-from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
-from infra.model.head_sizing import HEAD_BASE_VCPUS
-from infra.model.planning import KvLink, cold_start_seconds, kv_link, model_view, stack_head
 from infra.paths import stack_file
+from infra.plan.planning import KvLink, cold_start_seconds, kv_link, model_view, stack_head
+from infra.sizing.head import HEAD_BASE_VCPUS
 from serving.spec import Mode
 
 

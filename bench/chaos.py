@@ -1,6 +1,6 @@
 """`make chaos`: the local P/D stack under streamed load while processes die or load triples.
 
-What flows through here: one local stack (`python -m serving.local`, disaggregated app,
+What flows through here: one local stack (`python -m local`, disaggregated app,
 1 prefill + 2 decode replicas) -> per scenario, C streamed chat clients in a loop; a fault
 at a known time (SIGKILL of one Serve replica process found in the stack's own process
 tree, or a burst of 3x the admission bound) -> every request's outcome (status, error
@@ -462,7 +462,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) -> dict:
-    from serving.local.config import admission_bound
+    from local.config import admission_bound
 
     names = [s for s in args.scenarios.split(",") if s]
     if args.soak and SOAK not in names:
@@ -530,7 +530,7 @@ async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) 
 
 
 def main(argv=None) -> int:
-    from serving.local.background import background_stack
+    from local.background import background_stack
 
     args = parse_args(argv)
     t_start = time.monotonic()

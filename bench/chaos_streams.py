@@ -136,8 +136,8 @@ def _with_decode_replicas(config: dict[str, Any], n: int) -> dict[str, Any]:
 async def scale_in_scenario(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
     """A Serve config update takes decode from 2 replicas to 1 under STREAMS long streams."""
     from bench.chaos import wait_healthy
-    from serving.local.cluster import deploy
-    from serving.local.decode_autoscale import decode_replicas
+    from local.cluster import deploy
+    from local.decode_autoscale import decode_replicas
 
     async def scale_in() -> None:
         ctx.say(f"Serve config update: decode 2 -> 1 replica, {FAULT_AT_S}s into {STREAMS} streams")

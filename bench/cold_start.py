@@ -1,6 +1,6 @@
 """From zero decode replicas to a first token, per path (issue 29): `python -m bench.cold_start`.
 
-What flows through here: the stand-in provider (serving.local.provider: plain vLLM serving the
+What flows through here: the stand-in provider (local.provider: plain vLLM serving the
 tiny model under another name) and a local stack started with `--scale-to-zero` (decode
 autoscaled 0..2, starting with one) whose fallback is that provider for `unavailable` ->
 decode idles down to zero replicas -> two paths, each timed from the moment decode is at zero:
@@ -37,7 +37,7 @@ BACK_WITHIN_S = 300.0
 
 
 def decode_state(dashboard_url: str) -> tuple[int, int]:
-    from serving.local.decode_autoscale import decode_replicas
+    from local.decode_autoscale import decode_replicas
 
     return decode_replicas(dashboard_url)
 
@@ -113,10 +113,10 @@ async def cluster_path(stack: Any) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.local.background import background_stack
-    from serving.local.config import local_target
-    from serving.local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
-    from serving.local.tiny_model import ensure_tiny_model
+    from local.background import background_stack
+    from local.config import local_target
+    from local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
+    from local.tiny_model import ensure_tiny_model
     from serving.spec import FALLBACK_API_KEY_ENV
 
     p = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__.split("\n")[0])

@@ -347,7 +347,7 @@ def run_figures(
 
 
 def front_door_line(by_target: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> str:
-    """The figures the head sizing takes (infra/model/head_sizing.py FRONT_DOOR_CPU): proxy and
+    """The figures the head sizing takes (infra/sizing/head.py FRONT_DOOR_CPU): proxy and
     ingress CPU-ms per request per Ray target, all levels pooled. The proxy is the proxy actor
     plus HAProxy where it ran (haproxy mode), whose share is then named."""
     parts = []

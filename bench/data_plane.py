@@ -1,9 +1,9 @@
 """`make bench-data-plane`: Serve's three data planes under the same load, one local stack each.
 
 What flows through here: for each round (`--rounds`) and each data plane
-(`serving.ingress.dataPlane`, serving.spec_base DataPlane: ray-proxy, grpc, haproxy; the
+(`serving.ingress.dataPlane`, serving.spec.base DataPlane: ray-proxy, grpc, haproxy; the
 order rotates from round to round) -> the local stack with that plane
-(`python -m serving.local --mode both --data-plane <plane>`, serving/local/background.py) ->
+(`python -m local --mode both --data-plane <plane>`, local/background.py) ->
 `make bench`'s workload (bench/serving_bench.py `load_for`: vLLM's benchmark client, random
 prompts) through its disaggregated and aggregated apps at each level
 (serving_bench.run_level), with bench/cpu.py's sampler around every batch -> per plane,
@@ -46,7 +46,7 @@ from bench.serving_bench import (
     warm_up,
 )
 from bench.stats import aligned, summarize
-from serving.spec_base import DataPlane
+from serving.spec.base import DataPlane
 
 DEFAULT_OUT = BENCH_DIR / "data-plane.json"
 BASELINE = DataPlane.RAY_PROXY.value
@@ -69,8 +69,8 @@ def one_stack(
     run's "apps" (app -> level -> bench.stats.summarize's figures and bench.cpu's "cpu"; level
     "all": the CPU, levels pooled), "errors_sample" (app -> a few failed requests' errors) and
     "ready" (the stack's start time, from its READY line)."""
-    from serving.local.background import background_stack
-    from serving.local.config import MODEL_ID
+    from local.background import background_stack
+    from local.config import MODEL_ID
 
     logs = args.out.parent
     with background_stack(
@@ -253,7 +253,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def record(args: argparse.Namespace, runs: list[dict[str, Any]], t0: float) -> dict[str, Any]:
     """The JSON: the workload, the machine, each plane's Ray switches, every run."""
-    from serving.local.config import MODEL_ID
+    from local.config import MODEL_ID
 
     return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -285,7 +285,7 @@ def record(args: argparse.Namespace, runs: list[dict[str, Any]], t0: float) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.local import tiny_model
+    from local import tiny_model
 
     args = parse_args(argv)
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """`make bench` (part): how long the local decode role takes to scale out, and back in.
 
-What flows through here: a fresh local stack (`python -m serving.local`, the disaggregated
-app, decode autoscaling 1-2 as `make serve` runs it) -> `serving.local.decode_autoscale`: 24
+What flows through here: a fresh local stack (`python -m local`, the disaggregated
+app, decode autoscaling 1-2 as `make serve` runs it) -> `local.decode_autoscale`: 24
 concurrent streamed completions until a second decode replica RUNS, then idle until one is
 left -> the scale-out delay (and when Serve decided), the scale-in delay, request outcomes
 -> a few lines on screen and build/bench/decode-autoscale.json. A benchmark prints figures; it does
@@ -28,8 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=24)
     args = ap.parse_args(argv)
 
-    from serving.local.background import background_stack
-    from serving.local.decode_autoscale import measure_decode_scaling
+    from local.background import background_stack
+    from local.decode_autoscale import measure_decode_scaling
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with background_stack(

@@ -1,7 +1,7 @@
 """`make bench`, hybrid scenario: how much a burst overflows to the external fallback, and
 what each path's time to first token is.
 
-What flows through here: a local external provider (serving.local.provider, behind its
+What flows through here: a local external provider (local.provider, behind its
 recording proxy: by default the paced backend, which answers at a remote provider's pace
 without using our CPU; with `--provider vllm`, vLLM's own OpenAI server with the tiny model,
 niced, on the same cores) and the disaggregated local stack started the way `make serve`
@@ -39,7 +39,7 @@ import httpx
 from bench import BENCH_DIR
 from bench.sse import stream_request
 from bench.stats import RequestResult, percentile, summarize
-from serving.local.provider import Backend, Pace
+from local.provider import Backend, Pace
 
 DEFAULT_OUT = BENCH_DIR / "hybrid.json"
 OVERFLOW_AT = 2
@@ -122,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     def say(msg: str) -> None:
         print(f"[{time.monotonic() - t_start:6.1f}s] {msg}", flush=True)
 
-    from serving.local.background import background_stack
-    from serving.local.config import local_target
-    from serving.local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
-    from serving.local.tiny_model import ensure_tiny_model
+    from local.background import background_stack
+    from local.config import local_target
+    from local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
+    from local.tiny_model import ensure_tiny_model
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent

@@ -1,7 +1,7 @@
 """The serving mode of a running P/D stack: how its requests were prefilled, over time.
 
 What flows through here: the nodes' Prometheus endpoints of a local stack -> the decode
-replicas' `pd_prefill_path` counter (serving/pd_graph.py: one count per request, labelled
+replicas' `pd_prefill_path` counter (serving/engines/pd_server.py: one count per request, labelled
 remote / remote_retry / local and why) -> cumulative counts per path, sampled over time ->
 the share of requests prefilled remotely (the designed mode) in a phase or a window, and
 how long after a fault that share was back at the target.
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.hops import parse_prometheus
-from serving.prefill_hop import Path
-from serving.resilience import METRICS
+from serving.core.failures import METRICS
+from serving.engines.prefill_hop import Path
 
 # Ray exports a Serve Counter named N as ray_N_total.
 PATH_METRIC = f"ray_{METRICS['prefill_path']}_total"

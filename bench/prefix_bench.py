@@ -43,7 +43,7 @@ PER_ROUND = 48
 
 def render(model_dir: Path, port: int) -> dict[str, Any]:
     """Both applications in one Serve config, from the spec (only the router differs)."""
-    from serving.local.config import HOST, local_spec, local_target
+    from local.config import HOST, local_spec, local_target
     from serving.spec import Mode, RoleSpec
 
     apps = []
@@ -87,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     def say(m: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f}s] {m}", flush=True)
 
-    from serving.local.cluster import LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
-    from serving.local.config import HOST, MODEL_ID, cluster_env
-    from serving.local.procs import free_port
-    from serving.local.tiny_model import ensure_tiny_model
+    from local.cluster import LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
+    from local.config import HOST, MODEL_ID, cluster_env
+    from local.procs import free_port
+    from local.tiny_model import ensure_tiny_model
 
     model_dir = ensure_tiny_model()
     port = free_port()

@@ -1,8 +1,8 @@
 """Each role scales on its own load (issue 29): `python -m bench.role_scaling`, part of `make bench`.
 
 What flows through here: a local stack started with `--signals` (disaggregated; prefill and
-decode each autoscaled 1..2 by their own policy, serving/autoscaling.py, reading vLLM's
-engine metrics from a local Prometheus, serving/local/prometheus.py) -> two loads, one after
+decode each autoscaled 1..2 by their own policy, serving/engines/autoscaling.py, reading vLLM's
+engine metrics from a local Prometheus, local/prometheus.py) -> two loads, one after
 the other, each until its role has a second RUNNING replica (or the phase's time runs out):
   prompt-heavy   PROMPT_CLIENTS clients, completions of a PROMPT_TOKENS-token prompt of
                  random token ids (no prefix-cache hits) and 1 output token;
@@ -163,7 +163,7 @@ def verdicts(phases: list[Phase]) -> dict[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.local.background import background_stack
+    from local.background import background_stack
 
     p = argparse.ArgumentParser(prog="python -m bench.role_scaling", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=BUILD_DIR / "bench" / "role-scaling.json")

@@ -46,7 +46,7 @@ from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_pe
 from infra.paths import ROOT as REPO_ROOT
 
 if TYPE_CHECKING:
-    from serving.local.background import RunningStack
+    from local.background import RunningStack
 
 DEFAULT_OUT = BENCH_DIR / "serving.json"
 TARGETS = ("disaggregated", "aggregated", "vllm")
@@ -207,8 +207,8 @@ def kv_totals(samples: list[hops.Sample]) -> dict[str, float]:
 # --- vLLM's own server (target c) --------------------------------------------------------------
 @contextlib.contextmanager
 def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, str], log_path: Path):
-    from serving.local.config import PLAIN_VLLM_ENV, plain_vllm_argv
-    from serving.local.procs import interrupt_and_wait
+    from local.config import PLAIN_VLLM_ENV, plain_vllm_argv
+    from local.procs import interrupt_and_wait
 
     env = {**os.environ, **env_extra, **PLAIN_VLLM_ENV}
     cmd = plain_vllm_argv(model_dir, model_id, port)
@@ -335,7 +335,7 @@ _STEP = re.compile(r"^\[\s*(\d+(?:\.\d+)?)s\] (.*)$")
 
 def start_time(cold: bool, log_dir: Path) -> dict[str, Any]:
     """`make serve` (disaggregated) once, timed by its own READY line; cold: an empty model cache."""
-    from serving.local.background import background_stack
+    from local.background import background_stack
 
     env: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
@@ -381,10 +381,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     say = lambda m: _say(t0, m)  # noqa: E731
 
-    from serving.local import tiny_model
-    from serving.local.background import background_stack
-    from serving.local.config import HOST, MODEL_ID, local_target
-    from serving.local.procs import free_port
+    from local import tiny_model
+    from local.background import background_stack
+    from local.config import HOST, MODEL_ID, local_target
+    from local.procs import free_port
 
     model_dir = str(tiny_model.ensure_tiny_model())
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ request body with `stream: true` -> the response's status and headers (`x-served
 `Retry-After`) and its `data:` events as they arrive (OpenAI's streamed format, vLLM's and
 the ingress's error events) -> a `Streamed`: when each content event came, whether the
 stream ended with `[DONE]` or an error event, the usage event, and how the request ended
-(`kind`). Used by bench/chaos.py, bench/hybrid.py and tests/serving/test_hybrid_e2e.py, so
+(`kind`). Used by bench/chaos.py, bench/hybrid.py and tests/serving/ingress/test_routing_e2e.py, so
 a figure in a bench and an assertion in a test read the stream alike.
 """
 

@@ -1,7 +1,7 @@
 """Packaging serving/ for the cluster: a deterministic, content-hashed zip.
 
 What flows through here: the files of serving/ (sources only, without the local-only
-serving/local/) -> one zip whose bytes depend
+local/) -> one zip whose bytes depend
 only on those files' paths and contents -> its SHA-256, which names the object in the
 stack's code bucket. Changing serving code changes the name, so the RayService's
 `working_dir` changes and Serve rolls the application in place; unchanged code leaves the
@@ -19,8 +19,6 @@ from infra import paths
 
 ROOT = paths.ROOT
 SERVING = paths.SERVING_DIR
-# Local-only code (`make serve`, the tiny model) never runs on the cluster.
-LOCAL_ONLY = "local"
 # Ray unpacks a working_dir zip and uses its single top-level directory as the working dir.
 TOP = "app"
 _EPOCH = (1980, 1, 1, 0, 0, 0)
@@ -30,10 +28,7 @@ def serving_files() -> list[Path]:
     return sorted(
         p
         for p in SERVING.rglob("*")
-        if p.is_file()
-        and "__pycache__" not in p.parts
-        and p.suffix in {".py", ".json", ".jinja", ".txt"}
-        and not p.is_relative_to(SERVING / LOCAL_ONLY)
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix in {".py", ".json", ".jinja", ".txt"}
     )
 
 

@@ -299,7 +299,7 @@ def check_helm_pinned(type_: str, props: dict[str, Any], ctx: Context) -> Iterat
     if not isinstance(version, str) or not _EXACT_VERSION.match(version.strip()):
         yield (
             f"Helm chart {chart!r} has version {version!r}: pin an exact version (e.g. '1.7.0', in "
-            "infra/model/versions.py); ranges, 'latest' or no version install whatever is newest at deploy time"
+            "infra/versions.py); ranges, 'latest' or no version install whatever is newest at deploy time"
         )
 
 
@@ -705,7 +705,7 @@ def check_no_open_ingress(type_: str, props: dict[str, Any], ctx: Context) -> It
 # --- the external fallback (hybrid routing) -------------------------------------------------------
 def _fallback_urls(serve_config: Any) -> Iterator[tuple[str, str]]:
     """(application name, fallback base URL) in a serveConfigV2 document: the ingress
-    deployment's user_config.fallback.base_url, as serving/spec.py renders it."""
+    deployment's user_config.fallback.base_url, as serving/spec/serving.py renders it."""
     doc = _serve_doc(serve_config)
     for app in as_list(dig(doc, "applications")):
         for dep in as_list(dig(app, "deployments")):

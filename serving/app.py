@@ -13,7 +13,7 @@ builders' `ingress_cls_config`:
     and no key configured, every request is refused (401) rather than served open.
   * One error shape for every failure the ingress answers itself:
     {"error": {"message", "type", "param", "code"}} with 400 / 401 / 404 / 503 / 500.
-  * Hybrid routing for chat and completions (serving/hybrid.py): per-key limits, the
+  * Hybrid routing for chat and completions (serving/ingress/routing.py): per-key limits, the
     cluster or the external fallback, `x-served-by`, usage per key; configured through the
     deployment's user_config (`reconfigure`), so it changes without restarting engines.
 Ray Serve's own `/-/healthz` and `/-/routes` are answered by the proxy and stay open.
@@ -45,12 +45,12 @@ from ray.serve.llm.openai_api_models import (
 )
 from starlette.responses import JSONResponse, Response
 
-from serving.catalog import ModelCatalog
-from serving.fallback import SERVED_BY
-from serving.hybrid import HybridRouting
-from serving.ingress_resilience import ResilientIngressMixin, dispatch_call
-from serving.request_fields import refused_field
-from serving.resilience import OVERLOADED_MESSAGE, Reason, Unservable, in_background
+from serving.core.failures import OVERLOADED_MESSAGE, Reason, Unservable, in_background
+from serving.ingress.catalog import ModelCatalog
+from serving.ingress.fallback import SERVED_BY
+from serving.ingress.fields import refused_field
+from serving.ingress.relay import ResilientIngressMixin, dispatch_call
+from serving.ingress.routing import HybridRouting
 from serving.spec import (
     API_KEYS_ENV,
     APP_NAME,
@@ -61,7 +61,7 @@ from serving.spec import (
     base_model_id,
     parse_api_keys,
 )
-from serving.spec_models import ADAPTER_SEP
+from serving.spec.models import ADAPTER_SEP
 
 logger = logging.getLogger("ray.serve")
 
@@ -219,9 +219,9 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         **kwargs: Any,
     ):
         super().__init__(llm_deployments, model_cards, **kwargs)
-        # The many-model front door: its models arrive in user_config (serving/catalog.py).
+        # The many-model front door: its models arrive in user_config (serving/ingress/catalog.py).
         self._catalog = ModelCatalog() if models_mode else None
-        # Deadlines, retries, fast refusals for chat/completions (serving/ingress_resilience.py).
+        # Deadlines, retries, fast refusals for chat/completions (serving/ingress/relay.py).
         self._init_resilience(resilience or ResilienceSpec().runtime_args())
         keys = parse_api_keys(os.environ.get(api_keys_env))
         self._auth = ApiKeyAuth(auth_mode, keys)
@@ -234,7 +234,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
                 api_keys_env,
             )
 
-    # --- hybrid routing (serving/hybrid.py): limits, cluster or fallback, usage ----------
+    # --- hybrid routing (serving/ingress/routing.py): limits, cluster or fallback, usage ----------
     def _make_hybrid(self) -> HybridRouting:
         try:
             from ray import serve
@@ -296,7 +296,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
         await self._hybrid.reconfigure(user_config)
 
     def _take_models(self, rows: Any) -> None:
-        """The model table into Ray's ingress tables (serving/catalog.py); handles of models
+        """The model table into Ray's ingress tables (serving/ingress/catalog.py); handles of models
         that left or moved are dropped, new ones looked up on their first request."""
         assert self._catalog is not None
         added, removed = self._catalog.update(rows)
@@ -330,7 +330,7 @@ class AuthenticatedIngress(ResilientIngressMixin, OpenAiIngress):
     def _unknown_model(self, model: Any) -> Response | None:
         """OpenAI's 404 for a model (or `<model>:<adapter>`) this front door does not serve,
         before any limit is charged; the same words as for a model the key may not use
-        (serving/hybrid.py), so a key learns nothing about models outside its own."""
+        (serving/ingress/routing.py), so a key learns nothing about models outside its own."""
         if not isinstance(model, str):
             return None  # absent: Ray picks the only model, or answers 400
         base, _, adapter = model.partition(ADAPTER_SEP)
@@ -586,7 +586,7 @@ def build_app(args: dict) -> Application:
             # deadlines and fast refusals still apply.
             return build_pd_openai_app(builder_args)
         # Ray's P/D graph with a decode tier that survives prefill failures.
-        from serving.pd_graph import build_pd_app
+        from serving.engines.pd_server import build_pd_app
 
         return build_pd_app(builder_args, resilience)
     return builder(builder_args)
@@ -594,8 +594,8 @@ def build_app(args: dict) -> Application:
 
 def _build_front_door(builder_args: dict) -> Application:
     """The many-model front door: the ingress alone. Its models come from its user_config
-    (serving/catalog.py); each model is its own application (build_model_app)."""
-    from serving.pd_graph import bind_ingress
+    (serving/ingress/catalog.py); each model is its own application (build_model_app)."""
+    from serving.engines.pd_server import bind_ingress
 
     cls_config = builder_args["ingress_cls_config"]
     return bind_ingress(
@@ -619,7 +619,7 @@ def build_model_app(args: dict) -> Application:
     from ray.serve.llm import LLMConfig, build_llm_deployment
 
     from serving import ray_internals
-    from serving.pd_graph import build_pd_engines, pd_args
+    from serving.engines.pd_server import build_pd_engines, pd_args
 
     ray_internals.check_hooks()
     args = dict(args)

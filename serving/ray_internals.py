@@ -1,7 +1,7 @@
 """The one place where the serving code reaches into Ray Serve LLM's internal modules.
 
 What flows through here: nothing at run time; this module only re-exports the few Ray
-2.60 internals that the resilience layer (serving/resilience.py, prefill_hop.py,
+2.60 internals that the resilience layer (serving/core/failures.py, prefill_hop.py,
 ingress_resilience.py) needs and that
 `ray.serve.llm` does not export. Each is named with the upstream file it comes from, so
 that an upgrade has one file to check; tests/serving/test_ray_internals.py fails loudly
@@ -21,7 +21,7 @@ Upstream: ray-project/ray, Ray 2.60.0,
 Methods and attributes of public classes that the resilience layer relies on, also checked
 by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the routing
 tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
-_lora_paths: the many-model front door fills them, serving/catalog.py),
+_lora_paths: the many-model front door fills them, serving/ingress/catalog.py),
 PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once, the
 connector backend's prepare_prefill_request / prepare_decode_request /
 requires_peer_binding / concurrent_handoff, and Serve's

@@ -1,26 +1,69 @@
-"""Shared fixtures: every stack in stacks/ rendered once per test session under mocks."""
+"""Shared fixtures: every stack in stacks/ rendered once per test session under mocks, and one
+local serving stack for the whole e2e session.
+
+`stack` runs `python -m local --mode both` (what `make serve` runs, plus the aggregated app at
+/aggregated) on a free port with a known API key, waits for its ready line, and Ctrl-Cs it at
+the end. Its log goes to build/test-logs/serve-e2e.log.
+"""
 
 from __future__ import annotations
 
 import pytest
 
+from infra.paths import BUILD_DIR
 from tools import render, stackfile
 
 STACKS = stackfile.stacks()
 
 # Per-test bound for e2e tests (pytest-timeout; the default for the rest is in pytest.ini). It
-# covers fixture setup: the shared stack's READY wait (tests/serving/conftest.py, 480 s + 60 s)
+# covers fixture setup: the shared stack's READY wait (`stack` below, 480 s + 60 s)
 # plus a disruptive test's recovery wait (up to 600 s) fit in it.
 E2E_TIMEOUT_S = 1800
+
+
+E2E_KEY = "sk-e2e-test-key"
+# A second client key (per-key limits), and the key the hybrid tests' stand-in provider accepts.
+E2E_KEY_2 = "sk-e2e-second-key"
+LOG_DIR = BUILD_DIR / "test-logs"
+# Runs last: it stops the shared stack.
+LAST = "test_ctrl_c_shuts_everything_down"
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("e2e") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(E2E_TIMEOUT_S))
+    # Disruptive tests (they kill replicas, then wait for recovery) run after the others.
+    # Tests with a stack of their own run after that: the machine runs one Ray stack at a time.
+    own = [i for i in items if i.get_closest_marker("own_stack")]
+    last = [i for i in items if i.originalname == LAST and i not in own]
+    disruptive = [i for i in items if i.get_closest_marker("disruptive") and i not in last and i not in own]
+    rest = [i for i in items if i not in last and i not in disruptive and i not in own]
+    items[:] = rest + disruptive + last + own
 
 
 @pytest.fixture(scope="session")
 def rendered_stacks() -> dict[str, render.Rendered]:
     """stack name -> Rendered (config, registered resources, outputs) for every shipped stack."""
     return {s: render.render(s, stand_in_secrets=True) for s in STACKS}
+
+
+@pytest.fixture(scope="session")
+def stack():
+    from local.background import background_stack
+
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / "serve-e2e.log"
+    log.write_text("")
+    from local.provider import PROVIDER_KEY
+    from serving.spec import FALLBACK_API_KEY_ENV
+
+    with background_stack(
+        mode="both",
+        api_key=E2E_KEY,
+        log_path=log,
+        timeout=480,
+        extra_keys=(E2E_KEY_2,),
+        extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
+    ) as running:
+        yield running

@@ -2,7 +2,7 @@
 
 What flows through here: tests/upstream.MIRRORS (per public function: repository, paths, the tag
 or commit it was read from, and the project pin it was checked against) -> the pins as they
-are now in infra/model/versions.py and requirements.txt. A pin that moved without its
+are now in infra/versions.py and requirements.txt. A pin that moved without its
 mirrors being re-read (and MIRRORS updated) fails, naming the mirror and what to re-read.
 """
 
@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from infra.model import versions
+from infra import versions
 from infra.paths import ROOT
 from tests import upstream
 

@@ -732,7 +732,7 @@ def efa_uses_huge_pages(env: dict[str, str]) -> bool:
 # commit its logic was read from, and, where the project pins that upstream (a chart, an image,
 # an AMI release, a Python package), the pin's value at the time of reading. A pin that moves
 # without its mirrors being re-read and updated here fails tests/test_upstream_mirrors.py.
-# `pin` names an attribute path in infra/model/versions.py ("KUBERAY_OPERATOR.version") or a
+# `pin` names an attribute path in infra/versions.py ("KUBERAY_OPERATOR.version") or a
 # package of requirements.txt ("requirements.txt:pulumi-eks").
 
 

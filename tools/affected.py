@@ -10,7 +10,7 @@ stacks behind their GitHub environments' approvals).
     python -m tools.affected --environment prod        # merge: prod stacks to update
 
 A stack is affected when its own file changes, or when anything every stack runs changes:
-the program (infra/, serving/ but not serving/local/, __main__.py, Pulumi.yaml), its dependencies
+the program (infra/, serving/ but not local/, __main__.py, Pulumi.yaml), its dependencies
 (requirements*.txt) or the policy pack every preview and update applies (policies/).
 """
 
@@ -26,10 +26,9 @@ from pathlib import Path
 from infra.paths import stack_file
 from tools import stackfile
 
+# What `pulumi up` runs or ships; local/ (the local-only serving code), tools/, bench/ and tests/
+# are outside it.
 SHARED_DIRS = ("infra/", "serving/", "policies/")
-# Never shipped and never run by `pulumi up`: the local-only serving code (tools/, bench/ and
-# tests/ are outside SHARED_DIRS already).
-LOCAL_ONLY_DIRS = ("serving/local/",)
 SHARED_FILES = re.compile(r"^(__main__\.py|Pulumi\.yaml|requirements[\w.-]*\.txt)$")
 STACK_FILE = re.compile(r"^stacks/Pulumi\.([^/]+)\.yaml$")
 
@@ -44,8 +43,6 @@ def affected(changed: Iterable[str], stacks: Iterable[str]) -> list[str]:
     hit: set[str] = set()
     for path in (p.strip() for p in changed):
         if not path:
-            continue
-        if path.startswith(LOCAL_ONLY_DIRS):
             continue
         if path.startswith(SHARED_DIRS) or SHARED_FILES.match(path):
             return stacks

@@ -38,8 +38,8 @@ from typing import Any
 
 import yaml
 
+from infra.config import PROJECT
 from infra.k8s import upgrades
-from infra.model.config import PROJECT
 from infra.paths import stack_file
 from tools import mock_runtime, render, stackfile
 

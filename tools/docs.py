@@ -20,8 +20,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from infra.model.planning import format_plan, plan
 from infra.paths import ROOT, stack_file
+from infra.plan.planning import format_plan, plan
 from tools import diff, render, stackfile
 
 BLOCK = re.compile(r"(<!-- generated: (?P<spec>[^>]+?) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)

@@ -46,10 +46,10 @@ from typing import Any
 import yaml
 
 from infra import paths
+from infra.config import ConfigError, StackConfig
+from infra.config.pools import placements
 from infra.k8s import efa_check, nccl_check
-from infra.model import sizing
-from infra.model.config import ConfigError, StackConfig
-from infra.model.stack.pools import placements
+from infra.sizing import nodes as sizing
 from serving.spec import Mode
 from tools import stackfile
 

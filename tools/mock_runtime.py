@@ -30,7 +30,7 @@ from pulumi.runtime.proto import resource_pb2
 from pulumi.runtime.stack import run_pulumi_func
 from pulumi.runtime.sync_await import _sync_await
 
-from infra.model.config import PROJECT
+from infra.config import PROJECT
 from infra.paths import ROOT
 
 PROGRAM = ROOT / "__main__.py"

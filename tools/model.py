@@ -4,7 +4,7 @@ to a stack file, validated, planned and rendered, with the diff and the rollout 
 What flows through here: stacks/Pulumi.<env>.yaml (tools.stackfile) and the new model's source
 -> the stack's `serving` with one more `serving.models` entry (a one-model stack is moved to
 the many-model form first: its model keys become the first entry) -> the changed values are
-validated (infra.model.config: one line naming the model and key on error), rendered under
+validated (infra.config: one line naming the model and key on error), rendered under
 Pulumi's mocks before and after (tools.render.render_parsed) and compared (tools.diff):
 the report, the rollout KubeRay 1.7 will do (infra/k8s/upgrades.py: an in-place Serve update
 when only serveConfigV2 changes) and the capacity plan per model and pool. With --write the
@@ -24,11 +24,11 @@ from typing import Any
 
 import yaml
 
-from infra.model.config import PROJECT, ConfigError
-from infra.model.model_plans import format_stack_plan
+from infra.config import PROJECT, ConfigError
 from infra.paths import stack_file
+from infra.plan.model_plans import format_stack_plan
 from serving.spec import ModelEntry
-from serving.spec_models import PER_MODEL_KEYS
+from serving.spec.models import PER_MODEL_KEYS
 from tools import diff, render, stackfile
 
 _ID_CHARS = re.compile(r"[^A-Za-z0-9._-]+")

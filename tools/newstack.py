@@ -2,7 +2,7 @@
 
 What flows through here: a stack NAME and a few choices (model, region, environment) ->
 `templates/new-stack.yaml` filled in -> parsed as Pulumi would hand it to the program
-(`tools.stackfile.parse`) -> validated (`infra.model.config.load`) -> written to
+(`tools.stackfile.parse`) -> validated (`infra.config.load`) -> written to
 `stacks/Pulumi.<NAME>.yaml` (never over an existing file) -> rendered under mocks
 (`tools.render.render`) -> the render summary (GPU pools and their cost) on stdout.
 
@@ -21,8 +21,8 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from infra.model import versions
-from infra.model.config import ConfigError, Environment
+from infra import versions
+from infra.config import ConfigError, Environment
 from infra.paths import ROOT, stack_file
 from tools import render, stackfile
 

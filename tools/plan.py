@@ -1,9 +1,9 @@
 """`python -m tools.plan --stack <name>` (`make plan STACK=<name>`): a stack's capacity plan.
 
 What flows through here: `stacks/Pulumi.<name>.yaml` is read offline (tools.stackfile) and
-validated (infra.model.config.load, which already rejects a model that does not fit its GPUs);
-the valid config goes to infra.model.planning.plan (per model, with cost per model and per
-pool first when the stack serves several: infra.model.model_plans) and its table to stdout. A bad stack file
+validated (infra.config.load, which already rejects a model that does not fit its GPUs);
+the valid config goes to infra.plan.planning.plan (per model, with cost per model and per
+pool first when the stack serves several: infra.plan.model_plans) and its table to stdout. A bad stack file
 prints its one-line error to stderr and exits 1. `plan` and `format_plan` are re-exported
 here for `make render`.
 """
@@ -13,10 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from infra.model.config import ConfigError
-from infra.model.model_plans import format_stack_plan
-from infra.model.planning import Plan, Workload, format_plan, plan
+from infra.config import ConfigError
 from infra.paths import stack_file
+from infra.plan.model_plans import format_stack_plan
+from infra.plan.planning import Plan, Workload, format_plan, plan
 from tools.stackfile import StackFileError, load_offline, read
 
 __all__ = ["Plan", "format_plan", "main", "plan"]

@@ -28,10 +28,10 @@ from typing import Any
 import pulumi
 import yaml
 
-from infra.model import planning as planner
-from infra.model.config import ConfigError, StackConfig
-from infra.model.model_plans import format_stack_plan
+from infra.config import ConfigError, StackConfig
 from infra.paths import BUILD_DIR, stack_file
+from infra.plan import planning as planner
+from infra.plan.model_plans import format_stack_plan
 from tools import mock_runtime, stackfile
 
 HELM_CHART = "kubernetes:helm.sh/v4:Chart"

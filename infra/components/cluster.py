@@ -19,8 +19,8 @@ import pulumi_kubernetes as k8s
 
 from infra.components.iam import trusted_by
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
+from infra.config import EndpointAccess, SystemNodes
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
-from infra.model.config import EndpointAccess, SystemNodes
 
 LOG_TYPES = ["api", "audit", "authenticator", "controllerManager", "scheduler"]
 ADMIN_POLICY = "arn:aws:eks::aws:cluster-access-policy/AmazonEKSClusterAdminPolicy"

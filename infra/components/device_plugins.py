@@ -1,7 +1,7 @@
 """Device plugins: how Kubernetes learns a node's GPUs and EFA interfaces.
 
 What flows through here: the GPU and EFA instance types of the catalog -> two Helm releases
-(versions from infra/model/versions.py) whose DaemonSets tolerate the GPU taint and run only on
+(versions from infra/versions.py) whose DaemonSets tolerate the GPU taint and run only on
 those types: the NVIDIA device plugin (`nvidia.com/gpu`) and the AWS EFA device plugin
 (`vpc.amazonaws.com/efa`). The AL2023 NVIDIA AMI ships drivers and EFA host software but
 neither plugin. The EFA plugin must stay off nodes without EFA, or they never get Ready.
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra import catalog, versions
 from infra.components.helm import release
 from infra.k8s.labels import (
     GPU_TOLERATION,
@@ -21,7 +22,6 @@ from infra.k8s.labels import (
     NVIDIA_DEVICE_PLUGIN_NAMESPACE,
     instance_type_affinity,
 )
-from infra.model import catalog, versions
 
 GPU_TYPES = sorted(catalog.CATALOG)
 EFA_TYPES = sorted(t.name for t in catalog.CATALOG.values() if t.efa)

@@ -1,7 +1,7 @@
 """GcsRedis: the Redis that makes the Ray GCS fault tolerant (`gcsFaultTolerance: managed`).
 
 What flows through here: the VPC's private subnets and the stack's `gcsRedis` settings ->
-- an ElastiCache replication group, engine Valkey (pinned in `infra.model.versions`), cluster
+- an ElastiCache replication group, engine Valkey (pinned in `infra.versions`), cluster
   mode disabled (KubeRay's GCS fault tolerance takes a single-shard Redis, one or more
   replicas: Ray docs, kuberay-gcs-ft.md), in a subnet group of the private subnets; TLS
   required in transit, encrypted at rest with its own KMS key; automatic failover and
@@ -27,8 +27,8 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_random as random
 
-from infra.model import versions
-from infra.model.config import GcsRedis as GcsRedisSettings
+from infra import versions
+from infra.config import GcsRedis as GcsRedisSettings
 
 PORT = 6379
 # ElastiCache's AUTH token: 16-128 printable characters; the API allows only !&#$^<>- as

@@ -1,6 +1,6 @@
 """Helm releases as the components declare them.
 
-What flows through here: a pinned chart from infra/model/versions.py, its namespace and values ->
+What flows through here: a pinned chart from infra/versions.py, its namespace and values ->
 a `kubernetes.helm.v4.Chart` through the cluster's provider, after whatever it depends on
 (its namespace, at least, when the component creates one).
 """
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pulumi
 import pulumi_kubernetes as k8s
 
-from infra.model.versions import HelmChart
+from infra.versions import HelmChart
 
 
 def release(

@@ -2,7 +2,7 @@
 
 What flows through here: the workload namespaces it manages -> those namespaces (Pod Security
 "baseline" enforced, "restricted" warned) and the KubeRay operator Helm release (version
-pinned in infra/model/versions.py) on the system nodes, with namespace-scoped RBAC for just those
+pinned in infra/versions.py) on the system nodes, with namespace-scoped RBAC for just those
 namespaces (least privilege) instead of cluster-wide rights. The operator creates the
 namespaces because its Roles live in them and must come after them.
 """
@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pulumi
 import pulumi_kubernetes as k8s
 
+from infra import versions
 from infra.components.helm import release
 from infra.k8s.labels import KUBERAY_NAMESPACE as NAMESPACE
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
-from infra.model import versions
 
 
 @dataclass

@@ -29,17 +29,17 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
+from infra import catalog
 from infra.components.buckets import private_bucket
 from infra.components.iam import trusted_by
+from infra.config import ServiceExposure
 from infra.k8s.egress import fallback_egress_policy
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.rayservice import PoolBounds, RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from infra.k8s.tracing import TraceExport, exporter_configmap
-from infra.model import catalog
-from infra.model.config import ServiceExposure
-from infra.model.head_sizing import HEAD_BASE_VCPUS
 from infra.package import write_serving_zip
 from infra.paths import BUILD_DIR
+from infra.sizing.head import HEAD_BASE_VCPUS
 from serving.spec import SERVE_PORT, ServingSpec
 
 API_KEYS_SECRET_KEY = "api-keys"
@@ -95,10 +95,10 @@ class LlmServiceArgs:
     """Tags for every AWS resource of the component."""
     head_cpus: int = HEAD_BASE_VCPUS
     """CPU request of the Ray head pod: the head sizing's vCPUs at the planned rate
-    (`infra.model.head_sizing`, printed by `make plan`)."""
+    (`infra.sizing.head`, printed by `make plan`)."""
     cold_start_s: dict[str, float] = field(default_factory=dict)
     """Engine role -> the planner's first request after idle (s), for roles at minReplicas 0
-    (infra/model/planning.py cold_start_seconds): the ingress's Retry-After while decode
+    (infra/plan/planning.py cold_start_seconds): the ingress's Retry-After while decode
     starts from zero."""
 
 

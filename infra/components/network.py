@@ -17,7 +17,7 @@ import pulumi
 import pulumi_aws as aws
 
 from infra.components.iam import trusted_by
-from infra.model.config import ExistingVpc, NatGateways
+from infra.config import ExistingVpc, NatGateways
 
 
 @dataclass

@@ -4,7 +4,7 @@ What flows through here: the cluster's name, region and Kubernetes version, and 
 the GPU managed node groups -> an IAM role that only this autoscaler's service account may
 assume (EKS Pod Identity), with a least-privilege policy (read the groups; change the desired
 size of, and terminate instances in, only the Auto Scaling groups of those node groups) ->
-the `cluster-autoscaler` Helm release (chart and image pinned in infra/model/versions.py)
+the `cluster-autoscaler` Helm release (chart and image pinned in infra/versions.py)
 on the system nodes, discovering exactly those node groups' Auto Scaling groups by their
 `eks:nodegroup-name` tag. The chain it closes: Ray Serve asks for a replica -> the KubeRay
 autoscaler adds a worker pod -> the pod is Pending -> this adds a node to the pod's pool (in
@@ -29,11 +29,11 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
+from infra import catalog, versions
 from infra.components.helm import release
 from infra.components.iam import trusted_by
 from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
 from infra.k8s.monitoring import ScrapeTarget, node_autoscaler_target
-from infra.model import catalog, versions
 
 NAMESPACE = "kube-system"
 SERVICE_ACCOUNT = "cluster-autoscaler"
@@ -182,7 +182,7 @@ class NodeAutoscalerArgs:
     region: str
     """The cluster's AWS region, where the autoscaler calls the EC2, Auto Scaling and EKS APIs."""
     kubernetes_version: str
-    """The cluster's version; picks the autoscaler release line (`infra/model/versions.py`)."""
+    """The cluster's version; picks the autoscaler release line (`infra/versions.py`)."""
     node_group_names: list[str]
     """The GPU managed node groups it may scale, and nothing else."""
     provider: k8s.Provider

@@ -27,12 +27,12 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
+from infra import versions
 from infra.components.helm import release
 from infra.components.iam import trusted_by
 from infra.components.tracing import create_trace_store
+from infra.config import MetricsStack, Observability
 from infra.k8s import alerts, dashboards, monitoring, tracing
-from infra.model import versions
-from infra.model.config import MetricsStack, Observability
 from serving.spec import SloSpec
 
 EBS_CSI_POLICY = "arn:aws:iam::aws:policy/service-role/AmazonEBSCSIDriverPolicy"

@@ -8,7 +8,7 @@ namespace, the chart that installs Grafana, the encrypted StorageClass) ->
 - an IAM role that Tempo's ServiceAccount assumes through EKS Pod Identity, allowed Tempo's
   documented S3 actions on that bucket only, and its association (made before the chart, so
   the pod is admitted with credentials);
-- the Tempo and opentelemetry-collector Helm releases (pinned in infra/model/versions.py) in
+- the Tempo and opentelemetry-collector Helm releases (pinned in infra/versions.py) in
   `monitoring` on the system nodes, and the NetworkPolicies of infra/k8s/tracing.py.
 Called by ObservabilityStack only when tracing is on; the Ray pods' side (environment,
 exporter ConfigMap, engine argument) is LlmService's.
@@ -23,13 +23,13 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_kubernetes as k8s
 
+from infra import versions
 from infra.components.buckets import private_bucket
 from infra.components.helm import release
 from infra.components.iam import trusted_by
+from infra.config import Tracing
 from infra.k8s import tracing
 from infra.k8s.monitoring import MONITORING_NAMESPACE
-from infra.model import versions
-from infra.model.config import Tracing
 
 
 def create_trace_store(

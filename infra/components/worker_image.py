@@ -26,14 +26,13 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_docker_build as docker_build
 
-from infra import paths
-from infra.model import versions
+from infra import paths, versions
 
 IMAGE_DIR = paths.ROOT / "images" / "ray-llm-efa"
 
 
 def build_args(base_image: str) -> dict[str, str]:
-    """The Dockerfile's arguments: the base and the EFA installer pin (infra/model/versions.py)."""
+    """The Dockerfile's arguments: the base and the EFA installer pin (infra/versions.py)."""
     return {
         "BASE_IMAGE": base_image,
         "EFA_INSTALLER_VERSION": versions.EFA_INSTALLER_VERSION,

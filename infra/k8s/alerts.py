@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infra.config import Observability
 from infra.k8s.monitoring import MONITORING_LABEL, ROLE
 from infra.k8s.serving_metrics import (
     LIMITER_ERRORS,
@@ -28,7 +29,6 @@ from infra.k8s.serving_metrics import (
     local_prefill_share,
     refusal_share,
 )
-from infra.model.config import Observability
 from serving.spec import SloSpec
 
 RUNBOOK_BASE = "https://github.com/pd-inference/pd-inference/blob/main/docs/runbooks.md"
@@ -40,7 +40,7 @@ ERROR_RATE_THRESHOLD = 0.05
 # A judgement, not a published figure; overflow that is meant to happen stays below it.
 FALLBACK_SHARE_THRESHOLD = 0.2
 FALLBACK_FOR = "10m"
-# Above this share of requests refused as unservable (serving.resilience: 503/504, or handed
+# Above this share of requests refused as unservable (serving.core.failures: 503/504, or handed
 # to the fallback), for 5 minutes: capacity or a role is missing. A judgement, like the
 # fallback share: single refusals during a replica restart stay below it.
 REFUSAL_SHARE_THRESHOLD = 0.01
@@ -50,7 +50,7 @@ REFUSAL_SHARE_THRESHOLD = 0.01
 # restart stays far below this over 10 minutes. A judgement, like the fallback share.
 LOCAL_PREFILL_SHARE_THRESHOLD = 0.2
 LOCAL_PREFILL_FOR = "10m"
-# Streams cut mid-answer (serving/migration.py could not continue them: no replica took the
+# Streams cut mid-answer (serving/ingress/migration.py could not continue them: no replica took the
 # continuation in time, the bound or the deadline, or a request that cannot be continued),
 # at any rate, in every 5-minute window for MIGRATIONS_FAILING_FOR. One decode death cuts at
 # most a burst (the streams it held that could not go on), which stays below `for`; cuts that
@@ -59,8 +59,8 @@ LOCAL_PREFILL_FOR = "10m"
 MIGRATIONS_FAILING_WINDOW = "5m"
 MIGRATIONS_FAILING_FOR = "10m"
 # The model label of vLLM's own series (vllm/v1/metrics/loggers.py: `model_name`, the served
-# model name); the serving code's own counters call it `model` (serving/limits.py,
-# serving/resilience.py), Serve's series name the application (`llm-model-<id>` for one model
+# model name); the serving code's own counters call it `model` (serving/ingress/limits.py,
+# serving/core/failures.py), Serve's series name the application (`llm-model-<id>` for one model
 # of the many-model form, `llm` for the one-model form and the many-model front door).
 VLLM_MODEL = "model_name"
 
@@ -204,7 +204,7 @@ def service_rules(namespace: str, obs: Observability) -> list[dict[str, Any]]:
 
 
 def hybrid_rules() -> list[dict[str, Any]]:
-    """Hybrid routing and limits (serving/hybrid.py, serving/limits.py)."""
+    """Hybrid routing and limits (serving/ingress/routing.py, serving/ingress/limits.py)."""
     return [
         _alert(
             "PDFallbackShareHigh",
@@ -225,7 +225,7 @@ def hybrid_rules() -> list[dict[str, Any]]:
 
 
 def fault_rules() -> list[dict[str, Any]]:
-    """Faults and overload (serving/resilience.py)."""
+    """Faults and overload (serving/core/failures.py)."""
     return [
         _alert(
             "PDRunningAggregated",

@@ -4,8 +4,8 @@ What flows through here: the serving spec's SLOs -> `pd_service_dashboard()`, a 
 dashboard model built with Grafana's own SDK (no hand-written JSON), per engine role:
 latency (TTFT, ITL, TPOT p50/p99), requests and errors by status, queues, KV cache and
 prefix-cache hits, NIXL KV transfer bytes and time per request, fallback share and per-key
-usage, 429s, fallbacks and limiter errors (hybrid routing: `serving.limits`'s counters, their
-names imported, not retyped), faults (`serving.resilience`'s retries, local prefills,
+usage, 429s, fallbacks and limiter errors (hybrid routing: `serving.ingress.limits`'s counters, their
+names imported, not retyped), faults (`serving.core.failures`'s retries, local prefills,
 refusals, and stream migrations by reason and outcome), GPU utilisation, HBM, power and XID
 errors from DCGM, and the node autoscaler's view (unschedulable pods, scale-ups and failed
 scale-ups) -> `dashboard_configmaps()`, ConfigMaps labelled for Grafana's dashboard sidecar.
@@ -290,7 +290,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "{{key}} {{destination}}",
                     ),
                 ),
-                "Answered requests per API key id (k-<12 hex>; `python -m serving.limits` maps keys to ids).",
+                "Answered requests per API key id (k-<12 hex>; `python -m tools.keyid` maps keys to ids).",
             ),
             PanelSpec(
                 "Tokens per key and destination",

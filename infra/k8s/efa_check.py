@@ -28,9 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from infra import catalog
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
 from infra.k8s.rayservice import efa_engine_env
-from infra.model import catalog
 
 NAME = "efa-check"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from infra.model.planning import KvLink
+from infra.plan.planning import KvLink
 
 SUCCESS = "ray_vllm_request_success_total"
 KV_BYTES = "ray_vllm_nixl_bytes_transferred"  # histogram: bytes per transfer

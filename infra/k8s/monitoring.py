@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from infra.config import MetricsStack, Observability
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SYSTEM_ROLE
-from infra.model.config import MetricsStack, Observability
 
 MONITORING_NAMESPACE = "monitoring"
 # The Prometheus Operator's governing Service for every Prometheus it runs (prometheus-operated,

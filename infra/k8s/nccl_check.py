@@ -19,9 +19,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from infra.catalog import InstanceType
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
 from infra.k8s.rayservice import efa_engine_env
-from infra.model.catalog import InstanceType
 
 SCRIPT = Path(__file__).parent / "scripts" / "nccl_allreduce.py"
 PORT = 29500

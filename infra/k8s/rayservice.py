@@ -25,16 +25,17 @@ from typing import Any
 
 import yaml
 
+from infra import catalog
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
 from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.k8s.tracing import TraceExport, exporter_mount, exporter_volume, pod_env
-from infra.model import catalog, sizing
-from infra.model.head_sizing import HEAD_BASE_VCPUS
-from infra.model.scaling_signals import role_thresholds
-from infra.model.versions import RAY_VERSION
-from serving.drain import NODE_DRAIN_ENV
+from infra.sizing import nodes as sizing
+from infra.sizing.head import HEAD_BASE_VCPUS
+from infra.sizing.signals import role_thresholds
+from infra.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
+from serving.spec.drain import NODE_DRAIN_ENV
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -155,10 +156,10 @@ class RayServiceInputs:
     service_annotations: dict[str, str] = field(default_factory=dict)
     load_balancer_source_ranges: list[str] = field(default_factory=list)
     # The head pod's CPU request: the head sizing's need at the planned rate
-    # (infra/model/head_sizing.py, `make plan`), at least Ray's own work.
+    # (infra/sizing/head.py, `make plan`), at least Ray's own work.
     head_cpus: int = HEAD_BASE_VCPUS
     # Engine role -> the planner's first request after idle (s), for roles at minReplicas 0
-    # (infra/model/planning.py cold_start_seconds): decode's becomes the ingress's Retry-After
+    # (infra/plan/planning.py cold_start_seconds): decode's becomes the ingress's Retry-After
     # while it has no running replica (serving.spec.Target.cold_start_s).
     cold_start_s: dict[str, float] = field(default_factory=dict)
     # By pool name: the node group sizes (needed in the many-model form only).
@@ -301,7 +302,7 @@ def _data_plane_env(inp: RayServiceInputs) -> list[dict[str, str]]:
 def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
     """How long Ray drains a pod's node on SIGTERM (old cluster deleted, pod evicted, node
     drained) before it kills the node's processes: long enough for the node's Serve replicas and
-    proxy to finish every stream (serving/drain.py). The pod's terminationGracePeriodSeconds
+    proxy to finish every stream (serving/spec/drain.py). The pod's terminationGracePeriodSeconds
     adds the teardown on top."""
     return {"name": NODE_DRAIN_ENV, "value": str(inp.serving.drain().node_drain_s)}
 
@@ -322,7 +323,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     if gcs_uses_tls(inp.gcs_redis_address):
         env.append({"name": REDIS_CA_CERT_ENV, "value": SYSTEM_CA_BUNDLE})
     # The Serve controller (on the head) runs the per-role autoscaling policies; their
-    # PrometheusQueryMixin reads the engines' metrics from here (serving/autoscaling.py).
+    # PrometheusQueryMixin reads the engines' metrics from here (serving/engines/autoscaling.py).
     env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
     env.append(_node_drain_env(inp))
     env.extend(_data_plane_env(inp))

@@ -1,7 +1,7 @@
 """The serving code's own metrics, as Prometheus names them, and the expressions that read them.
 
 What flows through here: the counter names that `serving/` declares (imported, never retyped:
-`serving.limits`'s usage, 429, fallback and limiter-error counters; `serving.resilience`'s
+`serving.ingress.limits`'s usage, 429, fallback and limiter-error counters; `serving.core.failures`'s
 retry, local-prefill, refusal and stream-migration counters) -> their Prometheus names as Ray exports them
 (`ray_counter`) -> the expressions that the dashboard and the alerts share (one copy each,
 e.g. `fallback_share`, `refusal_share`). No Pulumi, no Ray import here.
@@ -21,7 +21,9 @@ them against the serving code's declarations instead.
 
 from __future__ import annotations
 
-from serving.limits import (
+from serving.core.failures import CUT_OUTCOMES
+from serving.core.failures import METRICS as RESILIENCE_METRICS
+from serving.ingress.limits import (
     METRIC_COMPLETION_TOKENS,
     METRIC_FALLBACK,
     METRIC_LIMITER_ERRORS,
@@ -29,8 +31,6 @@ from serving.limits import (
     METRIC_RATE_LIMITED,
     METRIC_REQUESTS,
 )
-from serving.resilience import CUT_OUTCOMES
-from serving.resilience import METRICS as RESILIENCE_METRICS
 
 
 def ray_counter(name: str) -> str:
@@ -38,7 +38,7 @@ def ray_counter(name: str) -> str:
     return f"ray_{name}_total"
 
 
-# serving.limits: labels key, model, destination (cluster, fallback) for the usage counters;
+# serving.ingress.limits: labels key, model, destination (cluster, fallback) for the usage counters;
 # key, model (the base model, whose window was full), limit (rpm, tpm) for 429s; reason, outcome
 # (ok, failed) for fallbacks; none for errors.
 REQUESTS = ray_counter(METRIC_REQUESTS)
@@ -47,25 +47,25 @@ COMPLETION_TOKENS = ray_counter(METRIC_COMPLETION_TOKENS)
 RATE_LIMITED = ray_counter(METRIC_RATE_LIMITED)
 FALLBACKS = ray_counter(METRIC_FALLBACK)
 LIMITER_ERRORS = ray_counter(METRIC_LIMITER_ERRORS)
-# The `destination` of a request the external fallback answered (serving/hybrid.py).
+# The `destination` of a request the external fallback answered (serving/ingress/routing.py).
 FALLBACK_DESTINATION = "fallback"
-# serving.resilience (docs/resilience.md): label `reason` on all four, and `model` and
+# serving.core.failures (docs/resilience.md): label `reason` on all four, and `model` and
 # `status` (503, 504) on refusals. The ingress counts retries and refusals (head pods); the decode tier
 # counts prefill retries and local prefills (decode pods).
 INGRESS_RETRIES = ray_counter(RESILIENCE_METRICS["ingress_retries"])
 INGRESS_REFUSALS = ray_counter(RESILIENCE_METRICS["ingress_refusals"])
 PREFILL_RETRIES = ray_counter(RESILIENCE_METRICS["prefill_retries"])
 LOCAL_PREFILLS = ray_counter(RESILIENCE_METRICS["local_prefill"])
-# serving.resilience Path: one count per P/D request, labels model, path (remote,
+# serving.core.failures Path: one count per P/D request, labels model, path (remote,
 # remote_retry, local) and reason (why local; empty otherwise). Decode pods.
 PREFILL_PATH = ray_counter(RESILIENCE_METRICS["prefill_path"])
-# serving.resilience (issue 25, serving/migration.py): streams cut after their first byte,
+# serving.core.failures (issue 25, serving/ingress/migration.py): streams cut after their first byte,
 # labels model, reason (replica_died, engine_error, stall) and outcome. Ingress (head pods).
 STREAM_MIGRATIONS = ray_counter(RESILIENCE_METRICS["migrations"])
 # The outcomes that leave the client with a cut stream (the OpenAI-style error event), as
-# serving/ingress_resilience.py `guarded_stream` counts them; "continued" is the healthy one.
+# serving/ingress/relay.py `guarded_stream` counts them; "continued" is the healthy one.
 MIGRATION_CUT_OUTCOMES = tuple(o.value for o in CUT_OUTCOMES)
-# n > 1 prefills on decode by design (serving.resilience.Reason.PARALLEL_SAMPLING): not a fault.
+# n > 1 prefills on decode by design (serving.core.failures.Reason.PARALLEL_SAMPLING): not a fault.
 DESIGNED_LOCAL_REASON = "parallel_sampling"
 # Serve's proxy counts every HTTP request (in the live scrape).
 HTTP_REQUESTS = "ray_serve_num_http_requests_total"

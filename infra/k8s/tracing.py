@@ -10,7 +10,7 @@ What flows through here: the stack's `observability.tracing` block and its envir
     role, and the exporter factory `serving/tracing.py` mounted from a ConfigMap onto
     PYTHONPATH: Serve's proxy and controller run without the application's runtime_env, so
     the factory cannot come from the code zip;
-  - on every engine: vLLM's `otlp_traces_endpoint` engine argument (serving/spec.py);
+  - on every engine: vLLM's `otlp_traces_endpoint` engine argument (serving/spec/serving.py);
 - the OpenTelemetry collector's chart values (OTLP/gRPC in, batch, OTLP/gRPC out to Tempo);
 - Tempo's chart values (single binary on the system nodes, traces in the stack's S3 bucket,
   a WAL on an encrypted volume, retention from the stack file) and its IAM policy (that
@@ -27,11 +27,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from infra.config import Tracing
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
 from infra.k8s.monitoring import MONITORING_NAMESPACE, STORAGE_CLASS
-from infra.model.config import Tracing
-from infra.model.versions import OTEL_COLLECTOR_IMAGE
 from infra.paths import SERVING_DIR
+from infra.versions import OTEL_COLLECTOR_IMAGE
 from serving.tracing import ENDPOINT_ENV
 
 # --- the collector (open-telemetry/opentelemetry-helm-charts, opentelemetry-collector) -------

@@ -21,8 +21,8 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from infra import catalog
 from infra.k8s.labels import INSTANCE_TYPE_LABEL
-from infra.model import catalog
 
 
 @dataclass(frozen=True)

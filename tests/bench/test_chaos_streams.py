@@ -6,7 +6,7 @@ from pathlib import Path
 
 from bench import chaos_streams as cs
 from bench.sse import Streamed
-from serving.local.config import render_local_config
+from local.config import render_local_config
 
 
 def _streamed(*, ok: bool = True, tokens: int = cs.TOKENS, text: str = "a", status: int = 200) -> Streamed:

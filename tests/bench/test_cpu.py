@@ -25,9 +25,9 @@ import psutil
 import pytest
 
 from bench import cpu
-from serving.local.config import AGGREGATED_APP
-from serving.spec_base import APP_NAME
-from serving.spec_hybrid import INGRESS_DEPLOYMENT
+from local.config import AGGREGATED_APP
+from serving.spec.base import APP_NAME
+from serving.spec.hybrid import INGRESS_DEPLOYMENT
 
 CpuTimes = namedtuple("CpuTimes", "user system")
 MODEL = "tiny-llama"
@@ -207,7 +207,7 @@ def test_a_model_name_with_a_dot_is_not_cut_at_the_dot():
 def _stack_table() -> dict[int, dict]:
     decode = replica(PD, f"Decode:{MODEL}")
     return {
-        1: {"ppid": 0, "title": "python -m serving.local", "cpu": 1.0},
+        1: {"ppid": 0, "title": "python -m local", "cpu": 1.0},
         2: {"ppid": 1, "title": "/ray/gcs/gcs_server", "name": "gcs_server", "cpu": 2.0},
         3: {"ppid": 1, "title": "/ray/raylet/raylet", "name": "raylet", "cpu": 3.0},
         4: {"ppid": 3, "title": "ray::ProxyActor", "cpu": 4.0},

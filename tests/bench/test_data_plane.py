@@ -107,7 +107,7 @@ def test_summary_tables_row_by_hop_and_by_level():
 
 
 def test_the_command_runs_every_plane_each_round_and_keeps_going_past_a_failed_stack(monkeypatch, tmp_path, capsys):
-    from serving.local import tiny_model
+    from local import tiny_model
 
     by_key = {(r["round"], r["data_plane"]): r for r in RUNS}
     started: list[tuple[int, str]] = []
@@ -115,7 +115,7 @@ def test_the_command_runs_every_plane_each_round_and_keeps_going_past_a_failed_s
     def one_stack(plane, rnd, args, model_dir, log, say):
         started.append((rnd, plane))
         if (rnd, plane) == (1, "grpc"):
-            raise RuntimeError("`python -m serving.local` did not become ready")
+            raise RuntimeError("`python -m local` did not become ready")
         return {"apps": by_key[(rnd, plane)]["apps"], "errors_sample": {}}
 
     monkeypatch.setattr(data_plane, "one_stack", one_stack)

@@ -121,7 +121,7 @@ def test_kv_backends_label_the_transfer_with_what_carried_it():
     from pathlib import Path
 
     from bench.stats import kv_backends
-    from serving.local.config import render_local_config
+    from local.config import render_local_config
 
     local = render_local_config("both", Path("/tmp/model"), port=8000)
     assert kv_backends(local) == ["UCX"]

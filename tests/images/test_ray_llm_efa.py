@@ -26,8 +26,7 @@ from pathlib import Path
 from elftools.elf.dynamic import DynamicSection
 from elftools.elf.elffile import ELFFile
 
-from infra import paths
-from infra.model import versions
+from infra import paths, versions
 
 DOCKERFILE = paths.ROOT / "images" / "ray-llm-efa" / "Dockerfile"
 EFA_LIB = "/opt/amazon/efa/lib"

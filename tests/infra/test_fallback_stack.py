@@ -16,8 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra import config
 from infra.k8s.egress import POD_IDENTITY_AGENT, fallback_egress_policy, head_selector
-from infra.model import config
 from policies import rules
 from serving.spec import FALLBACK_API_KEY_ENV, INGRESS_DEPLOYMENT
 from tests.policies.harness import violations

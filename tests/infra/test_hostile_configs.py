@@ -28,7 +28,7 @@ import pulumi
 import pytest
 import yaml
 
-from infra.model.config import PROJECT, SECRET_KEYS
+from infra.config import PROJECT, SECRET_KEYS
 from infra.paths import ROOT
 from tools import mock_runtime, stackfile
 

@@ -21,8 +21,8 @@ import pulumi
 import pytest
 import yaml
 
-from infra.model import versions
-from infra.model.config import PROJECT
+from infra import versions
+from infra.config import PROJECT
 from infra.paths import ROOT
 from tests.conftest import STACKS
 from tests.upstream import PulumiConfigError, merge_config

@@ -13,9 +13,9 @@ import re
 import pytest
 import yaml
 
+from infra import catalog, config, versions
 from infra.components.gpu_node_pool import AMI_TYPE, nvidia_ami_name
 from infra.k8s.labels import ROLE_LABEL
-from infra.model import catalog, config, versions
 from infra.paths import ROOT
 from tests.conftest import STACKS
 from tests.upstream import mng_image

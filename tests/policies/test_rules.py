@@ -403,7 +403,7 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         rules.HELM_CHART_V4,
         "kuberay-chart",
         lambda i: i.update(version="1.x"),
-        "infra/model/versions.py",
+        "infra/versions.py",
     ),
     (
         "head-image-latest",

@@ -1,5 +1,5 @@
 """Stand-ins for Serve's response streams and Ray's ErrorResponse, shared by the resilience
-tests (serving/resilience.py, prefill_hop.py, ingress_resilience.py), and the real limits
+tests (serving/core/failures.py, prefill_hop.py, ingress_resilience.py), and the real limits
 ledger behind an actor handle's `.method.remote()` (test_limits.py, test_hybrid.py): no Ray
 started.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.limits import LimitsLedger
-from serving.resilience import ResilienceConfig
+from serving.core.failures import ResilienceConfig
+from serving.ingress.limits import LimitsLedger
 
 CFG = ResilienceConfig(
     prefill_timeout_s=0.2,
@@ -102,7 +102,7 @@ class _Done:
 
 
 class LocalLedger:
-    """serving.limits.LimitsLedger called in this process as its actor handle would be
+    """serving.ingress.limits.LimitsLedger called in this process as its actor handle would be
     (`ledger.admit.remote(...)` returns an awaitable): the real windows, no Ray."""
 
     def __init__(self):

@@ -2,7 +2,7 @@
 
 The unit tests drive `AuthenticatedIngress` directly with a fake engine handle: no Ray
 cluster. The e2e tests use the official `openai` client against the shared local cluster
-(tests/serving/conftest.py), where the disaggregated app runs at / and the aggregated app
+(tests/conftest.py), where the disaggregated app runs at / and the aggregated app
 with the same model at /aggregated.
 """
 
@@ -538,7 +538,7 @@ def test_push_connector_is_found_in_rendered_args():
     assert PUSH_CONNECTOR not in _kv_connectors(pull.app_args(Target(accelerator_type="H100")))
 
 
-# --- unit: fields a client may send (serving/request_fields.py) -----------------------------------
+# --- unit: fields a client may send (serving/ingress/fields.py) -----------------------------------
 @pytest.mark.parametrize(
     "field,value",
     [
@@ -585,12 +585,12 @@ def test_every_internal_field_of_vllms_request_models_is_refused():
     that steers transfer, identity or scheduling must not be on an allow-list."""
     from ray.serve.llm.openai_api_models import ChatCompletionRequest, CompletionRequest
 
-    from serving.request_fields import ALLOWED, INTERNAL
+    from serving.ingress.fields import ALLOWED, INTERNAL
 
     for cls, endpoint in ((ChatCompletionRequest, "chat"), (CompletionRequest, "completions")):
         fields = set(cls.model_fields)
         steering = {f for f in fields if f.endswith("_transfer_params") or f in ("vllm_xargs", "request_id")}
-        assert steering, "vLLM's request model changed shape: review serving/request_fields.py"
+        assert steering, "vLLM's request model changed shape: review serving/ingress/fields.py"
         assert steering <= INTERNAL
         assert not (ALLOWED[endpoint] & INTERNAL)
         # Everything we allow is a field vLLM parses (a typo would let nothing through).
@@ -609,7 +609,7 @@ def test_endpoints_the_stack_does_not_serve_are_refused_after_auth(monkeypatch, 
 
 
 def test_tokenize_is_behind_the_keys_request_limit(monkeypatch):
-    from serving.limits import Decision
+    from serving.ingress.limits import Decision
 
     ingress, handle = make_ingress(monkeypatch)
     asked = []

@@ -15,11 +15,11 @@ import json
 import pytest
 
 from serving.app import AuthenticatedIngress, build_app, build_model_app
-from serving.catalog import ModelCatalog
+from serving.ingress.catalog import ModelCatalog
 from serving.spec import APP_NAME, MODEL_APP_PREFIX, ServingSpec
+from tests.serving.engines.test_pd_server import _graph, no_ray  # noqa: F401  (a fixture)
+from tests.serving.spec.test_models import AGG, GPU, PD  # llama P/D; qwen aggregated, with LoRA
 from tests.serving.test_app import FakeHandle, error_of, make_request
-from tests.serving.test_pd_graph import _graph, no_ray  # noqa: F401  (a fixture)
-from tests.serving.test_spec_models import AGG, GPU, PD  # llama P/D; qwen aggregated, with LoRA
 
 KEY = "sk-unit-1"
 

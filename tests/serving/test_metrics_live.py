@@ -15,8 +15,8 @@ snapshot (tests/infra/k8s/data/ray-live-metric-names.txt) and the SLO thresholds
 bucket bounds of vLLM's histograms. `PD_UPDATE_METRIC_SNAPSHOT=1` rewrites the snapshot
 from this scrape (only names the expressions use).
 
-Not from the scrape: the serving code's own event counters (`serving.limits`: usage per
-key, 429s, fallbacks, limiter errors; `serving.resilience`: retries, local prefills,
+Not from the scrape: the serving code's own event counters (`serving.ingress.limits`: usage per
+key, 429s, fallbacks, limiter errors; `serving.core.failures`: retries, local prefills,
 refusals). A labelled Ray counter has no series until its first event, and this traffic
 causes no 429, fallback or fault, so an idle stack cannot show them. Their names are checked
 statically against the serving code's declarations instead

@@ -1,6 +1,6 @@
 """Many models behind one front door, for real (issue 26): `make serve PD_MODELS=2` on this CPU.
 
-Its own stack (`python -m serving.local --models 2`: the tiny model P/D, a second model
+Its own stack (`python -m local --models 2`: the tiny model P/D, a second model
 aggregated with the project's own LoRA adapter loaded by Ray Serve LLM from a local S3, one
 front door), started after the shared e2e stack has stopped (marker `own_stack`), because the
 machine runs one Ray stack at a time. What a user would notice is asserted, and the designed
@@ -20,8 +20,8 @@ import pytest
 
 from bench import hops
 from infra.paths import BUILD_DIR
-from serving.local.cluster import deploy, wait_running
-from serving.local.config import MODEL_B_ID, MODEL_C_ID, MODEL_ID, render_local_config
+from local.cluster import deploy, wait_running
+from local.config import MODEL_B_ID, MODEL_C_ID, MODEL_ID, render_local_config
 from serving.spec import APP_NAME, MODEL_APP_PREFIX, key_id
 
 pytestmark = [pytest.mark.e2e, pytest.mark.own_stack]
@@ -33,7 +33,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the sea."}]
 
 @pytest.fixture(scope="module")
 def models_stack():
-    from serving.local.background import background_stack
+    from local.background import background_stack
 
     log = BUILD_DIR / "test-logs" / "serve-models-e2e.log"
     log.parent.mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ def test_the_hooks_take_what_the_serving_code_passes():
 
 
 def test_the_ingress_routing_tables_the_front_door_fills_exist_with_their_shapes():
-    """serving/catalog.py's models reach requests only through these attributes of Ray's
+    """serving/ingress/catalog.py's models reach requests only through these attributes of Ray's
     OpenAiIngress: a Ray that renames one would route nothing in the many-model form."""
     from ray.serve.llm.ingress import OpenAiIngress
 

@@ -1,6 +1,6 @@
 """Faults and overload on the shared local stack (shortened `make chaos` scenarios).
 
-Both tests are disruptive: they run after the other e2e tests (tests/serving/conftest.py
+Both tests are disruptive: they run after the other e2e tests (tests/conftest.py
 orders them) and wait until the stack is healthy again before returning. They reuse the
 chaos harness (bench/chaos.py), so the figures here and in `make chaos` are measured alike.
 """
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from bench import chaos, hops, prefill_mode
-from serving.resilience import METRICS, Reason
+from serving.core.failures import METRICS, Reason
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
 
@@ -121,7 +121,7 @@ def test_prefill_killed_under_streamed_load_costs_no_request_and_pd_comes_back(s
 
 
 def test_overload_burst_is_refused_with_retry_after_and_nothing_hangs(stack):
-    from serving.local.config import admission_bound
+    from local.config import admission_bound
 
     url = stack.urls["disaggregated"] + "/chat/completions"
     burst_n = 3 * admission_bound(stack.state["config"])

@@ -107,12 +107,9 @@ def test_every_make_target_a_doc_names_exists(doc):
 
 # --- the checks bite ------------------------------------------------------------------------------
 def test_a_renamed_module_and_a_removed_target_are_caught():
-    text = (
-        "See `serving/local/aggregator.py`, [scaling](scaling.md), `python -m bench.scaling`"
-        " and run `make bench-warp`.\n"
-    )
+    text = "See `local/aggregator.py`, [scaling](scaling.md), `python -m bench.scaling` and run `make bench-warp`.\n"
     paths = _repo_paths(text, ROOT / "docs", _top_level())
-    assert {p for p in paths if _missing(p)} == {"serving/local/aggregator.py", "bench/scaling.py"}
+    assert {p for p in paths if _missing(p)} == {"local/aggregator.py", "bench/scaling.py"}
     assert "docs/scaling.md" in paths  # the link, resolved from docs/
     named = {m.group(2) for chunk in _code_texts(text) for m in MAKE.finditer(chunk)}
     assert named - _make_targets() == {"bench-warp"}

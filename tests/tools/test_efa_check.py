@@ -11,12 +11,11 @@ from pathlib import Path
 import kubernetes_validate
 import yaml
 
-from infra import paths
+from infra import catalog, paths
+from infra.config import StackConfig
+from infra.config.pools import NodePools
 from infra.k8s import efa_check as infra_efa
-from infra.model import catalog
-from infra.model.config import StackConfig
-from infra.model.stack.pools import NodePools
-from serving.spec_models import RolePools
+from serving.spec.models import RolePools
 from tools import efa_check, render, stackfile
 
 
@@ -289,7 +288,7 @@ def _prod_on_pools_named_h100() -> StackConfig:
     """stacks/Pulumi.prod.yaml's config with its pools renamed h100-a (prefill) and h100-b
     (decode). Built by copying the validated config: validating such a one-model stack trips
     the offline planner, which still reads the pools named prefill and decode
-    (infra/model/planning.py), outside what this check owns."""
+    (infra/plan/planning.py), outside what this check owns."""
     cfg = stackfile.load_config("prod")
     pools = NodePools({"h100-a": cfg.node_pools["prefill"], "h100-b": cfg.node_pools["decode"]})
     serving = cfg.serving.model_copy(update={"pools": RolePools(prefill="h100-a", decode="h100-b")})

@@ -15,9 +15,9 @@ import copy
 import pytest
 import yaml
 
+from infra import catalog
 from infra.k8s import upgrades
 from infra.k8s.labels import ROLE_LABEL
-from infra.model import catalog
 from tools import model, render, stackfile
 
 STACK = "platform"

@@ -2,7 +2,7 @@
 
 What flows through here: a NAME (and choices) -> `tools.newstack` -> a stack file in a stacks/
 folder of the test's own (the shipped stacks/ is never written) -> read back through
-`tools.stackfile` and `infra.model.config.load`, and rendered; bad input -> exit 1 and one line.
+`tools.stackfile` and `infra.config.load`, and rendered; bad input -> exit 1 and one line.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import sys
 import pytest
 import yaml
 
-from infra.model import catalog
-from infra.model.config import CapacityType, EndpointAccess, Environment, load
+from infra import catalog
+from infra.config import CapacityType, EndpointAccess, Environment, load
 from infra.paths import ROOT
 from serving.spec import AuthMode
 from tools import mock_runtime, newstack, stackfile

@@ -8,9 +8,9 @@ import sys
 import pytest
 import yaml
 
-from infra.model import planning
-from infra.model.config import load
+from infra.config import load
 from infra.paths import ROOT
+from infra.plan import planning
 from tools.stackfile import path_of
 from tools.stackfile import read_as_deployed as read
 

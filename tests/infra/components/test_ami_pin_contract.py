@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import copy
 
+from infra import versions
 from infra.components.gpu_node_pool import nvidia_ami_name
-from infra.model import versions
 from tests.upstream import mng_image
 from tools import mock_runtime, stackfile
 

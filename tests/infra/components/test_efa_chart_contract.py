@@ -10,7 +10,7 @@ Reproduced in `tests.upstream.efa_daemonset_affinity`; the assertions are on its
 
 from __future__ import annotations
 
-from infra.model import catalog, versions
+from infra import catalog, versions
 from tests.upstream import efa_daemonset_affinity, node_matches
 
 # Part of the chart's own default `supportedInstanceLabels.values` (v0.5.30 values.yaml): types

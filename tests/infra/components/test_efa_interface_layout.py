@@ -22,7 +22,7 @@ on 31 interfaces per node.
 
 from __future__ import annotations
 
-from infra.model import catalog
+from infra import catalog
 from tests.infra.components.test_efa_node_template_contract import _efa_groups, _templates
 
 EFA_TYPES = ("efa", "efa-only")

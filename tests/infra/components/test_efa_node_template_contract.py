@@ -27,8 +27,8 @@ from pathlib import Path
 
 import yaml
 
+from infra import catalog
 from infra.components.gpu_node_pool import CONTAINERD_MEMLOCK_DROP_IN, MEMLOCK_SCRIPT, RAID0_NODECONFIG
-from infra.model import catalog
 from tests.upstream import (
     CONTAINERD_DROP_IN_DIR,
     container_memlock,

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 
+from infra import versions
 from infra.components.gcs_redis import AUTH_TOKEN_LENGTH, PORT, replication_group_id
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
-from infra.model import versions
 from tests.upstream import elasticache_replication_group_errors
 
 GROUP = "aws:elasticache/replicationGroup:ReplicationGroup"

@@ -25,6 +25,7 @@ import json
 
 import pytest
 
+from infra import catalog, versions
 from infra.components.node_autoscaler import (
     ASG_CLUSTER_TAG,
     ASG_NODEGROUP_TAG,
@@ -34,7 +35,6 @@ from infra.components.node_autoscaler import (
     SERVICE_ACCOUNT,
 )
 from infra.k8s.labels import INSTANCE_TYPE_LABEL, ROLE_LABEL, SYSTEM_ROLE
-from infra.model import catalog, versions
 from tests.conftest import STACKS
 from tests.upstream import CA_AWS_GPU_LABEL, ca_counts_node_ready
 

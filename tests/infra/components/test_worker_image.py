@@ -18,8 +18,8 @@ from pathlib import Path
 import pulumi
 import pytest
 
+from infra import versions
 from infra.components.worker_image import IMAGE_DIR, build_args, content_tag
-from infra.model import versions
 from tests.conftest import STACKS
 from tools import mock_runtime, stackfile
 

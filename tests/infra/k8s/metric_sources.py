@@ -9,7 +9,7 @@ the metric names of every vector selector -> each checked against its exporter:
   `LIVE_SNAPSHOT` is what it found, so the offline tests can check without Ray, and the
   e2e test fails if the snapshot holds a name the live stack does not export.
   Except the serving code's own event counters (usage, 429s, fallbacks, limiter errors:
-  `serving.limits`; retries, local prefills, refusals: `serving.resilience`): a labelled Ray counter has no series until its first event, so an
+  `serving.ingress.limits`; retries, local prefills, refusals: `serving.core.failures`): a labelled Ray counter has no series until its first event, so an
   idle stack's scrape cannot show them. Those are checked statically instead:
   `event_counter_names()` reads every `Counter(<name>, ...)` the serving code declares (its
   source, names resolved against the modules' constants) and maps each as Ray exports a
@@ -129,7 +129,8 @@ RAY_METRICS_MODULES = ("ray.serve.metrics", "ray.util.metrics")
 def _module_constants(module: str) -> dict[str, Any]:
     """The literal top-level constants of serving/<module>.py, and those it imports from
     other serving modules (read from the source: nothing is imported, so no Ray)."""
-    tree = ast.parse((SERVING / f"{module}.py").read_text())
+    path = SERVING / module.replace(".", "/")
+    tree = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text())
     ns: dict[str, Any] = {}
     for node in tree.body:
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("serving."):
@@ -145,11 +146,11 @@ def _module_constants(module: str) -> dict[str, Any]:
 def declared_counters() -> frozenset[str]:
     """Every name the serving code passes to a Ray metrics `Counter(...)` (ray.serve.metrics,
     ray.util.metrics), resolved against the module's constants: `Counter(METRIC_FALLBACK, ...)`
-    in serving/limits.py, `Counter(METRICS["ingress_refusals"], ...)` in serving/resilience.py."""
+    in serving/ingress/limits.py, `Counter(METRICS["ingress_refusals"], ...)` in serving/core/failures.py."""
     names: set[str] = set()
-    for path in sorted(SERVING.glob("*.py")):
+    for path in sorted(SERVING.rglob("*.py")):
         tree = ast.parse(path.read_text())
-        ns = _module_constants(path.stem)
+        ns = _module_constants(path.relative_to(SERVING).with_suffix("").as_posix().replace("/", "."))
         # What `Counter` and `<module>.Counter` mean in this file (imports may sit in functions).
         counters, modules = set(), set()
         for node in ast.walk(tree):

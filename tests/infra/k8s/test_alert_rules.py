@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from infra.config import Observability
 from infra.k8s import alerts
 from infra.k8s.serving_metrics import STREAM_MIGRATIONS
-from infra.model.config import Observability
 from infra.paths import ROOT
 from serving.spec import SloSpec
 

@@ -97,7 +97,7 @@ def _schedule(node_types, max_workers, gangs):
 
 @pytest.mark.parametrize("stack_name", STACKS)
 def test_one_more_replica_adds_one_pod_of_its_own_group(stack_name, rendered_stacks):
-    from infra.model import sizing
+    from infra.sizing import nodes as sizing
 
     rendered = rendered_stacks[stack_name]
     rs = _rayservice(rendered)

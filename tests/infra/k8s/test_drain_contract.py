@@ -29,12 +29,17 @@ import jsonschema
 import pytest
 import yaml
 
+from infra import catalog
 from infra.k8s.rayservice import RayServiceInputs, rayservice_manifest
 from infra.k8s.upgrades import classify
-from infra.model import catalog
 from infra.paths import ROOT
-from serving.drain import K8S_DEFAULT_TERMINATION_GRACE_S, KUBERAY_DEFAULT_DELETION_DELAY_S, NODE_DRAIN_ENV, DrainPlan
 from serving.spec import PROXY_TIMEOUT_MARGIN_S, ResilienceSpec
+from serving.spec.drain import (
+    K8S_DEFAULT_TERMINATION_GRACE_S,
+    KUBERAY_DEFAULT_DELETION_DELAY_S,
+    NODE_DRAIN_ENV,
+    DrainPlan,
+)
 from tests.conftest import STACKS
 
 CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "schemas" / "kuberay-1.7.0"))

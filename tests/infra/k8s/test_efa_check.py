@@ -22,9 +22,9 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+from infra import catalog
 from infra.k8s import efa_check
 from infra.k8s.labels import INSTANCE_TYPE_LABEL, ROLE_LABEL
-from infra.model import catalog
 
 P5, P4DE, G5 = (catalog.lookup(n) for n in ("p5.48xlarge", "p4de.24xlarge", "g5.xlarge"))
 
@@ -220,7 +220,7 @@ def test_the_check_pods_run_with_the_engines_libfabric_settings() -> None:
 # at most 63 characters, lowercase alphanumerics and '-', a letter first, alphanumeric last
 # (Kubernetes "Object Names and IDs", "Labels and Selectors").
 DNS_1035 = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
-LONGEST = "a" + "b" * 22 + "c"  # a pool name has 2-24 characters (serving/spec_models.py POOL_NAME)
+LONGEST = "a" + "b" * 22 + "c"  # a pool name has 2-24 characters (serving/spec/models.py POOL_NAME)
 
 
 def test_pools_prefill_and_decode_keep_the_name_efa_check_other_pairs_are_named_after_theirs() -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from infra.model import catalog
+from infra import catalog
 from tests.infra.components.test_efa_node_template_contract import (
     _efa_groups,
     _run_scripts,

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from serving.local.config import render_local_config
+from local.config import render_local_config
 from serving.spec import SERVE_PORT
 from tests.conftest import STACKS
 from tests.upstream import (

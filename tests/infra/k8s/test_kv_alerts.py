@@ -16,10 +16,10 @@ import re
 import promql_parser
 import pytest
 
+from infra.config import load
 from infra.k8s import kv_alerts
-from infra.model import planning
-from infra.model.config import load
-from infra.model.vllm_options import IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION, surface
+from infra.plan import planning
+from infra.vllm_options import IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION, surface
 from tools import stackfile
 
 

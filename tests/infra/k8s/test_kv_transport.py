@@ -18,10 +18,10 @@ from pathlib import Path
 
 import yaml
 
+from infra import catalog
 from infra.k8s import rayservice
 from infra.k8s.rayservice import RayServiceInputs, efa_engine_env
-from infra.model import catalog
-from serving.local import config as local_config
+from local import config as local_config
 from tests.conftest import STACKS
 
 

@@ -20,9 +20,9 @@ import jsonschema
 import pytest
 import yaml
 
+from infra import catalog, versions
 from infra.k8s import monitoring
 from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
-from infra.model import catalog, versions
 from tests.conftest import STACKS
 from tests.infra.k8s import metric_sources as ms
 
@@ -299,7 +299,8 @@ def test_the_haproxy_label_check_can_fail(rendered_stacks):
 def test_event_counters_are_checked_against_the_serving_codes_declarations(rendered_stacks):
     """The usage/429/fallback/limiter counters have no series before their first event, so
     they are found in the serving code's declarations, not the scrape; a renamed one fails."""
-    from serving import limits, resilience
+    from serving.core import failures as resilience
+    from serving.ingress import limits
 
     declared = ms.declared_counters()
     assert {
@@ -324,7 +325,7 @@ def test_event_counters_are_checked_against_the_serving_codes_declarations(rende
 
 
 def test_stream_migrations_are_shown_by_reason_and_outcome_and_filtered_by_model():
-    """The panel splits what the ingress counts (serving/ingress_resilience.py), and every panel
+    """The panel splits what the ingress counts (serving/ingress/relay.py), and every panel
     on a serving counter with a `model` label follows the dashboard's model filter."""
     from infra.k8s.dashboards import pd_service_dashboard
     from infra.k8s.serving_metrics import PREFILL_PATH, REQUESTS, STREAM_MIGRATIONS

@@ -16,8 +16,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from infra import catalog
 from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE
-from infra.model import catalog, sizing
+from infra.sizing import nodes as sizing
 from tests.conftest import STACKS
 
 

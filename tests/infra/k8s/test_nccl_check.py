@@ -17,10 +17,10 @@ import sys
 import kubernetes_validate
 import pytest
 
+from infra import versions
+from infra.catalog import lookup
 from infra.k8s import nccl_check
 from infra.k8s.labels import ROLE_LABEL
-from infra.model import versions
-from infra.model.catalog import lookup
 
 SCRIPT = nccl_check.SCRIPT
 

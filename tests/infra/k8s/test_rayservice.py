@@ -26,10 +26,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra import catalog
 from infra.k8s import upgrades
 from infra.k8s.labels import ROLE_LABEL
 from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE, pods_for
-from infra.model import catalog
 from infra.paths import ROOT
 from serving.spec import MODEL_APP_PREFIX, DataPlane, IngressSpec, pool_label
 from tests.conftest import STACKS
@@ -267,26 +267,22 @@ def test_code_hash_changes_with_serving_code(tmp_path, monkeypatch):
     monkeypatch.setattr(package, "SERVING", copy)
     monkeypatch.setattr(package, "ROOT", tmp_path)
     assert package.serving_zip()[1] == sha
-    (copy / "spec.py").write_text((copy / "spec.py").read_text() + "\n# changed\n")
+    (copy / "app.py").write_text((copy / "app.py").read_text() + "\n# changed\n")
     assert package.serving_zip()[1] != sha
 
 
 def test_the_zip_holds_only_what_the_cluster_runs():
-    """serving/local/ (make serve, the tiny model) is never shipped; spec and app always are."""
+    """serving/ ships whole (spec and app included); local/ (make serve, the tiny model) never."""
     import io
     import zipfile
 
     from infra import package
 
     names = zipfile.ZipFile(io.BytesIO(package.serving_zip()[0])).namelist()
-    assert "app/serving/spec.py" in names and "app/serving/app.py" in names
-    assert not [n for n in names if n.startswith("app/serving/local/")], names
+    assert "app/serving/spec/serving.py" in names and "app/serving/app.py" in names
+    assert not [n for n in names if not n.startswith("app/serving/")], names
     shipped = {n.removeprefix("app/") for n in names}
-    on_disk = {
-        p.relative_to(ROOT).as_posix()
-        for p in (ROOT / "serving").rglob("*.py")
-        if "__pycache__" not in p.parts and "local" not in p.relative_to(ROOT / "serving").parts
-    }
+    on_disk = {p.relative_to(ROOT).as_posix() for p in (ROOT / "serving").rglob("*.py") if "__pycache__" not in p.parts}
     assert shipped == on_disk
 
 
@@ -408,7 +404,7 @@ def test_prod_streams_its_s3_weights_with_the_runai_streamer(rendered_stacks):
     """Issue 29: prod's s3:// weights are loaded by vLLM's `runai_streamer` (vLLM 0.32
     vllm/model_executor/model_loader/__init__.py maps it to RunaiModelStreamerLoader; the
     image's vLLM 0.29 has `load_format` and `model_loader_extra_config` too,
-    infra/model/vllm/0.29.0.json), and Ray Serve LLM skips its own download for it
+    infra/vllm/0.29.0.json), and Ray Serve LLM skips its own download for it
     (ray/llm/_internal/common/utils/download_utils.py STREAMING_LOAD_FORMATS, Ray 2.60)."""
     from ray.llm._internal.common.utils.download_utils import STREAMING_LOAD_FORMATS
     from vllm.config import KVTransferConfig

@@ -37,11 +37,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from infra import versions
 from infra.k8s import tracing
 from infra.k8s.monitoring import MONITORING_NAMESPACE
-from infra.model import versions
-from infra.model.vllm_options import IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION, problems
 from infra.paths import SERVING_DIR
+from infra.vllm_options import IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION, problems
 from tests.conftest import STACKS
 from tools import mock_runtime, stackfile
 

@@ -15,8 +15,8 @@ import copy
 import pytest
 import yaml
 
+from infra import catalog
 from infra.k8s.upgrades import classify
-from infra.model import catalog
 
 
 @pytest.fixture

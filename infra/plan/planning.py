@@ -1,0 +1,501 @@
+"""The capacity plan of a whole stack: pools, replicas, GPUs and prices on top of the fit.
+
+What flows through here: a validated `StackConfig` -> per engine role its pool's hardware,
+replica and node ranges (`infra.sizing.nodes`), GPU count and on-demand price at desiredSize
+and at maxSize, and, when the model's shape is known, the model figures of `infra.sizing.fit`
+and the time from a Pending pod to a serving replica on a new and on a warm node
+(`infra.sizing.startup`); the planned request rate (the slowest role's roofline at
+maxReplicas) and what it asks of the Ray head (`infra.sizing.head`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
+render`. Pure arithmetic on published figures: no Pulumi, Ray or vLLM import, nothing
+downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from infra import catalog
+from infra.config import LocalStorage, NodePool, NodePools, StackConfig
+from infra.plan.plan_text import format_layouts as format_layouts
+from infra.plan.plan_text import format_plan as format_plan
+from infra.sizing import nodes as sizing
+from infra.sizing import startup
+from infra.sizing.fit import (
+    HEADROOM_GIB,
+    LayoutOption,
+    ModelFigures,
+    ModelShape,
+    bytes_per_element,
+    exceeds_one_node,
+    max_num_seqs,
+    model_figures,
+    propose_layouts,
+    resolve,
+    weights_gib,
+)
+from infra.sizing.head import HeadSizing, front_door_cpu, size_head, size_head_many
+from serving.spec import Mode, ModelSpec, RoleSpec, ServingSpec
+from serving.spec.models import RolePools
+
+
+# --- one node pool: nodes, GPUs, EFA and price -----------------------------------------------
+@dataclass(frozen=True)
+class PoolFigures:
+    """A GPU pool's size and on-demand price: what `make render` and the plan both print."""
+
+    instance_type: str
+    capacity_type: str
+    min_size: int
+    desired_size: int
+    max_size: int
+    gpus_per_node: int
+    efa_per_node: int
+    gpus_desired: int
+    gpus_max: int
+    efa_max: int
+    usd_per_hour_desired: float  # on-demand list price, whatever the capacity type
+    usd_per_hour_max: float
+
+
+def pool_figures(pool: NodePool) -> PoolFigures:
+    inst = pool.instance
+    return PoolFigures(
+        instance_type=inst.name,
+        capacity_type=pool.capacity_type.value,
+        min_size=pool.min_size,
+        desired_size=pool.desired_size,
+        max_size=pool.max_size,
+        gpus_per_node=inst.gpus,
+        efa_per_node=inst.efa_interfaces,
+        gpus_desired=pool.desired_size * inst.gpus,
+        gpus_max=pool.max_size * inst.gpus,
+        efa_max=pool.max_size * inst.efa_interfaces,
+        usd_per_hour_desired=pool.desired_size * inst.usd_per_hour,
+        usd_per_hour_max=pool.max_size * inst.usd_per_hour,
+    )
+
+
+# --- the plan of a whole stack ------------------------------------------------------------
+@dataclass(frozen=True)
+class RolePlan:
+    """One engine role: its pool's hardware and cost, and (shape known) the model figures."""
+
+    role: str
+    instance_type: str
+    gpu_model: str
+    capacity_type: str
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    data_parallel_size: int
+    expert_parallel: bool
+    gpus_per_replica: int
+    nodes_per_replica: int
+    min_replicas: int
+    max_replicas: int
+    nodes_desired: int
+    nodes_max: int
+    gpus_desired: int
+    gpus_max: int
+    usd_per_hour_desired: float  # on-demand list price, whatever the capacity type
+    usd_per_hour_max: float
+    gpu_memory_gib: float
+    usable_gib_per_gpu: float
+    hbm_gbps: int
+    network: str  # "EFA" or "ENA"
+    network_gbps: float  # the replica's share of its nodes' line rate
+    figures: ModelFigures | None
+    scaling: RoleScaling | None = None
+    startup: startup.TimeToServe | None = None
+    pool_min_size: int = 1  # the node pool's minSize: 0 lets its last node go when idle
+
+    @property
+    def cold_start_node(self) -> str:
+        """Where the first replica after idle starts: a "new node" when the pool may empty
+        too (minSize 0), else a "warm node" the pool kept."""
+        return "new node" if self.pool_min_size == 0 else "warm node"
+
+    @property
+    def first_request_after_idle_s(self) -> float | None:
+        """Seconds the first request after idle waits for this role (minReplicas 0): the time
+        to serve on the node `cold_start_node` names. None when the role keeps a replica or
+        the time is not known (model shape unknown)."""
+        if self.min_replicas > 0 or self.startup is None:
+            return None
+        return self.startup.new_node_s if self.pool_min_size == 0 else self.startup.warm_node_s
+
+
+@dataclass(frozen=True)
+class RoleScaling:
+    """What autoscaling does to one role: replica and node ranges, their GPUs and price, the
+    load at which Serve adds a replica, and what a cluster upgrade adds on top."""
+
+    nodes_min: int  # nodes at minReplicas
+    nodes_max: int  # nodes at maxReplicas
+    gpus_min: int
+    gpus_max: int
+    usd_per_hour_min: float
+    usd_per_hour_max: float
+    upgrade_strategy: str
+    upgrade_peak_nodes: int  # at maxReplicas, during a cluster upgrade
+    upgrade_extra_nodes: int
+    upgrade_extra_usd_per_hour: float
+    target_ongoing_requests: float
+    scale_out_rps: float | None  # requests/s at which the minReplicas replicas reach the target
+    max_rps: float | None = None  # the same at maxReplicas: the most the role is planned for
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The request shape the scale-out rates assume (`make plan` options)."""
+
+    prompt_tokens: int = 1024
+    output_tokens: int = 256
+
+
+def _replica_rps(
+    role: str,
+    spec: RoleSpec,
+    inst: catalog.InstanceType,
+    shape: ModelShape,
+    model: ModelSpec,
+    serving: ServingSpec,
+    figures_fn: Callable[..., ModelFigures],
+    workload: Workload,
+) -> float | None:
+    """Requests/s at which one replica holds targetOngoingRequests (roofline).
+
+    decode: a replica decoding `target` sequences at once emits tokens_per_s(target) (HBM
+    roofline at the workload's context), so it holds `target` requests in flight at
+    tokens_per_s(target) / output_tokens requests/s.
+    prefill: compute-bound at the GPUs' dense BF16 peak, 2 x parameters FLOPs per prompt token:
+    mu = TP x TFLOPS / (2 x P x prompt_tokens) requests/s; with requests sharing the engine,
+    `target` are in flight at mu x target / (target + 1) (processor sharing, Little's law).
+    Both are upper bounds (no MFU, no scheduling); Serve scales out above them.
+    """
+    target = spec.target_ongoing_requests
+    if role == "decode":
+        figs = figures_fn(context_len=workload.prompt_tokens + workload.output_tokens, max_num_seqs=max(1, int(target)))
+        if figs.decode_tokens_per_s_max_batch is None:
+            return None
+        per_replica = figs.decode_tokens_per_s_max_batch / workload.output_tokens
+    else:
+        flops = spec.tensor_parallel_size * catalog.DENSE_BF16_TFLOPS[inst.ray_accelerator] * 1e12
+        mu = flops / (2 * shape.parameters_billions * 1e9 * workload.prompt_tokens)
+        per_replica = mu * target / (target + 1)
+    return per_replica
+
+
+@dataclass(frozen=True)
+class KvLink:
+    """The prefill -> decode KV path of a disaggregated stack, set by its slower side.
+
+    NIXL moves each TP rank's share of the KV over that rank's share of the node's line
+    rate; when the pools differ (p5 prefill, p4de decode), the slower side's share bounds it.
+    """
+
+    backend: str  # NIXL backend (catalog: LIBFABRIC on EFA, UCX elsewhere)
+    network: str  # "EFA" or "ENA"
+    gbps_per_gpu: float  # the slower side's per-GPU share of its node's line rate
+    slower_role: str
+    slower_instance: str
+    replica_gbps: float  # per replica: gbps_per_gpu x GPUs per replica
+    prompt_seconds: float | None  # one maxModelLen prompt's KV at replica_gbps (None: shape unknown)
+
+
+@dataclass(frozen=True)
+class Plan:
+    environment: str
+    model_id: str
+    model_source: str
+    dtype: str
+    bytes_per_element: int
+    max_model_len: int
+    gpu_memory_utilization: float
+    headroom_gib_per_gpu: float
+    shape: ModelShape | None
+    shape_origin: str  # where the shape came from, or why it is unknown
+    roles: tuple[RolePlan, ...]
+    # Layouts that fit, per engine role whose pool's one node cannot hold the weights.
+    layouts: tuple[LayoutOption, ...] = ()
+    layout_roles: tuple[str, ...] = ()  # the roles whose pools were searched for layouts
+    kv_link: KvLink | None = None  # disaggregated mode only
+    # What the planned rate asks of the Ray head (None: no roofline rate, shape unknown).
+    head: HeadSizing | None = None
+
+    @property
+    def fit_checked(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def problems(self) -> tuple[tuple[str, str], ...]:
+        return tuple(p for r in self.roles if r.figures for p in r.figures.problems)
+
+    @property
+    def gpus_desired(self) -> int:
+        return sum(r.gpus_desired for r in self.roles)
+
+    @property
+    def gpus_max(self) -> int:
+        return sum(r.gpus_max for r in self.roles)
+
+    @property
+    def usd_per_hour_desired(self) -> float:
+        return sum(r.usd_per_hour_desired for r in self.roles)
+
+    @property
+    def usd_per_hour_max(self) -> float:
+        return sum(r.usd_per_hour_max for r in self.roles)
+
+
+def model_view(cfg: StackConfig, spec: ServingSpec) -> StackConfig:
+    """The stack as the one-model planner sees one of its models: that model's spec, and its
+    roles' pools under the role names the planner reads (`serving.pools` or
+    `serving.models[i].pools` may name any pool). Not re-validated: the whole stack was."""
+    pools = NodePools({role: cfg.node_pools[spec.pool_of(role)] for role in spec.engine_roles()})
+    # In the view each role's pool is named after the role: a view of a view is the same view.
+    return cfg.model_copy(update={"serving": spec.model_copy(update={"pools": RolePools()}), "node_pools": pools})
+
+
+def plan(config: StackConfig, *, context_len: int | None = None, workload: Workload | None = None) -> Plan:
+    """The capacity plan of a validated stack's model (with `serving.models`, the first one;
+    infra/plan/model_plans.py plans each, `stack_head` sizes the head for all).
+
+    GPU counts and prices cover the node pools of the engine roles that run (in aggregated
+    mode, the decode pool only), at the pools' desiredSize and at their maxSize; system
+    (CPU) nodes are left out. `context_len` is the context the decode roofline assumes
+    (default: maxModelLen).
+    """
+    config = model_view(config, config.serving.served[0])
+    model = config.serving.model
+    shape, origin = resolve(model)
+    roles = [
+        _role_plan(config, role, spec, shape, context_len, workload or Workload())
+        for role, spec in config.serving.engine_roles().items()
+    ]
+    rate = planned_rate(roles)
+    head = (
+        None
+        if rate is None
+        else size_head(
+            rate[0],
+            rate[1],
+            config.serving.mode.value,
+            config.system_nodes.instance_type,
+            config.serving.ingress.max_replicas,
+            front_door_cpu(config.serving.ingress.data_plane.value),
+        )
+    )
+    layout_roles, layouts = _layouts(config, shape, context_len)
+    return Plan(
+        environment=config.environment.value,
+        model_id=model.id,
+        model_source=model.source,
+        dtype=model.dtype.value,
+        bytes_per_element=bytes_per_element(model.dtype),
+        max_model_len=model.max_model_len,
+        gpu_memory_utilization=model.gpu_memory_utilization,
+        headroom_gib_per_gpu=HEADROOM_GIB,
+        shape=shape,
+        shape_origin=origin,
+        roles=tuple(roles),
+        layouts=tuple(layouts),
+        layout_roles=tuple(layout_roles),
+        kv_link=kv_link(config, roles),
+        head=head,
+    )
+
+
+def planned_rate(roles: list[RolePlan]) -> tuple[float, str] | None:
+    """The request rate the stack is planned for, and the role that sets it: every request
+    passes every engine role, so the slowest role's roofline rate at maxReplicas."""
+    rates = [(r.scaling.max_rps, r.role) for r in roles if r.scaling is not None and r.scaling.max_rps is not None]
+    if not rates or len(rates) < len(roles):
+        return None
+    return min(rates)
+
+
+def cold_start_seconds(config: StackConfig) -> dict[str, float]:
+    """Engine role -> the plan's first request after idle (s), for the roles at minReplicas 0
+    whose time to serve is known: what the ingress's Retry-After for a cold start says
+    (serving.spec.Target.cold_start_s). With several models, the longest of theirs."""
+    out: dict[str, float] = {}
+    for spec in config.serving.served:
+        for r in plan(model_view(config, spec)).roles:
+            if (s := r.first_request_after_idle_s) is not None:
+                out[r.role] = max(out.get(r.role, 0.0), s)
+    return out
+
+
+def stack_head(config: StackConfig) -> HeadSizing | None:
+    """The head sizing for every model behind the one front door: each model's planned rate
+    (its slowest role's roofline at maxReplicas), summed, at each model's CPU per request
+    (P/D and aggregated differ). None while any model's rate is unknown."""
+    if not config.serving.many:
+        return plan(config).head
+    parts: list[tuple[float, str, str]] = []
+    for spec in config.serving.served:
+        rate = planned_rate(list(plan(model_view(config, spec)).roles))
+        if rate is None:
+            return None
+        parts.append((rate[0], f"{spec.model.id} {rate[1]}", spec.mode.value))
+    return size_head_many(
+        parts,
+        config.system_nodes.instance_type,
+        config.serving.ingress.max_replicas,
+        front_door_cpu(config.serving.ingress.data_plane.value),
+    )
+
+
+def _role_plan(
+    config: StackConfig,
+    role: str,
+    spec: RoleSpec,
+    shape: ModelShape | None,
+    context_len: int | None,
+    workload: Workload,
+) -> RolePlan:
+    """One engine role's pool, sizes and prices, and (shape known) its model figures."""
+    serving = config.serving
+    model = serving.model
+    pool = getattr(config.node_pools, role)
+    inst = pool.instance
+    gpus = spec.gpus_per_replica
+    sized = pool_figures(pool)
+    figures = None
+    if shape is not None:
+        figures = model_figures(
+            shape, model, role, spec, inst, context_len=context_len, max_num_seqs=max_num_seqs(serving)
+        )
+    return RolePlan(
+        role=role,
+        instance_type=inst.name,
+        gpu_model=inst.gpu_model,
+        capacity_type=pool.capacity_type.value,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
+        data_parallel_size=spec.data_parallel_size,
+        expert_parallel=spec.moe_parallelism.value == "expert",
+        gpus_per_replica=gpus,
+        nodes_per_replica=sizing.nodes_per_replica(gpus, inst.gpus),
+        min_replicas=spec.min_replicas,
+        max_replicas=spec.max_replicas,
+        nodes_desired=sized.desired_size,
+        nodes_max=sized.max_size,
+        pool_min_size=pool.min_size,
+        gpus_desired=sized.gpus_desired,
+        gpus_max=sized.gpus_max,
+        usd_per_hour_desired=sized.usd_per_hour_desired,
+        usd_per_hour_max=sized.usd_per_hour_max,
+        gpu_memory_gib=inst.gpu_memory_gib,
+        usable_gib_per_gpu=inst.gpu_memory_gib * model.gpu_memory_utilization,
+        hbm_gbps=inst.hbm_gbps,
+        network="EFA" if inst.efa else "ENA",
+        network_gbps=inst.network_gbps * gpus / inst.gpus,
+        figures=figures,
+        scaling=_role_scaling(config, role, spec, inst, shape, workload),
+        startup=_time_to_serve(config, role, pool, shape, figures),
+    )
+
+
+def _role_scaling(
+    config: StackConfig,
+    role: str,
+    spec: RoleSpec,
+    inst: catalog.InstanceType,
+    shape: ModelShape | None,
+    workload: Workload,
+) -> RoleScaling:
+    """Node, GPU and price ranges from minReplicas to maxReplicas, the upgrade's extra nodes,
+    and the request rate at which Serve scales the role out."""
+    serving = config.serving
+    model = serving.model
+    gpus = spec.gpus_per_replica
+    nodes = [sizing.nodes_for(n, gpus, inst.gpus) for n in (spec.min_replicas, spec.max_replicas)]
+    strategy = config.upgrade_strategy.value
+    peak = sizing.upgrade_peak_nodes(
+        strategy, spec.min_replicas, spec.max_replicas, spec.initial_replicas, gpus, inst.gpus
+    )
+
+    def figures_fn(**kw: int | None) -> ModelFigures:
+        assert shape is not None  # only called when the shape is known
+        return model_figures(shape, model, role, spec, inst, **kw)
+
+    per_replica = None if shape is None else _replica_rps(role, spec, inst, shape, model, serving, figures_fn, workload)
+
+    return RoleScaling(
+        nodes_min=nodes[0],
+        nodes_max=nodes[1],
+        gpus_min=nodes[0] * inst.gpus,
+        gpus_max=nodes[1] * inst.gpus,
+        usd_per_hour_min=nodes[0] * inst.usd_per_hour,
+        usd_per_hour_max=nodes[1] * inst.usd_per_hour,
+        upgrade_strategy=strategy,
+        upgrade_peak_nodes=peak,
+        upgrade_extra_nodes=peak - nodes[1],
+        upgrade_extra_usd_per_hour=(peak - nodes[1]) * inst.usd_per_hour,
+        target_ongoing_requests=spec.target_ongoing_requests,
+        scale_out_rps=None if per_replica is None else spec.min_replicas * per_replica,
+        max_rps=None if per_replica is None else spec.max_replicas * per_replica,
+    )
+
+
+def _time_to_serve(
+    config: StackConfig, role: str, pool: NodePool, shape: ModelShape | None, figures: ModelFigures | None
+) -> startup.TimeToServe:
+    """Pending pod -> serving replica, on a new node and on a warm one."""
+    model = config.serving.model
+    inst = pool.instance
+    return startup.time_to_serve(
+        role,
+        inst,
+        # The same rule as the node pool's NodeConfig (infra/components/gpu_node_pool.py).
+        raid0=pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0,
+        model_source=model.source,
+        # A new VPC gets an S3 gateway endpoint on its private route tables
+        # (infra/components/network.py); an existing VPC's routes are not known here.
+        s3_gateway_endpoint=config.existing_vpc is None,
+        checkpoint_gib=None if shape is None else weights_gib(shape, model),
+        weights_gib_per_gpu=None if figures is None else figures.weights_gib_per_gpu,
+        streamed=model.loading.streamed(model.source),
+    )
+
+
+def _layouts(
+    config: StackConfig, shape: ModelShape | None, context_len: int | None
+) -> tuple[list[str], list[LayoutOption]]:
+    """The roles whose pool's one node cannot hold the weights, and the layouts that fit them."""
+    serving = config.serving
+    layouts: list[LayoutOption] = []
+    layout_roles: list[str] = []
+    if shape is not None:
+        for role in serving.engine_roles():
+            inst = getattr(config.node_pools, role).instance
+            if exceeds_one_node(shape, serving.model, inst):
+                layout_roles.append(role)
+                layouts += propose_layouts(
+                    shape, serving.model, inst, role, context_len=context_len, max_num_seqs=max_num_seqs(serving)
+                )
+    return layout_roles, layouts
+
+
+def kv_link(config: StackConfig, roles: list[RolePlan] | None = None) -> KvLink | None:
+    """The slower side of the prefill -> decode KV path (None in aggregated mode)."""
+    if config.serving.mode is not Mode.DISAGGREGATED:
+        return None
+    insts = {role: getattr(config.node_pools, role).instance for role in ("prefill", "decode")}
+    slower = min(insts, key=lambda r: (insts[r].gpu_share_gbps, r != "decode"))
+    inst = insts[slower]
+    gpus = min(spec.gpus_per_replica for spec in config.serving.engine_roles().values())
+    replica_gbps = inst.gpu_share_gbps * gpus
+    figures = next((r.figures for r in roles or [] if r.figures), None)
+    seconds = figures.prompt_kv_bytes * 8 / (replica_gbps * 1e9) if figures else None
+    return KvLink(
+        backend=inst.nixl_backend.value,
+        network="EFA" if inst.efa else "ENA",
+        gbps_per_gpu=inst.gpu_share_gbps,
+        slower_role=slower,
+        slower_instance=inst.name,
+        replica_gbps=replica_gbps,
+        prompt_seconds=seconds,
+    )

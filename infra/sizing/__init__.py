@@ -1,0 +1,1 @@
+"""Pure arithmetic on published figures (the instance catalog, the model's shape, the serving spec): does a model fit, nodes per replica, time to serve, autoscaling thresholds, the head's size. No Pulumi import, no I/O, and no stack config: the config's checks use it."""

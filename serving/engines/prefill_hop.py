@@ -1,0 +1,230 @@
+"""The decode side's prefill hop: call prefill under its deadlines, or prefill locally.
+
+What flows through here: one P/D request on a decode replica (serving/engines/pd_server.py) -> the
+prefill call through Serve (`remote_prefill`: a queue bound until a prefill replica takes the
+call, then the prefill deadline from that moment; retries on another replica; the circuit of
+serving/engines/circuit.py consulted and told the verdict) -> the decode engine with the KV handed
+over, or the request prefilled locally on decode when the remote path failed
+(`orchestrate`), its first item awaited within the KV-ready deadline -> the stream of engine
+items, and one `on_path` report of how it was prefilled (remote, remote_retry, local and why).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from serving.core.failures import (
+    Reason,
+    ResilienceConfig,
+    aclose_quietly,
+    assigned,
+    cancel_call,
+    classify,
+    first_item,
+    logger,
+)
+from serving.engines.circuit import Circuit
+
+
+class CircuitOpened(Exception):
+    """Another request found the remote prefill broken while this one waited."""
+
+
+class QueueTimeout(TimeoutError):
+    """No prefill replica took the call within prefill_queue_timeout_s (busy, not broken)."""
+
+
+async def _race(aw: Awaitable[Any], timeout_s: float, circuit: Circuit) -> Any:
+    """`aw`'s result within `timeout_s`, unless the circuit opens first (CircuitOpened)."""
+    nxt = asyncio.ensure_future(aw)
+    trip = asyncio.ensure_future(circuit.tripped())
+    try:
+        done, _ = await asyncio.wait({nxt, trip}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        nxt.cancel()
+        raise
+    finally:
+        trip.cancel()
+    if nxt in done:
+        return nxt.result()
+    nxt.cancel()
+    if trip in done:
+        raise CircuitOpened
+    raise TimeoutError
+
+
+async def _prefill_answer(stream: Any, cfg: ResilienceConfig, circuit: Circuit) -> Any:
+    """The prefill call's first (only) chunk. Two clocks: a replica must take the call within
+    prefill_queue_timeout_s (else QueueTimeout: the prefill tier is busy), and then answer
+    within prefill_timeout_s, timed from when it took the call, so queueing under load is
+    never mistaken for a broken replica."""
+    try:
+        await _race(assigned(stream), cfg.prefill_queue_timeout_s, circuit)
+    except TimeoutError:
+        raise QueueTimeout from None
+    return await _race(stream.__anext__(), cfg.prefill_timeout_s, circuit)
+
+
+# --- decode side: the prefill hop ------------------------------------------------------
+class Path(str, enum.Enum):
+    """How a P/D request was prefilled (the `path` label of pd_prefill_path)."""
+
+    REMOTE = "remote"  # the prefill tier, first attempt: the designed mode
+    REMOTE_RETRY = "remote_retry"  # the prefill tier, after a failed attempt
+    LOCAL = "local"  # on the decode engine (aggregated); the reason label says why
+
+
+@dataclass
+class PrefillOutcome:
+    chunk: Any = None
+    reason: Reason | None = None  # set when falling back to local prefill
+    attempts: int = 0  # prefill calls made
+
+    @property
+    def path(self) -> Path:
+        if self.reason is not None:
+            return Path.LOCAL
+        return Path.REMOTE if self.attempts <= 1 else Path.REMOTE_RETRY
+
+
+async def remote_prefill(
+    call: Callable[[], Any],
+    *,
+    is_error: Callable[[Any], bool],
+    cfg: ResilienceConfig,
+    circuit: Circuit,
+    on_retry: Callable[[Reason], None],
+    no_replica: Callable[[], bool] = lambda: False,
+) -> PrefillOutcome:
+    """Run the prefill call under its deadlines, retrying; the outcome says fall back or not.
+
+    `call()` starts one prefill request and returns its response stream (a Serve
+    DeploymentResponseGenerator: async-iterable with .cancel()). A failed or late call is
+    cancelled, so the prefill engine drops it. A replica death, an error or a stall (no
+    answer within prefill_timeout_s after a replica took the call) counts against the
+    circuit and is retried (Serve routes the retry away from a dead replica); a call no
+    replica takes in time, or Serve's back-pressure, means the prefill tier is busy, not
+    broken: no retry, no verdict on the circuit (except for the probe, which must prove the
+    tier works). The probe is never retried: its failure opens the circuit again.
+    `no_replica()` True (Serve reports no running prefill replica: a restart takes minutes)
+    is broken, not busy: the request prefills locally at once, counted against the circuit,
+    instead of waiting prefill_queue_timeout_s for a replica that is not there.
+    """
+    if not circuit.allow():
+        return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
+    probe = circuit.probing  # allowed while not closed: this request is the half-open probe
+    reason = Reason.ERROR
+    verdict = False
+    attempts = 0
+    try:
+        for attempt in range(cfg.prefill_attempts):
+            if attempt and circuit.is_open:
+                reason = Reason.CIRCUIT_OPEN
+                break
+            if no_replica():
+                reason = Reason.NO_REPLICA
+                circuit.failure(probe=probe)
+                verdict = probe
+                break
+            attempts += 1
+            stream = call()
+            try:
+                chunk = await _prefill_answer(stream, cfg, circuit)
+            except asyncio.CancelledError:
+                cancel_call(stream)
+                raise
+            except CircuitOpened:
+                cancel_call(stream)
+                reason = Reason.CIRCUIT_OPEN
+                break
+            except QueueTimeout:
+                cancel_call(stream)
+                reason = Reason.OVERLOADED
+            except Exception as exc:
+                cancel_call(stream)
+                reason = classify(exc)
+                logger.warning("prefill attempt %d failed (%s): %r", attempt + 1, reason.value, exc)
+            else:
+                if not is_error(chunk):
+                    circuit.success()
+                    verdict = True
+                    return PrefillOutcome(chunk=chunk, attempts=attempts)
+                reason = Reason.ERROR
+                logger.warning("prefill attempt %d returned an error: %s", attempt + 1, chunk)
+            if reason is Reason.OVERLOADED and not probe:
+                break
+            circuit.failure(probe=probe)
+            if probe:
+                verdict = True
+                break
+            if attempt + 1 < cfg.prefill_attempts and not circuit.is_open:
+                on_retry(reason)
+        return PrefillOutcome(reason=reason, attempts=attempts)
+    finally:
+        if probe and not verdict:
+            circuit.release()
+
+
+async def first_then_rest(gen: AsyncIterator[Any], timeout_s: float | None) -> tuple[Any, AsyncIterator[Any]]:
+    """The first item of `gen` within `timeout_s` (None: no limit), and the rest."""
+    if timeout_s is None:
+        first = await gen.__anext__()
+    else:
+        first = await asyncio.wait_for(gen.__anext__(), timeout_s)
+    return first, gen
+
+
+async def orchestrate(
+    *,
+    prefill: Callable[[], Awaitable[PrefillOutcome]],
+    decode_with: Callable[[Any], Awaitable[AsyncIterator[Any]]],
+    decode_local: Callable[[], Awaitable[AsyncIterator[Any]]],
+    is_server_error: Callable[[Any], bool],
+    kv_ready_timeout_s: Callable[[], float | None],
+    on_path: Callable[[Path, Reason | None], None],
+    local_reason: Reason | None = None,
+) -> AsyncIterator[Any]:
+    """Remote prefill then decode; local prefill on decode when the remote path fails.
+
+    `kv_ready_timeout_s()` is asked when the decode request starts: the time its first item
+    may take (KV pulled from prefill), or None for no bound. `local_reason` set: prefill
+    locally straight away (a request the remote path cannot serve well). `on_path` is told
+    once how the request was prefilled. Nothing is yielded before the decode engine
+    produced its first item, so a fallback never duplicates output.
+    """
+    if local_reason is not None:
+        outcome = PrefillOutcome(reason=local_reason)
+    else:
+        outcome = await prefill()
+    if outcome.reason is None:
+        gen = await decode_with(outcome.chunk)
+        try:
+            first, gen = await first_then_rest(gen, kv_ready_timeout_s())
+        except StopAsyncIteration:
+            on_path(outcome.path, None)
+            return
+        except asyncio.CancelledError:
+            await aclose_quietly(gen)
+            raise
+        except TimeoutError:
+            await aclose_quietly(gen)  # aborts the engine request: vLLM frees its KV blocks
+            outcome.reason = Reason.KV_TIMEOUT
+        else:
+            if is_server_error(first_item(first)):
+                await aclose_quietly(gen)
+                outcome.reason = Reason.KV_LOAD_ERROR
+            else:
+                on_path(outcome.path, None)
+                yield first
+                async for item in gen:
+                    yield item
+                return
+    assert outcome.reason is not None
+    on_path(Path.LOCAL, outcome.reason)
+    logger.warning("prefill locally on decode (%s)", outcome.reason.value)
+    async for item in await decode_local():
+        yield item

@@ -1,0 +1,63 @@
+"""Stream batching that does not hold back the first token.
+
+What flows through here: the engine's async stream of OpenAI chunks inside an engine
+replica -> the first chunk at once, then the rest in batches every
+`experimental_configs.stream_batching_interval_ms` -> Ray Serve's streaming handle -> the
+ingress -> the client.
+
+Why: Ray Serve LLM 2.60 batches streamed chunks so each Ray object carries several tokens
+(`LLMServer._batch_output_stream`, `ray/llm/_internal/serve/utils/batcher.py`), and its
+batcher waits a whole interval before it yields anything, the first token included. With
+the default 50 ms that is up to 50 ms of extra time to first token on every request;
+with batching off (0 ms) every token becomes its own Ray object and output throughput fell
+by a third at 16 concurrent streams on this project's CPU stack (docs/performance.md).
+Sending the first chunk alone and batching the rest keeps both.
+
+The mixin overrides one method of Ray's server class (`_batch_output_stream`, Ray 2.60);
+serving.ray_internals.check_hooks refuses to build the application when it is gone, and
+tests/serving/engines/test_streaming.py pins its signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from ray.serve.llm.deployment import LLMServer
+
+from serving.ray_internals import Batcher
+from serving.spec import FIRST_CHUNK_KEY, FirstChunk
+
+
+async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -> AsyncGenerator[list[Any], None]:
+    """[first chunk] as soon as it exists, then lists of chunks every `interval_ms`."""
+    it = stream.__aiter__()
+    try:
+        first = await it.__anext__()
+    except StopAsyncIteration:
+        return
+    yield [first]
+    rest: Batcher[Any] = Batcher(it, interval_ms=interval_ms)
+    async for batch in rest.stream():
+        yield list(batch)
+
+
+class EagerFirstChunkMixin:
+    """Put first in the bases of an LLMServer subclass (aggregated or P/D decode).
+
+    The spec's `streaming.firstChunk` arrives in the LLMConfig's experimental_configs;
+    `batched` hands the stream back to Ray's own batcher.
+    """
+
+    # Provided by Ray's LLMServer, which the mixin is combined with.
+    _llm_config: Any
+    _get_batch_interval_ms: Any
+
+    def _batch_output_stream(self, generator: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        if self._llm_config.experimental_configs.get(FIRST_CHUNK_KEY) == FirstChunk.BATCHED.value:
+            return super()._batch_output_stream(generator)  # type: ignore[misc]
+        return eager_batches(generator, self._get_batch_interval_ms())
+
+
+class EagerLLMServer(EagerFirstChunkMixin, LLMServer):
+    """Ray Serve LLM's server with the first streamed chunk sent at once (aggregated mode)."""

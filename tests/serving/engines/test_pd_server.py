@@ -1,0 +1,232 @@
+"""serving/engines/pd_server.py builds Ray's P/D graph, with only the decode class swapped.
+
+Contract: Ray 2.60 `build_pd_openai_app` (ray-project/ray, python/ray/llm/_internal/serve/
+serving_patterns/prefill_decode/builder.py) is the reference; for the same args our
+`build_pd_app` must produce the same deployments (names, Serve options, placement, init
+arguments) except that decode runs `ResilientPDDecodeServer` (a subclass of the public
+PDDecodeServer) and receives the resilience values. Also: every Ray internal that the
+resilience layer relies on (serving/ray_internals.py, and private members of public classes)
+still exists with the shape we use -- these tests fail loudly on a Ray upgrade that moves them.
+
+No Ray instance is started: building the graph only reads `ray.get_runtime_context()` (for
+the default runtime env), which is stubbed; auto-connect is off so a hidden `ray.init()`
+would fail the test instead of starting Ray.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from pathlib import Path
+
+import pytest
+
+from serving.spec import Mode, ResilienceSpec, Target
+
+GPU = Target(accelerator_type="H100", working_dir="s3://example-bucket/serving.zip")
+
+
+@pytest.fixture
+def no_ray(monkeypatch):
+    import ray
+
+    monkeypatch.setenv("RAY_ENABLE_AUTO_CONNECT", "0")
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(runtime_env={}))
+    yield
+    assert not ray.is_initialized()
+
+
+def _graph(app) -> dict[str, dict]:
+    """{deployment name: {cls, config, actor options, init kwargs (handles by name)}}."""
+    out: dict[str, dict] = {}
+
+    def walk(a):
+        d = a._bound_deployment
+        kwargs = {}
+        for k, v in d.init_kwargs.items():
+            if hasattr(v, "_bound_deployment"):
+                walk(v)
+                kwargs[k] = ("deployment", v._bound_deployment.name)
+            elif isinstance(v, dict) and any(hasattr(x, "_bound_deployment") for x in v.values()):
+                kwargs[k] = {}
+                for kk, vv in v.items():
+                    walk(vv)
+                    kwargs[k][kk] = ("deployment", vv._bound_deployment.name)
+            else:
+                kwargs[k] = v
+        cfg = d._deployment_config
+        out[d.name] = {
+            "cls": d.func_or_class,
+            "config": {
+                k: getattr(cfg, k)
+                for k in (
+                    "max_ongoing_requests",
+                    "max_queued_requests",
+                    "health_check_period_s",
+                    "health_check_timeout_s",
+                    "autoscaling_config",
+                )
+            },
+            "actor": d._replica_config.ray_actor_options,
+            "placement": (
+                d._replica_config.placement_group_bundles,
+                d._replica_config.placement_group_strategy,
+                getattr(d._replica_config, "placement_group_bundle_label_selector", None),
+            ),
+            "kwargs": kwargs,
+        }
+
+    walk(app)
+    return out
+
+
+def _args(mode_target):
+    from local.config import local_spec
+    from tests.serving.spec.test_serving import make_spec
+
+    if mode_target == "cpu":
+        return local_spec(Mode.DISAGGREGATED, Path("/models/tiny")).app_args(Target())
+    return make_spec().app_args(GPU)
+
+
+@pytest.mark.parametrize("which", ["cpu", "gpu"])
+def test_same_graph_as_rays_builder_but_the_decode_class(no_ray, which):
+    from ray.serve.llm import build_pd_openai_app
+    from ray.serve.llm.deployment import PDDecodeServer
+
+    from serving.app import _ingress_cls_config, build_app
+    from serving.engines.pd_server import ResilientPDDecodeServer
+
+    args = _args(which)
+    ours = _graph(build_app(args))
+    ray_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
+    ray_args["ingress_cls_config"] = _ingress_cls_config(args["auth"], args["resilience"])
+    theirs = _graph(build_pd_openai_app(ray_args))
+
+    assert ours.keys() == theirs.keys()
+    decode = next(n for n in ours if n.startswith("Decode:"))
+    assert ours[decode]["cls"] is ResilientPDDecodeServer
+    assert issubclass(ResilientPDDecodeServer, PDDecodeServer)
+    assert ours[decode]["kwargs"].pop("resilience") == args["resilience"]
+    for name in ours:
+        o, t = ours[name], theirs[name]
+        if name != decode:
+            assert o["cls"].__name__ == t["cls"].__name__, name
+        assert o["config"] == t["config"], name
+        assert o["actor"] == t["actor"], name
+        assert o["placement"] == t["placement"], name
+        assert o["kwargs"].keys() == t["kwargs"].keys(), name
+        for k in o["kwargs"]:
+            if k != "llm_config":
+                assert o["kwargs"][k] == t["kwargs"][k], (name, k)
+            else:
+                assert o["kwargs"][k].model_dump() == t["kwargs"][k].model_dump(), name
+
+
+def test_build_pd_app_refuses_bad_resilience_before_building():
+    from serving.engines.pd_server import build_pd_app
+
+    with pytest.raises(ValueError, match="missing keys"):
+        build_pd_app({}, {"prefill_timeout_s": 1})
+
+
+def test_build_pd_app_refuses_data_parallel_engines(no_ray):
+    from serving.app import _ingress_cls_config
+    from serving.engines.pd_server import build_pd_app
+
+    args = _args("cpu")
+    args["decode_config"]["engine_kwargs"]["data_parallel_size"] = 2
+    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
+    builder_args["ingress_cls_config"] = _ingress_cls_config(args["auth"])
+    with pytest.raises(ValueError, match="decode: data_parallel_size > 1"):
+        build_pd_app(builder_args, ResilienceSpec().runtime_args())
+
+
+# --- the Ray internals we rely on (Ray 2.60) ------------------------------------------------
+def test_ray_internals_module_imports_every_symbol():
+    from serving import ray_internals
+
+    for name in ray_internals.__all__:
+        assert getattr(ray_internals, name) is not None, name
+
+
+def test_pd_decode_server_members_used_by_the_resilient_subclass():
+    """ray/llm/_internal/serve/serving_patterns/prefill_decode/pd_server.py (Ray 2.60)."""
+    from ray.serve.llm.deployment import PDDecodeServer
+
+    params = inspect.signature(PDDecodeServer.__init__).parameters
+    assert {"llm_config", "prefill_server", "engine_cls", "model_downloader"} <= set(params)
+    src = inspect.getsource(PDDecodeServer.__init__)
+    assert "self._prefill_handle = prefill_server.options(stream=True)" in src
+    assert callable(PDDecodeServer._get_connector_backend)
+    assert PDDecodeServer._pd_tokenize_once is False
+    for method in ("chat", "completions"):
+        assert list(inspect.signature(getattr(PDDecodeServer, method)).parameters) == [
+            "self",
+            "request",
+            "raw_request_info",
+        ]
+
+
+def test_llm_server_methods_run_on_the_local_engine():
+    """Local prefill calls the public LLMServer's chat/completions on the decode replica;
+    they must be the engine methods that PDDecodeServer overrides."""
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer as Internal
+    from ray.serve.llm.deployment import LLMServer, PDDecodeServer
+
+    for method in ("chat", "completions"):
+        assert getattr(LLMServer, method) is getattr(Internal, method)
+        assert issubclass(PDDecodeServer, Internal)
+        assert list(inspect.signature(getattr(LLMServer, method)).parameters)[:3] == [
+            "self",
+            "request",
+            "raw_request_info",
+        ]
+
+
+def test_connector_backend_protocol():
+    """ray/llm/_internal/serve/engines/vllm/kv_transfer/base.py (Ray 2.60)."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.base import BaseConnectorBackend
+
+    assert list(inspect.signature(BaseConnectorBackend.prepare_prefill_request).parameters) == [
+        "self",
+        "request",
+        "peer",
+    ]
+    assert list(inspect.signature(BaseConnectorBackend.prepare_decode_request).parameters) == [
+        "self",
+        "request",
+        "peer",
+        "prefill_response",
+    ]
+    for flag in ("requires_peer_binding", "concurrent_handoff"):
+        assert hasattr(BaseConnectorBackend, flag), flag
+
+
+def test_openai_ingress_members_used_by_the_resilient_mixin():
+    """ray/llm/_internal/serve/core/ingress/ingress.py (Ray 2.60)."""
+    from ray.serve.llm.ingress import OpenAiIngress
+
+    assert inspect.iscoroutinefunction(OpenAiIngress._get_model_id)
+    assert callable(OpenAiIngress._get_configured_serve_handle)
+    for method in ("chat", "completions"):
+        assert list(inspect.signature(getattr(OpenAiIngress, method)).parameters) == ["self", "body", "request"]
+
+
+def test_rays_pd_builder_still_hard_codes_the_decode_class():
+    """If Ray's builder ever takes a decode class (or honours LLMConfig.server_cls),
+    serving/engines/pd_server.py should go and the option be used instead."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import builder
+
+    src = inspect.getsource(builder.build_pd_openai_app)
+    assert "decode_cls = DPPDDecodeServer if decode_dp_size > 1 else PDDecodeServer" in src
+    assert "server_cls" not in src
+
+
+def test_serve_response_generator_members_used_by_the_ingress():
+    """python/ray/serve/handle.py (Ray 2.60): the ingress waits for replica assignment
+    (fail-fast while decode is degraded) and cancels calls it abandons."""
+    from ray.serve.handle import DeploymentResponseGenerator
+
+    assert inspect.iscoroutinefunction(DeploymentResponseGenerator._fetch_future_result_async)
+    assert callable(DeploymentResponseGenerator.cancel)

@@ -1,0 +1,329 @@
+"""serving/engines/prefill_hop.py against fake Serve streams: the prefill call's deadlines, retries and
+circuit, and the decode orchestration (remote, or local prefill when the remote path fails)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.core.failures import Reason, ResilienceConfig, is_server_error
+from serving.engines.circuit import Circuit
+from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
+from tests.serving.fakes import CFG, Err, FakeStream, collect, is_5xx, is_err, run
+
+
+# --- prefill hop ----------------------------------------------------------------------------------
+def test_prefill_success_first_try():
+    streams = [FakeStream(["kv"])]
+    retries = []
+    out = run(
+        remote_prefill(lambda: streams.pop(0), is_error=is_err, cfg=CFG, circuit=Circuit(10), on_retry=retries.append)
+    )
+    assert out.chunk == "kv" and out.reason is None and retries == []
+
+
+def test_prefill_replica_death_is_retried_on_another_call():
+    from ray.exceptions import ActorDiedError
+
+    dead, good = FakeStream([ActorDiedError()]), FakeStream(["kv"])
+    streams = [dead, good]
+    retries = []
+    circuit = Circuit(10)
+    out = run(
+        remote_prefill(lambda: streams.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=retries.append)
+    )
+    assert out.chunk == "kv"
+    assert retries == [Reason.REPLICA_DIED]
+    assert dead.cancelled
+    assert not circuit.is_open  # the retry succeeded
+
+
+def test_a_stalled_prefill_is_cancelled_and_retried_and_one_stall_does_not_open_the_circuit():
+    first, second = FakeStream(["hang"]), FakeStream(["kv"])
+    calls = [first, second]
+    retries = []
+    circuit = Circuit(10, failures_to_open=3)
+    out = run(remote_prefill(lambda: calls.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=retries.append))
+    assert out.chunk == "kv" and out.path is Path.REMOTE_RETRY
+    assert retries == [Reason.TIMEOUT]
+    assert first.cancelled
+    assert not circuit.is_open
+
+
+def test_queueing_for_a_prefill_replica_does_not_count_against_the_prefill_deadline():
+    # Taken after 0.25 s (longer than prefill_timeout_s 0.2, within the queue bound 0.3),
+    # then answered at once: a success, not a timeout.
+    queued = FakeStream(["kv"], assign_after_s=0.25)
+    circuit = Circuit(10, failures_to_open=1)
+    out = run(remote_prefill(lambda: queued, is_error=is_err, cfg=CFG, circuit=circuit, on_retry=lambda r: None))
+    assert out.chunk == "kv" and out.path is Path.REMOTE
+    assert not circuit.is_open
+
+
+def test_a_prefill_call_no_replica_takes_is_overload_not_retried_and_leaves_the_circuit_closed():
+    never = FakeStream(["kv"], assigned=False)
+    retries = []
+    circuit = Circuit(10, failures_to_open=1)
+    out = run(remote_prefill(lambda: never, is_error=is_err, cfg=CFG, circuit=circuit, on_retry=retries.append))
+    assert out.reason is Reason.OVERLOADED and out.path is Path.LOCAL
+    assert retries == [] and never.cancelled
+    assert not circuit.is_open
+
+
+def test_waiting_prefills_go_local_the_moment_another_request_trips_the_circuit():
+    circuit = Circuit(10, failures_to_open=1)
+    # A prefill budget of an hour: the wait can only end this soon because the circuit opened
+    # (a hang is ended by the suite's per-test timeout, pytest.ini), and the reason says so.
+    cfg = ResilienceConfig(**{**CFG.__dict__, "prefill_timeout_s": 3600.0, "total_timeout_s": 3600.0})
+    waiting = FakeStream(["hang"])
+
+    async def go():
+        task = asyncio.ensure_future(
+            remote_prefill(lambda: waiting, is_error=is_err, cfg=cfg, circuit=circuit, on_retry=lambda r: None)
+        )
+        await asyncio.sleep(0.05)
+        circuit.failure()  # another request failed
+        return await task
+
+    out = run(go())
+    # CIRCUIT_OPEN, not TIMEOUT: it stopped waiting when the circuit opened, not at its deadline.
+    assert out.reason is Reason.CIRCUIT_OPEN
+    assert waiting.cancelled
+
+
+def test_after_a_prefill_outage_a_successful_probe_brings_every_request_back_to_remote_prefill():
+    """The defect of 2026-12-01: the probe found the trip event of the last outage still set,
+    gave up, and the replica prefilled locally for the rest of its life."""
+    from ray.exceptions import ActorDiedError
+
+    now = [0.0]
+    circuit = Circuit(1.0, failures_to_open=2, clock=lambda: now[0])
+
+    def prefill(streams):
+        return run(
+            remote_prefill(lambda: streams.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=lambda r: None)
+        )
+
+    outage = prefill([FakeStream([ActorDiedError()]), FakeStream([ActorDiedError()])])
+    assert outage.path is Path.LOCAL and circuit.is_open
+    assert prefill([]).reason is Reason.CIRCUIT_OPEN  # no call while open
+    now[0] = 1.5
+    probe = prefill([FakeStream(["kv"])])
+    assert probe.path is Path.REMOTE and not circuit.is_open
+    assert [prefill([FakeStream(["kv"])]).path for _ in range(3)] == [Path.REMOTE] * 3
+
+
+def test_a_failed_probe_opens_the_circuit_again_without_a_retry():
+    from ray.exceptions import ActorDiedError
+
+    now = [0.0]
+    circuit = Circuit(1.0, failures_to_open=1, clock=lambda: now[0])
+    circuit.failure()
+    now[0] = 1.5
+    calls = [FakeStream([ActorDiedError()])]
+    out = run(remote_prefill(lambda: calls.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=lambda r: None))
+    assert out.reason is Reason.REPLICA_DIED and calls == []  # one call: the probe is not retried
+    assert not circuit.allow()  # open again for another open_s
+    now[0] = 2.6
+    assert circuit.allow()
+
+
+def test_a_cancelled_probe_lets_the_next_request_probe():
+    now = [0.0]
+    circuit = Circuit(1.0, failures_to_open=1, clock=lambda: now[0])
+    circuit.failure()
+    now[0] = 2.0
+
+    async def go():
+        task = asyncio.ensure_future(
+            remote_prefill(
+                lambda: FakeStream(["hang"]), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=lambda r: None
+            )
+        )
+        await asyncio.sleep(0.05)
+        assert not circuit.allow()  # the probe is out
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())
+    assert circuit.allow()  # the probe slot is free again
+
+
+def test_replica_death_twice_opens_a_two_failure_circuit():
+    from ray.exceptions import ActorDiedError
+
+    circuit = Circuit(10, failures_to_open=2)
+    streams = [FakeStream([ActorDiedError()]), FakeStream([ActorDiedError()])]
+    retries = []
+    out = run(
+        remote_prefill(lambda: streams.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=retries.append)
+    )
+    assert out.reason is Reason.REPLICA_DIED and retries == [Reason.REPLICA_DIED]
+    assert circuit.is_open
+
+
+def test_prefill_skipped_while_circuit_open():
+    circuit = Circuit(10, failures_to_open=1)
+    circuit.failure()
+    out = run(
+        remote_prefill(
+            lambda: pytest.fail("no call while open"),
+            is_error=is_err,
+            cfg=CFG,
+            circuit=circuit,
+            on_retry=lambda r: None,
+        )
+    )
+    assert out.reason is Reason.CIRCUIT_OPEN
+
+
+def test_prefill_overload_does_not_open_the_circuit():
+    from ray.serve.exceptions import BackPressureError
+
+    circuit = Circuit(10)
+    out = run(
+        remote_prefill(
+            lambda: FakeStream([BackPressureError(num_queued_requests=1, max_queued_requests=1)]),
+            is_error=is_err,
+            cfg=CFG,
+            circuit=circuit,
+            on_retry=lambda r: None,
+        )
+    )
+    assert out.reason is Reason.OVERLOADED
+    assert not circuit.is_open
+
+
+# --- decode orchestration -----------------------------------------------------------------------
+def _drive(remote, local, *, outcome=None, kv_s=CFG.kv_ready_timeout_s, local_reason=None, is_error=is_5xx):
+    """Run `orchestrate` with a prefill that returns `outcome` (None: must not be called), a
+    decode that returns `remote` (an item stream) and a local prefill that returns `local`;
+    (what the client got, the (path, reason) reports)."""
+    paths = []
+
+    async def prefill():
+        assert outcome is not None, "the prefill tier must not be called"
+        return outcome
+
+    async def decode_with(chunk):
+        assert chunk == "kv"
+        return remote
+
+    async def decode_local():
+        assert local is not None, "no local prefill expected"
+        return local
+
+    out = run(
+        collect(
+            orchestrate(
+                prefill=prefill,
+                decode_with=decode_with,
+                decode_local=decode_local,
+                is_server_error=is_error,
+                kv_ready_timeout_s=lambda: kv_s,
+                on_path=lambda p, r: paths.append((p, r)),
+                local_reason=local_reason,
+            )
+        )
+    )
+    assert len(paths) == 1  # every request is counted once, on exactly one path
+    return out, paths
+
+
+def _orchestrate(prefill_outcome, remote_items, local_items, *, stream=True):
+    remote, local = FakeStream(remote_items), FakeStream(local_items)
+    out, paths = _drive(
+        remote,
+        local,
+        outcome=PrefillOutcome(**prefill_outcome),
+        kv_s=CFG.kv_ready_timeout_s if stream else None,
+    )
+    return out, [r for p, r in paths if p is Path.LOCAL], remote, local
+
+
+def test_orchestrate_remote_path_streams_decode_output():
+    out, fallbacks, _, local = _orchestrate({"chunk": "kv"}, ["a", "b"], ["x"])
+    assert out == ["a", "b"] and fallbacks == [] and local.items == ["x"]
+
+
+def test_orchestrate_prefill_failure_runs_locally_once():
+    out, fallbacks, _, _ = _orchestrate({"reason": Reason.REPLICA_DIED}, ["a"], ["x", "y"])
+    assert out == ["x", "y"] and fallbacks == [Reason.REPLICA_DIED]
+
+
+def test_orchestrate_kv_never_arrives_aborts_decode_and_reruns_locally():
+    out, fallbacks, remote, _ = _orchestrate({"chunk": "kv"}, ["hang"], ["x"])
+    assert out == ["x"] and fallbacks == [Reason.KV_TIMEOUT]
+    assert remote.closed  # the stuck engine request was aborted
+
+
+def test_orchestrate_kv_load_error_reruns_locally_without_duplicates():
+    out, fallbacks, remote, _ = _orchestrate({"chunk": "kv"}, [[Err(500)], "late"], ["x"])
+    assert out == ["x"] and fallbacks == [Reason.KV_LOAD_ERROR] and remote.closed
+
+
+def test_orchestrate_detects_vllms_in_stream_error_event_as_a_kv_load_error():
+    # vLLM's OpenAIServing.create_streaming_error_response, as the engine streams it.
+    event = (
+        'data: {"error": {"message": "KV load failed", "type": "InternalServerError", "param": null, "code": 500}}\n\n'
+    )
+    assert is_server_error(event)
+    assert not is_server_error('data: {"id": "x", "choices": [{"delta": {"content": "error"}}]}\n\n')
+    assert not is_server_error('data: {"error": {"message": "bad", "code": 400}}\n\n')  # the client's, passed on
+
+    remote = FakeStream([[event], "late"])
+    out, paths = _drive(
+        remote, FakeStream(["x"]), outcome=PrefillOutcome(chunk="kv"), kv_s=1.0, is_error=is_server_error
+    )
+    assert out == ["x"] and remote.closed
+    assert paths == [(Path.LOCAL, Reason.KV_LOAD_ERROR)]
+
+
+def test_orchestrate_without_a_kv_deadline_waits_for_a_slow_first_token():
+    # A saturated decode replica (no free sequence slot): a slow first token is queueing,
+    # and rerunning the request with a full prefill here would only add load.
+    async def slow():
+        await asyncio.sleep(CFG.kv_ready_timeout_s * 2)
+        yield "tok"
+
+    out, paths = _drive(slow(), None, outcome=PrefillOutcome(chunk="kv", attempts=1), kv_s=None)
+    assert out == ["tok"] and paths == [(Path.REMOTE, None)]
+
+
+def test_orchestrate_local_reason_skips_the_prefill_tier():
+    out, paths = _drive(None, FakeStream(["x"]), local_reason=Reason.PARALLEL_SAMPLING)
+    assert out == ["x"] and paths == [(Path.LOCAL, Reason.PARALLEL_SAMPLING)]
+
+
+def test_orchestrate_non_streamed_request_has_no_kv_deadline():
+    async def slow():
+        await asyncio.sleep(0.4)  # longer than kv_ready_timeout_s: the whole answer
+        yield "answer"
+
+    out, _ = _drive(slow(), None, outcome=PrefillOutcome(chunk="kv"), kv_s=None)
+    assert out == ["answer"]
+
+
+def test_no_running_prefill_replica_prefills_locally_at_once_and_counts_against_the_circuit():
+    """Serve says the prefill deployment has no running replica (a restart): waiting
+    prefillQueueTimeoutS for one on every request would only add that wait to each TTFT."""
+    circuit = Circuit(10, failures_to_open=2)
+
+    def prefill():
+        return run(
+            remote_prefill(
+                lambda: pytest.fail("no call without a replica"),
+                is_error=is_err,
+                cfg=CFG,
+                circuit=circuit,
+                on_retry=lambda r: pytest.fail("no retry without a replica"),
+                no_replica=lambda: True,
+            )
+        )
+
+    first = prefill()
+    assert first.reason is Reason.NO_REPLICA and first.path is Path.LOCAL and not circuit.is_open
+    prefill()
+    assert circuit.is_open  # two in a row: the circuit opened, later requests skip even the check

@@ -1,0 +1,135 @@
+"""The eager first chunk: the first token is not held back by Ray Serve LLM's stream batcher."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+
+from ray.llm._internal.serve.core.server import llm_server as ray_llm_server
+from ray.serve.llm.deployment import LLMServer
+
+from serving.engines.streaming import EagerFirstChunkMixin, EagerLLMServer, eager_batches
+from serving.spec import FIRST_CHUNK_KEY
+
+
+def _run(coro):
+    # A private loop: asyncio.run() would leave the main thread without an event loop, and
+    # later tests (Pulumi's mocks) ask for one.
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(coro)
+    finally:
+        loop.close()
+
+
+async def _engine(release: asyncio.Event, items: list[str]):
+    yield items[0]
+    await release.wait()
+    for item in items[1:]:
+        yield item
+
+
+def test_first_chunk_leaves_before_the_interval_and_nothing_is_lost():
+    async def scenario():
+        release = asyncio.Event()
+        items = ["a", "b", "c", "d"]
+        stream = eager_batches(_engine(release, items), interval_ms=10_000)
+        # With Ray's batcher alone this would wait the whole 10 s interval.
+        first = await asyncio.wait_for(stream.__anext__(), timeout=2)
+        release.set()
+        rest = [x async for batch in stream for x in batch]
+        return first, rest
+
+    first, rest = _run(scenario())
+    assert first == ["a"]
+    assert rest == ["b", "c", "d"]
+
+
+def test_rest_is_batched_at_the_interval():
+    async def engine():
+        for i in range(20):
+            yield i
+
+    async def scenario():
+        return [batch async for batch in eager_batches(engine(), interval_ms=50)]
+
+    batches = _run(scenario())
+    assert batches[0] == [0]
+    # The other 19 are ready at once, so the batcher sends them together.
+    assert [x for b in batches[1:] for x in b] == list(range(1, 20))
+    assert len(batches) == 2
+
+
+def test_empty_stream_yields_nothing():
+    async def engine():
+        return
+        yield  # pragma: no cover
+
+    async def scenario():
+        return [b async for b in eager_batches(engine(), interval_ms=50)]
+
+    assert _run(scenario()) == []
+
+
+def test_errors_from_the_engine_reach_the_caller():
+    async def engine():
+        yield 1
+        yield 2
+        raise RuntimeError("engine died")
+
+    async def scenario():
+        out = []
+        try:
+            async for b in eager_batches(engine(), interval_ms=5):
+                out.extend(b)
+        except RuntimeError as exc:
+            return out, str(exc)
+        return out, None
+
+    out, err = _run(scenario())
+    assert err == "engine died" and out[0] == 1
+
+
+def test_the_hook_the_mixin_overrides_exists_in_ray():
+    """Ray 2.60 `ray/llm/_internal/serve/core/server/llm_server.py`: LLMServer batches a
+    stream in `_batch_output_stream(self, generator)`, with the interval from
+    `_get_batch_interval_ms()`. If Ray renames either, the mixin would silently stop
+    working: this test fails instead."""
+    internal = ray_llm_server.LLMServer
+    assert list(inspect.signature(internal._batch_output_stream).parameters) == ["self", "generator"]
+    assert "stream" in inspect.signature(internal._get_batch_interval_ms).parameters
+    assert issubclass(EagerLLMServer, LLMServer)
+    assert EagerLLMServer._batch_output_stream is EagerFirstChunkMixin._batch_output_stream
+
+
+class _FakeRayServer:
+    """Stands in for Ray's LLMServer: records that its own batcher was used."""
+
+    def __init__(self, first_chunk: str):
+        self._llm_config = type("Cfg", (), {"experimental_configs": {FIRST_CHUNK_KEY: first_chunk}})()
+
+    def _get_batch_interval_ms(self, stream: bool = True):
+        return 10_000
+
+    def _batch_output_stream(self, generator):
+        return "ray's batcher"
+
+
+class _Server(EagerFirstChunkMixin, _FakeRayServer):
+    pass
+
+
+def test_spec_chooses_eager_or_rays_batcher():
+    async def engine():
+        yield "a"
+
+    assert _Server("batched")._batch_output_stream(engine()) == "ray's batcher"
+    eager = _Server("eager")._batch_output_stream(engine())
+    assert _run(eager.__anext__()) == ["a"]
+
+
+def test_the_config_attribute_the_mixin_reads_exists_in_ray():
+    """Ray 2.60 LLMServer keeps its LLMConfig as `self._llm_config` (read by
+    `_get_batch_interval_ms` for experimental_configs)."""
+    src = inspect.getsource(ray_llm_server.LLMServer._get_batch_interval_ms)
+    assert "self._llm_config.experimental_configs" in src

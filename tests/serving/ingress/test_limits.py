@@ -1,0 +1,347 @@
+"""serving/ingress/limits.py: the sliding-minute arithmetic, token estimates, the limiter's client side."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.ingress import limits
+from serving.ingress.limits import Decision, KeyLimit, LimitsConfig, SlidingWindows, estimate_tokens
+from serving.spec import KEY_ID_RE, key_id
+
+
+def test_key_id_is_a_short_hash_never_the_key():
+    kid = key_id("sk-secret-123")
+    assert KEY_ID_RE.match(kid) and "secret" not in kid
+    assert kid == key_id("sk-secret-123") != key_id("sk-secret-124")
+
+
+def test_rpm_refuses_the_request_over_the_limit_with_the_seconds_until_room():
+    w = SlidingWindows()
+    lim = KeyLimit(requests_per_minute=3)
+    assert [w.admit("k", 1000.2, lim, 0).ok for _ in range(3)] == [True, True, True]
+    d = w.admit("k", 1010.0, lim, 0)
+    assert not d.ok and d.limit == "rpm" and "3 requests per minute" in d.message
+    # The three requests of second 1000 leave the window at 1060: 50 s from 1010.
+    assert d.retry_after_s == 50
+    assert w.admit("k", 1059.9, lim, 0).ok is False
+    assert w.admit("k", 1060.0, lim, 0).ok is True
+
+
+def test_keys_are_counted_apart():
+    w = SlidingWindows()
+    lim = KeyLimit(requests_per_minute=1)
+    assert w.admit("a", 0, lim, 0).ok
+    assert not w.admit("a", 1, lim, 0).ok
+    assert w.admit("b", 1, lim, 0).ok
+
+
+def test_retry_after_counts_only_the_buckets_that_must_leave():
+    w = SlidingWindows()
+    lim = KeyLimit(requests_per_minute=2)
+    assert w.admit("k", 100, lim, 0).ok
+    assert w.admit("k", 130, lim, 0).ok
+    d = w.admit("k", 140, lim, 0)
+    assert not d.ok and d.retry_after_s == 20  # the request of second 100 leaves at 160
+
+
+def test_tpm_reserves_then_settles_to_what_was_used():
+    w = SlidingWindows()
+    lim = KeyLimit(tokens_per_minute=100)
+    d1 = w.admit("k", 10, lim, 80)
+    assert d1.ok
+    # Reserved 80 of 100: the next one still fits (the budget is not yet spent) ...
+    d2 = w.admit("k", 11, lim, 80)
+    assert d2.ok
+    # ... and now 160 reserved: refused until the window moves.
+    d3 = w.admit("k", 12, lim, 1)
+    assert not d3.ok and d3.limit == "tpm"
+    # Both used far less than reserved: room again at once.
+    w.settle("k", 13, d1.ticket, 10)
+    w.settle("k", 13, d2.ticket, 10)
+    assert w.totals("k", 13) == (2, 20)
+    assert w.admit("k", 13, lim, 1).ok
+
+
+def test_settle_after_the_reservation_left_the_window_counts_the_tokens_now():
+    w = SlidingWindows()
+    lim = KeyLimit(tokens_per_minute=1000)
+    d = w.admit("k", 0, lim, 50)
+    w.settle("k", 90, d.ticket, 70)
+    assert w.totals("k", 90) == (0, 70)
+
+
+def test_unlimited_keys_and_per_key_overrides():
+    cfg = LimitsConfig.from_user_config(
+        {
+            "requests_per_minute": 10,
+            "tokens_per_minute": 0,
+            "keys": {"k-000000000000": {"requests_per_minute": 0, "tokens_per_minute": 0}},
+        }
+    )
+    assert cfg.for_key("k-000000000000", "m").unlimited
+    assert cfg.for_key("k-111111111111", "m") == KeyLimit(10, 0)
+    assert LimitsConfig.from_user_config(None).default.unlimited
+
+
+@pytest.mark.parametrize(
+    "body,expected",
+    [
+        ({"prompt": "abcdefgh", "max_tokens": 10}, 2 + 10),
+        ({"prompt": [1, 2, 3], "max_tokens": 5}, 3 + 5),
+        ({"messages": [{"role": "user", "content": "abcd" * 10}], "max_completion_tokens": 7, "n": 2}, 10 + 14),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "abcd"}]}]}, 1),
+    ],
+)
+def test_estimate_tokens(body, expected):
+    assert estimate_tokens(body) == expected
+
+
+class _Meter:
+    def __init__(self):
+        self.limited, self.errors = [], 0
+
+    def rate_limited(self, kid, model, limit):
+        self.limited.append((kid, model, limit))
+
+    def limiter_error(self):
+        self.errors += 1
+
+
+class _Ref:
+    def __init__(self, value=None, delay=0.0):
+        self.value, self.delay = value, delay
+
+    def __await__(self):
+        async def get():
+            await asyncio.sleep(self.delay)
+            return self.value
+
+        return get().__await__()
+
+
+class _Ledger:
+    def __init__(self, decision=None, delay=0.0):
+        self.calls = []
+        outer = self
+
+        class _M:
+            def remote(self, *a):
+                outer.calls.append(a)
+                return _Ref(decision, delay)
+
+        self.admit = _M()
+        self.settle = _M()
+        self.totals = _M()
+
+
+def test_limiter_skips_the_ledger_for_unlimited_keys_and_fails_open_when_it_is_slow(monkeypatch):
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    meter = _Meter()
+    ledger = _Ledger(Decision(True), delay=1.0)
+    lim = limits.Limiter(LimitsConfig.from_user_config(None), lambda: ledger, meter)
+    assert asyncio.run(lim.admit("k-1", "m", {})).ok and ledger.calls == []
+    lim.config = LimitsConfig.from_user_config({"requests_per_minute": 1})
+    assert asyncio.run(lim.admit("k-1", "m", {})).ok  # slow ledger: let through, counted
+    assert meter.errors == 1 and len(ledger.calls) == 1
+
+
+def test_limiter_refusal_is_counted_per_key_and_limit():
+    meter = _Meter()
+    ledger = _Ledger(Decision(False, 7, "rpm", "no"))
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 1}), lambda: ledger, meter)
+    d = asyncio.run(lim.admit("k-abc", "m:adapter", {"prompt": "x"}))
+    assert not d.ok and d.retry_after_s == 7
+    assert meter.limited == [("k-abc", "m", "rpm")]  # the window's model: the adapter's base
+    assert ledger.calls == [("k-abc", "m", 1, 0, 0)]  # tokens are not estimated without a TPM limit
+
+
+def test_while_the_ledger_is_down_the_policy_decides_at_once_and_refuse_keeps_limits(monkeypatch):
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    now = [0.0]
+    meter = _Meter()
+    ledger = _Ledger(Decision(True), delay=1.0)  # never answers in time
+    cfg = LimitsConfig.from_user_config({"requests_per_minute": 1, "when_ledger_unreachable": "refuse"})
+    lim = limits.Limiter(cfg, lambda: ledger, meter, clock=lambda: now[0])
+
+    async def go():
+        return [await lim.admit("k-1", "m", {}) for _ in range(3)]
+
+    decisions = asyncio.run(go())
+    assert [d.ok for d in decisions] == [False, False, False]
+    assert all(d.retry_after_s >= 1 for d in decisions)
+    assert len(ledger.calls) == 1  # asked once; the next two decided without waiting on it
+    assert meter.errors == 3
+    now[0] = limits.LEDGER_RETRY_S + 1  # later it is asked again
+    asyncio.run(lim.admit("k-1", "m", {}))
+    assert len(ledger.calls) == 2
+
+
+def test_an_unknown_unreachable_policy_is_refused():
+    with pytest.raises(ValueError, match="when_ledger_unreachable"):
+        LimitsConfig.from_user_config({"when_ledger_unreachable": "maybe"})
+
+
+def test_the_ledger_is_looked_up_off_the_event_loop():
+    import threading
+
+    seen = []
+
+    def factory():
+        seen.append(threading.current_thread() is threading.main_thread())
+        return _Ledger(Decision(True))
+
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 5}), factory, _Meter())
+    assert asyncio.run(lim.admit("k-1", "m", {})).ok
+    assert seen == [False]
+
+
+@pytest.mark.parametrize("part", ["LimitsLedger", "SlidingWindows"])
+def test_the_ledger_name_changes_with_its_code(part):
+    """A detached ledger outlives deploys: a deploy that changes its code (its methods, as
+    when they gained the model, or its windows) must not call the old actor, so the name
+    carries a hash of the code."""
+    name = limits.ledger_name("llm")
+    assert name.startswith("pd-limits-llm-") and name.endswith(limits.LEDGER_VERSION)
+    assert limits._ledger_version() == limits.LEDGER_VERSION
+    original = limits.inspect.getsource
+
+    def changed(obj):
+        return original(obj) + ("# changed\n" if obj is getattr(limits, part) else "")
+
+    limits.inspect.getsource = changed
+    try:
+        assert limits._ledger_version() != limits.LEDGER_VERSION
+    finally:
+        limits.inspect.getsource = original
+
+
+def test_a_new_ledger_is_waited_for_before_traffic_not_counted_as_down(monkeypatch):
+    """The first call creates the actor, which takes seconds to start: warm_up (run when
+    limits are configured) waits for it, so the first requests are checked, not waved through."""
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    meter = _Meter()
+    ledger = _Ledger(Decision(False, 3, "rpm", "no"), delay=0.2)  # starts slower than one request may wait
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 1}), lambda: ledger, meter)
+
+    async def go():
+        assert await lim.warm_up(timeout_s=1.0)
+        ledger.admit = _Ledger(Decision(False, 3, "rpm", "no")).admit  # started: answers at once
+        return await lim.admit("k-1", "m", {})
+
+    d = asyncio.run(go())
+    assert not d.ok and d.limit == "rpm" and meter.errors == 0
+
+
+# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+KID, OTHER = "k-0123456789ab", "k-111111111111"
+
+
+def test_a_key_limited_to_models_may_use_them_and_their_adapters_only():
+    cfg = LimitsConfig.from_user_config({"keys": {KID: {"models": ["a"]}}})
+    assert [cfg.may_use(KID, m) for m in ("a", "a:tenant", "b", "b:tenant", "ab", "")] == [
+        True,
+        True,
+        False,
+        False,
+        False,  # a model whose id starts with an allowed one is another model
+        False,
+    ]
+    assert all(cfg.may_use(OTHER, m) for m in ("a", "b", "b:tenant"))  # lists no models: every one
+    assert cfg.for_key(KID, "b") == KeyLimit()  # listing models lifts or adds no limit
+
+
+def test_model_limits_apply_to_unlisted_keys_and_a_keys_own_values_replace_them():
+    cfg = LimitsConfig.from_user_config(
+        {
+            "requests_per_minute": 100,
+            "keys": {
+                KID: {"requests_per_minute": 5, "tokens_per_minute": 0},
+                "k-22222222222c": {"models": ["a"]},  # models only: everyone's limits
+            },
+            "models": {"a": {"requests_per_minute": 1, "tokens_per_minute": 50}},
+        }
+    )
+    assert cfg.for_key(OTHER, "a") == cfg.for_key(OTHER, "a:tenant") == KeyLimit(1, 50)
+    assert cfg.for_key(OTHER, "b") == KeyLimit(100, 0)
+    assert cfg.for_key(KID, "a") == cfg.for_key(KID, "b") == KeyLimit(5, 0)
+    assert cfg.for_key("k-22222222222c", "a") == KeyLimit(1, 50)
+    assert cfg.any
+    assert LimitsConfig.from_user_config({"models": {"a": {"requests_per_minute": 1}}}).any
+    assert not LimitsConfig.from_user_config({"keys": {KID: {"models": ["a"]}}}).any  # access needs no ledger
+
+
+def _limiter(cfg):
+    from tests.serving.fakes import LocalLedger
+
+    ledger = LocalLedger()
+    return limits.Limiter(LimitsConfig.from_user_config(cfg), lambda: ledger, _Meter()), ledger
+
+
+def test_windows_are_per_key_and_model_an_adapter_counting_on_its_base():
+    """Exhausting a key's requests on model a leaves its budget on b whole (and another key's
+    on a): a cheap model's traffic must not starve the key's access to another."""
+    lim, _ = _limiter({"requests_per_minute": 2})
+
+    async def go():
+        on_a = [(await lim.admit(KID, m, {})).ok for m in ("a", "a:tenant", "a")]
+        return on_a, (await lim.admit(KID, "b", {})).ok, (await lim.admit(OTHER, "a", {})).ok
+
+    on_a, on_b, other_on_a = asyncio.run(go())
+    assert on_a == [True, True, False]  # the adapter's request counted on a's window
+    assert on_b and other_on_a
+
+
+def test_a_refusal_names_the_model_whose_budget_is_spent():
+    lim, _ = _limiter({"models": {"a": {"requests_per_minute": 1}}})
+
+    async def go():
+        await lim.admit(KID, "a", {})
+        return await lim.admit(KID, "a:tenant", {})
+
+    d = asyncio.run(go())
+    assert not d.ok and "1 requests per minute for this API key on model 'a'" in d.message
+    assert lim._metrics.limited == [(KID, "a", "rpm")]
+
+
+def test_settled_tokens_land_in_the_window_they_were_reserved_in():
+    lim, ledger = _limiter({"tokens_per_minute": 1000})
+
+    async def go():
+        d = await lim.admit(KID, "a:tenant", {"prompt": "abcd", "max_tokens": 99})
+        lim.settle(KID, "a:tenant", d, 7)
+        return d
+
+    d = asyncio.run(go())
+    assert d.ok and d.ticket[1] == 100
+    assert ledger.actor.totals(KID, "a") == (1, 7) and ledger.actor.totals(KID, "b") == (0, 0)
+
+
+def test_the_spec_renders_what_the_ingress_reads():
+    from serving.spec import ServingSpec
+
+    spec = ServingSpec.model_validate(
+        {
+            "models": [
+                {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}},
+                {"model": {"id": "qwen", "source": "Qwen/Qwen2.5-7B-Instruct"}, "mode": "aggregated"},
+            ],
+            "limits": {
+                "tokensPerMinute": 9000,
+                "keys": {KID: {"models": ["qwen"]}, OTHER: {"requestsPerMinute": 30}},
+                "models": {"llama": {"requestsPerMinute": 10}},
+                "whenLedgerUnreachable": "refuse",
+            },
+        }
+    )
+    cfg = LimitsConfig.from_user_config(spec.ingress_user_config()["limits"])
+    assert cfg.when_ledger_unreachable == "refuse"
+    assert (cfg.may_use(KID, "qwen:tenant"), cfg.may_use(KID, "llama"), cfg.may_use(OTHER, "llama")) == (
+        True,
+        False,
+        True,
+    )
+    assert cfg.for_key(KID, "qwen") == KeyLimit(0, 9000)  # its entry lists models only
+    assert cfg.for_key(KID, "llama") == KeyLimit(10, 0)
+    assert cfg.for_key(OTHER, "llama") == cfg.for_key(OTHER, "qwen") == KeyLimit(30, 0)

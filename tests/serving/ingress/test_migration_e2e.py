@@ -1,0 +1,147 @@
+"""e2e: a decode replica killed mid-stream, then decode scaled in under streams: nothing cut.
+
+On the shared local stack (decode autoscaled 1..2, local/config.py): streamed chat
+and completion clients drive decode to two replicas; one decode replica is SIGKILLed while
+every client is mid-stream; then the load drops to a few clients and decode scales back to
+one replica while they stream. The designed state is asserted, not status codes: every
+stream ends with its finish reason, [DONE], no error event, and a usage block counting
+exactly the tokens asked for (ignore_eos); the cut streams were continued
+(`pd_stream_migrations`, outcome continued), none failed. The stack is left as found (one
+decode replica). Disruptive: runs after the other e2e tests (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from bench import chaos
+from bench.sse import Streamed, stream_request
+from local.config import LOCAL_DECODE_TARGET
+from serving.core.failures import METRICS
+from tests.serving.test_resilience_e2e import _metric_total_by
+
+pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
+
+MIGRATIONS = f"ray_{METRICS['migrations']}_total"
+MAX_TOKENS = 192
+# Bounds on how long the stack may take, not speed figures (`make chaos` measures those).
+SCALE_OUT_WITHIN_S = 300
+SCALE_IN_WITHIN_S = 240
+
+
+class Clients:
+    """N streamed clients, each sending one request after another until told to stop."""
+
+    def __init__(self, stack, n: int):
+        self.base = stack.urls["disaggregated"]
+        self.headers = {"Authorization": f"Bearer {stack.api_key}"}
+        self.model = stack.model
+        self.results: list[tuple[str, Streamed]] = []
+        self.stops = [asyncio.Event() for _ in range(n)]
+        self.tasks: list[asyncio.Task] = []
+
+    async def _run(self, i: int, client: httpx.AsyncClient) -> None:
+        chat = i % 2 == 0
+        common = {
+            "model": self.model,
+            "max_tokens": MAX_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if chat:
+            url, body = (
+                f"{self.base}/chat/completions",
+                {**common, "messages": [{"role": "user", "content": "A story."}]},
+            )
+        else:
+            url, body = f"{self.base}/completions", {**common, "prompt": "Once upon a time"}
+        while not self.stops[i].is_set():
+            got = await stream_request(client, url, body, headers=self.headers, timeout=httpx.Timeout(120, connect=10))
+            self.results.append(("chat" if chat else "completions", got))
+
+    async def __aenter__(self) -> Clients:
+        self._http = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+        self.tasks = [asyncio.create_task(self._run(i, self._http)) for i in range(len(self.stops))]
+        return self
+
+    def stop(self, keep: int = 0) -> None:
+        for ev in self.stops[keep:]:
+            ev.set()
+
+    async def __aexit__(self, *exc) -> None:
+        self.stop()
+        await asyncio.wait(self.tasks, timeout=180)
+        await self._http.aclose()
+
+
+async def _until(pred, within_s: float, what: str, seen: list) -> None:
+    from local.decode_autoscale import decode_replicas
+
+    t = time.monotonic()
+    while time.monotonic() - t < within_s:
+        state = await asyncio.to_thread(decode_replicas, DASHBOARD[0])
+        seen.append((round(time.monotonic() - t), *state))
+        if pred(*state):
+            return
+        await asyncio.sleep(1)
+    raise AssertionError(f"{what} not reached within {within_s}s: (s, running, all) {seen[-8:]}")
+
+
+DASHBOARD: list[str] = []
+
+
+def test_decode_death_and_scale_in_cut_no_stream(stack):
+    DASHBOARD[:] = [stack.state["dashboard_url"]]
+    before = _metric_total_by(stack, MIGRATIONS, "outcome")
+    seen: list = []
+
+    async def scenario() -> tuple[list[tuple[str, Streamed]], int]:
+        async with Clients(stack, 3 * LOCAL_DECODE_TARGET) as load:
+            await _until(lambda running, _all: running >= 2, SCALE_OUT_WITHIN_S, "2 running decode replicas", seen)
+            await asyncio.sleep(3)  # every client mid-stream
+            victims = chaos.replica_processes(stack.proc.pid, ":Decode:")
+            assert len(victims) >= 2, f"expected two decode replica processes, found {len(victims)}"
+            os.kill(victims[0].pid, signal.SIGKILL)
+            await asyncio.sleep(10)
+            # A few clients stay: decode scales in to one replica while they stream.
+            load.stop(keep=4)
+            await _until(
+                lambda running, all_: running == 1 and all_ == 1, SCALE_IN_WITHIN_S, "one decode replica", seen
+            )
+            await asyncio.sleep(3)
+        return load.results, victims[0].pid
+
+    results, _ = asyncio.run(scenario())
+    assert results, "no stream finished"
+    # 24 clients on the one replica left after the kill may meet Serve's admission bound: a
+    # request refused before its first byte gets the designed 503 + Retry-After (the overload
+    # tests cover it). A stream that started must end complete.
+    refused = [r for _, r in results if r.status == 503 and r.retry_after and "overloaded" in (r.error or "")]
+    bad = []
+    for kind, r in results:
+        if any(r is x for x in refused):
+            continue
+        finish = r.usage and r.usage.get("completion_tokens")
+        if not r.ok or finish != MAX_TOKENS:
+            bad.append((kind, r.kind, r.usage, r.error_event, r.error))
+    assert not bad, f"{len(bad)} of {len(results)} streams cut or short: {bad[:4]}"
+    assert len(refused) < len(results) / 10, f"{len(refused)} of {len(results)} refused"
+    # The kill cut streams, and each of them was continued on the other replica.
+    deadline = time.monotonic() + 60
+    after = before
+    while time.monotonic() < deadline:
+        after = _metric_total_by(stack, MIGRATIONS, "outcome")
+        if after.get("continued", 0) > before.get("continued", 0):
+            break
+        time.sleep(3)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("continued", 0) >= 1, f"no continued migration counted: {delta}"
+    assert not delta.get("failed") and not delta.get("not_migratable"), delta

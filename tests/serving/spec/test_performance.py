@@ -1,0 +1,136 @@
+"""The spec's performance and privacy settings, as Ray Serve LLM and vLLM read them.
+
+Each rendered value is fed to the upstream object that consumes it (LLMConfig, Serve's
+RequestRouterConfig, vLLM's engine args), so a setting the spec renders but Ray would
+ignore or reject fails here. Nothing starts Ray.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from serving.spec import (
+    EAGER_SERVER_CLS,
+    PREFIX_ROUTER_CLS,
+    SERVING_ENV,
+    FirstChunk,
+    Router,
+    ServingSpec,
+    Target,
+)
+
+GPU = Target(accelerator_type="H100", engine_env={"FI_PROVIDER": "efa"})
+
+
+def spec(**overrides) -> ServingSpec:
+    data = {"model": {"id": "m", "source": "org/model"}}
+    data.update(overrides)
+    return ServingSpec.model_validate(data)
+
+
+def engines(args: dict) -> dict[str, dict]:
+    if args["mode"] == "aggregated":
+        return {"decode": args["llm_configs"][0]}
+    return {"prefill": args["prefill_config"], "decode": args["decode_config"]}
+
+
+def test_defaults_keep_rays_interval_and_send_the_first_chunk_eagerly():
+    s = spec()
+    assert s.streaming.batch_interval_ms == 50
+    assert s.streaming.first_chunk is FirstChunk.EAGER
+    assert s.prefill.router is Router.POWER_OF_TWO and s.decode.router is Router.POWER_OF_TWO
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_batch_interval_reaches_rays_llm_server(mode):
+    """Ray 2.60 `core/server/llm_server.py` `_get_batch_interval_ms`: the interval comes from
+    `experimental_configs["stream_batching_interval_ms"]`, else RAYLLM_MODEL_RESPONSE_BATCH_TIMEOUT_MS."""
+    from ray.serve.llm import LLMConfig
+
+    args = spec(mode=mode, streaming={"batchIntervalMs": 15}).app_args(GPU)
+    for cfg in engines(args).values():
+        llm = LLMConfig.model_validate(copy.deepcopy(cfg))
+        assert llm.experimental_configs["stream_batching_interval_ms"] == 15
+
+
+def test_eager_first_chunk_is_the_aggregated_engines_server_class():
+    """LLMConfig.server_cls is what Ray's `build_llm_deployment` deploys when no class is
+    forced (ray/llm/_internal/serve/core/server/builder.py); the P/D builder forces
+    PDDecodeServer, so the spec does not render it there."""
+    from ray.serve.llm import LLMConfig
+
+    from serving.engines.streaming import EagerLLMServer
+
+    agg = spec(mode="aggregated").app_args(GPU)["llm_configs"][0]
+    assert agg["server_cls"] == EAGER_SERVER_CLS
+    assert LLMConfig.model_validate(copy.deepcopy(agg)).server_cls is EagerLLMServer
+    batched = spec(mode="aggregated", streaming={"firstChunk": "batched"}).app_args(GPU)["llm_configs"][0]
+    assert "server_cls" not in batched
+    for cfg in engines(spec().app_args(GPU)).values():
+        assert "server_cls" not in cfg
+
+
+def test_prefix_router_is_rendered_per_role_and_loads_rays_public_class():
+    """Serve's RequestRouterConfig (ray/serve/config.py) takes the router as an import path
+    string; Ray Serve LLM's public PrefixCacheAffinityRouter lives in ray.serve.llm.request_router."""
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.llm import LLMConfig
+    from ray.serve.llm.request_router import PrefixCacheAffinityRouter
+
+    args = spec(decode={"router": "prefix-cache-affinity", "maxReplicas": 2}).app_args(GPU)
+    decode, prefill = args["decode_config"], args["prefill_config"]
+    assert "request_router_config" not in prefill["deployment_config"]
+    rendered = decode["deployment_config"]["request_router_config"]
+    assert rendered == {"request_router_class": PREFIX_ROUTER_CLS}
+    router = RequestRouterConfig(**rendered)
+    assert router.get_request_router_class() is PrefixCacheAffinityRouter
+    LLMConfig.model_validate(copy.deepcopy(decode))
+
+
+def test_unknown_router_is_refused_with_the_choices():
+    with pytest.raises(ValidationError, match="power-of-two"):
+        spec(decode={"router": "round-robin"})
+
+
+def test_prompts_stay_out_of_the_logs():
+    """Ray 2.60 engines/vllm/vllm_models.py defaults vLLM's enable_log_requests to False; the
+    spec states it and refuses turning it on. vLLM's engine args accept the key."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = spec().app_args(GPU)
+    for cfg in engines(args).values():
+        assert cfg["engine_kwargs"]["enable_log_requests"] is False
+        kwargs = {k: v for k, v in cfg["engine_kwargs"].items() if k == "enable_log_requests"}
+        assert AsyncEngineArgs(model="/m", **kwargs).enable_log_requests is False
+        assert cfg["runtime_env"]["env_vars"]["RAYLLM_ENABLE_REQUEST_PROMPT_LOGS"] == "0"
+        assert cfg["runtime_env"]["env_vars"]["FI_PROVIDER"] == "efa"
+    assert args["ingress_deployment_config"]["ray_actor_options"]["runtime_env"]["env_vars"] == SERVING_ENV
+    with pytest.raises(ValidationError, match="privacy"):
+        spec(engineKwargs={"enable_log_requests": True})
+
+
+def test_prompt_log_switch_is_defined_but_read_nowhere_in_ray_2_60():
+    """ray/llm/_internal/serve/constants.py defines RAYLLM_ENABLE_REQUEST_PROMPT_LOGS (default
+    "1"); no other module of ray.llm reads it. If a Ray release starts reading it, this test
+    fails and the docs' statement must change (the spec sets it to "0" either way)."""
+    import ray.llm
+
+    root = Path(inspect.getfile(ray.llm)).parent
+    readers = [
+        p.relative_to(root).as_posix()
+        for p in root.rglob("*.py")
+        if "RAYLLM_ENABLE_REQUEST_PROMPT_LOGS" in p.read_text(errors="replace")
+    ]
+    assert readers == ["_internal/serve/constants.py"]
+
+
+def test_rays_default_batch_interval_is_50_ms():
+    """The figure the docs quote (constants.py MODEL_RESPONSE_BATCH_TIMEOUT_MS, env unset)."""
+    constants = importlib.import_module("ray.llm._internal.serve.constants")
+    assert constants.MODEL_RESPONSE_BATCH_TIMEOUT_MS == 50
