@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 import httpx
 
 from bench.hops import parse_prometheus
-from serving.core.failures import METRICS
-from serving.engines.prefill_hop import Path
+from serving.core.metrics import PREFILL_PATH
+from serving.core.metrics import PrefillPath as Path
 
 # Ray exports a Serve Counter named N as ray_N_total.
-PATH_METRIC = f"ray_{METRICS['prefill_path']}_total"
+PATH_METRIC = PREFILL_PATH.prometheus
 REMOTE = (Path.REMOTE.value, Path.REMOTE_RETRY.value)
 TARGET_SHARE = 0.95
 

@@ -2,7 +2,7 @@
 
 What flows through here: nothing on its own. The runtime values the spec renders
 (serving.spec.ResilienceSpec -> args["resilience"] -> ResilienceConfig), the reason labels of
-every retry, fallback and refusal (Reason, METRICS), the "cannot serve" answer the ingress
+every retry, fallback and refusal (Reason; the counters are serving/core/metrics.py's), the "cannot serve" answer the ingress
 gives before the first byte (Unservable), how a Serve handle failure is classified, and the
 small helpers that cancel or close a downstream call and recognise an engine's server error
 (a Ray ErrorResponse, or vLLM's in-stream `data: {"error": ...}` event).
@@ -35,16 +35,6 @@ from typing import Any
 
 logger = logging.getLogger("ray.serve")
 
-# Prometheus names, as Ray exports them: "ray_" + name + "_total" for counters.
-METRICS = {
-    "prefill_path": "pd_prefill_path",
-    "prefill_retries": "pd_prefill_retries",
-    "local_prefill": "pd_local_prefill_fallbacks",
-    "ingress_retries": "pd_ingress_retries",
-    "ingress_refusals": "pd_ingress_refusals",
-    "migrations": "pd_stream_migrations",
-}
-
 
 class Reason(str, enum.Enum):
     """Why a hop failed or a request was refused (the metrics' `reason` label)."""
@@ -72,17 +62,11 @@ class Reason(str, enum.Enum):
     # a started stream sent nothing for stallTimeoutS (serving/ingress/migration.py continues it)
     STALL = "stall"
 
-
-class MigrationOutcome(str, enum.Enum):
-    """What became of a stream cut after its first byte (the migrations metric's `outcome`)."""
-
-    CONTINUED = "continued"  # on another decode replica: the client saw one stream
-    FAILED = "failed"  # no replica took the continuation in time, the deadline, or the bound
-    NOT_MIGRATABLE = "not_migratable"  # a request that cannot be continued (serving/ingress/migration.py)
-
-
-# The outcomes that leave the client with a cut stream (the OpenAI-style error event).
-CUT_OUTCOMES = (MigrationOutcome.FAILED, MigrationOutcome.NOT_MIGRATABLE)
+    @classmethod
+    def designed_local(cls) -> tuple[Reason, ...]:
+        """Reasons a P/D request prefills on decode by design (the request's shape), not
+        because the remote path failed: not faults, and not counted against the circuit."""
+        return (cls.PARALLEL_SAMPLING,)
 
 
 @dataclass(frozen=True)

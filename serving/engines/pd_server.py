@@ -26,8 +26,9 @@ from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
 from ray.serve.llm.ingress import make_fastapi_ingress
 
 from serving import ray_internals as ri
+from serving.core import metrics
 from serving.core.cluster_watch import ClusterWatch
-from serving.core.failures import METRICS, Reason, ResilienceConfig, is_server_error
+from serving.core.failures import Reason, ResilienceConfig, is_server_error
 from serving.engines.circuit import Circuit
 from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
 from serving.engines.streaming import EagerFirstChunkMixin
@@ -59,8 +60,6 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         engine_cls: Any = None,
         model_downloader: Any = None,
     ) -> None:
-        from ray.serve.metrics import Counter
-
         if resilience is None:
             raise ValueError("ResilientPDDecodeServer needs the resilience values")
         self._res_cfg = ResilienceConfig.from_args(resilience)
@@ -70,21 +69,9 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         # token is queueing on a saturated decode, and rerunning it here would add load).
         self._open_requests = 0
         self._seq_slots = int(llm_config.engine_kwargs.get("max_num_seqs") or DEFAULT_MAX_NUM_SEQS)
-        self._path_counter = Counter(
-            METRICS["prefill_path"],
-            description="P/D requests by how they were prefilled (remote, remote_retry, local) and why.",
-            tag_keys=("model", "path", "reason"),
-        )
-        self._prefill_retry_counter = Counter(
-            METRICS["prefill_retries"],
-            description="Prefill calls sent again (another replica) after a failure, by reason.",
-            tag_keys=("reason",),
-        )
-        self._local_prefill_counter = Counter(
-            METRICS["local_prefill"],
-            description="Requests prefilled on the decode engine instead of remotely, by reason.",
-            tag_keys=("reason",),
-        )
+        self._path_counter = metrics.counter(metrics.PREFILL_PATH)
+        self._prefill_retry_counter = metrics.counter(metrics.PREFILL_RETRIES)
+        self._local_prefill_counter = metrics.counter(metrics.LOCAL_PREFILLS)
         await super().__init__(
             llm_config,
             prefill_server=prefill_server,

@@ -12,7 +12,6 @@ items, and one `on_path` report of how it was prefilled (remote, remote_retry, l
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +26,7 @@ from serving.core.failures import (
     first_item,
     logger,
 )
+from serving.core.metrics import PrefillPath as Path
 from serving.engines.circuit import Circuit
 
 
@@ -70,14 +70,6 @@ async def _prefill_answer(stream: Any, cfg: ResilienceConfig, circuit: Circuit) 
 
 
 # --- decode side: the prefill hop ------------------------------------------------------
-class Path(str, enum.Enum):
-    """How a P/D request was prefilled (the `path` label of pd_prefill_path)."""
-
-    REMOTE = "remote"  # the prefill tier, first attempt: the designed mode
-    REMOTE_RETRY = "remote_retry"  # the prefill tier, after a failed attempt
-    LOCAL = "local"  # on the decode engine (aggregated); the reason label says why
-
-
 @dataclass
 class PrefillOutcome:
     chunk: Any = None

@@ -42,8 +42,9 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
+from serving.core import metrics
 from serving.ingress.sse import CHARS_PER_TOKEN
 from serving.spec import base_model_id, key_id
 
@@ -380,16 +381,9 @@ class Limiter:
 
 
 # --- usage metrics --------------------------------------------------------------------------------
-METRIC_REQUESTS = "pd_usage_requests"
-METRIC_PROMPT_TOKENS = "pd_usage_prompt_tokens"
-METRIC_COMPLETION_TOKENS = "pd_usage_completion_tokens"
-METRIC_RATE_LIMITED = "pd_rate_limited_requests"
-METRIC_FALLBACK = "pd_fallback_requests"
-METRIC_LIMITER_ERRORS = "pd_limiter_errors"
-
-
 class UsageMeter:
-    """Counters per key id, model and destination, exported on Ray's metrics port.
+    """Counters per key id, model and destination, exported on Ray's metrics port
+    (declared in serving/core/metrics.py).
 
     Usage counts the model as the client asked for it (`<model>:<adapter>` for an adapter):
     what a key spent on each adapter is what a bill per adapter needs. 429s count the base
@@ -397,34 +391,12 @@ class UsageMeter:
     """
 
     def __init__(self) -> None:
-        from ray.serve import metrics
-
-        # Ray annotates tag_keys as Tuple[str] (one element); any tuple of names is accepted.
-        tags: Any = ("key", "model", "destination")
-        self._requests = metrics.Counter(
-            METRIC_REQUESTS, description="Requests answered, per API key id, model and destination.", tag_keys=tags
-        )
-        self._prompt = metrics.Counter(
-            METRIC_PROMPT_TOKENS, description="Prompt tokens, per API key id, model and destination.", tag_keys=tags
-        )
-        self._completion = metrics.Counter(
-            METRIC_COMPLETION_TOKENS,
-            description="Completion tokens, per API key id, model and destination.",
-            tag_keys=tags,
-        )
-        self._limited = metrics.Counter(
-            METRIC_RATE_LIMITED,
-            description="Requests refused with 429, per API key id, base model and limit (rpm or tpm).",
-            tag_keys=cast(Any, ("key", "model", "limit")),
-        )
-        self._fallback = metrics.Counter(
-            METRIC_FALLBACK,
-            description="Requests sent to the external fallback, per reason and outcome.",
-            tag_keys=cast(Any, ("reason", "outcome")),
-        )
-        self._limiter_errors = metrics.Counter(
-            METRIC_LIMITER_ERRORS, description="Limit checks skipped because the limits ledger did not answer."
-        )
+        self._requests = metrics.counter(metrics.USAGE_REQUESTS)
+        self._prompt = metrics.counter(metrics.USAGE_PROMPT_TOKENS)
+        self._completion = metrics.counter(metrics.USAGE_COMPLETION_TOKENS)
+        self._limited = metrics.counter(metrics.RATE_LIMITED)
+        self._fallback = metrics.counter(metrics.FALLBACKS)
+        self._limiter_errors = metrics.counter(metrics.LIMITER_ERRORS)
 
     def served(self, kid: str, model: str, destination: str, prompt: int, completion: int) -> None:
         tags = {"key": kid, "model": model, "destination": destination}

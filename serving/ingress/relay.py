@@ -22,10 +22,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from serving.core import metrics
 from serving.core.failures import (
-    METRICS,
     EngineRefused,
-    MigrationOutcome,
     Reason,
     ResilienceConfig,
     Unservable,
@@ -41,6 +40,7 @@ from serving.core.failures import (
     sse_error,
     sse_error_doc,
 )
+from serving.core.metrics import MigrationOutcome
 from serving.ingress.migration import NOT_CONTINUED, ClientFields, StreamRecord, not_continuable
 from serving.ingress.sse import (
     DONE,
@@ -344,26 +344,11 @@ class ResilientIngressMixin:
     _decode_health: DecodeHealth
 
     def _init_resilience(self, resilience: Mapping[str, Any]) -> None:
-        from ray.serve.metrics import Counter
-
         self._resilience = ResilienceConfig.from_args(resilience)
         self._decode_health = DecodeHealth()
-        self._retry_counter = Counter(
-            METRICS["ingress_retries"],
-            description="Requests the ingress sent to decode again before the first byte, by reason.",
-            tag_keys=("reason",),
-        )
-        self._refusal_counter = Counter(
-            METRICS["ingress_refusals"],
-            description="Requests the cluster could not serve (503/504 or fallback), by model and reason.",
-            tag_keys=("model", "reason", "status"),
-        )
-        self._migration_counter = Counter(
-            METRICS["migrations"],
-            description="Streams cut after their first byte, by why and what became of them "
-            "(continued on another replica, failed, not_migratable).",
-            tag_keys=("model", "reason", "outcome"),
-        )
+        self._retry_counter = metrics.counter(metrics.INGRESS_RETRIES)
+        self._refusal_counter = metrics.counter(metrics.INGRESS_REFUSALS)
+        self._migration_counter = metrics.counter(metrics.STREAM_MIGRATIONS)
 
     async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
         """Return a Response to send instead of the error (hybrid routing), or None."""

@@ -16,12 +16,13 @@ import httpx
 import pytest
 
 from bench import chaos, hops, prefill_mode
-from serving.core.failures import METRICS, Reason
+from serving.core.failures import Reason
+from serving.core.metrics import LOCAL_PREFILLS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
 
 # Ray exports a Serve Counter named N as ray_N_total.
-METRIC = f"ray_{METRICS['local_prefill']}_total"
+METRIC = LOCAL_PREFILLS.prometheus
 
 
 def _metric_total(stack, name: str) -> dict[str, float]:

@@ -11,9 +11,8 @@ the metric names of every vector selector -> each checked against its exporter:
   Except the serving code's own event counters (usage, 429s, fallbacks, limiter errors:
   `serving.ingress.limits`; retries, local prefills, refusals: `serving.core.failures`): a labelled Ray counter has no series until its first event, so an
   idle stack's scrape cannot show them. Those are checked statically instead:
-  `event_counter_names()` reads every `Counter(<name>, ...)` the serving code declares (its
-  source, names resolved against the modules' constants) and maps each as Ray exports a
-  counter.
+  `event_counter_names()` reads every counter the serving code records (its source, each
+  resolved in the registry serving/core/metrics.py) and maps each as Ray exports a counter.
 - `DCGM_*`: the DCGM exporter's counter list that the stack deploys (vendored).
 - `kube_*`: kube-state-metrics' published pod-metrics list (vendored).
 - `cluster_autoscaler_*`: the names the Cluster Autoscaler registers, read from its source at
@@ -31,15 +30,12 @@ import ast
 import json
 import os
 import re
-from contextlib import suppress
 from functools import cache
 from pathlib import Path
-from typing import Any
 
 import promql_parser
 
 from infra.k8s import monitoring
-from infra.k8s.serving_metrics import ray_counter
 
 HERE = Path(__file__).resolve().parent
 LIVE_SNAPSHOT = HERE / "data" / "ray-live-metric-names.txt"
@@ -126,64 +122,38 @@ RAY_METRICS_MODULES = ("ray.serve.metrics", "ray.util.metrics")
 
 
 @cache
-def _module_constants(module: str) -> dict[str, Any]:
-    """The literal top-level constants of serving/<module>.py, and those it imports from
-    other serving modules (read from the source: nothing is imported, so no Ray)."""
-    path = SERVING / module.replace(".", "/")
-    tree = ast.parse((path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text())
-    ns: dict[str, Any] = {}
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("serving."):
-            other = _module_constants(str(node.module).split(".", 1)[1])
-            ns.update({a.asname or a.name: other[a.name] for a in node.names if a.name in other})
-        elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            with suppress(ValueError, TypeError, SyntaxError):
-                ns[node.targets[0].id] = ast.literal_eval(node.value)
-    return ns
-
-
-@cache
 def declared_counters() -> frozenset[str]:
-    """Every name the serving code passes to a Ray metrics `Counter(...)` (ray.serve.metrics,
-    ray.util.metrics), resolved against the module's constants: `Counter(METRIC_FALLBACK, ...)`
-    in serving/ingress/limits.py, `Counter(METRICS["ingress_refusals"], ...)` in serving/core/failures.py."""
+    """The names of the counters the serving code records: every `metrics.counter(metrics.X)`
+    in serving/, X resolved in the registry (serving/core/metrics.py), read from the source
+    (nothing imported, so no Ray). A Ray `Counter(...)` built anywhere but the registry's
+    `counter()` fails: it would bypass the registry that the dashboards and alerts read."""
+    from serving.core import metrics as registry
+
     names: set[str] = set()
     for path in sorted(SERVING.rglob("*.py")):
         tree = ast.parse(path.read_text())
-        ns = _module_constants(path.relative_to(SERVING).with_suffix("").as_posix().replace("/", "."))
-        # What `Counter` and `<module>.Counter` mean in this file (imports may sit in functions).
-        counters, modules = set(), set()
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module in RAY_METRICS_MODULES:
-                counters |= {a.asname or a.name for a in node.names if a.name == "Counter"}
-            elif isinstance(node, ast.ImportFrom) and node.module in ("ray.serve", "ray.util"):
-                modules |= {a.asname or a.name for a in node.names if a.name == "metrics"}
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Call) or not node.args:
+            own = isinstance(node, ast.ImportFrom) and node.module in RAY_METRICS_MODULES
+            if own and path.name != "metrics.py" and any(a.name == "Counter" for a in node.names):  # type: ignore[attr-defined]
+                raise AssertionError(f"{path}: a Ray Counter outside serving/core/metrics.py")
+            if not (isinstance(node, ast.Call) and node.args):
                 continue
-            f = node.func
-            ray_counter = (isinstance(f, ast.Name) and f.id in counters) or (
-                isinstance(f, ast.Attribute)
-                and f.attr == "Counter"
-                and isinstance(f.value, ast.Name)
-                and f.value.id in modules
+            f, arg = node.func, node.args[0]
+            called = (isinstance(f, ast.Attribute) and f.attr == "counter") or (
+                isinstance(f, ast.Name) and f.id == "counter"
             )
-            if not ray_counter:
-                continue
-            arg = node.args[0]
-            try:
-                name = eval(compile(ast.Expression(arg), str(path), "eval"), {"__builtins__": {}}, dict(ns))
-            except Exception as exc:
-                raise AssertionError(
-                    f"{path.name}:{arg.lineno}: a Counter whose name cannot be read statically"
-                ) from exc
-            names.add(name)
+            if (
+                called
+                and isinstance(arg, ast.Attribute)
+                and isinstance(getattr(registry, arg.attr, None), registry.Metric)
+            ):
+                names.add(getattr(registry, arg.attr).name)
     return frozenset(names)
 
 
 def event_counter_names() -> set[str]:
     """Prometheus names of the serving code's event counters, as Ray exports them."""
-    return {ray_counter(n) for n in declared_counters()}
+    return {f"ray_{n}_total" for n in declared_counters()}
 
 
 def kube_state_metrics_names() -> set[str]:
@@ -279,7 +249,7 @@ def haproxy_http_series() -> dict[str, set[str]]:
 
     for metric in vars(collector.request_ingress_metrics).values():
         if isinstance(metric, metrics.Counter):
-            metric.inc = capture([ray_counter(metric._name)])
+            metric.inc = capture([f"ray_{metric._name}_total"])
         elif isinstance(metric, metrics.Histogram):
             base = f"ray_{metric._name}"
             metric.observe = capture([f"{base}_bucket", f"{base}_sum", f"{base}_count"])

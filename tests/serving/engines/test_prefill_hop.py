@@ -8,8 +8,9 @@ import asyncio
 import pytest
 
 from serving.core.failures import Reason, ResilienceConfig, is_server_error
+from serving.core.metrics import PrefillPath as Path
 from serving.engines.circuit import Circuit
-from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
+from serving.engines.prefill_hop import PrefillOutcome, orchestrate, remote_prefill
 from tests.serving.fakes import CFG, Err, FakeStream, collect, is_5xx, is_err, run
 
 

@@ -23,12 +23,12 @@ import pytest
 from bench import chaos
 from bench.sse import Streamed, stream_request
 from local.config import LOCAL_DECODE_TARGET
-from serving.core.failures import METRICS
+from serving.core.metrics import STREAM_MIGRATIONS
 from tests.serving.test_resilience_e2e import _metric_total_by
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
 
-MIGRATIONS = f"ray_{METRICS['migrations']}_total"
+MIGRATIONS = STREAM_MIGRATIONS.prometheus
 MAX_TOKENS = 192
 # Bounds on how long the stack may take, not speed figures (`make chaos` measures those).
 SCALE_OUT_WITHIN_S = 300

@@ -1,0 +1,168 @@
+"""The serving code's own metrics: one registry of their names, labels and meaning.
+
+What flows through here: nothing per request. Every counter the serving code records is
+declared once, here: its name as Ray is told it, its label keys, its description and the
+process that records it. The runtime builds its Ray counters from these declarations
+(`counter()`: the ingress's usage, limits, fallback, retry, refusal and migration counters,
+the decode server's prefill-path counters), and the Pulumi program's dashboards and alerts
+read the Prometheus names and label values from here (infra/k8s/serving_metrics.py), so a
+renamed counter or label cannot leave a panel reading a series that never comes.
+
+Ray exports an application's counters as `ray_<name>_total` (ray/util/metrics.py `Counter`:
+"Since 2.10, this exports both counter (with a suffix "_total") and gauge metrics";
+`NAMESPACE = "ray"`, ray/_private/telemetry/open_telemetry_metric_recorder.py, Ray 2.60) and
+adds `application`, `deployment` and `replica` labels. A labelled counter has no series until
+its first event.
+
+Standard library only at import time (the Pulumi program imports this module; Ray is imported
+inside `counter()`, which only replicas call).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+INGRESS = "ingress"  # the OpenAI front door's replicas (the Ray head's pods)
+DECODE = "decode"  # the P/D decode server's replicas (decode pods)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One counter of the serving code."""
+
+    name: str  # as declared to Ray
+    labels: tuple[str, ...]
+    description: str
+    recorded_by: str  # INGRESS or DECODE
+
+    @property
+    def prometheus(self) -> str:
+        """The series name Prometheus scrapes."""
+        return f"ray_{self.name}_total"
+
+
+class PrefillPath(str, enum.Enum):
+    """How a P/D request was prefilled (PREFILL_PATH's `path` label)."""
+
+    REMOTE = "remote"  # the prefill tier, first attempt: the designed mode
+    REMOTE_RETRY = "remote_retry"  # the prefill tier, after a failed attempt
+    LOCAL = "local"  # on the decode engine (aggregated); the reason label says why
+
+
+class MigrationOutcome(str, enum.Enum):
+    """What became of a stream cut after its first byte (STREAM_MIGRATIONS' `outcome` label)."""
+
+    CONTINUED = "continued"  # on another decode replica: the client saw one stream
+    FAILED = "failed"  # no replica took the continuation in time, the deadline, or the bound
+    NOT_MIGRATABLE = "not_migratable"  # a request that cannot be continued (serving/ingress/migration.py)
+
+
+# The outcomes that leave the client with a cut stream (the OpenAI-style error event).
+CUT_OUTCOMES = (MigrationOutcome.FAILED, MigrationOutcome.NOT_MIGRATABLE)
+
+# The `destination` label of the usage counters.
+DESTINATION_CLUSTER = "cluster"
+DESTINATION_FALLBACK = "fallback"
+
+# --- the ingress: usage, limits, the external fallback ---------------------------------------
+USAGE_REQUESTS = Metric(
+    "pd_usage_requests",
+    ("key", "model", "destination"),
+    "Requests answered, per API key id, model and destination.",
+    INGRESS,
+)
+USAGE_PROMPT_TOKENS = Metric(
+    "pd_usage_prompt_tokens",
+    ("key", "model", "destination"),
+    "Prompt tokens, per API key id, model and destination.",
+    INGRESS,
+)
+USAGE_COMPLETION_TOKENS = Metric(
+    "pd_usage_completion_tokens",
+    ("key", "model", "destination"),
+    "Completion tokens, per API key id, model and destination.",
+    INGRESS,
+)
+RATE_LIMITED = Metric(
+    "pd_rate_limited_requests",
+    ("key", "model", "limit"),
+    "Requests refused with 429, per API key id, base model and limit (rpm or tpm).",
+    INGRESS,
+)
+FALLBACKS = Metric(
+    "pd_fallback_requests",
+    ("reason", "outcome"),
+    "Requests sent to the external fallback, per reason and outcome.",
+    INGRESS,
+)
+LIMITER_ERRORS = Metric(
+    "pd_limiter_errors",
+    (),
+    "Limit checks skipped because the limits ledger did not answer.",
+    INGRESS,
+)
+# --- the ingress: the resilient relay --------------------------------------------------------
+INGRESS_RETRIES = Metric(
+    "pd_ingress_retries",
+    ("reason",),
+    "Requests the ingress sent to decode again before the first byte, by reason.",
+    INGRESS,
+)
+INGRESS_REFUSALS = Metric(
+    "pd_ingress_refusals",
+    ("model", "reason", "status"),
+    "Requests the cluster could not serve (503/504 or fallback), by model and reason.",
+    INGRESS,
+)
+STREAM_MIGRATIONS = Metric(
+    "pd_stream_migrations",
+    ("model", "reason", "outcome"),
+    "Streams cut after their first byte, by why and what became of them "
+    "(continued on another replica, failed, not_migratable).",
+    INGRESS,
+)
+# --- the P/D decode server: the prefill hop --------------------------------------------------
+PREFILL_PATH = Metric(
+    "pd_prefill_path",
+    ("model", "path", "reason"),
+    "P/D requests by how they were prefilled (remote, remote_retry, local) and why.",
+    DECODE,
+)
+PREFILL_RETRIES = Metric(
+    "pd_prefill_retries",
+    ("reason",),
+    "Prefill calls sent again (another replica) after a failure, by reason.",
+    DECODE,
+)
+LOCAL_PREFILLS = Metric(
+    "pd_local_prefill_fallbacks",
+    ("reason",),
+    "Requests prefilled on the decode engine instead of remotely, by reason.",
+    DECODE,
+)
+
+ALL = (
+    USAGE_REQUESTS,
+    USAGE_PROMPT_TOKENS,
+    USAGE_COMPLETION_TOKENS,
+    RATE_LIMITED,
+    FALLBACKS,
+    LIMITER_ERRORS,
+    INGRESS_RETRIES,
+    INGRESS_REFUSALS,
+    STREAM_MIGRATIONS,
+    PREFILL_PATH,
+    PREFILL_RETRIES,
+    LOCAL_PREFILLS,
+)
+
+
+def counter(metric: Metric) -> Any:
+    """The Ray counter of `metric` (inside a Serve replica or a Ray worker)."""
+    from ray.serve.metrics import Counter
+
+    # Ray annotates tag_keys as Tuple[str] (one element); any tuple of names is accepted.
+    tags: Any = metric.labels or None
+    return Counter(metric.name, description=metric.description, tag_keys=tags)
