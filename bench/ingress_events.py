@@ -7,7 +7,7 @@ prompt's token ids and each chunk's when the request asks `return_token_ids`, us
 chunk with `continuous_usage_stats`, the final usage event with `include_usage`, [DONE]),
 shaped by what the ingress asked for, in Ray Serve LLM's batches (the first chunk alone, then
 lists of `--batch` events) from a stand-in decode handle -> the ingress's real path
-(serving.app.AuthenticatedIngress: auth, parse, hybrid routing, the resilient call, then
+(serving.ingress.server.AuthenticatedIngress: auth, parse, hybrid routing, the resilient call, then
 the stream: stream migration's record, the metering) -> the bytes a client reads. Beside
 it, in the same rounds and the same event loop, the same batches through an async generator
 that yields their text unchanged: the floor of moving the bytes at all.
@@ -215,7 +215,7 @@ def make_ingress(handle: EngineHandle, *, migrations: int | None = None) -> Any:
     """The real ingress (auth off) in front of `handle`, outside Serve (no Ray started)."""
     from ray.llm._internal.serve.core.configs.openai_api_models import ModelCard
 
-    from serving.app import AuthenticatedIngress
+    from serving.ingress.server import AuthenticatedIngress
     from serving.spec import ResilienceSpec
 
     resilience = ResilienceSpec().runtime_args()

@@ -13,7 +13,7 @@ Upstream: ray-project/ray, Ray 2.60.0,
                                                             NON_STREAMING_RESPONSE_TYPES)
   python/ray/llm/_internal/serve/core/protocol.py           (RawRequestInfo)
   python/ray/llm/_internal/serve/core/configs/openai_api_models.py (ErrorResponse,
-                                                            ModelCard, to_model_metadata)
+                                                            ModelCard, ModelList, to_model_metadata)
   python/ray/llm/_internal/common/dict_utils.py             (maybe_apply_llm_deployment_config_defaults)
   python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py (PDServingArgs)
   python/ray/serve/_private/http_util.py                    (session_id_from_headers)
@@ -37,6 +37,7 @@ from ray.llm._internal.common.dict_utils import (
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ErrorResponse,
     ModelCard,
+    ModelList,
     to_model_metadata,
 )
 from ray.llm._internal.serve.core.ingress.utils import (
@@ -91,6 +92,7 @@ __all__ = [
     "Batcher",
     "ErrorResponse",
     "ModelCard",
+    "ModelList",
     "PDServingArgs",
     "RawRequestInfo",
     "check_hooks",

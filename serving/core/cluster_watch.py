@@ -58,7 +58,8 @@ class ClusterWatch:
             self._task.cancel()
             self._task = None
 
-    def _poll(self) -> dict[str, int]:
+    def poll(self) -> dict[str, int]:
+        """Serve's running replicas now (blocks on the controller: call it in a thread)."""
         from ray import serve
 
         return running_replicas(serve.status().applications, self.app_name)
@@ -66,7 +67,7 @@ class ClusterWatch:
     async def _run(self) -> None:
         while True:
             try:
-                running = await asyncio.to_thread(self._poll)
+                running = await asyncio.to_thread(self.poll)
                 self.state = ClusterState(running=running, updated=time.monotonic())
             except asyncio.CancelledError:
                 raise

@@ -23,15 +23,16 @@ from typing import Any
 from ray import serve
 from ray.serve.llm import build_llm_deployment
 from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
-from ray.serve.llm.ingress import make_fastapi_ingress
 
 from serving import ray_internals as ri
 from serving.core import metrics
+from serving.core.calls import is_client_error, is_server_error
 from serving.core.cluster_watch import ClusterWatch
-from serving.core.failures import Reason, ResilienceConfig, is_server_error
+from serving.core.failures import Reason
 from serving.engines.circuit import Circuit
 from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
 from serving.engines.streaming import EagerFirstChunkMixin
+from serving.spec import ResilienceSpec
 
 logger = logging.getLogger("ray.serve")
 
@@ -62,7 +63,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
     ) -> None:
         if resilience is None:
             raise ValueError("ResilientPDDecodeServer needs the resilience values")
-        self._res_cfg = ResilienceConfig.from_args(resilience)
+        self._res_cfg = ResilienceSpec.from_args(resilience)
         self._prefill_circuit = Circuit(self._res_cfg.circuit_open_s, self._res_cfg.circuit_failures)
         # Requests this replica has open, against the engine's sequence slots: the KV-ready
         # deadline only runs while a new request can be scheduled at once (else a slow first
@@ -122,6 +123,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             return await remote_prefill(
                 call_prefill,
                 is_error=lambda c: isinstance(c, ri.ErrorResponse),
+                is_refusal=is_client_error,
                 cfg=cfg,
                 circuit=self._prefill_circuit,
                 on_retry=lambda r: self._prefill_retry_counter.inc(tags={"reason": r.value}),
@@ -153,6 +155,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             return cfg.kv_ready_timeout_s
 
         n = getattr(request, "n", None) or 1
+        batch = method == "completions" and prompt_count(getattr(request, "prompt", None)) > 1
         return self._counted(
             orchestrate(
                 prefill=prefill,
@@ -161,7 +164,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 is_server_error=is_server_error,
                 kv_ready_timeout_s=kv_ready_timeout_s,
                 on_path=on_path,
-                local_reason=Reason.PARALLEL_SAMPLING if n > 1 else None,
+                local_reason=Reason.PARALLEL_SAMPLING if n > 1 else Reason.PROMPT_BATCH if batch else None,
             )
         )
 
@@ -179,6 +182,14 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
             self._open_requests -= 1
 
 
+def prompt_count(prompt: Any) -> int:
+    """How many prompts a completion's `prompt` holds: a string or a list of token ids is one,
+    a list of strings or of token-id lists is one each."""
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    return 1
+
+
 def _prefill_watch() -> ClusterWatch | None:
     """A ClusterWatch of this replica's application (None outside a Serve replica)."""
     try:
@@ -193,7 +204,7 @@ def _prefill_watch() -> ClusterWatch | None:
 def build_pd_engines(pd: Any, resilience: Mapping[str, Any]) -> Any:
     """The decode tier bound to its prefill tier (ResilientPDDecodeServer -> PDPrefillServer),
     from Ray's validated PDServingArgs `pd`: the engines of one P/D model, without an ingress."""
-    ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
+    ResilienceSpec.from_args(resilience)  # refuse bad values before anything is built
     # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
     prefill_cls: Any = PDPrefillServer
     decode_cls: Any = ResilientPDDecodeServer
@@ -213,49 +224,3 @@ def pd_args(builder_args: Mapping[str, Any]) -> Any:
     """`builder_args` validated by Ray's own PDServingArgs (the same inputs accepted and refused
     as by build_pd_openai_app); the config fields are LLMConfig objects from here on."""
     return ri.PDServingArgs.model_validate(dict(builder_args))
-
-
-def build_pd_app(builder_args: Mapping[str, Any], resilience: Mapping[str, Any]) -> Any:
-    """Ray's P/D graph (ingress -> decode -> prefill) with ResilientPDDecodeServer.
-
-    `builder_args` are what `build_pd_openai_app` takes; they are validated by Ray's own
-    PDServingArgs, so the same inputs are accepted and refused.
-    """
-    ResilienceConfig.from_args(resilience)  # refuse bad values before anything is built
-    pd = pd_args(builder_args)
-    decode = build_pd_engines(pd, resilience)
-    model_id = pd.decode_config.model_id
-    lora = pd.decode_config.lora_config
-    return bind_ingress(
-        pd.ingress_cls_config.ingress_cls,
-        pd.ingress_cls_config.ingress_extra_kwargs,
-        pd.ingress_deployment_config,
-        [pd.decode_config],
-        llm_deployments={model_id: decode},
-        model_cards={model_id: ri.to_model_metadata(model_id, pd.decode_config)},
-        lora_paths={model_id: lora.dynamic_lora_loading_path} if lora is not None else {},
-    )
-
-
-def bind_ingress(
-    ingress_cls: Any,
-    extra_kwargs: Mapping[str, Any],
-    deployment_config: Mapping[str, Any] | None,
-    llm_configs: list[Any],
-    *,
-    llm_deployments: Mapping[str, Any],
-    model_cards: Mapping[str, Any],
-    lora_paths: Mapping[str, str],
-) -> Any:
-    """The OpenAI ingress deployment bound to its engines, as Ray's builders bind it: the
-    class's default options for `llm_configs` under the rendered `deployment_config`."""
-    options = ri.maybe_apply_llm_deployment_config_defaults(
-        ingress_cls.get_deployment_options(llm_configs), dict(deployment_config or {})
-    )
-    deployment: Any = serve.deployment
-    return deployment(make_fastapi_ingress(ingress_cls), **options).bind(
-        llm_deployments=dict(llm_deployments),
-        model_cards=dict(model_cards),
-        lora_paths=dict(lora_paths),
-        **extra_kwargs,
-    )

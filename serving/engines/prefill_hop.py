@@ -12,22 +12,18 @@ items, and one `on_path` report of how it was prefilled (remote, remote_retry, l
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serving.core.failures import (
-    Reason,
-    ResilienceConfig,
-    aclose_quietly,
-    assigned,
-    cancel_call,
-    classify,
-    first_item,
-    logger,
-)
+from serving.core.calls import aclose_quietly, assigned, cancel_call, first_item
+from serving.core.failures import Reason, classify
 from serving.core.metrics import PrefillPath as Path
 from serving.engines.circuit import Circuit
+from serving.spec import ResilienceSpec
+
+logger = logging.getLogger("ray.serve")
 
 
 class CircuitOpened(Exception):
@@ -57,7 +53,7 @@ async def _race(aw: Awaitable[Any], timeout_s: float, circuit: Circuit) -> Any:
     raise TimeoutError
 
 
-async def _prefill_answer(stream: Any, cfg: ResilienceConfig, circuit: Circuit) -> Any:
+async def _prefill_answer(stream: Any, cfg: ResilienceSpec, circuit: Circuit) -> Any:
     """The prefill call's first (only) chunk. Two clocks: a replica must take the call within
     prefill_queue_timeout_s (else QueueTimeout: the prefill tier is busy), and then answer
     within prefill_timeout_s, timed from when it took the call, so queueing under load is
@@ -75,6 +71,9 @@ class PrefillOutcome:
     chunk: Any = None
     reason: Reason | None = None  # set when falling back to local prefill
     attempts: int = 0  # prefill calls made
+    # The prefill engine refused the request itself (a 4xx: a parameter it rejects): the
+    # client's answer, sent back as it is; the tier is not at fault.
+    refusal: Any = None
 
     @property
     def path(self) -> Path:
@@ -87,7 +86,8 @@ async def remote_prefill(
     call: Callable[[], Any],
     *,
     is_error: Callable[[Any], bool],
-    cfg: ResilienceConfig,
+    is_refusal: Callable[[Any], bool] = lambda _: False,
+    cfg: ResilienceSpec,
     circuit: Circuit,
     on_retry: Callable[[Reason], None],
     no_replica: Callable[[], bool] = lambda: False,
@@ -105,6 +105,8 @@ async def remote_prefill(
     `no_replica()` True (Serve reports no running prefill replica: a restart takes minutes)
     is broken, not busy: the request prefills locally at once, counted against the circuit,
     instead of waiting prefill_queue_timeout_s for a replica that is not there.
+    An answer `is_refusal` (the engine's 4xx for the request itself) is returned as the
+    outcome's refusal: no retry, no verdict on the circuit.
     """
     if not circuit.allow():
         return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
@@ -141,6 +143,8 @@ async def remote_prefill(
                 reason = classify(exc)
                 logger.warning("prefill attempt %d failed (%s): %r", attempt + 1, reason.value, exc)
             else:
+                if is_refusal(chunk):
+                    return PrefillOutcome(refusal=chunk, attempts=attempts)
                 if not is_error(chunk):
                     circuit.success()
                     verdict = True
@@ -192,6 +196,9 @@ async def orchestrate(
         outcome = PrefillOutcome(reason=local_reason)
     else:
         outcome = await prefill()
+    if outcome.refusal is not None:
+        yield outcome.refusal  # the request's own error: the client's answer, as decode would give it
+        return
     if outcome.reason is None:
         gen = await decode_with(outcome.chunk)
         try:

@@ -20,26 +20,13 @@ tests/serving/engines/test_streaming.py pins its signature.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.serve.llm.deployment import LLMServer
 
-from serving.ray_internals import Batcher
+from serving.core.calls import eager_batches
 from serving.spec import FIRST_CHUNK_KEY, FirstChunk
-
-
-async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -> AsyncGenerator[list[Any], None]:
-    """[first chunk] as soon as it exists, then lists of chunks every `interval_ms`."""
-    it = stream.__aiter__()
-    try:
-        first = await it.__anext__()
-    except StopAsyncIteration:
-        return
-    yield [first]
-    rest: Batcher[Any] = Batcher(it, interval_ms=interval_ms)
-    async for batch in rest.stream():
-        yield list(batch)
 
 
 class EagerFirstChunkMixin:

@@ -1,12 +1,20 @@
-"""The front door's model catalogue (many-model form): which Serve application serves each model.
+"""The front door's models: which models and adapters it serves, and the engines behind each.
 
-What flows through here: the ingress deployment's `user_config["models"]` (ServingSpec's
-model_table(): model id, application name, mode, context length, adapters' path) -> one
-`ModelCard` per model for `/v1/models`, the LoRA adapters' path per model, and, on the first
-request for a model, a deployment handle to its application's ingress deployment (the decode
-server of a P/D model, the LLMServer of an aggregated one) -> the ingress's routing tables,
-which Ray Serve LLM's OpenAiIngress already reads (`_default_serve_handles`, `_model_cards`,
-`_lora_paths`), so requests then follow Ray's own path, LoRA multiplexing included.
+What flows through here: the model a request names (or none: the only one) -> `Models.resolve`
+-> a `ModelRoute` (the model as asked, its base model, a handle to its engines, the
+deployment that serves its tokens as Serve's status names it, its context length), or
+`ModelNotFound` for a model or adapter this front door does not serve (an empty adapter name,
+or one that is not in the adapters' storage: refused before any engine loads it, so an
+unknown adapter never evicts a loaded one), or `Unservable` while a model's application is
+not deployed yet. `/v1/models` and `/v1/models/<id>` read the same tables; the adapters'
+listing is read from storage off the event loop and kept for `ADAPTER_LISTING_TTL_S`, and no
+answer carries a storage location.
+
+The tables are Ray Serve LLM's OpenAiIngress's own (`_default_serve_handles`, `_model_cards`,
+`_lora_paths`, and its `_get_configured_serve_handle`, which adds LoRA multiplexing): one copy.
+In the many-model form (`ModelCatalog`) they are filled from the ingress deployment's
+`user_config["models"]` (ServingSpec's model_table(): model id, application name, mode,
+context length, adapters' path), each model's handle looked up on its first request.
 
 Why our own: Ray Serve LLM 2.60 builds its ingress with the engines' handles bound in one
 application (build_openai_app), so adding a model changes that application's args and
@@ -19,9 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from serving.core.failures import MODEL_STARTING_MESSAGE, MODEL_STARTING_RETRY_S, Reason, Unservable
+from serving.spec import base_model_id
+from serving.spec.models import ADAPTER_SEP
 
 logger = logging.getLogger("ray.serve")
 
@@ -141,3 +155,172 @@ def _app_handle(app_name: str) -> Any:
     from ray import serve
 
     return serve.get_app_handle(app_name)
+
+
+# --- resolving a request's model -----------------------------------------------------------
+# How long the adapters' listing (one storage LIST per model) is trusted; an adapter added to
+# storage is served after at most this long, or at once when a request names it.
+ADAPTER_LISTING_TTL_S = 60.0
+# A name that is a storage location, redacted from any text a client gets.
+_STORAGE_URI = re.compile(r"\b(?:s3|gs|abfss|azure)://\S+")
+
+
+class ModelNotFound(Exception):
+    """The front door does not serve this model or adapter (OpenAI's 404)."""
+
+    def __init__(self, model: str):
+        super().__init__(model)
+        self.model = model
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    """The model a request asked for, worked out once."""
+
+    model: str  # as asked (`<base>:<adapter>` for an adapter)
+    base: str
+    handle: Callable[[], Any]  # the configured Serve handle to its engines (multiplexed for an adapter)
+    engine: str | None  # the deployment that serves its tokens, as ClusterWatch names it
+    context_len: int | None  # the base model's context (max_model_len)
+
+
+def redact_storage(text: str) -> str:
+    """`text` without storage locations (an engine's adapter error names its S3 URI)."""
+    return _STORAGE_URI.sub("<storage>", text)
+
+
+def _list_adapters(path: str, base: str) -> list[str]:
+    from ray.llm._internal.common.utils.lora_utils import get_lora_model_ids
+
+    return get_lora_model_ids(dynamic_lora_loading_path=path, base_model_id=base)
+
+
+class Models:
+    """Resolution over the ingress's tables (`ingress`: Ray's OpenAiIngress subclass), with
+    the many-model catalogue when there is one (`catalog`)."""
+
+    def __init__(
+        self,
+        ingress: Any,
+        catalog: ModelCatalog | None = None,
+        list_adapters: Callable[[str, str], list[str]] = _list_adapters,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._ingress = ingress
+        self.catalog = catalog
+        self._list = list_adapters
+        self._clock = clock
+        self._adapters: dict[str, tuple[float, frozenset[str]]] = {}  # base -> (read at, adapter ids)
+        self._listing: dict[str, asyncio.Lock] = {}
+
+    @property
+    def cards(self) -> Mapping[str, Any]:
+        return self._ingress._model_cards
+
+    def only_model(self) -> str | None:
+        return next(iter(self.cards)) if len(self.cards) == 1 else None
+
+    def served(self, model: Any) -> bool:
+        """Whether `model` names a served model or adapter by its form alone (no storage read)."""
+        if not isinstance(model, str):
+            return False
+        base, sep, adapter = model.partition(ADAPTER_SEP)
+        return base in self.cards and (not sep or (bool(adapter) and base in self._ingress._lora_paths))
+
+    async def adapters(self, base: str, *, fresh: bool = False) -> frozenset[str]:
+        """The adapter ids of `base` in its adapters' storage (cached; `fresh`: read again
+        unless just read)."""
+        path = self._ingress._lora_paths.get(base)
+        if path is None:
+            return frozenset()
+        cached = self._adapters.get(base)
+        max_age = 1.0 if fresh else ADAPTER_LISTING_TTL_S
+        if cached is not None and self._clock() - cached[0] < max_age:
+            return cached[1]
+        lock = self._listing.setdefault(base, asyncio.Lock())
+        async with lock:  # one storage listing at a time per model
+            cached = self._adapters.get(base)
+            if cached is not None and self._clock() - cached[0] < max_age:
+                return cached[1]
+            ids = frozenset(await asyncio.to_thread(self._list, path, base))
+            self._adapters[base] = (self._clock(), ids)
+            return ids
+
+    async def resolve(self, model: Any) -> ModelRoute:
+        """The route of the model a request names (None: the only model)."""
+        if model is None:
+            model = self.only_model()
+            if model is None:
+                raise ModelNotFound("")
+        if not self.served(model):
+            raise ModelNotFound(str(model))
+        base = base_model_id(model)
+        if (
+            model != base
+            and model not in await self.adapters(base)
+            and model not in await self.adapters(base, fresh=True)
+        ):
+            raise ModelNotFound(model)
+        handles = self._ingress._default_serve_handles
+        if self.catalog is not None and base not in handles:
+            try:
+                handles[base] = await self.catalog.resolve(base)
+            except Exception as exc:  # its application is not deployed (yet)
+                logger.warning("no handle to model %s yet: %r", base, exc)
+                raise Unservable(Reason.DECODE_UNAVAILABLE, MODEL_STARTING_RETRY_S, MODEL_STARTING_MESSAGE) from None
+        card = self.cards[base]
+        context = (getattr(card, "metadata", None) or {}).get("max_request_context_length")
+        return ModelRoute(
+            model=model,
+            base=base,
+            handle=lambda: self._ingress._get_configured_serve_handle(model),
+            engine=self._engine(base),
+            context_len=int(context) if isinstance(context, int) else None,
+        )
+
+    def _engine(self, base: str) -> str | None:
+        deployment = getattr(self._ingress._default_serve_handles.get(base), "deployment_name", None)
+        if self.catalog is None or deployment is None:
+            return deployment
+        # Another application's deployment: ClusterWatch keys those "<app>/<deployment>".
+        entry = self.catalog.entries.get(base)
+        return f"{entry.app_name}/{deployment}" if entry is not None else None
+
+    def engines(self) -> list[str]:
+        """Every model's engine deployment known so far (for /health)."""
+        return [e for e in (self._engine(b) for b in self._ingress._default_serve_handles) if e]
+
+    def take(self, rows: Any) -> tuple[set[str], set[str]]:
+        """The many-model catalogue's new table into the ingress's tables: handles of models
+        that left or moved are dropped, new ones looked up on their first request."""
+        assert self.catalog is not None
+        ingress = self._ingress
+        added, removed = self.catalog.update(rows)
+        ingress._model_cards = self.catalog.cards()
+        ingress._lora_paths = self.catalog.lora_paths()
+        for model_id in list(ingress._default_serve_handles):
+            if self.catalog.handle(model_id) is None:
+                del ingress._default_serve_handles[model_id]
+        for model_id in list(ingress._configured_serve_handles):
+            if base_model_id(model_id) not in ingress._default_serve_handles:
+                del ingress._configured_serve_handles[model_id]
+        self._adapters.clear()
+        return added, removed
+
+    async def listing(self) -> list[Any]:
+        """Every served model's card and its adapters' cards (no storage location in them)."""
+        cards = []
+        for base, card in self.cards.items():
+            cards.append(card)
+            for adapter in sorted(await self.adapters(base)):
+                cards.append(self.adapter_card(adapter))
+        return cards
+
+    def adapter_card(self, model: str) -> Any:
+        """An adapter's card: its base model's, under its own id."""
+        from serving.ray_internals import ModelCard
+
+        base = self.cards[base_model_id(model)]
+        metadata = {**(base.metadata or {}), "model_id": model, "base_model_id": base.id}
+        metadata.pop("bucket_uri", None)
+        return ModelCard(id=model, object="model", owned_by=base.owned_by, permission=[], metadata=metadata)

@@ -8,7 +8,7 @@ built from scratch (the fallback's own key, content type, a user agent), so neit
 client's API key nor any internal header can leave -> the answer comes back, streamed
 event by event when the client streams, with `model` rewritten to our model id and usage
 read off for metering -> the first event at once, the rest joined per the streaming batch
-interval (`serving.engines.streaming.eager_batches`, as the engines batch their tokens) -> a
+interval (`serving.core.calls.eager_batches`, as the engines batch their tokens) -> a
 starlette Response marked `x-served-by: fallback`.
 
 Failures never pass the provider's body through: they become `FallbackError` (our status,
@@ -33,15 +33,14 @@ from typing import Any
 import httpx
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from serving.core.failures import in_background, sse_error
-from serving.engines.streaming import eager_batches
+from serving.core.calls import eager_batches, in_background, sse_error
+from serving.ingress.errors import SERVED_BY
 from serving.ingress.fields import openai_fields
 from serving.ingress.sse import SseRewriter, Usage, estimated_usage
 from serving.spec import FALLBACK_API_KEY_ENV, FallbackWhen
 
 logger = logging.getLogger("ray.serve")
 
-SERVED_BY = "x-served-by"
 USER_AGENT = "pd-inference-fallback/1"
 ENDPOINTS = {"chat": "chat/completions", "completions": "completions"}
 # Called once when a relayed answer has ended: (its usage, whether it completed).

@@ -1,8 +1,13 @@
-"""What a client may put in a chat or completion body: every field has a meaning we chose.
+"""What a client may put in a request body: one registry, every field with a meaning we chose.
 
-What flows through here: the parsed JSON body of /v1/chat/completions or /v1/completions,
-before anything else reads it -> None (every top-level field is one we serve) or the
-400 to send, naming the first field that is not.
+What flows through here: the parsed JSON body of /v1/chat/completions, /v1/completions,
+/tokenize or /detokenize, before anything else reads it -> None (every top-level field is
+one we serve, within its bounds) or the 400 to send, naming the first field that is not.
+Each field of the registry says which endpoints take it, whether OpenAI documents it (only
+those go to the external fallback: the vLLM extensions mean nothing to another provider,
+and some providers refuse them), and what a continuation of a cut stream does with it
+(serving/ingress/migration.py derives its classes from here): carried on unchanged,
+recomputed, already applied, or a reason the stream cannot be continued.
 
 Why an allow-list: vLLM's request models accept unknown fields (pydantic `extra="allow"`,
 vLLM 0.29 and 0.32) and several documented fields that steer the engine's internals:
@@ -16,99 +21,128 @@ vLLM 0.29 and 0.32) and several documented fields that steer the engine's intern
     session state; the server sets them, not the client.
   * prompt_embeds, mm_payload, media_io_kwargs, mm_processor_kwargs, chat_template: raw
     tensors, multimodal internals and a client-supplied Jinja template.
-Everything else that is not on the lists below (OpenAI's documented fields this server
-implements, and the vLLM sampling extensions we chose to offer) is refused too, so a new
-field in a new vLLM release is closed until someone decides what it means here.
-
-The external fallback gets only OpenAI's documented fields (`openai_fields`): the vLLM
-extensions mean nothing to another provider, and some providers refuse them.
+Everything not in the registry is refused too, so a new field in a new vLLM release is
+closed until someone decides what it means here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import enum
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-# OpenAI's documented request fields that this server implements (platform.openai.com API
-# reference: Chat Completions "Create", legacy Completions "Create").
-OPENAI_CHAT = frozenset(
-    {
-        "model",
-        "messages",
-        "frequency_penalty",
-        "logit_bias",
-        "logprobs",
-        "max_completion_tokens",
-        "max_tokens",
-        "n",
-        "parallel_tool_calls",
-        "presence_penalty",
-        "reasoning_effort",
+CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "chat", "completions", "tokenize", "detokenize"
+GENERATE = frozenset({CHAT, COMPLETIONS})
+
+# OpenAI documents `n` up to 128 (API reference, Chat Completions "Create"); vLLM takes up to
+# 16384 children per request, each a full sequence: bounded here, and counted by limits.
+MAX_N = 128
+
+
+class Continuation(str, enum.Enum):
+    """What a continuation of a cut stream does with a field the client set."""
+
+    CARRIED = "carried"  # sent on unchanged: it steers the sampling of every token
+    RECOMPUTED = "recomputed"  # what is left of it (max_tokens), or set by the continuation
+    APPLIED = "applied"  # it shaped the prompt (whose token ids the continuation sends)
+    BLOCKS = "blocks"  # set, it makes the request not continuable (see `blocks`)
+    NONE = "none"  # tokenize/detokenize: nothing is ever continued
+
+
+def _set(v: Any) -> bool:
+    return v not in (None, False, 0, "", [], {})
+
+
+@dataclass(frozen=True)
+class Field:
+    """One request field a client may send."""
+
+    name: str
+    endpoints: frozenset[str]
+    openai: bool  # OpenAI documents it (platform.openai.com API reference): the fallback gets it
+    continuation: Continuation
+    # For BLOCKS: (when its value makes the request not continuable, why).
+    blocks: tuple[Callable[[Any], bool], str] | None = None
+
+
+def _f(name: str, endpoints: frozenset[str] | str, openai: bool, cont: Continuation, blocks: Any = None) -> Field:
+    eps = frozenset({endpoints}) if isinstance(endpoints, str) else endpoints
+    return Field(name, eps, openai, cont, blocks)
+
+
+C, R, A, B = Continuation.CARRIED, Continuation.RECOMPUTED, Continuation.APPLIED, Continuation.BLOCKS
+# OpenAI's documented fields this server implements (Chat Completions and legacy Completions
+# "Create"), then vLLM's sampling and templating extensions we offer (vLLM docs, "Extra
+# parameters" of the OpenAI-compatible server): they change what is generated, never where
+# or how it runs.
+FIELDS: tuple[Field, ...] = (
+    _f("model", GENERATE, True, C),
+    _f("messages", CHAT, True, A),
+    _f("prompt", COMPLETIONS, True, A),
+    _f("frequency_penalty", GENERATE, True, C),
+    _f("presence_penalty", GENERATE, True, C),
+    _f("logit_bias", GENERATE, True, C),
+    _f("seed", GENERATE, True, C),
+    _f("stop", GENERATE, True, C),
+    _f("temperature", GENERATE, True, C),
+    _f("top_p", GENERATE, True, C),
+    _f("user", GENERATE, True, C),
+    _f("stream_options", GENERATE, True, C),
+    _f("max_tokens", GENERATE, True, R),
+    _f("max_completion_tokens", CHAT, True, R),
+    _f("stream", GENERATE, True, R),
+    _f("n", GENERATE, True, B, (lambda v: v not in (None, 1), "n > 1")),
+    _f("logprobs", GENERATE, True, B, (_set, "logprobs")),
+    _f("top_logprobs", CHAT, True, B, (_set, "logprobs")),
+    _f("tools", CHAT, True, B, (_set, "tools")),
+    _f("tool_choice", CHAT, True, B, (lambda v: v not in (None, "none"), "tools")),
+    _f(
         "response_format",
-        "seed",
-        "stop",
-        "stream",
-        "stream_options",
-        "temperature",
-        "tool_choice",
-        "tools",
-        "top_logprobs",
-        "top_p",
-        "user",
-    }
+        CHAT,
+        True,
+        B,
+        (lambda v: isinstance(v, Mapping) and v.get("type") not in (None, "text"), "structured output"),
+    ),
+    _f("suffix", COMPLETIONS, True, B, (_set, "suffix")),
+    # A streamed echo with the token ids a continuation needs comes back without its prompt
+    # text (vLLM blanks the echoed prompt when return_token_ids is set), so echo is never
+    # traded for continuability.
+    _f("echo", COMPLETIONS, True, B, (_set, "echo")),
+    # Only shape output when tools are given; tools make the request not continuable.
+    _f("parallel_tool_calls", CHAT, True, A),
+    _f("reasoning_effort", CHAT, True, A),
+    # vLLM's extensions
+    _f("top_k", GENERATE, False, C),
+    _f("min_p", GENERATE, False, C),
+    _f("repetition_penalty", GENERATE, False, C),
+    _f("stop_token_ids", GENERATE, False, C),
+    _f("ignore_eos", GENERATE, False, C),
+    _f("skip_special_tokens", GENERATE, False, C),
+    _f("spaces_between_special_tokens", GENERATE, False, C),
+    _f("include_stop_str_in_output", GENERATE, False, C),
+    _f("bad_words", GENERATE, False, C),
+    _f("cache_salt", GENERATE, False, C),
+    _f("min_tokens", GENERATE, False, R),
+    _f("return_token_ids", GENERATE, False, R),
+    _f("structured_outputs", GENERATE, False, B, (_set, "structured output")),
+    _f("truncate_prompt_tokens", GENERATE, False, A),
+    _f("add_special_tokens", GENERATE | {TOKENIZE}, False, A),
+    _f("chat_template_kwargs", CHAT, False, A),
+    _f("add_generation_prompt", CHAT, False, A),
+    _f("continue_final_message", CHAT, False, A),
+    _f("documents", CHAT, False, A),
+    # Only shapes output with a reasoning parser; reasoning in the stream stops migration.
+    _f("include_reasoning", CHAT, False, A),
+    _f("echo", CHAT, False, B, (_set, "echo")),
+    # vLLM's /tokenize and /detokenize as Ray's ingress types them (TokenizeCompletionRequest,
+    # DetokenizeRequest): nothing generated, nothing continued.
+    _f("model", frozenset({TOKENIZE, DETOKENIZE}), False, Continuation.NONE),
+    _f("prompt", TOKENIZE, False, Continuation.NONE),
+    _f("return_token_strs", TOKENIZE, False, Continuation.NONE),
+    _f("tokens", DETOKENIZE, False, Continuation.NONE),
 )
-OPENAI_COMPLETIONS = frozenset(
-    {
-        "model",
-        "prompt",
-        "echo",
-        "frequency_penalty",
-        "logit_bias",
-        "logprobs",
-        "max_tokens",
-        "n",
-        "presence_penalty",
-        "seed",
-        "stop",
-        "stream",
-        "stream_options",
-        "suffix",
-        "temperature",
-        "top_p",
-        "user",
-    }
-)
-# vLLM's sampling and templating extensions we offer (vLLM docs, "Extra parameters" of the
-# OpenAI-compatible server): they change what is generated, never where or how it runs.
-VLLM_SAMPLING = frozenset(
-    {
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "include_stop_str_in_output",
-        "bad_words",
-        "truncate_prompt_tokens",
-        "structured_outputs",
-        "add_special_tokens",
-        "cache_salt",
-        "return_token_ids",
-    }
-)
-VLLM_CHAT = frozenset(
-    {
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-        "echo",
-        "documents",
-        "include_reasoning",
-    }
-)
+
 # Fields that reach the engine's internals: named apart so the message says why.
 INTERNAL = frozenset(
     {
@@ -127,15 +161,32 @@ INTERNAL = frozenset(
         "routed_experts_prompt_start",
     }
 )
-ALLOWED = {
-    "chat": OPENAI_CHAT | VLLM_SAMPLING | VLLM_CHAT,
-    "completions": OPENAI_COMPLETIONS | VLLM_SAMPLING,
-}
-OPENAI = {"chat": OPENAI_CHAT, "completions": OPENAI_COMPLETIONS}
+
+
+def _names(endpoint: str, keep: Callable[[Field], bool] = lambda f: True) -> frozenset[str]:
+    return frozenset(f.name for f in FIELDS if endpoint in f.endpoints and keep(f))
+
+
+ALLOWED = {e: _names(e) for e in (CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE)}
+OPENAI = {e: _names(e, lambda f: f.openai) for e in GENERATE}
+# The part of `stream_options` OpenAI documents: the provider never sees vLLM's
+# continuous_usage_stats, which the ingress adds to the cluster's copy of a stream.
+OPENAI_STREAM_OPTIONS = frozenset({"include_usage"})
+
+
+def continuation_class(cls: Continuation) -> frozenset[str]:
+    """The names (any generating endpoint) a continuation treats as `cls`."""
+    return frozenset(f.name for f in FIELDS if f.continuation is cls and f.endpoints & GENERATE)
+
+
+def blocking_rules(endpoint: str) -> dict[str, tuple[Callable[[Any], bool], str]]:
+    """Field name -> (when set it blocks a continuation, why), for `endpoint`."""
+    return {f.name: f.blocks for f in FIELDS if endpoint in f.endpoints and f.blocks is not None}
 
 
 def refused_field(endpoint: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(field, message) for the first field of `body` this server does not take, else None."""
+    """(field, message) for the first field of `body` this server does not take, or whose
+    value is out of its bound, else None."""
     allowed = ALLOWED[endpoint]
     for name in body:
         if name in allowed:
@@ -143,10 +194,17 @@ def refused_field(endpoint: str, body: Mapping[str, Any]) -> tuple[str, str] | N
         if name in INTERNAL:
             return name, f"'{name}' is set by the server and cannot be sent in a request."
         return name, f"Unsupported parameter: '{name}' is not supported by this server."
+    n = body.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        return "n", f"'n' must be at most {MAX_N} (got {n})."
     return None
 
 
 def openai_fields(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The part of `body` that OpenAI documents, for an external OpenAI-compatible API."""
     keep = OPENAI[endpoint]
-    return {k: v for k, v in body.items() if k in keep}
+    out = {k: v for k, v in body.items() if k in keep}
+    opts = out.get("stream_options")
+    if isinstance(opts, Mapping):
+        out["stream_options"] = {k: v for k, v in opts.items() if k in OPENAI_STREAM_OPTIONS}
+    return out

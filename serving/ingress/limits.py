@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import json
 import logging
 import math
 import time
@@ -46,7 +47,7 @@ from typing import Any
 
 from serving.core import metrics
 from serving.ingress.sse import CHARS_PER_TOKEN
-from serving.spec import base_model_id, key_id
+from serving.spec import base_model_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -59,7 +60,6 @@ LEDGER_START_S = 30.0
 ALLOW, REFUSE = "allow", "refuse"
 # Decision.limit of a refusal because the ledger could not be asked (policy "refuse").
 UNCHECKED = "unchecked"
-ANONYMOUS = "anonymous"  # the key id when auth is disabled
 
 
 @dataclass(frozen=True)
@@ -174,9 +174,19 @@ class SlidingWindows:
         if rpm > 0 and reqs + 1 > rpm:
             wait = self._seconds_until(q, 1, rpm - 1, now_s)
             return Decision(False, wait, "rpm", f"Rate limit reached: {rpm} requests per minute for {subject}.")
-        if tpm > 0 and toks >= tpm:
-            # The budget is spent (reservations included): wait until some of it leaves.
-            wait = self._seconds_until(q, 2, tpm - 1, now_s)
+        if tpm > 0 and tokens > tpm:
+            # It can never fit: waiting does not help, a smaller max_tokens does.
+            return Decision(
+                False,
+                self.window_s,
+                "tpm",
+                f"Request too large: it may use up to {tokens} tokens (prompt and max_tokens), over the limit "
+                f"of {tpm} tokens per minute for {subject}; send a smaller max_tokens.",
+            )
+        if tpm > 0 and toks + tokens > tpm:
+            # The reservation would overspend the budget (reservations included): wait until
+            # enough of it leaves.
+            wait = self._seconds_until(q, 2, tpm - tokens, now_s)
             return Decision(False, wait, "tpm", f"Rate limit reached: {tpm} tokens per minute for {subject}.")
         b = self._bucket(q, now_s)
         b[1] += 1
@@ -202,33 +212,55 @@ class SlidingWindows:
             del self._buckets[key]
 
 
-def estimate_tokens(body: Mapping[str, Any]) -> int:
-    """Tokens to reserve for a chat or completion body: prompt guess + the output cap."""
-    chars = 0
+def _chars(value: Any) -> int:
+    """Characters of a JSON value a template renders into the prompt (tool definitions,
+    documents, a schema): their JSON text, as the tokenizer will see something like it."""
+    return len(json.dumps(value, separators=(",", ":"))) if value else 0
+
+
+def prompt_estimates(body: Mapping[str, Any]) -> list[int]:
+    """Estimated prompt tokens of each prompt a chat or completion body carries: a completion
+    may hold a list of prompts (each answered apart), a chat one conversation whose tools and
+    documents are rendered into it."""
     prompt = body.get("prompt")
     if isinstance(prompt, str):
-        chars += len(prompt)
-    elif isinstance(prompt, list):
+        return [math.ceil(len(prompt) / CHARS_PER_TOKEN)]
+    if isinstance(prompt, list):
+        if prompt and all(isinstance(p, int) for p in prompt):
+            return [len(prompt)]  # one prompt of token ids
+        out = []
         for p in prompt:
             if isinstance(p, str):
-                chars += len(p)
-            elif isinstance(p, int):
-                chars += CHARS_PER_TOKEN  # already a token id
+                out.append(math.ceil(len(p) / CHARS_PER_TOKEN))
             elif isinstance(p, list):
-                chars += CHARS_PER_TOKEN * len(p)
+                out.append(len(p))
+        return out or [0]
+    chars = 0
     for m in body.get("messages") or []:
         content = m.get("content") if isinstance(m, Mapping) else None
         if isinstance(content, str):
             chars += len(content)
         elif isinstance(content, list):
             chars += sum(len(part.get("text", "")) for part in content if isinstance(part, Mapping))
-    out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
-    n = body.get("n") or 1
+    chars += _chars(body.get("tools")) + _chars(body.get("documents")) + _chars(body.get("response_format"))
+    return [math.ceil(chars / CHARS_PER_TOKEN)]
+
+
+def estimate_tokens(body: Mapping[str, Any], context_len: int | None = None) -> int:
+    """Tokens to reserve for a chat or completion body: what it may cost at most. Each
+    prompt's estimate plus its output cap, times `n`; without a cap, what the model's context
+    leaves after the prompt (`context_len`, the model's max_model_len; unknown: no output is
+    reserved and the request is corrected when it ends)."""
     try:
-        out = int(out) * max(1, int(n))
+        cap = int(body.get("max_completion_tokens") or body.get("max_tokens") or 0) or None
+        n = max(1, int(body.get("n") or 1))
     except (TypeError, ValueError):
-        out = 0
-    return math.ceil(chars / CHARS_PER_TOKEN) + max(0, out)
+        cap, n = None, 1
+    total = 0
+    for p in prompt_estimates(body):
+        out = cap if cap is not None else max(0, context_len - p) if context_len else 0
+        total += p + max(0, out) * n
+    return total
 
 
 # --- the shared ledger --------------------------------------------------------------------------
@@ -327,7 +359,7 @@ class Limiter:
         start: that is not an outage). Called when limits are configured, before traffic."""
         try:
             ledger = await asyncio.wait_for(self._handle(), timeout_s)
-            await asyncio.wait_for(_awaited(ledger.totals.remote(ANONYMOUS, "")), timeout_s)
+            await asyncio.wait_for(_awaited(ledger.totals.remote("warm-up", "")), timeout_s)
         except Exception as exc:
             logger.warning("limits ledger not ready after %.0fs: %r", timeout_s, exc)
             self._ledger = None
@@ -350,15 +382,16 @@ class Limiter:
             return Decision(False, int(LEDGER_RETRY_S), UNCHECKED, UNREACHABLE_MESSAGE)
         return Decision(True)
 
-    async def admit(self, kid: str, model: str, body: Mapping[str, Any]) -> Decision:
+    async def admit(self, kid: str, model: str, body: Mapping[str, Any], context_len: int | None = None) -> Decision:
         """Count a request of key `kid` on `model` (the body's, adapter included) in the
-        window of (kid, base model), or refuse it."""
+        window of (kid, base model), or refuse it. `context_len`: the model's context, what
+        a request without max_tokens may generate up to."""
         limit = self.config.for_key(kid, model)
         if limit.unlimited:
             return Decision(True)
         if self._clock() < self._down_until:
             return self._unreachable(None)
-        tokens = estimate_tokens(body) if limit.tokens_per_minute > 0 else 0
+        tokens = estimate_tokens(body, context_len) if limit.tokens_per_minute > 0 else 0
         base = base_model_id(model)
         try:
             ledger = await asyncio.wait_for(self._handle(), LEDGER_TIMEOUT_S)
@@ -378,6 +411,26 @@ class Limiter:
             self._ledger.settle.remote(kid, base_model_id(model), decision.ticket, used)
         except Exception as exc:
             logger.warning("limits ledger settle failed: %s", exc)
+
+
+@dataclass
+class Reservation:
+    """One admitted request's place in its key's window: settled exactly once, whatever the
+    request's fate (answered, refused by the cluster, handed to the fallback, cut, failed),
+    with the tokens really used (0 for a request that generated nothing). The pipeline
+    settles what is still open when the request leaves it (serving/ingress/pipeline.py)."""
+
+    limiter: Limiter
+    kid: str
+    model: str
+    decision: Decision
+    settled: bool = False
+
+    def settle(self, used: int) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        self.limiter.settle(self.kid, self.model, self.decision, used)
 
 
 # --- usage metrics --------------------------------------------------------------------------------
@@ -414,12 +467,3 @@ class UsageMeter:
 
     def limiter_error(self) -> None:
         self._limiter_errors.inc(1)
-
-
-def request_key_id(authorization: str | None, auth_enabled: bool) -> str:
-    """The key id of an (already authenticated) request."""
-    if not auth_enabled:
-        return ANONYMOUS
-    _, _, token = (authorization or "").partition(" ")
-    token = token.strip()
-    return key_id(token) if token else ANONYMOUS

@@ -39,126 +39,82 @@ generated tokens only (presence/frequency) see the continuation's output only.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.ingress.fields import GENERATE, Continuation, blocking_rules, continuation_class
 from serving.ingress.sse import EventPipeline, decode_packet
 
-# Fields sent on to the continuation unchanged: they steer sampling of every token.
-CARRIED = frozenset(
-    {
-        "model",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "frequency_penalty",
-        "presence_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-        "skip_special_tokens",
-        "spaces_between_special_tokens",
-        "include_stop_str_in_output",
-        "bad_words",
-        "logit_bias",
-        "seed",
-        "user",
-        "cache_salt",
-        "stream_options",
-    }
-)
-# Fields whose value the continuation recomputes (what is left), or sets itself.
-RECOMPUTED = frozenset({"max_tokens", "max_completion_tokens", "min_tokens", "stream", "return_token_ids"})
-# Fields already applied: they shaped the prompt (its token ids are the continuation's
-# prompt) or the first chunk (echo), and must not be applied twice.
-APPLIED = frozenset(
-    {
-        "messages",
-        "prompt",
-        "chat_template_kwargs",
-        "add_generation_prompt",
-        "continue_final_message",
-        "documents",
-        "add_special_tokens",
-        "truncate_prompt_tokens",
-        "reasoning_effort",
-        "echo",
-        # Only shape output when tools are given; tools make the request not continuable.
-        "parallel_tool_calls",
-        # Only shapes output with a reasoning parser; reasoning in the stream stops migration.
-        "include_reasoning",
-    }
-)
-
-
-def _set(v: Any) -> bool:
-    return v not in (None, False, 0, "", [], {})
-
-
-# Fields that, when set, make a request not continuable, with the reason.
-NOT_CONTINUED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "n": (lambda v: v not in (None, 1), "n > 1"),
-    "logprobs": (_set, "logprobs"),
-    "top_logprobs": (_set, "logprobs"),
-    "tools": (_set, "tools"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tools"),
-    "response_format": (
-        lambda v: isinstance(v, Mapping) and v.get("type") not in (None, "text"),
-        "structured output",
-    ),
-    "structured_outputs": (_set, "structured output"),
-    "suffix": (_set, "suffix"),
-}
+# The registry's classes (serving/ingress/fields.py), for every generating endpoint.
+CARRIED = continuation_class(Continuation.CARRIED)
+RECOMPUTED = continuation_class(Continuation.RECOMPUTED)
+APPLIED = continuation_class(Continuation.APPLIED)
+NOT_CONTINUED = continuation_class(Continuation.BLOCKS)
 
 OBJECT = {"chat": "chat.completion.chunk", "completions": "text_completion"}
 
 
 def not_continuable(endpoint: str, fields: Mapping[str, Any]) -> str | None:
     """Why a request with these (client-set) fields cannot be continued, else None."""
-    if endpoint not in OBJECT:
+    if endpoint not in GENERATE:
         return f"endpoint {endpoint}"
+    rules = blocking_rules(endpoint)
     for name, value in fields.items():
-        rule = NOT_CONTINUED.get(name)
+        rule = rules.get(name)
         if rule is not None and rule[0](value):
             return rule[1]
     return None
 
 
-class ClientFields(Mapping[str, Any]):
-    """The fields a client set on a typed request (pydantic's `model_dump(exclude_unset=True)`),
-    dumped when first read. Only a cut stream reads them whole (its continuation, or the
-    finish written for it); before dispatch `among` dumps the few that decide whether the
-    request can be continued, and only those the client set."""
+def stop_strings(fields: Mapping[str, Any]) -> list[str]:
+    """The request's stop strings (OpenAI: a string or a list of them)."""
+    stop = fields.get("stop")
+    if isinstance(stop, str):
+        return [stop] if stop else []
+    return [s for s in stop or () if isinstance(s, str) and s]
 
-    def __init__(self, body: Any):
-        self._body = body
-        self._dump: dict[str, Any] | None = None
 
-    def _fields(self) -> dict[str, Any]:
-        if self._dump is None:
-            self._dump = self._body.model_dump(exclude_unset=True)
-        return self._dump
+class StopMatcher:
+    """vLLM's stop-string rule (vllm/v1/engine/detokenizer.py, 0.29 and 0.32: hold back
+    max(len(stop)) - 1 characters while they may still become a stop string, search the new
+    text for each stop string in order, truncate at the first match, and match nothing while
+    the generated tokens are at most min_tokens), applied by the ingress to a stream that may
+    be continued. The engine is asked for `include_stop_str_in_output` instead, so it holds
+    nothing back: the text it generated is all in the stream, the record's token ids match
+    the text the ingress holds, and a stop string that straddles a cut is still found (the
+    continuation's engine never sees the first half as output)."""
 
-    def __getitem__(self, name: str) -> Any:
-        return self._fields()[name]
+    def __init__(self, stops: list[str], include: bool, min_tokens: int = 0):
+        self.stops = stops
+        self.include = include
+        self.min_tokens = min_tokens
+        longest = max(len(s) for s in stops)
+        self.hold = 0 if include else longest - 1  # unsent characters
+        self.context = longest - 1 if include else 0  # sent characters a match may start in
+        self.unsent = ""
+        self.sent_tail = ""  # the last sent characters (include: a match may start there)
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._fields())
+    def feed(self, text: str, generated: int) -> tuple[str, str | None]:
+        """(text the client gets now, the stop string matched or None)."""
+        pending = self.unsent + text
+        window = self.sent_tail + pending
+        if generated > self.min_tokens and text:
+            start = len(window) - len(text)  # a match must end in the new text
+            for stop in self.stops:
+                at = window.find(stop, max(0, start - len(stop) + 1))
+                if at >= 0:
+                    end = at + len(stop) if self.include else at
+                    self.unsent = ""
+                    return window[len(self.sent_tail) : max(end, len(self.sent_tail))], stop
+        cut = len(pending) - self.hold if self.hold else len(pending)
+        out, self.unsent = pending[: max(cut, 0)], pending[max(cut, 0) :]
+        self.sent_tail = (self.sent_tail + out)[-self.context :] if self.context else ""
+        return out, None
 
-    def __len__(self) -> int:
-        return len(self._fields())
-
-    def among(self, names: Iterable[str]) -> dict[str, Any]:
-        """Those of `names` the client set, valued as in the whole dump."""
-        wanted = set(names) & set(self._body.model_fields_set)
-        if not wanted:
-            return {}
-        if self._dump is not None:
-            return {k: v for k, v in self._dump.items() if k in wanted}
-        return dict(self._body.model_dump(include=wanted, exclude_unset=True))
+    def flush(self) -> str:
+        out, self.unsent = self.unsent, ""
+        return out
 
 
 @dataclass
@@ -166,9 +122,8 @@ class StreamRecord:
     """What a continuation needs of one streamed answer (choice 0), and its client view."""
 
     endpoint: str
-    # The original request as the client set it (pydantic exclude_unset; ClientFields dumps
-    # it when first read), and its max_tokens after the server's defaults (chat: none;
-    # completions: 16).
+    # The fields the client set (its JSON body, allow-listed), and its max_tokens after the
+    # server's defaults (chat: none; completions: 16).
     fields: Mapping[str, Any]
     max_tokens: int | None
     client_ids: bool = False  # the client itself asked for return_token_ids
@@ -177,18 +132,37 @@ class StreamRecord:
     model: str | None = None
     prompt_ids: list[int] | None = None
     prompt_tokens: int | None = None
-    kept: list[int] = field(default_factory=list)  # generated ids whose text the client has
+    kept: list[int] = field(default_factory=list)  # generated ids whose text the client has (or the matcher holds)
     pending: list[int] = field(default_factory=list)  # generated ids whose text it has not yet
     finish_reason: str | None = None  # the finish the client has (or must get: `finish`)
     finish_sent: bool = False
-    parsed_output: str | None = None  # tool calls or reasoning in the stream: not continuable
+    # Why the stream cannot be continued after all: tool calls or reasoning in it, or text
+    # whose token ids the engine did not send (a tool or reasoning parser drops them).
+    parsed_output: str | None = None
     # completion tokens counted before the current continuation (its usage starts at 0)
     _base: int = 0
     usage_sent: bool = False  # the final usage event (no choices) went out
+    stopped: bool = False  # the ingress matched a stop string: the answer is complete
+    _stop: StopMatcher | None = None
+
+    def __post_init__(self) -> None:
+        stops = stop_strings(self.fields)
+        if stops:
+            include = bool(self.fields.get("include_stop_str_in_output"))
+            self._stop = StopMatcher(stops, include, int(self.fields.get("min_tokens") or 0))
 
     @property
     def chat(self) -> bool:
         return self.endpoint == "chat"
+
+    def engine_fields(self) -> dict[str, Any]:
+        """What the engine request carries beyond the client's fields so that the stream can
+        be continued: every chunk's token ids, and nothing held back while it may become a
+        stop string (the ingress applies the stop strings itself, StopMatcher)."""
+        extra: dict[str, Any] = {"return_token_ids": True}
+        if self._stop is not None:
+            extra["include_stop_str_in_output"] = True
+        return extra
 
     # --- the original stream ---------------------------------------------------------------
     # relay_event and reframe_event are steps of serving.ingress.sse.EventPipeline: they read one
@@ -201,7 +175,11 @@ class StreamRecord:
         pipe.step = self.relay_event
         return pipe.engine(packet, decode_packet(packet))[0]
 
-    def _take(self, choice: Mapping[str, Any], text: Any) -> None:
+    def _take(self, choice: dict[str, Any], text: Any) -> str:
+        """Notes the choice's token ids and finish; returns the text the client gets now
+        (the stop strings applied), and sets the choice's finish when one matched."""
+        if text and "token_ids" not in choice:
+            self.parsed_output = self.parsed_output or "text without token ids"
         ids = [int(i) for i in choice.get("token_ids") or []]
         if self.client_ids:
             self.kept.extend(ids)  # the client has every id, whatever the text
@@ -210,15 +188,25 @@ class StreamRecord:
             if text:
                 self.kept.extend(self.pending)
                 self.pending.clear()
+        out = text or ""
+        if self._stop is not None:
+            out, matched = self._stop.feed(out, len(self.kept) + len(self.pending))
+            if matched is not None:
+                self.stopped = True
+                choice["finish_reason"], choice["stop_reason"] = "stop", matched
+            elif choice.get("finish_reason"):
+                out += self._stop.flush()
         if choice.get("finish_reason"):
             self.finish_reason = choice["finish_reason"]
             self.finish_sent = True
             self.kept.extend(self.pending)
             self.pending.clear()
+        return out
 
     def relay_event(self, data: dict[str, Any]) -> dict[str, Any] | None:
         """One event of the original stream: noted, its token ids removed unless the client
-        asked for them; None for a chunk that exists only to carry token ids."""
+        asked for them; None for a chunk that exists only to carry token ids, or that comes
+        after the ingress matched a stop string."""
         self.response_id = self.response_id or data.get("id")
         self.created = self.created or data.get("created")
         self.model = self.model or data.get("model")
@@ -228,22 +216,25 @@ class StreamRecord:
         if isinstance(usage, Mapping):
             self.prompt_tokens = usage.get("prompt_tokens", self.prompt_tokens)
             self.usage_sent = self.usage_sent or not data.get("choices")
+        if self.stopped and data.get("choices"):
+            return None
         keep = False
         for choice in data.get("choices") or []:
             if choice.get("prompt_token_ids") is not None:  # completions
                 self.prompt_ids = [int(i) for i in choice["prompt_token_ids"]]
             if self.chat:
                 delta = choice.get("delta") or {}
-                text = delta.get("content")
                 for key in ("tool_calls", "reasoning", "reasoning_content"):
                     if delta.get(key):
                         self.parsed_output = key
+                text = self._take(choice, delta.get("content"))
+                if delta.get("content") is not None:
+                    delta["content"] = text
                 keep = keep or bool(set(delta) - {"content"}) or bool(text)
             else:
-                text = choice.get("text")
+                choice["text"] = self._take(choice, choice.get("text"))
                 keep = True
             keep = keep or bool(choice.get("finish_reason")) or choice.get("logprobs") is not None
-            self._take(choice, text)
         if self.client_ids:
             return data
         for choice in data.get("choices") or []:
@@ -273,7 +264,7 @@ class StreamRecord:
             return None
         assert self.prompt_ids is not None
         body: dict[str, Any] = {k: v for k, v in self.fields.items() if k in CARRIED}
-        body.update(prompt=self.prompt_ids + self.kept, stream=True, return_token_ids=True)
+        body.update(prompt=self.prompt_ids + self.kept, stream=True, **self.engine_fields())
         if remaining is not None:
             body["max_tokens"] = remaining
         min_tokens = self.fields.get("min_tokens")
@@ -304,10 +295,11 @@ class StreamRecord:
     def reframe_event(self, data: dict[str, Any]) -> dict[str, Any] | None:
         """One event of a continuation, as a part of the original stream (None: dropped)."""
         usage = data.get("usage") if isinstance(data.get("usage"), Mapping) else None
+        if self.stopped and data.get("choices"):
+            return None
         choices = []
         for choice in data.get("choices") or []:
-            text = choice.get("text") or ""
-            self._take(choice, text)
+            text = self._take(choice, choice.get("text") or "")
             fr = choice.get("finish_reason")
             out: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": fr}
             if self.chat:
@@ -326,9 +318,10 @@ class StreamRecord:
         return self._frame(choices, usage)
 
     def finish(self) -> list[dict[str, Any]]:
-        """The end of an answer whose tokens were all generated before the cut, as events'
-        JSON: its finish chunk (unless the client has it) and, when the stream was asked for
-        usage, the usage event; no [DONE] (the driver sends it)."""
+        """The end of an answer that is complete before its stream is (every token generated
+        before a cut, or a stop string the ingress matched), as events' JSON: its finish chunk
+        (unless the client has it) and, when the stream was asked for usage, the usage event;
+        no [DONE] (the driver sends it)."""
         out = []
         if not self.finish_sent:
             choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": self.finish_reason or "length"}

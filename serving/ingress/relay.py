@@ -1,47 +1,46 @@
-"""The ingress side of the resilient path: deadlines, one retry, fast refusals, guarded streams.
+"""The resilient relay of one request to its model's engines, and of their answer back.
 
-What flows through here: a chat/completions request the ingress has authenticated and parsed
--> `first_chunk`: dispatched to decode until a first chunk arrives (one retry when the decode
-replica died or answered 5xx before the first byte; at most failFastS of waiting while decode
-is known degraded; Serve's back-pressure and a request no replica takes in time -> 503 +
-Retry-After; the first-token and total deadlines -> 504) -> `guarded_stream`: the SSE
-packets of the started stream, cut at the total deadline, ended with an OpenAI-style error
-event when the stream fails after bytes went out, the downstream call cancelled when the
-client goes away; each packet's events decoded once, read and edited there by the migration
-record and the metering a layer above adds (serving.ingress.sse.EventPipeline), each encoded once.
-`ResilientIngressMixin` wires both into Ray's OpenAiIngress for
-chat/completions; `on_unservable` is the hook for "the cluster cannot serve this request"
-(the external fallback overrides it).
+What flows through here: a chat/completions request the front door has admitted (its typed
+body, its model's handle; serving/ingress/pipeline.py) -> `first_chunk`: dispatched to decode
+until a first chunk arrives (one retry when the decode replica died or answered 5xx before
+the first byte; at most failFastS of waiting while decode is known degraded; Serve's
+back-pressure and a request no replica takes in time -> 503 + Retry-After; the first-token
+and total deadlines -> 504), raised as `Unservable` for the router to answer or hand to the
+fallback -> an engine 4xx is the client's answer (`EngineRefused`) -> a whole answer as JSON,
+or `guarded_stream`: the SSE packets of the started stream, cut at the total deadline, a
+stream cut after its first byte continued on another replica (serving/ingress/migration.py)
+or ended with an OpenAI-style error event, the downstream call cancelled when the client goes
+away; each packet's events decoded once, read and edited there by the migration record and
+the metering the router adds (serving.ingress.sse.EventPipeline), each encoded once.
+
+Only tracing headers reach the engines: vLLM reads `X-Vllm-Priority`, `X-Session-ID`,
+`X-data-parallel-rank` and `x-request-id` from a request's headers (vllm 0.32
+entrypoints/openai/generate/base/serving.py), and those are the server's to set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from serving.core import metrics
-from serving.core.failures import (
-    EngineRefused,
-    Reason,
-    ResilienceConfig,
-    Unservable,
+from serving.core.calls import (
     assigned,
     cancel_call,
-    classify,
-    decode_unavailable,
     first_item,
+    is_client_error,
     is_server_error,
-    logger,
-    overloaded,
     server_error_in,
     sse_error,
     sse_error_doc,
 )
+from serving.core.failures import EngineRefused, Reason, Unservable, classify, decode_unavailable, overloaded
 from serving.core.metrics import MigrationOutcome
-from serving.ingress.migration import NOT_CONTINUED, ClientFields, StreamRecord, not_continuable
+from serving.ingress.migration import StreamRecord, not_continuable
 from serving.ingress.sse import (
     DONE,
     DONE_EVENTS,
@@ -52,6 +51,13 @@ from serving.ingress.sse import (
     decode_packet,
     packet_of,
 )
+from serving.spec import ResilienceSpec
+
+logger = logging.getLogger("ray.serve")
+
+# The request headers an engine may see: W3C trace context, so vLLM's spans join the
+# ingress's trace (vllm/tracing/otel.py extract_trace_context). Nothing else a client sends.
+ENGINE_HEADERS = frozenset({"traceparent", "tracestate"})
 
 
 class DecodeHealth:
@@ -77,7 +83,7 @@ class DecodeHealth:
 async def first_chunk(
     dispatch: Callable[[], Any],
     *,
-    cfg: ResilienceConfig,
+    cfg: ResilienceSpec,
     health: DecodeHealth,
     started: float,
     is_server_error: Callable[[Any], bool],
@@ -100,7 +106,7 @@ async def first_chunk(
         attempts += 1
         remaining = cfg.total_timeout_s - (clock() - started)
         if remaining <= 0:
-            raise Unservable(Reason.DEADLINE, 504, "The request deadline passed.", cfg.retry_after_s)
+            raise Unservable(Reason.DEADLINE, cfg.retry_after_s, "The request deadline passed.")
         stream = dispatch()
         admitted = False
         try:
@@ -117,7 +123,7 @@ async def first_chunk(
             cancel_call(stream)
             raise
         except StopAsyncIteration:
-            raise Unservable(Reason.ENGINE_ERROR, 503, "The engine returned nothing.", cfg.retry_after_s) from None
+            raise Unservable(Reason.ENGINE_ERROR, cfg.retry_after_s, "The engine returned nothing.") from None
         except TimeoutError:
             cancel_call(stream)  # frees the queue slot or the engine work
             if not admitted and health.degraded:
@@ -127,12 +133,7 @@ async def first_chunk(
                 # death. Only a replica death (below) switches the ingress to fail-fast, else
                 # one slow queue on saturated replicas would refuse everything after it.
                 raise overloaded(cfg.retry_after_s) from None
-            raise Unservable(
-                Reason.DEADLINE,
-                504,
-                "No first token before the deadline; retry later.",
-                cfg.retry_after_s,
-            ) from None
+            raise Unservable(Reason.DEADLINE, cfg.retry_after_s) from None
         except BackPressureError as exc:
             retry_after = int(getattr(exc, "retry_after_s", 0) or cfg.retry_after_s)
             raise overloaded(retry_after) from None
@@ -152,12 +153,7 @@ async def first_chunk(
             if attempts < cfg.decode_attempts:
                 on_retry(Reason.ENGINE_ERROR)
                 continue
-            raise Unservable(
-                Reason.ENGINE_ERROR,
-                503,
-                "The model failed to answer; retry shortly.",
-                cfg.retry_after_s,
-            )
+            raise Unservable(Reason.ENGINE_ERROR, cfg.retry_after_s)
         health.ok()
         return first, stream
 
@@ -242,6 +238,13 @@ async def guarded_stream(
                     done_sent = done_sent or done
                     if text:
                         yield text
+                    if record is not None and record.stopped and not done_sent:
+                        # The ingress matched a stop string (a continuation's engine does not
+                        # see one that straddles the cut): the answer is complete.
+                        cancel_call(current)
+                        yield pipe.own(_finish_events(record))
+                        finished = done_sent = True
+                        return
                     continue
                 cut = Reason.ENGINE_ERROR
             assert migration is not None
@@ -332,73 +335,66 @@ async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | OwnE
     return resumed
 
 
-class ResilientIngressMixin:
-    """Chat/completions through `first_chunk` and `guarded_stream`; put it before
-    OpenAiIngress in the bases. Other endpoints keep Ray's behaviour.
+class Relay:
+    """The relay of one ingress replica: its decode health, counters and deadlines."""
 
-    `on_unservable` is the hook for "the cluster cannot serve this request": override it
-    (e.g. route to an external API) by returning a Response; None sends the JSON error.
-    """
+    def __init__(self, cfg: ResilienceSpec):
+        self.cfg = cfg
+        self.health = DecodeHealth()
+        self._retries = metrics.counter(metrics.INGRESS_RETRIES)
+        self._migrations = metrics.counter(metrics.STREAM_MIGRATIONS)
 
-    _resilience: ResilienceConfig
-    _decode_health: DecodeHealth
+    async def first(self, dispatch: Callable[[], Any], started: float, streamed: bool) -> tuple[Any, Any]:
+        return await first_chunk(
+            dispatch,
+            cfg=self.cfg,
+            health=self.health,
+            started=started,
+            is_server_error=is_server_error,
+            on_retry=lambda r: self._retries.inc(tags={"reason": r.value}),
+            streamed=streamed,
+        )
 
-    def _init_resilience(self, resilience: Mapping[str, Any]) -> None:
-        self._resilience = ResilienceConfig.from_args(resilience)
-        self._decode_health = DecodeHealth()
-        self._retry_counter = metrics.counter(metrics.INGRESS_RETRIES)
-        self._refusal_counter = metrics.counter(metrics.INGRESS_REFUSALS)
-        self._migration_counter = metrics.counter(metrics.STREAM_MIGRATIONS)
-
-    async def on_unservable(self, body: Any, raw_request: Any, failure: Unservable) -> Any:
-        """Return a Response to send instead of the error (hybrid routing), or None."""
-        return None
-
-    async def chat(self, body: Any, request: Any) -> Any:
-        return await self._resilient_call(body, "chat", request)
-
-    async def completions(self, body: Any, request: Any) -> Any:
-        return await self._resilient_call(body, "completions", request)
-
-    async def _resilient_call(self, body: Any, call_method: str, raw_request: Any) -> Any:
+    async def answer(
+        self,
+        *,
+        endpoint: str,
+        body: Any,
+        fields: Mapping[str, Any],
+        handle: Callable[[], Any],
+        raw_request: Any,
+        model_id: str,
+        started: float,
+        record: StreamRecord | None = None,
+    ) -> Any:
+        """The engines' answer to `body` (the typed request, built from the client's
+        `fields` and, for a stream that can be continued, its `record`'s engine fields): a
+        JSONResponse or an EventStreamResponse; raises Unservable before the first byte,
+        EngineRefused for an engine 4xx."""
         from starlette.responses import JSONResponse
 
         from serving import ray_internals as ri
 
-        started = time.monotonic()
-        cfg = self._resilience
-        model_id = await self._get_model_id(body.model)  # type: ignore[attr-defined]
+        cfg = self.cfg
         streamed = bool(getattr(body, "stream", False))
-        migration = self._migration(body, call_method, model_id, raw_request, started) if streamed else None
-        if migration is not None and migration.record is not None:
-            # The stream's token ids make a continuation possible (serving/ingress/migration.py).
-            body = body.model_copy(update={"return_token_ids": True})
+        migration = (
+            self._migration(endpoint, fields, record, handle, raw_request, model_id, started) if streamed else None
+        )
 
         def dispatch() -> Any:
-            handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
-            return dispatch_call(handle, body, call_method, raw_request)
+            return dispatch_call(handle(), body, endpoint, raw_request)
 
-        try:
-            first, stream = await self._first_chunk(dispatch, started, streamed)
-        except Unservable as failure:
-            self._refusal_counter.inc(
-                tags={"model": model_id, "reason": failure.reason.value, "status": str(failure.status)}
-            )
-            logger.warning("request refused: %s (%s)", failure.reason.value, failure.status)
-            alternative = await self.on_unservable(body, raw_request, failure)
-            if alternative is not None:
-                return alternative
-            raise
+        first, stream = await self.first(dispatch, started, streamed)
         head = first_item(first)
-        if isinstance(head, ri.ErrorResponse):
+        if is_client_error(head):
             # A 4xx from the engine (bad parameters): the client's to fix, not retried.
             cancel_call(stream)
             raise EngineRefused(head.error.code or 400, head.error.message)
         if isinstance(head, ri.NON_STREAMING_RESPONSE_TYPES):
             # The engines' KV-transfer coordinates are internal: never in an answer.
             return JSONResponse(content=head.model_dump(exclude={"kv_transfer_params", "ec_transfer_params"}))
-        # guarded_stream decodes each event once; a layer above adds its own reading of them
-        # to `events` (serving/ingress/routing.py's metering) instead of decoding the stream again.
+        # guarded_stream decodes each event once; the router adds its reading of them to
+        # `events` (metering) instead of decoding the stream again.
         events = EventPipeline()
         return EventStreamResponse(
             guarded_stream(
@@ -413,71 +409,76 @@ class ResilientIngressMixin:
             media_type="text/event-stream",
         )
 
-    async def _first_chunk(self, dispatch: Callable[[], Any], started: float, streamed: bool) -> tuple[Any, Any]:
-        return await first_chunk(
-            dispatch,
-            cfg=self._resilience,
-            health=self._decode_health,
-            started=started,
-            is_server_error=is_server_error,
-            on_retry=lambda r: self._retry_counter.inc(tags={"reason": r.value}),
-            streamed=streamed,
-        )
+    def continuable(self, endpoint: str, fields: Mapping[str, Any]) -> StreamRecord | None:
+        """The record of a streamed request that can be continued if its stream is cut, else
+        None (migrations off, or a request whose output is shaped whole). Its engine fields
+        (token ids, stop strings left to the ingress) go into the engine request."""
+        if self.cfg.migrations <= 0 or not_continuable(endpoint, fields) is not None:
+            return None
+        limit = fields.get("max_tokens") if endpoint == "completions" else None
+        if endpoint == "completions" and limit is None:
+            limit = 16  # vLLM's CompletionRequest default
+        if endpoint == "chat":
+            limit = fields.get("max_completion_tokens") or fields.get("max_tokens")
+        return StreamRecord(endpoint, fields, limit, client_ids=bool(fields.get("return_token_ids")))
 
     def _migration(
-        self, body: Any, call_method: str, model_id: str, raw_request: Any, started: float
+        self,
+        endpoint: str,
+        fields: Mapping[str, Any],
+        record: StreamRecord | None,
+        handle: Callable[[], Any],
+        raw_request: Any,
+        model_id: str,
+        started: float,
     ) -> Migration | None:
         """How this streamed request continues if its stream is cut (None: migrations off)."""
         from ray.serve.llm.openai_api_models import CompletionRequest
 
-        from serving import ray_internals as ri
-
-        cfg = self._resilience
-        if cfg.migrations <= 0:
+        if self.cfg.migrations <= 0:
             return None
-        # The whole body is dumped only if a continuation needs it (a stream that is cut).
-        fields = ClientFields(body)
-        deciding = fields.among([*NOT_CONTINUED, "return_token_ids"])
-        blocked = not_continuable(call_method, deciding)
-        record = None
-        if blocked is None:
-            limit = body.max_tokens if call_method == "completions" else (body.max_completion_tokens or body.max_tokens)
-            record = StreamRecord(call_method, fields, limit, client_ids=bool(deciding.get("return_token_ids")))
+        blocked = None if record is not None else (not_continuable(endpoint, fields) or "no record")
 
         async def resume(cont: dict[str, Any]) -> tuple[Any, Any]:
             request = CompletionRequest.model_validate({**cont, "model": model_id})
 
             def dispatch() -> Any:
-                handle = self._get_configured_serve_handle(model_id)  # type: ignore[attr-defined]
-                return dispatch_call(handle, request, "completions", raw_request)
+                return dispatch_call(handle(), request, "completions", raw_request)
 
-            first, stream = await self._first_chunk(dispatch, started, True)
+            first, stream = await self.first(dispatch, started, True)
             head = first_item(first)
-            if isinstance(head, ri.ErrorResponse):
+            if is_client_error(head):
                 cancel_call(stream)
                 raise EngineRefused(head.error.code or 400, head.error.message)
             return first, stream
 
         def on_outcome(cut: Reason, outcome: MigrationOutcome) -> None:
-            self._migration_counter.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome.value})
+            self._migrations.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome.value})
 
-        return Migration(record, blocked, cfg.migrations, cfg.stall_timeout_s, resume, on_outcome)
+        return Migration(record, blocked, self.cfg.migrations, self.cfg.stall_timeout_s, resume, on_outcome)
+
+
+def engine_headers(raw_request: Any) -> dict[str, str]:
+    """The headers of the client's request that an engine may see (ENGINE_HEADERS)."""
+    if raw_request is None:
+        return {}
+    return {k: v for k, v in raw_request.headers.items() if k.lower() in ENGINE_HEADERS}
 
 
 def dispatch_call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:
     """One streaming call to the model deployment (what OpenAiIngress._get_response does,
-    keeping hold of the response so it can be cancelled)."""
+    keeping hold of the response so it can be cancelled), with the allow-listed headers."""
     from ray.serve.llm.openai_api_models import ChatCompletionRequest
 
     from serving import ray_internals as ri
 
     if raw_request is not None:
         session_id = ri.session_id_from_headers(raw_request.headers)
-        if session_id:
+        if session_id:  # Serve's session-affinity routing, on the handle; not for the engine
             handle = handle.options(session_id=session_id)
     if isinstance(body, ChatCompletionRequest):
         body = ri.sanitize_chat_request(body)
-    info = ri.RawRequestInfo.from_starlette_request(raw_request) if raw_request is not None else None
+    info = ri.RawRequestInfo(headers=engine_headers(raw_request)) if raw_request is not None else None
     if info is not None:
         _with_trace_context(info.headers)
     return getattr(handle, call_method).remote(body, info)

@@ -10,6 +10,7 @@ pydantic and the standard library only.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
@@ -164,6 +165,10 @@ class IngressSpec(SpecModel):
     # Set in every Ray pod's environment (spec_base.DataPlane); haproxy is Ray's
     # high-throughput mode, measured in docs/performance.md (`make bench-data-plane`).
     data_plane: DataPlane = DataPlane.HAPROXY
+    # A request body larger than this gets 413 before it is read whole (in the HAProxy data
+    # plane the ingress reads and parses bodies on its replica's own event loop). 4 MiB holds
+    # a 128k-token prompt of text several times over; the serving path is text only.
+    max_body_mib: int = Field(default=4, ge=1, le=64)
 
     @model_validator(mode="after")
     def _bounds(self) -> IngressSpec:
@@ -219,6 +224,10 @@ class StreamingSpec(SpecModel):
 
 class ResilienceSpec(SpecModel):
     """Deadlines (seconds) and retries of the serving path (serving/core/failures.py).
+
+    The same model at run time: the spec renders `runtime_args()` into args["resilience"],
+    and the ingress and the decode server read it back with `from_args` (one model, so the
+    stack file's keys, the rendered args and what the replicas read cannot drift apart).
 
     Defaults fit models up to ~70B on H100-class GPUs with prompts up to ~32k tokens
     (prefill well under 5 s); raise prefillTimeoutS for longer prompts or slower GPUs.
@@ -283,14 +292,39 @@ class ResilienceSpec(SpecModel):
         return self
 
     def runtime_args(self, cold_start_s: float | None = None) -> dict[str, Any]:
-        """args["resilience"]: what serving.core.failures.ResilienceConfig reads. `cold_start_s`:
-        the planner's first request after idle for the decode role, when it may scale to
-        zero (None: it keeps a replica, or the time is not known)."""
+        """args["resilience"]: every field, by its Python name, for `from_args` in the
+        replicas. `cold_start_s`: the planner's first request after idle for the decode
+        role, when it may scale to zero (None: it keeps a replica, or the time is not known)."""
         args = self.model_dump(by_alias=False)
         if self.cold_start_retry_after_s is None:
             cold = self.retry_after_s if cold_start_s is None else math.ceil(cold_start_s)
             args["cold_start_retry_after_s"] = max(self.retry_after_s, cold)
         return args
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, Any]) -> ResilienceSpec:
+        """What a replica reads from args["resilience"]: every field rendered (a partial block
+        is a config rendered by another version of this code), none unknown, the same checks
+        as the stack file's."""
+        names = set(cls.model_fields)
+        # A field without a default of its own (None: derived) came with the rendered args.
+        required = {n for n, f in cls.model_fields.items() if f.default is not None}
+        unknown, missing = sorted(set(args) - names), sorted(required - set(args))
+        if unknown or missing:
+            raise ValueError(f"args.resilience: unknown keys {unknown or 'none'}, missing keys {missing or 'none'}")
+        return cls.model_validate(dict(args))
+
+    @property
+    def unavailable_retry_after_s(self) -> int:
+        """Retry-After of a 503 while decode has no running replica."""
+        return self.cold_start_retry_after_s or self.retry_after_s
+
+    @property
+    def scale_from_zero_retry_after_s(self) -> int | None:
+        """The cold-start Retry-After when it says more than retry_after_s (decode may scale
+        to zero), else None."""
+        cold = self.cold_start_retry_after_s
+        return cold if cold is not None and cold > self.retry_after_s else None
 
 
 class PlacementSpec(SpecModel):

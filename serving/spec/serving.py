@@ -485,6 +485,7 @@ class ServingSpec(SpecModel):
             # decode serves every request's tokens (the aggregated engine is the decode role).
             "resilience": self.resilience.runtime_args(target.cold_start_s.get("decode")),
             "ingress_deployment_config": ingress,
+            "max_body_bytes": self.ingress.max_body_mib << 20,
         }
         if not self.many:
             return {"mode": self.mode.value, **args, **self.engine_args(target)}

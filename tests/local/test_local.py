@@ -149,10 +149,10 @@ def test_replicas_render_as_fixed_replica_counts_with_bounded_queues():
 
 
 def test_local_deadlines_come_from_the_spec_model():
-    from serving.core.failures import ResilienceConfig
+    from serving.spec import ResilienceSpec
 
     args = local_config.render_local_config("disaggregated", MODEL_DIR, port=8000)["applications"][0]["args"]
-    cfg = ResilienceConfig.from_args(args["resilience"])
+    cfg = ResilienceSpec.from_args(args["resilience"])
     assert cfg.prefill_timeout_s == local_config.LOCAL_RESILIENCE["prefillTimeoutS"]
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 
-from serving.core.failures import ResilienceConfig
 from serving.ingress.limits import LimitsLedger
+from serving.spec import ResilienceSpec
 
-CFG = ResilienceConfig(
+# Small deadlines for the fakes (model_construct: the spec's ordering checks are for stack files).
+CFG = ResilienceSpec.model_construct(
     prefill_timeout_s=0.2,
     prefill_queue_timeout_s=0.3,
     prefill_attempts=2,
@@ -28,6 +29,7 @@ CFG = ResilienceConfig(
     circuit_open_s=10.0,
     circuit_failures=3,
     retry_after_s=1,
+    cold_start_retry_after_s=None,
 )
 
 

@@ -1,6 +1,6 @@
-"""serving/app.py: the ingress's auth and error shapes (unit), then the running app (e2e).
+"""serving/app.py and serving/ingress/server.py: the front door's auth and error shapes (unit), then the running app (e2e).
 
-The unit tests drive `AuthenticatedIngress` directly with a fake engine handle: no Ray
+The unit tests drive `AuthenticatedIngress` (serving/ingress/server.py) directly with a fake engine handle: no Ray
 cluster. The e2e tests use the official `openai` client against the shared local cluster
 (tests/conftest.py), where the disaggregated app runs at / and the aggregated app
 with the same model at /aggregated.
@@ -17,8 +17,9 @@ import pytest
 from starlette.requests import Request
 
 from bench import hops
-from serving import app as app_mod
-from serving.app import AuthenticatedIngress, build_app, error_response
+from serving.app import build_app
+from serving.ingress.errors import error_response
+from serving.ingress.server import AuthenticatedIngress
 from serving.spec import parse_api_keys
 
 MODEL = "tiny"
@@ -304,7 +305,7 @@ def test_build_app_rejects_unknown_keys():
 
 def test_build_app_rejects_an_unknown_auth_mode():
     with pytest.raises(ValueError, match=r"args\.auth\.mode 'open'"):
-        app_mod._ingress_cls_config({"mode": "open"})
+        build_app({"mode": "aggregated", "llm_configs": [], "auth": {"mode": "open"}})
 
 
 # --- e2e: the running apps through the openai client -----------------------------------------
@@ -614,11 +615,11 @@ def test_tokenize_is_behind_the_keys_request_limit(monkeypatch):
     ingress, handle = make_ingress(monkeypatch)
     asked = []
 
-    async def refuse(kid, model, body):
+    async def refuse(kid, model, body, context_len=None):
         asked.append((kid, model, body))
         return Decision(False, 9, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
 
-    ingress._hybrid.limiter.admit = refuse
+    ingress._door.limiter.admit = refuse
     resp = run(ingress.tokenize(make_request({"model": MODEL, "prompt": "hello"}, path="/tokenize")))
     status, err = error_of(resp)
     assert status == 429 and resp.headers["retry-after"] == "9" and err["code"] == "rate_limit_exceeded"

@@ -14,8 +14,9 @@ import json
 
 import pytest
 
-from serving.app import AuthenticatedIngress, build_app, build_model_app
+from serving.app import build_app, build_model_app
 from serving.ingress.catalog import ModelCatalog
+from serving.ingress.server import AuthenticatedIngress
 from serving.spec import APP_NAME, MODEL_APP_PREFIX, ServingSpec
 from tests.serving.engines.test_pd_server import _graph, no_ray  # noqa: F401  (a fixture)
 from tests.serving.spec.test_models import AGG, GPU, PD  # llama P/D; qwen aggregated, with LoRA
@@ -128,7 +129,9 @@ class Apps:
 def _front_door(monkeypatch, apps: Apps, spec: ServingSpec | None = None):
     monkeypatch.setenv("TEST_PD_KEYS", KEY)
     ingress = AuthenticatedIngress({}, {}, api_keys_env="TEST_PD_KEYS", models_mode=True)
-    ingress._catalog = ModelCatalog(apps)
+    ingress._door.models.catalog = ModelCatalog(apps)
+    # The adapters' storage: one adapter per model with adapters.
+    ingress._door.models._list = lambda path, base: [f"{base}:support-v2"]
     user_config = (spec or _spec()).serve_config(GPU)["applications"][0]["deployments"][0]["user_config"]
     asyncio.run(ingress.reconfigure(user_config))
     return ingress, user_config
@@ -189,27 +192,24 @@ def test_a_model_whose_app_is_not_deployed_yet_is_a_503_then_serves(monkeypatch)
 
 
 def test_models_lists_every_model_and_adapter_with_its_context_length(monkeypatch):
-    from ray.llm._internal.serve.core.ingress import ingress as ray_ingress
-
     listed_paths: list[str] = []
 
     def lora_ids(dynamic_lora_loading_path: str, base_model_id: str) -> list[str]:
         listed_paths.append(dynamic_lora_loading_path)
         return [f"{base_model_id}:support-v2"]
 
-    monkeypatch.setattr(ray_ingress, "get_lora_model_ids", lora_ids)
     apps = Apps(MODEL_APP_PREFIX + "llama", MODEL_APP_PREFIX + "qwen")
     ingress, _ = _front_door(monkeypatch, apps)
-
-    async def metadata(model_id: str, base_path: str) -> dict:
-        return {"model_id": model_id, "bucket_uri": f"{base_path}/{model_id.split(':')[1]}"}
-
-    ingress._get_lora_model_metadata_func = metadata
+    ingress._door.models._list = lora_ids
     listing = asyncio.run(ingress.models(make_request(path="/v1/models", method="GET")))
     ids = [m.id for m in listing.data]
     assert ids == ["llama", "qwen", "qwen:support-v2"]
     assert listed_paths == ["s3://acme-models/adapters/qwen"]
     assert listing.data[0].metadata["max_request_context_length"] == 8192
+    # No card shows where the adapters are stored; the listing is read once, not per request.
+    assert "s3://" not in json.dumps([m.model_dump() for m in listing.data])
+    asyncio.run(ingress.models(make_request(path="/v1/models", method="GET")))
+    assert listed_paths == ["s3://acme-models/adapters/qwen"]
 
 
 def test_a_model_removed_from_the_table_is_404_and_the_others_keep_their_handles(monkeypatch):
@@ -276,15 +276,13 @@ def _limited_front_door(monkeypatch):
     )
     apps = Apps(MODEL_APP_PREFIX + "llama", MODEL_APP_PREFIX + "qwen")
     ingress, _ = _front_door(monkeypatch, apps, spec)
-    monkeypatch.setattr(ingress._auth, "_keys", (KEY.encode(), OTHER_KEY.encode()))
+    monkeypatch.setattr(ingress._door.auth, "_keys", (KEY.encode(), OTHER_KEY.encode()))
     return ingress, apps
 
 
 def test_a_limited_key_lists_and_reads_only_its_models(monkeypatch):
-    from ray.llm._internal.serve.core.ingress import ingress as ray_ingress
-
-    monkeypatch.setattr(ray_ingress, "get_lora_model_ids", lambda dynamic_lora_loading_path, base_model_id: [])
     ingress, _ = _limited_front_door(monkeypatch)
+    ingress._door.models._list = lambda path, base: []  # no adapters in storage
     get = {"path": "/v1/models", "method": "GET"}
     assert [m.id for m in asyncio.run(ingress.models(make_request(key=OTHER_KEY, **get))).data] == ["llama"]
     assert [m.id for m in asyncio.run(ingress.models(make_request(key=KEY, **get))).data] == ["llama", "qwen"]
@@ -322,7 +320,7 @@ def test_a_refusal_is_counted_under_the_model_that_was_asked(monkeypatch):
     )
     ingress, _ = _front_door(monkeypatch, apps)
     counted: list[dict] = []
-    monkeypatch.setattr(ingress._refusal_counter, "inc", lambda tags: counted.append(tags))
+    monkeypatch.setattr(ingress._door.router._refusals, "inc", lambda tags: counted.append(tags))
     assert asyncio.run(ingress.chat(make_request(chat("llama")))).status_code == 200
     assert asyncio.run(ingress.chat(make_request(chat("qwen")))).status_code == 503
     assert [c["model"] for c in counted] == ["qwen"] and counted[0]["reason"] == "overloaded"

@@ -6,19 +6,20 @@ import json
 
 import pytest
 
-from serving.core.failures import Reason, ResilienceConfig, classify, sse_error
-from tests.serving.fakes import CFG
+from serving.core.calls import sse_error
+from serving.core.failures import Reason, classify
+from serving.spec import ResilienceSpec
 
 
 # --- config ------------------------------------------------------------------------------------
 def test_config_refuses_unknown_and_missing_keys():
-    args = {f: 1 for f in CFG.__dataclass_fields__}
-    assert ResilienceConfig.from_args(args).decode_attempts == 1
+    args = {**ResilienceSpec().runtime_args(), "decode_attempts": 1}
+    assert ResilienceSpec.from_args(args).decode_attempts == 1
     with pytest.raises(ValueError, match="unknown keys \\['bogus'\\]"):
-        ResilienceConfig.from_args({**args, "bogus": 1})
+        ResilienceSpec.from_args({**args, "bogus": 1})
     del args["fail_fast_s"]
     with pytest.raises(ValueError, match="missing keys \\['fail_fast_s'\\]"):
-        ResilienceConfig.from_args(args)
+        ResilienceSpec.from_args(args)
 
 
 # --- classify -----------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Contract: Ray 2.60 `build_pd_openai_app` (ray-project/ray, python/ray/llm/_internal/serve/
 serving_patterns/prefill_decode/builder.py) is the reference; for the same args our
-`build_pd_app` must produce the same deployments (names, Serve options, placement, init
+`serving.app.build_app` must produce the same deployments (names, Serve options, placement, init
 arguments) except that decode runs `ResilientPDDecodeServer` (a subclass of the public
 PDDecodeServer) and receives the resilience values. Also: every Ray internal that the
 resilience layer relies on (serving/ray_internals.py, and private members of public classes)
@@ -94,13 +94,13 @@ def test_same_graph_as_rays_builder_but_the_decode_class(no_ray, which):
     from ray.serve.llm import build_pd_openai_app
     from ray.serve.llm.deployment import PDDecodeServer
 
-    from serving.app import _ingress_cls_config, build_app
+    from serving.app import AppArgs, build_app
     from serving.engines.pd_server import ResilientPDDecodeServer
 
     args = _args(which)
     ours = _graph(build_app(args))
-    ray_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
-    ray_args["ingress_cls_config"] = _ingress_cls_config(args["auth"], args["resilience"])
+    ray_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience", "max_body_bytes")}
+    ray_args["ingress_cls_config"] = AppArgs.model_validate(args).ingress_cls_config()
     theirs = _graph(build_pd_openai_app(ray_args))
 
     assert ours.keys() == theirs.keys()
@@ -123,23 +123,21 @@ def test_same_graph_as_rays_builder_but_the_decode_class(no_ray, which):
                 assert o["kwargs"][k].model_dump() == t["kwargs"][k].model_dump(), name
 
 
-def test_build_pd_app_refuses_bad_resilience_before_building():
-    from serving.engines.pd_server import build_pd_app
+def test_build_app_refuses_bad_resilience_before_building():
+    from serving.app import build_app
 
     with pytest.raises(ValueError, match="missing keys"):
-        build_pd_app({}, {"prefill_timeout_s": 1})
+        build_app({"mode": "disaggregated", "resilience": {"prefill_timeout_s": 1}})
 
 
-def test_build_pd_app_refuses_data_parallel_engines(no_ray):
-    from serving.app import _ingress_cls_config
-    from serving.engines.pd_server import build_pd_app
+def test_the_resilient_graph_refuses_data_parallel_engines(no_ray):
+    from serving.engines.pd_server import build_pd_engines, pd_args
 
     args = _args("cpu")
     args["decode_config"]["engine_kwargs"]["data_parallel_size"] = 2
-    builder_args = {k: v for k, v in args.items() if k not in ("mode", "auth", "resilience")}
-    builder_args["ingress_cls_config"] = _ingress_cls_config(args["auth"])
+    pd = pd_args({k: args[k] for k in ("prefill_config", "decode_config")})
     with pytest.raises(ValueError, match="decode: data_parallel_size > 1"):
-        build_pd_app(builder_args, ResilienceSpec().runtime_args())
+        build_pd_engines(pd, ResilienceSpec().runtime_args())
 
 
 # --- the Ray internals we rely on (Ray 2.60) ------------------------------------------------

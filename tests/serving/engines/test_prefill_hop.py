@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 
-from serving.core.failures import Reason, ResilienceConfig, is_server_error
+from serving.core.calls import is_server_error
+from serving.core.failures import Reason
 from serving.core.metrics import PrefillPath as Path
 from serving.engines.circuit import Circuit
 from serving.engines.prefill_hop import PrefillOutcome, orchestrate, remote_prefill
@@ -76,7 +77,7 @@ def test_waiting_prefills_go_local_the_moment_another_request_trips_the_circuit(
     circuit = Circuit(10, failures_to_open=1)
     # A prefill budget of an hour: the wait can only end this soon because the circuit opened
     # (a hang is ended by the suite's per-test timeout, pytest.ini), and the reason says so.
-    cfg = ResilienceConfig(**{**CFG.__dict__, "prefill_timeout_s": 3600.0, "total_timeout_s": 3600.0})
+    cfg = CFG.model_copy(update={"prefill_timeout_s": 3600.0, "total_timeout_s": 3600.0})
     waiting = FakeStream(["hang"])
 
     async def go():

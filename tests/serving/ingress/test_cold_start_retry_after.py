@@ -3,7 +3,7 @@
 What flows through here: a dev stack whose decode role may scale to zero -> the Pulumi
 program under mocks (the real `__main__.py`) -> the planner's "first request after idle" for
 decode (infra/plan/planning.py, what `make plan` prints) -> the RayService's serveConfigV2,
-`args.resilience.cold_start_retry_after_s` -> the ingress's ResilienceConfig -> the
+`args.resilience.cold_start_retry_after_s` -> the ingress's ResilienceSpec -> the
 Retry-After of the 503s the ingress sends because decode has no running replica:
 `first_chunk`'s decode-unavailable refusals (serving/ingress/relay.py), and the hybrid
 router's answer when no fallback takes a request while Serve reports decode at zero
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 
 import pytest
@@ -23,8 +24,9 @@ import yaml
 
 from infra import config as stack_config
 from infra.plan import planning
-from serving.core.failures import Reason, ResilienceConfig, Unservable, overloaded
+from serving.core.failures import Reason, Unservable, overloaded
 from serving.ingress.relay import DecodeHealth, first_chunk
+from serving.spec import ResilienceSpec
 from tests.serving.fakes import FakeStream, is_5xx, run
 from tests.serving.ingress.test_routing import _routing, _run, _Watch
 from tools import mock_runtime, stackfile
@@ -90,7 +92,7 @@ def test_a_bad_cold_start_retry_after_is_one_line_naming_the_key():
 
 
 # --- the ingress's 503s ------------------------------------------------------------------
-def _first_chunk(streams, cfg: ResilienceConfig, health: DecodeHealth):
+def _first_chunk(streams, cfg: ResilienceSpec, health: DecodeHealth):
     calls = list(streams)
 
     async def go():
@@ -110,7 +112,7 @@ def _first_chunk(streams, cfg: ResilienceConfig, health: DecodeHealth):
 
 def test_decode_lost_and_no_replica_taking_the_call_503_says_the_cold_start(dev_at_zero):
     _, resilience = dev_at_zero
-    cfg = ResilienceConfig.from_args({**resilience, "fail_fast_s": 0.05})
+    cfg = ResilienceSpec.from_args({**resilience, "fail_fast_s": 0.05})
     health = DecodeHealth()
     health.trouble()  # a decode replica died; nothing has succeeded since
     with pytest.raises(Unservable) as e:
@@ -123,7 +125,7 @@ def test_decode_dying_on_every_attempt_503_says_the_cold_start(dev_at_zero):
     from ray.exceptions import ActorDiedError
 
     _, resilience = dev_at_zero
-    cfg = ResilienceConfig.from_args(resilience)
+    cfg = ResilienceSpec.from_args(resilience)
     streams = [FakeStream([ActorDiedError()]) for _ in range(cfg.decode_attempts)]
     with pytest.raises(Unservable) as e:
         _first_chunk(streams, cfg, DecodeHealth())
@@ -134,7 +136,7 @@ def test_args_rendered_before_the_field_existed_still_load():
     """A Serve config rendered by the previous release has no cold_start_retry_after_s."""
     _, resilience = _dev(1)
     old = {k: v for k, v in resilience.items() if k != "cold_start_retry_after_s"}  # a copy: _dev caches
-    cfg = ResilienceConfig.from_args(old)
+    cfg = ResilienceSpec.from_args(old)
     assert cfg.unavailable_retry_after_s == cfg.retry_after_s
     assert cfg.scale_from_zero_retry_after_s is None
 
@@ -143,7 +145,7 @@ def test_no_fallback_and_decode_at_zero_the_503_says_the_cold_start(monkeypatch,
     """The request waited for Serve to start decode from zero and gave up (the ingress's
     overload 503); Serve still reports no running decode replica, and no fallback is set."""
     _, resilience = dev_at_zero
-    cfg = ResilienceConfig.from_args(resilience)
+    cfg = ResilienceSpec.from_args(resilience)
     r, _, _ = _routing(monkeypatch, fallback=False)
     r.cold_start_retry_after_s = cfg.scale_from_zero_retry_after_s
     r.watch = _Watch({"Decode": 0, "Prefill": 0, "Ingress": 1})
@@ -160,7 +162,7 @@ def test_no_fallback_and_decode_at_zero_the_503_says_the_cold_start(monkeypatch,
 def test_a_busy_decode_that_runs_keeps_the_overload_refusal(monkeypatch, dev_at_zero):
     """Decode runs (queued behind busy replicas): the 503 stands as it was, Retry-After too."""
     _, resilience = dev_at_zero
-    cfg = ResilienceConfig.from_args(resilience)
+    cfg = ResilienceSpec.from_args(resilience)
     r, _, _ = _routing(monkeypatch, fallback=False)
     r.cold_start_retry_after_s = cfg.scale_from_zero_retry_after_s
     r.watch = _Watch({"Decode": 1, "Prefill": 1, "Ingress": 1})
@@ -168,10 +170,9 @@ def test_a_busy_decode_that_runs_keeps_the_overload_refusal(monkeypatch, dev_at_
     async def call(body):
         raise overloaded(cfg.retry_after_s)
 
-    with pytest.raises(Unservable) as e:
-        _run(r, {"model": "ours", "prompt": "x"}, call)
-    assert e.value.reason is Reason.OVERLOADED
-    assert e.value.headers == {"Retry-After": str(cfg.retry_after_s)}
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.status_code == 503 and json.loads(resp.body)["error"]["code"] == Reason.OVERLOADED.value
+    assert resp.headers["Retry-After"] == str(cfg.retry_after_s)
 
 
 def test_the_ingress_watches_serve_when_decode_may_scale_to_zero(monkeypatch, dev_at_zero):
@@ -195,9 +196,9 @@ def test_the_ingress_watches_serve_when_decode_may_scale_to_zero(monkeypatch, de
     monkeypatch.setattr(hybrid, "ClusterWatch", _Recorder)  # no Serve controller polled here
     _, resilience = dev_at_zero
     at_zero, _, _ = _routing(monkeypatch, fallback=False)
-    at_zero.cold_start_retry_after_s = ResilienceConfig.from_args(resilience).scale_from_zero_retry_after_s
+    at_zero.cold_start_retry_after_s = ResilienceSpec.from_args(resilience).scale_from_zero_retry_after_s
     kept, _, _ = _routing(monkeypatch, fallback=False)
-    kept.cold_start_retry_after_s = ResilienceConfig.from_args(_dev(1)[1]).scale_from_zero_retry_after_s
+    kept.cold_start_retry_after_s = ResilienceSpec.from_args(_dev(1)[1]).scale_from_zero_retry_after_s
 
     async def go():
         await at_zero.reconfigure({})

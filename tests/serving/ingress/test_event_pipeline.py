@@ -3,7 +3,7 @@ guarded_stream in serving/ingress/relay.py, read by serving/ingress/routing.py's
 event decoded once and encoded at most once, and the bytes a client reads those of the two
 passes it replaced; the request dumped only for a continuation.
 
-Driven through serving.app.AuthenticatedIngress in front of a stand-in decode handle that
+Driven through serving.ingress.server.AuthenticatedIngress in front of a stand-in decode handle that
 streams vLLM-shaped events in Ray's batches (bench/ingress_events.py): the composition
 app.py serves (auth, parse, hybrid routing, the resilient call, stream migration's record,
 the metering), no Ray started.
@@ -122,11 +122,11 @@ def test_the_metering_counts_the_ingress_stream_when_it_ends_and_when_the_client
     handle = EngineHandle(lambda ep, body: batches(engine_events(ep, 12, **asked(body)), 2))
     ingress = make_ingress(handle, migrations=2)
     settled = []
-    ingress._hybrid._count = lambda kid, model, where, decision, usage: settled.append(
+    ingress._door.router._count = lambda ctx, where, usage: settled.append(
         (where, usage.prompt_tokens, usage.completion_tokens)
     )
     client_bytes(ingress, "chat", request_body("chat", 12))
-    assert settled == [("cluster", len(PROMPT_IDS), 12)] and ingress._hybrid.inflight.count() == 0
+    assert settled == [("cluster", len(PROMPT_IDS), 12)] and ingress._door.router.inflight.count() == 0
 
     async def leave_after_three_chunks():
         resp = await call(ingress, "completions", request_body("completions", 12))
@@ -138,7 +138,7 @@ def test_the_metering_counts_the_ingress_stream_when_it_ends_and_when_the_client
     sent = docs_of("".join(asyncio.run(leave_after_three_chunks())))
     tokens = sum(len(d["choices"]) for d in sent)  # completions: one token a chunk here
     assert 3 <= tokens < 12
-    assert settled[1:] == [("cluster", len(PROMPT_IDS), tokens)] and ingress._hybrid.inflight.count() == 0
+    assert settled[1:] == [("cluster", len(PROMPT_IDS), tokens)] and ingress._door.router.inflight.count() == 0
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])

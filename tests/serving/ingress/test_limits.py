@@ -49,19 +49,20 @@ def test_retry_after_counts_only_the_buckets_that_must_leave():
 def test_tpm_reserves_then_settles_to_what_was_used():
     w = SlidingWindows()
     lim = KeyLimit(tokens_per_minute=100)
-    d1 = w.admit("k", 10, lim, 80)
+    d1 = w.admit("k", 10, lim, 60)
     assert d1.ok
-    # Reserved 80 of 100: the next one still fits (the budget is not yet spent) ...
-    d2 = w.admit("k", 11, lim, 80)
-    assert d2.ok
-    # ... and now 160 reserved: refused until the window moves.
-    d3 = w.admit("k", 12, lim, 1)
-    assert not d3.ok and d3.limit == "tpm"
+    # Reserved 60 of 100: a reservation that would overspend the budget is refused ...
+    d2 = w.admit("k", 11, lim, 60)
+    assert not d2.ok and d2.limit == "tpm"
+    # ... one that fits is not.
+    d3 = w.admit("k", 12, lim, 40)
+    assert d3.ok
+    assert not w.admit("k", 12, lim, 1).ok
     # Both used far less than reserved: room again at once.
     w.settle("k", 13, d1.ticket, 10)
-    w.settle("k", 13, d2.ticket, 10)
+    w.settle("k", 13, d3.ticket, 10)
     assert w.totals("k", 13) == (2, 20)
-    assert w.admit("k", 13, lim, 1).ok
+    assert w.admit("k", 13, lim, 60).ok
 
 
 def test_settle_after_the_reservation_left_the_window_counts_the_tokens_now():

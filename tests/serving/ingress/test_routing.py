@@ -1,7 +1,9 @@
 """serving/ingress/routing.py: the routing rules and the metering, with the cluster and the provider faked.
 
-The real thing (Ray Serve LLM engines, a vLLM server as the provider) runs in
-test_hybrid_e2e.py; here each rule is driven directly and quickly.
+Each request goes through the front door's pipeline (serving/ingress/pipeline.py: auth,
+fields, model, limits, then the router) with the relay replaced by the test's `call(body)`,
+which gets the engine request as a dict. The real thing (Ray Serve LLM engines, a vLLM server
+as the provider) runs in test_routing_e2e.py; here each rule is driven directly and quickly.
 """
 
 from __future__ import annotations
@@ -12,18 +14,19 @@ import time
 
 import httpx
 import pytest
+from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 
 from serving.core.cluster_watch import ClusterState, ClusterWatch
+from serving.core.failures import REFUSALS, Reason, Unservable, as_unservable
 from serving.ingress import routing as hybrid
-from serving.ingress.fallback import SERVED_BY, FallbackClient, FallbackConfig
-from serving.ingress.limits import Decision
-
-
-def _error(status, message, *, type=None, param=None, code=None, headers=None):
-    """serving.app.error_response's shape, with what the caller chose and no defaults."""
-    body = {"error": {"message": message, "type": type, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+from serving.ingress.auth import ApiKeyAuth
+from serving.ingress.catalog import ModelNotFound, ModelRoute
+from serving.ingress.errors import SERVED_BY
+from serving.ingress.fallback import FallbackClient, FallbackConfig
+from serving.ingress.limits import Decision, Limiter, LimitsConfig
+from serving.ingress.pipeline import FrontDoor
+from serving.spec import base_model_id
 
 
 class _Meter:
@@ -46,8 +49,25 @@ class _Meter:
 
 
 class _Request:
-    def __init__(self, key="sk-client"):
+    """A client's request: its key, and the body the door reads."""
+
+    def __init__(self, key="sk-client", body=None):
         self.headers = {"authorization": f"Bearer {key}"}
+        self.body = body
+
+    def starlette(self) -> Request:
+        raw = json.dumps(self.body).encode()
+        sent = False
+
+        async def receive():
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        headers = [(k.encode(), v.encode()) for k, v in self.headers.items()]
+        return Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": headers}, receive)
 
 
 class _Watch(ClusterWatch):
@@ -60,6 +80,103 @@ class _Watch(ClusterWatch):
 
     def fresh(self, max_age_s: float = 10.0) -> bool:
         return True
+
+
+def _route(model: str | None) -> ModelRoute:
+    model = model or "ours"
+    return ModelRoute(model=model, base=base_model_id(model), handle=lambda: None, engine="Decode", context_len=None)
+
+
+class _Models:
+    """Every model (and adapter) is served, by the deployment `Decode`; `ours` is the only one."""
+
+    catalog = None
+
+    def only_model(self):
+        return "ours"
+
+    async def resolve(self, model):
+        if model == "":
+            raise ModelNotFound(model)
+        return _route(model)
+
+
+class _Relay:
+    """The relay, replaced by the test's `call(engine body as a dict)`."""
+
+    def __init__(self):
+        self.call = None
+
+    def continuable(self, endpoint, fields):
+        return None
+
+    async def answer(self, *, body, **_):
+        return await self.call(body.model_dump(exclude_unset=True))
+
+
+class _Door:
+    """The front door under test, with the router's names the rules' tests read."""
+
+    def __init__(self, router: hybrid.Router, meter: _Meter):
+        self.router, self.meter = router, meter
+        self.limiter = Limiter(LimitsConfig.from_user_config(None), lambda: None, meter)
+        self.relay = _Relay()
+        self.front = FrontDoor(
+            auth=ApiKeyAuth("api-key", ("sk-client", "sk-other")),
+            models=_Models(),
+            limiter=self.limiter,
+            router=router,
+            relay=self.relay,
+        )
+
+    @property
+    def inflight(self):
+        return self.router.inflight
+
+    @property
+    def watch(self):
+        return self.router.watch
+
+    @watch.setter
+    def watch(self, w):
+        self.router.watch = w
+
+    @property
+    def fallback(self):
+        return self.router.fallback
+
+    @property
+    def cold_start_retry_after_s(self):
+        return self.router.cold_start_retry_after_s
+
+    @cold_start_retry_after_s.setter
+    def cold_start_retry_after_s(self, s):
+        self.router.cold_start_retry_after_s = s
+
+    async def reconfigure(self, user_config):
+        self.router.reconfigure(user_config.get("fallback"))
+
+    def pre_route(self, model):
+        return self.router.pre_route(_route(model))
+
+    def may_use(self, request, model):
+        kid = self.front.auth.key_id(request)
+        return self.limiter.config.may_use(kid, model)
+
+    @property
+    def auth_enabled(self):
+        return self.front.auth.enabled
+
+    @auth_enabled.setter
+    def auth_enabled(self, on):
+        self.front.auth.enabled = on
+
+    def wake_with(self, fn):
+        self.router._wake = lambda route: fn(route.model)
+
+    async def handle(self, request, body, endpoint, call_cluster):
+        self.relay.call = call_cluster
+        return await self.front.generate(_Request(request.headers["authorization"][7:], body).starlette(), endpoint)
 
 
 PROVIDER_ANSWER = {
@@ -81,23 +198,15 @@ def _routing(
     overflow_at=2,
 ):
     monkeypatch.setenv("PD_FALLBACK_API_KEY", "sk-provider")
-    r = hybrid.HybridRouting(
-        auth_enabled=True,
-        app_name="llm",
-        own_deployment="Ingress",
-        engine_deployment=lambda m: "Decode",
-        default_model=lambda: "ours",
-        error_response=_error,
-    )
     meter = _Meter()
-    r.meter = meter
-    r.limiter._metrics = meter
+    router = hybrid.Router(app_name="llm", own_deployment="Ingress", meter=meter)
+    r = _Door(router, meter)
     calls = []
     if fallback:
         cfg = FallbackConfig.from_user_config(
             {
                 "base_url": "https://provider.example/v1",
-                "models": {"ours": "their/model"},
+                "models": {"ours": "their/model", "a": "their/a", "b": "their/b"},
                 "when": list(when),
                 "overflow_at": overflow_at,
                 "first_token_timeout_s": 0.3,
@@ -111,8 +220,8 @@ def _routing(
             calls.append(req)
             return provider(req) if provider else httpx.Response(200, json=PROVIDER_ANSWER)
 
-        r.fallback = FallbackClient(cfg, transport=httpx.MockTransport(handler))
-        r.watch = watch
+        router.fallback = FallbackClient(cfg, transport=httpx.MockTransport(handler))
+        router.watch = watch
     return r, meter, calls
 
 
@@ -126,6 +235,10 @@ def _run(r, body, call_cluster, endpoint="completions", key="sk-client"):
         return resp, chunks
 
     return asyncio.run(go())
+
+
+def _error(resp) -> dict:
+    return json.loads(resp.body)["error"]
 
 
 def _cluster_json(usage=(2, 5)):
@@ -227,8 +340,9 @@ def test_without_the_reason_in_when_the_cluster_error_stands(monkeypatch):
     async def call(body):
         raise BackPressureError(num_queued_requests=3, max_queued_requests=2)
 
-    with pytest.raises(BackPressureError):
-        _run(r, {"model": "ours", "prompt": "x"}, call)
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    # The cluster's refusal stands: Serve's back-pressure, answered as an overload.
+    assert resp.status_code == 503 and _error(resp)["code"] == "overloaded" and "retry-after" in resp.headers
     assert calls == []
 
 
@@ -238,8 +352,8 @@ def test_no_fallback_configured_changes_nothing(monkeypatch):
     async def call(body):
         raise RuntimeError("boom")
 
-    with pytest.raises(RuntimeError):
-        _run(r, {"model": "ours", "prompt": "x"}, call)
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    assert resp.status_code == 500 and _error(resp)["code"] == "internal_error"
 
 
 def test_a_late_first_token_goes_to_the_fallback_and_the_cluster_request_is_cancelled(monkeypatch):
@@ -269,7 +383,7 @@ def test_a_late_first_token_goes_to_the_fallback_and_the_cluster_request_is_canc
 def test_no_running_engine_skips_the_cluster_and_wakes_the_engines(monkeypatch):
     r, meter, _ = _routing(monkeypatch, watch=_Watch({"Decode": 0, "Prefill": 0, "Ingress": 1}))
     woken = []
-    r._wake = woken.append  # scaled to zero: only a request at the handle brings it back
+    r.wake_with(woken.append)  # scaled to zero: only a request at the handle brings it back
 
     async def call(body):
         raise AssertionError("the cluster must not be called")
@@ -313,22 +427,23 @@ def test_engines_that_go_away_while_a_request_waits_release_it_to_the_fallback(m
 def test_overflow_at_the_threshold_per_decode_replica(monkeypatch):
     r, _, _ = _routing(monkeypatch, watch=_Watch({"Decode": 2, "Prefill": 1, "Ingress": 1}), overflow_at=2)
     for _ in range(3):
-        r.inflight.open()
+        r.inflight.open("ours")
+    r.inflight.open("another")  # another model's requests share nothing of this one's capacity
     assert r.pre_route("ours") is None  # 3 < 2 x 2
-    r.inflight.open()
+    r.inflight.open("ours")
     reason, detail = r.pre_route("ours")
     assert reason == "overloaded" and "2 decode replica" in detail
     # Two ingress replicas share the decode replicas: each takes half.
     r.watch.running["Ingress"] = 2
     r2, _, _ = _routing(monkeypatch, watch=r.watch, overflow_at=2)
-    r2.inflight.open(), r2.inflight.open()
+    r2.inflight.open("ours"), r2.inflight.open("ours")
     assert r2.pre_route("ours")[0] == "overloaded"
 
 
 def test_rate_limited_key_gets_429_with_retry_after(monkeypatch):
     r, _, calls = _routing(monkeypatch)
 
-    async def refuse(kid, model, body):
+    async def refuse(kid, model, body, context_len=None):
         return Decision(False, 12, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
 
     r.limiter.admit = refuse
@@ -360,49 +475,51 @@ def test_a_failing_fallback_returns_our_error_with_the_reason(monkeypatch):
         ("TimeoutError", "deadline"),
     ],
 )
-def test_reason_for_ray_failures(exc, reason):
+def test_the_fallback_rule_of_ray_failures(exc, reason):
     import ray.exceptions
     import ray.serve.exceptions
 
     cls = getattr(ray.serve.exceptions, exc, None) or getattr(ray.exceptions, exc, None) or TimeoutError
     e = cls.__new__(cls)
-    assert hybrid.reason_for(e) == reason
+    assert as_unservable(e, 1).fallback_when == reason
 
 
-def test_reason_for_http_statuses():
+def test_the_fallback_rule_of_http_statuses():
     class E(Exception):
         def __init__(self, s):
             self.status_code = s
 
-    assert [hybrid.reason_for(E(s)) for s in (400, 404, 408, 500, 503)] == [
-        None,
-        None,
-        "deadline",
-        "unavailable",
-        "overloaded",
-    ]
+    rules = [(f.fallback_when if f else None) for f in (as_unservable(E(s), 1) for s in (400, 404, 408, 500, 503))]
+    assert rules == [None, None, "deadline", "unavailable", "overloaded"]
+    # Every reason the cluster can refuse for has one answer: its status and its fallback rule.
+    assert {r: (f.status, f.fallback) for r, f in REFUSALS.items()} == {
+        Reason.OVERLOADED: (503, "overloaded"),
+        Reason.DECODE_UNAVAILABLE: (503, "unavailable"),
+        Reason.ENGINE_ERROR: (503, "unavailable"),
+        Reason.DEADLINE: (504, "deadline"),
+    }
 
 
-def test_a_layer_below_can_hand_the_request_to_the_fallback(monkeypatch):
-    """The resilience mixin's on_unservable hook calls `unservable` from inside the cluster call:
-    the fallback's answer comes back through handle() metered once, as the fallback's."""
+def test_a_request_the_relay_finds_unservable_goes_to_the_fallback_metered_once(monkeypatch):
+    """The relay raises why the cluster cannot serve (here: the first token was late); the
+    router hands it to the fallback with the admission's key and usage, metered once, as
+    the fallback's; a reason not in `when` is answered with its own status."""
     r, meter, calls = _routing(monkeypatch, when=("deadline",))
 
-    async def call(body):
-        resp = await r.unservable("completions", body, _Request(), "deadline", "first token late")
-        assert resp is not None
-        return resp
+    async def late(body):
+        raise Unservable(Reason.DEADLINE, 1, "first token late")
 
-    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, call)
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, late)
     assert resp.headers[SERVED_BY] == "fallback" and len(calls) == 1
     assert meter.fallbacks == [("deadline", "ok")]
     assert [c[2] for c in meter.calls] == ["fallback"]
     assert r.inflight.count() == 0
 
-    async def not_for_this_reason():
-        return await r.unservable("completions", {"prompt": "x"}, _Request(), "overloaded", "queue full")
+    async def busy(body):
+        raise Unservable(Reason.OVERLOADED, 3)
 
-    assert asyncio.run(not_for_this_reason()) is None
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, busy)
+    assert resp.status_code == 503 and resp.headers["retry-after"] == "3" and len(calls) == 1
 
 
 # --- per-key model access and per-model limits (issue 26) -----------------------------------------
@@ -478,32 +595,60 @@ def test_exhausting_a_keys_requests_on_one_model_leaves_the_other_admitted(monke
     assert statuses == [200, 429, 200] and seen == ["a", "b"]
 
 
-def test_admit_only_checks_access_then_counts_on_the_models_window(monkeypatch):
+def test_tokenize_checks_access_then_counts_on_the_models_window(monkeypatch):
+    from ray.llm._internal.serve.core.configs.openai_api_models import TokenizeResponse
+
     from serving.spec import key_id
 
     r, _, _ = _routing(monkeypatch, fallback=False)
     kid = key_id("sk-client")
     ledger = _limited(r, {"models": {"a": {"requests_per_minute": 1}}, "keys": {kid: {"models": ["a", "ours"]}}})
+    asked = []
 
-    async def go(model):
-        return await r.admit_only(_Request(), model)
+    class Handle:
+        def __getattr__(self, name):
+            class M:
+                def remote(self, body, info):
+                    asked.append(body.model)
 
-    denied = asyncio.run(go("b:tenant"))
+                    async def gen():
+                        yield TokenizeResponse(count=1, max_model_len=8, tokens=[1])
+
+                    return gen()
+
+            return M()
+
+    r.front.models.resolve = _resolve_with(Handle())
+
+    def go(model):
+        body = {"prompt": "hi"} if model is None else {"model": model, "prompt": "hi"}
+        return asyncio.run(r.front.counted(_Request("sk-client", body).starlette(), "tokenize"))
+
+    denied = go("b:tenant")
     assert denied.status_code == 404 and json.loads(denied.body)["error"]["code"] == "model_not_found"
     assert ledger.calls == []
-    assert asyncio.run(go("a:tenant")) is None
-    assert asyncio.run(go("a")).status_code == 429  # a's one request a minute was the adapter's
-    assert asyncio.run(go(None)) is None  # no model: the only one (`ours`), which it may use
+    assert go("a:tenant").status_code == 200
+    assert go("a").status_code == 429  # a's one request a minute was the adapter's
+    assert go(None).status_code == 200  # no model: the only one (`ours`), which it may use
+    assert asked == ["a:tenant", "ours"]
 
 
-def test_a_request_the_fallback_would_take_outside_handle_is_refused_for_a_model_the_key_may_not_use(monkeypatch):
+def _resolve_with(handle):
+    async def resolve(model):
+        route = _route(model)
+        return ModelRoute(route.model, route.base, lambda: handle, route.engine, None)
+
+    return resolve
+
+
+def test_a_request_the_fallback_would_take_is_refused_first_for_a_model_the_key_may_not_use(monkeypatch):
     from serving.spec import key_id
 
     r, _, calls = _routing(monkeypatch)
     _limited(r, {"keys": {key_id("sk-client"): {"models": ["a"]}}})
 
-    async def go():
-        return await r.unservable("completions", {"model": "ours", "prompt": "x"}, _Request(), "deadline", "late")
+    async def late(body):
+        raise Unservable(Reason.DEADLINE, 1, "late")
 
-    resp = asyncio.run(go())
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, late)
     assert resp.status_code == 404 and calls == []

@@ -54,9 +54,7 @@ def test_defaults_render_into_args_and_the_proxy_timeout():
 
 
 def test_runtime_args_are_what_the_runtime_reads():
-    from serving.core.failures import ResilienceConfig
-
-    cfg = ResilienceConfig.from_args(ResilienceSpec(totalTimeoutS=90).runtime_args())
+    cfg = ResilienceSpec.from_args(ResilienceSpec(totalTimeoutS=90).runtime_args())
     assert cfg.total_timeout_s == 90
 
 

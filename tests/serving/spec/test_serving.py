@@ -126,7 +126,8 @@ def test_each_engine_config_is_a_valid_ray_llm_config(case):
 def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
     from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import PDServingArgs
 
-    from serving.app import AuthenticatedIngress, _ingress_cls_config
+    from serving.app import AppArgs
+    from serving.ingress.server import AuthenticatedIngress
 
     spec, target = CASES[case]
     args = spec.app_args(target)
@@ -135,7 +136,7 @@ def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
             "prefill_config": args["prefill_config"],
             "decode_config": args["decode_config"],
             "ingress_deployment_config": args["ingress_deployment_config"],
-            "ingress_cls_config": _ingress_cls_config(args["auth"], args["resilience"]),
+            "ingress_cls_config": AppArgs.model_validate(args).ingress_cls_config(),
         }
     )
     assert pd.prefill_config.model_id == pd.decode_config.model_id == spec.model.id
@@ -144,6 +145,7 @@ def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
         "auth_mode": "api-key",
         "api_keys_env": API_KEYS_ENV,
         "resilience": spec.resilience.runtime_args(),
+        "max_body_bytes": spec.ingress.max_body_mib << 20,
     }
 
 
@@ -151,7 +153,7 @@ def test_pd_args_pass_ray_pd_validator_with_the_custom_ingress(case):
 def test_aggregated_args_pass_ray_serving_args_validator(case):
     from ray.serve.llm import LLMServingArgs
 
-    from serving.app import _ingress_cls_config
+    from serving.app import AppArgs
 
     spec, target = CASES[case]
     args = spec.app_args(target)
@@ -159,7 +161,7 @@ def test_aggregated_args_pass_ray_serving_args_validator(case):
         {
             "llm_configs": args["llm_configs"],
             "ingress_deployment_config": args["ingress_deployment_config"],
-            "ingress_cls_config": _ingress_cls_config(args["auth"]),
+            "ingress_cls_config": AppArgs.model_validate(args).ingress_cls_config(),
         }
     )
     assert [c.model_id for c in parsed.llm_configs] == [spec.model.id]

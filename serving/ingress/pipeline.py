@@ -1,0 +1,279 @@
+"""The front door's request pipeline: each request walks it once, in order.
+
+What flows through here, for /v1/chat/completions and /v1/completions:
+  auth    the `Authorization` header -> the key id, or 401 (serving/ingress/auth.py)
+  body    the JSON body, read up to `max_body_bytes` (413 past it, before it is read whole)
+  fields  every field one we serve, within its bounds, or 400 naming it (fields.py)
+  model   the model or adapter it names -> its route (catalog.py), or 404 (unknown, or not
+          the key's) before any limit is charged; 503 while its application is not deployed
+  typed   the engine request, validated once: the client's fields, plus what the path needs
+          (usage in every streamed chunk, token ids and stop strings for a stream that can be
+          continued: migration.py), or 400 naming the field pydantic refused
+  limits  the key's requests and tokens per minute on that model -> a reservation, or 429
+  route   the cluster or the external fallback, then the usage (routing.py), through the
+  call    resilient relay to the model's engines (relay.py)
+  meter   usage per key and destination; the reservation settled exactly once, whatever
+          the answer (an engine 400, a 503, a cut stream, the fallback)
+The state a request carries is one `RequestContext`, built by the steps that know each part;
+every error is shaped once, at the end (errors.py). /tokenize and /detokenize walk the same
+steps up to limits (one request, no tokens), then one engine call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from serving.core.calls import cancel_call
+from serving.core.failures import EngineRefused
+from serving.ingress.auth import ApiKeyAuth
+from serving.ingress.catalog import ModelNotFound, ModelRoute, Models, redact_storage
+from serving.ingress.errors import SERVED_BY, answer_for, error_response, model_not_found, validation_error
+from serving.ingress.fields import refused_field
+from serving.ingress.limits import UNCHECKED, Decision, Limiter, Reservation
+from serving.ingress.migration import StreamRecord
+from serving.ingress.relay import Relay, dispatch_call
+from serving.ingress.routing import Router
+
+# A request body larger than this is refused with 413 before it is read whole (the default of
+# serving.ingress.maxBodyMiB).
+DEFAULT_MAX_BODY_BYTES = 4 << 20
+
+
+@dataclass
+class RequestContext:
+    """One admitted chat or completion request, as the pipeline worked it out."""
+
+    request: Any  # the client's request (its headers: session affinity, trace context)
+    endpoint: str  # "chat" or "completions"
+    key_id: str
+    route: ModelRoute
+    # The client's fields (allow-listed JSON), with stream_options.include_usage added to a
+    # stream: what the external fallback is sent (OpenAI's fields of it).
+    body: dict[str, Any]
+    asked_usage: bool  # the client asked for the usage event itself
+    reservation: Reservation
+    started: float
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+
+class BodyError(Exception):
+    def __init__(self, response: Response):
+        self.response = response
+
+
+class FrontDoor:
+    """The pipeline of one ingress replica (serving/ingress/server.py builds it)."""
+
+    def __init__(
+        self,
+        *,
+        auth: ApiKeyAuth,
+        models: Models,
+        limiter: Limiter,
+        router: Router,
+        relay: Relay,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
+        self.auth = auth
+        self.models = models
+        self.limiter = limiter
+        self.router = router
+        self.relay = relay
+        self.max_body_bytes = max_body_bytes
+
+    # --- chat and completions ------------------------------------------------------------------
+    async def generate(self, request: Any, endpoint: str) -> Response:
+        started = time.monotonic()
+        try:
+            ctx, typed, record = await self._admit(request, endpoint, started)
+        except BodyError as err:
+            return _served_by(err.response)
+        except Exception as exc:
+            return _served_by(self._error(exc))
+        resp: Response | None = None
+        try:
+            resp = await self.router.handle(ctx, lambda: self._call(ctx, typed, record))
+        except Exception as exc:
+            resp = self._error(exc)
+        finally:
+            # Every admitted request is settled once: by its answer's usage, by its stream's
+            # end, or here with nothing generated (refused, failed, or the client went away).
+            if not isinstance(resp, StreamingResponse):
+                ctx.reservation.settle(0)
+        return _served_by(resp)
+
+    async def _admit(self, request: Any, endpoint: str, started: float) -> tuple[RequestContext, Any, Any]:
+        kid = self._key(request)
+        body = await self._body(request, endpoint)
+        route = await self._route(kid, body)
+        stream = bool(body.get("stream"))
+        asked_usage = True
+        if stream:  # usage is metered: every stream asks for it, the client's view aside
+            opts = body.get("stream_options")
+            asked_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
+            body["stream_options"] = {**(opts if isinstance(opts, Mapping) else {}), "include_usage": True}
+        cluster = self._cluster_fields(body, route)
+        record = self.relay.continuable(endpoint, cluster) if stream else None
+        engine = {**cluster, **record.engine_fields()} if record is not None else cluster
+        typed = _adapter(_request_type(endpoint)).validate_python(engine)
+        decision = await self.limiter.admit(kid, route.model, body, route.context_len)
+        if not decision.ok:
+            raise BodyError(self._refusal(decision))
+        reservation = Reservation(self.limiter, kid, route.model, decision)
+        return RequestContext(request, endpoint, kid, route, body, asked_usage, reservation, started), typed, record
+
+    def _key(self, request: Any) -> str:
+        kid = self.auth.key_id(request)
+        if isinstance(kid, Response):
+            raise BodyError(kid)
+        return kid
+
+    async def _body(self, request: Any, endpoint: str) -> dict[str, Any]:
+        """The JSON object of the request, read up to the bound, its fields checked."""
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > self.max_body_bytes:
+            raise BodyError(self._too_large())
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > self.max_body_bytes:
+                raise BodyError(self._too_large())
+        body = _json_object(bytes(raw))
+        if isinstance(body, Response):
+            raise BodyError(body)
+        refused = refused_field(endpoint, body)
+        if refused is not None:
+            raise BodyError(error_response(400, refused[1], param=refused[0], code="unsupported_parameter"))
+        return body
+
+    def _too_large(self) -> Response:
+        return error_response(
+            413, f"The request body is larger than {self.max_body_bytes} bytes.", code="request_too_large"
+        )
+
+    async def _route(self, kid: str, body: Mapping[str, Any]) -> ModelRoute:
+        """The route of the body's model, when the key may use it (404 otherwise, in the same
+        words as for a model that does not exist, before any limit is charged)."""
+        model = body.get("model")
+        named = model if isinstance(model, str) else self.models.only_model()
+        if named is not None and not self.limiter.config.may_use(kid, named):
+            raise ModelNotFound(named)
+        return await self.models.resolve(model if isinstance(model, str) else None)
+
+    @staticmethod
+    def _cluster_fields(body: Mapping[str, Any], route: ModelRoute) -> dict[str, Any]:
+        """The fields the cluster gets: the client's, naming the model the route resolved
+        (the only one when the client named none), and for a stream usage in every chunk
+        (continuous_usage_stats: the tokens of a stream that ends early are known; the
+        router's rewriter strips it again). A stream that can be continued also asks for its
+        token ids and leaves the stop strings to the ingress (StreamRecord.engine_fields)."""
+        fields = {**body, "model": route.model}
+        if body.get("stream"):
+            fields["stream_options"] = {**body["stream_options"], "continuous_usage_stats": True}
+        return fields
+
+    async def _call(self, ctx: RequestContext, typed: Any, record: StreamRecord | None) -> Response:
+        return await self.relay.answer(
+            endpoint=ctx.endpoint,
+            body=typed,
+            fields=ctx.body,
+            handle=ctx.route.handle,
+            raw_request=ctx.request,
+            model_id=ctx.route.model,
+            started=ctx.started,
+            record=record,
+        )
+
+    # --- requests that generate nothing -------------------------------------------------------
+    async def counted(self, request: Any, endpoint: str) -> Response:
+        """/tokenize, /detokenize: auth, fields, model and the key's access and requests per
+        minute (one request, no tokens); then one engine call with the allow-listed headers."""
+        try:
+            kid = self._key(request)
+            body = await self._body(request, endpoint)
+            route = await self._route(kid, body)
+            typed = _adapter(_request_type(endpoint)).validate_python({**body, "model": route.model})
+            decision = await self.limiter.admit(kid, route.model, {})
+            if not decision.ok:
+                return self._refusal(decision)
+            Reservation(self.limiter, kid, route.model, decision).settle(0)
+            stream = dispatch_call(route.handle(), typed, endpoint, request)
+            answer = await stream.__anext__()
+            cancel_call(stream)
+        except BodyError as err:
+            return err.response
+        except Exception as exc:
+            return self._error(exc)
+        head = answer[0] if isinstance(answer, list) and answer else answer
+        error = getattr(head, "error", None)
+        if error is not None:
+            return error_response(error.code or 500, redact_storage(str(error.message)))
+        return JSONResponse(content=head.model_dump())
+
+    # --- errors ----------------------------------------------------------------------------------
+    def _refusal(self, decision: Decision) -> Response:
+        unchecked = decision.limit == UNCHECKED  # the ledger is down and the policy refuses
+        return error_response(
+            503 if unchecked else 429,
+            decision.message,
+            code="limits_unavailable" if unchecked else "rate_limit_exceeded",
+            headers={"Retry-After": str(decision.retry_after_s), SERVED_BY: "cluster"},
+        )
+
+    def _error(self, exc: BaseException) -> Response:
+        if isinstance(exc, ModelNotFound):
+            return model_not_found(exc.model)
+        if isinstance(exc, ValidationError):
+            return validation_error(exc)
+        if isinstance(exc, EngineRefused):
+            return error_response(exc.status_code, redact_storage(exc.message))
+        return answer_for(exc, self.router.retry_after_s)
+
+
+def _served_by(resp: Response) -> Response:
+    """Every chat/completion answer says where it came from; the ingress's own are the cluster's."""
+    if SERVED_BY not in resp.headers:
+        resp.headers[SERVED_BY] = "cluster"
+    return resp
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | Response:
+    import json
+
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return error_response(
+            400,
+            "We could not parse the JSON body of your request. Send a JSON object "
+            "with 'Content-Type: application/json'.",
+            code="invalid_json",
+        )
+    if not isinstance(body, dict):
+        return error_response(400, "The request body must be a JSON object.", code="invalid_json")
+    return body
+
+
+def _request_type(endpoint: str) -> Any:
+    """vLLM's request model for `endpoint`, as Ray's ingress declares it for `body` (read from
+    its signature: the vLLM-specific endpoints parse exactly as Ray's would)."""
+    import inspect
+
+    from ray.serve.llm.ingress import OpenAiIngress
+
+    return inspect.signature(getattr(OpenAiIngress, endpoint)).parameters["body"].annotation
+
+
+@cache
+def _adapter(model_cls: Any) -> TypeAdapter:
+    return TypeAdapter(model_cls)
