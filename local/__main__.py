@@ -46,11 +46,12 @@ from local.config import (
     cluster_env,
     data_plane_env,
     hybrid_from_env,
+    local_data_plane,
     local_spec,
     models_problem,
     render_local_config,
 )
-from local.procs import AlreadyRunning, free_port, instance_lock, port_in_use
+from local.procs import STOP_SIGNALS, AlreadyRunning, free_port, instance_lock, leftover_haproxy, port_in_use
 from local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
 from local.prometheus import binary as prometheus_binary
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, DataPlane, Mode, key_id, parse_api_keys
@@ -137,8 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
-    # SIGTERM stops the stack the same way Ctrl-C does.
+    # SIGTERM and SIGHUP stop the stack the same way Ctrl-C does.
     raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for s in STOP_SIGNALS:
+        signal.signal(s, _stop_on_sigterm)
 
 
 def _say(t0: float, msg: str) -> None:
@@ -153,6 +160,10 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
             f"port {args.port} on {HOST} is already in use (another `make serve`?); "
             "stop it or choose another port: make serve PORT=8001"
         )
+    if local_data_plane(args.data_plane) is DataPlane.HAPROXY:
+        leftover = leftover_haproxy()
+        if leftover is not None:
+            return leftover
     if args.signals:
         try:
             prometheus_binary()
@@ -263,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = keys[0] if auth else None
 
     # Started in the background by a shell, SIGINT may arrive ignored: Ctrl-C must work.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    _stop_on_signals()
 
     cluster = LocalCluster()
     prometheus: LocalPrometheus | None = None
@@ -317,8 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise DeployFailed(f"the local Prometheus did not start at {prometheus.url}")
             say(f"Prometheus at {prometheus.url} scrapes the nodes every {SCRAPE_S}s (per-role autoscaling signals)")
         # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, _stop_on_sigterm)
+        _stop_on_signals()
         wait_dashboard(cluster.dashboard_url)
         say(
             f"cluster up, dashboard {cluster.dashboard_url}; deploying {', '.join(names)} "
@@ -358,8 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         rc = 1
     finally:
         # A second Ctrl-C during shutdown must not leave Ray behind.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for s in (signal.SIGINT, *STOP_SIGNALS):
+            signal.signal(s, signal.SIG_IGN)
         cluster.shutdown()
         if prometheus is not None:
             prometheus.stop()

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from infra.paths import ROOT
-from local.procs import free_port, interrupt_and_wait
+from local.procs import free_port, interrupt_and_wait, stop_on_signals
 from serving.spec import API_KEYS_ENV
 
 
@@ -124,6 +124,10 @@ def background_stack(
 
     threading.Thread(target=pump, daemon=True).start()
     running = RunningStack(proc=proc, port=port, state={}, ready_line="", output=output)
+    # A bench or a test stopped by SIGTERM or SIGHUP (a `timeout` around `make bench`) stops
+    # its stack as on Ctrl-C: nothing it started is left behind.
+    signals = contextlib.ExitStack()
+    signals.enter_context(stop_on_signals())
     try:
         if not ready.wait(timeout + 60) or proc.poll() is not None or not state_file.exists():
             tail = "".join(output[-60:])
@@ -134,3 +138,4 @@ def background_stack(
     finally:
         running.stop()
         log.close()
+        signals.close()

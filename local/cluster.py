@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from local.config import DECODE_CPUS, HEAD_CPUS, HOST, PREFILL_CPUS
-from local.procs import free_port
+from local.procs import free_port, stop_haproxy
 from serving.spec import DEFAULT_LABEL_KEY
 
 
@@ -78,9 +78,16 @@ class LocalCluster:
         return out
 
     def shutdown(self) -> None:
+        """Ray down, and the HAProxy processes Serve started on its nodes (they outlive the
+        actors that Ray kills at shutdown)."""
         if self._cluster is not None:
+            try:
+                node_ids = [n["node_id"] for n in self.nodes()]
+            except Exception:  # the GCS is already gone: every leftover HAProxy is ours
+                node_ids = [""]
             self._cluster.shutdown()
             self._cluster = None
+            stop_haproxy(node_ids)
 
 
 def wait_dashboard(url: str, timeout: float = 120) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra.paths import ROOT
-from serving.spec import APP_NAME, Mode, ServingSpec, Target
+from serving.spec import APP_NAME, DataPlane, Mode, ServingSpec, Target
 from serving.spec.models import PER_MODEL_KEYS
 
 MODEL_ID = "tiny-llama"
@@ -359,6 +359,11 @@ def data_plane_env(data_plane: str | None) -> dict[str, str]:
     the data plane's switches, which Ray reads in every process, not from the Serve config,
     and HAProxy's hard stop from the local deadlines (ServingSpec.ray_env)."""
     return local_spec(Mode.DISAGGREGATED, Path("/models/check"), data_plane=data_plane).ray_env()
+
+
+def local_data_plane(data_plane: str | None) -> DataPlane:
+    """The data plane a local run uses (`data_plane`, else the spec's default)."""
+    return local_spec(Mode.DISAGGREGATED, Path("/models/check"), data_plane=data_plane).ingress.data_plane
 
 
 def models_problem(models: int, mode: str) -> str | None:

@@ -191,18 +191,6 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "short",
                 (Query(f"sum by ({ROLE}) (ray_vllm_num_requests_running{{{SEL}}})", "running {{role}}"),),
             ),
-            PanelSpec(
-                "Decode waiting on remote KV",
-                "short",
-                (
-                    Query(
-                        f'sum by (stage) (ray_vllm_num_requests_kv_fetch_by_stage{{{ROLE}="decode", {RAY_CLUSTER}=~"$cluster", model_name=~"$model"}})',
-                        "{{stage}}",
-                    ),
-                ),
-                "Requests on decode waiting for prefill's KV cache, by load stage (vLLM 0.32 exports it; "
-                "engines without it leave this panel empty).",
-            ),
         ),
     ),
     (

@@ -29,6 +29,7 @@ from serving.core import metrics
 from serving.core.calls import is_client_error, is_server_error
 from serving.core.cluster_watch import ClusterWatch
 from serving.core.failures import Reason
+from serving.core.prompts import prompt_count
 from serving.engines.circuit import Circuit
 from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
 from serving.engines.streaming import EagerFirstChunkMixin
@@ -180,14 +181,6 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 yield item
         finally:
             self._open_requests -= 1
-
-
-def prompt_count(prompt: Any) -> int:
-    """How many prompts a completion's `prompt` holds: a string or a list of token ids is one,
-    a list of strings or of token-id lists is one each."""
-    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) for p in prompt):
-        return len(prompt)
-    return 1
 
 
 def _prefill_watch() -> ClusterWatch | None:

@@ -32,6 +32,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from serving.core.prompts import prompt_count
+
 CHAT, COMPLETIONS, TOKENIZE, DETOKENIZE = "chat", "completions", "tokenize", "detokenize"
 GENERATE = frozenset({CHAT, COMPLETIONS})
 
@@ -62,7 +64,8 @@ class Field:
     endpoints: frozenset[str]
     openai: bool  # OpenAI documents it (platform.openai.com API reference): the fallback gets it
     continuation: Continuation
-    # For BLOCKS: (when its value makes the request not continuable, why).
+    # (when its value makes the request not continuable, why): every BLOCKS field has one, and
+    # a field of another class may too (a list of prompts is APPLIED, and blocks).
     blocks: tuple[Callable[[Any], bool], str] | None = None
 
 
@@ -79,7 +82,8 @@ C, R, A, B = Continuation.CARRIED, Continuation.RECOMPUTED, Continuation.APPLIED
 FIELDS: tuple[Field, ...] = (
     _f("model", GENERATE, True, C),
     _f("messages", CHAT, True, A),
-    _f("prompt", COMPLETIONS, True, A),
+    # Several prompts are several answers in one stream (choices by index): not continued.
+    _f("prompt", COMPLETIONS, True, A, (lambda v: prompt_count(v) > 1, "several prompts")),
     _f("frequency_penalty", GENERATE, True, C),
     _f("presence_penalty", GENERATE, True, C),
     _f("logit_bias", GENERATE, True, C),

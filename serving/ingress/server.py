@@ -21,6 +21,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from fastapi import Request
 from ray.serve.llm.ingress import OpenAiIngress
 from starlette.responses import JSONResponse, Response
 
@@ -149,21 +150,21 @@ class AuthenticatedIngress(OpenAiIngress):
         in_background(wake())
 
     # --- the OpenAI endpoints (route table: Ray's DEFAULT_ENDPOINTS, plus EXTRA_ENDPOINTS) ------
-    async def chat(self, request: Any) -> Response:
+    async def chat(self, request: Request) -> Response:
         return await self._door.generate(request, "chat")
 
-    async def completions(self, request: Any) -> Response:
+    async def completions(self, request: Request) -> Response:
         return await self._door.generate(request, "completions")
 
     # tokenize/detokenize are cheap and useful to clients: behind auth and the key's
     # requests-per-minute limit (they generate nothing, so no tokens are reserved).
-    async def tokenize(self, request: Any) -> Response:
+    async def tokenize(self, request: Request) -> Response:
         return await self._door.counted(request, "tokenize")
 
-    async def detokenize(self, request: Any) -> Response:
+    async def detokenize(self, request: Request) -> Response:
         return await self._door.counted(request, "detokenize")
 
-    async def models(self, request: Any) -> Any:
+    async def models(self, request: Request) -> Any:
         kid = self._door.auth.key_id(request)
         if isinstance(kid, Response):
             return kid
@@ -176,7 +177,7 @@ class AuthenticatedIngress(OpenAiIngress):
         # A key limited to some models sees only those (and their adapters).
         return ModelList(data=[c for c in cards if self._door.limiter.config.may_use(kid, c.id)])
 
-    async def model_data(self, model: str, request: Any) -> Any:
+    async def model_data(self, model: str, request: Request) -> Any:
         kid = self._door.auth.key_id(request)
         if isinstance(kid, Response):
             return kid
@@ -223,21 +224,21 @@ class AuthenticatedIngress(OpenAiIngress):
     # Endpoints a chat model's P/D stack does not serve: refused (after auth, so the answer
     # says nothing to a client without a key), rather than reaching the engines around the
     # limits and routing of chat/completions.
-    async def embeddings(self, request: Any) -> Response:
+    async def embeddings(self, request: Request) -> Response:
         return self._not_served(request, "/v1/embeddings")
 
-    async def score(self, request: Any) -> Response:
+    async def score(self, request: Request) -> Response:
         return self._not_served(request, "/v1/score")
 
-    async def transcriptions(self, request: Any) -> Response:
+    async def transcriptions(self, request: Request) -> Response:
         return self._not_served(request, "/v1/audio/transcriptions")
 
-    async def responses(self, request: Any) -> Response:
+    async def responses(self, request: Request) -> Response:
         # Ray Serve LLM 2.60's ingress and LLMServer have no Responses API; use
         # /v1/chat/completions (docs/hybrid-routing.md, "Endpoints").
         return self._not_served(request, "/v1/responses", " Use /v1/chat/completions.")
 
-    def _not_served(self, request: Any, path: str, hint: str = "") -> Response:
+    def _not_served(self, request: Request, path: str, hint: str = "") -> Response:
         denied = self._door.auth.check(request)
         if denied is not None:
             return denied

@@ -643,3 +643,35 @@ def test_a_non_streamed_answer_never_carries_engine_coordinates(monkeypatch):
     resp = run(ingress.chat(make_request(CHAT)))
     assert resp.status_code == 200
     assert b"remote_host" not in resp.body and "kv_transfer_params" not in json.loads(resp.body)
+
+
+# --- the route table as FastAPI serves it ------------------------------------------------------------
+def test_every_route_takes_the_request_fastapi_hands_it(monkeypatch):
+    """The routes are Ray's table plus ours (serving/ingress/server.py endpoint_map), served by
+    FastAPI: each handler's signature must be one FastAPI fills from the HTTP request (a
+    parameter typed otherwise becomes a required query parameter, and every call a 400)."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from serving.ingress.server import endpoint_map
+
+    ingress, _ = make_ingress(monkeypatch)
+
+    async def running():
+        return {"Decode": 1}
+
+    ingress._door.router.running = running
+    app = FastAPI()
+    for name, route in endpoint_map().items():
+        route(app)(getattr(ingress, name))
+    client = TestClient(app)
+    auth = {"authorization": f"Bearer {KEY}"}
+    assert client.post("/v1/chat/completions", json=CHAT, headers=auth).status_code == 200
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "hi"}, headers=auth).status_code == 200
+    assert client.get("/v1/models", headers=auth).status_code == 200
+    assert client.get("/v1/models/tiny", headers=auth).status_code == 200
+    assert client.post("/v1/embeddings", json={}, headers=auth).status_code == 404
+    assert client.post("/v1/responses", json={}, headers=auth).status_code == 404
+    assert client.get("/version").status_code == 200
+    assert client.get("/health").status_code in (200, 503)
+    assert client.post("/v1/chat/completions", json=CHAT).status_code == 401

@@ -367,3 +367,24 @@ def test_slo_thresholds_are_bucket_bounds_in_the_rules(stack):
     exprs = "\n".join(r["expr"] for g in rule["spec"]["groups"] for r in g["rules"])
     assert f'le="{float(slo.ttft_seconds)!r}"' in exprs
     assert f'le="{float(slo.itl_seconds)!r}"' in exprs
+
+
+def test_every_vllm_metric_the_rules_and_panels_read_exists_in_the_images_vllm(rendered_stacks):
+    """The live scrape runs vLLM 0.32; the cloud runs the image's (infra/vllm_options.py
+    IMAGE_VLLM_VERSION, 0.29.0 for Ray 2.60). A name only the newer engine exports leaves its
+    panel empty in every real cluster (vLLM 0.29's metric list as recorded from its source in
+    infra/vllm/0.29.0.json by tools/vllm_surface.py): e.g. vllm:num_requests_kv_fetch_by_stage,
+    registered for KV consumers in 0.32 only (vllm/v1/metrics/loggers.py)."""
+    from infra import vllm_options
+
+    exported = set(vllm_options.surface(vllm_options.IMAGE_VLLM_VERSION)["metrics"])
+    used = set()
+    for expr in ms.shipped_expressions(rendered_stacks).values():
+        for name in ms.metric_names(expr):
+            if name.startswith("ray_vllm_"):
+                base = "vllm:" + name.removeprefix("ray_vllm_")
+                for suffix in ("_bucket", "_sum", "_count", "_total"):
+                    base = base.removesuffix(suffix) if base not in exported else base
+                used.add(base)
+    assert used, "no vLLM metric read: the expressions were not found"
+    assert used <= exported, sorted(used - exported)

@@ -329,3 +329,71 @@ def test_no_running_prefill_replica_prefills_locally_at_once_and_counts_against_
     assert first.reason is Reason.NO_REPLICA and first.path is Path.LOCAL and not circuit.is_open
     prefill()
     assert circuit.is_open  # two in a row: the circuit opened, later requests skip even the check
+
+
+# --- a request error only the prefill engine detects is the client's answer ---------------------
+def test_a_prefill_4xx_is_returned_never_retried_and_never_counted_against_the_circuit():
+    """vLLM refuses a bad parameter on prefill with Ray's ErrorResponse (code 400): the tier
+    is healthy. Before: counted as a prefill failure, retried, and N of them opened the
+    circuit, switching P/D off on that decode replica."""
+
+    def is_4xx(x):
+        return isinstance(x, Err) and 400 <= x.code < 500
+
+    circuit = Circuit(10, failures_to_open=1)
+    for _ in range(5):  # far more than failures_to_open
+        calls = [FakeStream([Err(400)]), FakeStream(["kv"])]
+        retries = []
+        out = run(
+            remote_prefill(
+                lambda calls=calls: calls.pop(0),
+                is_error=is_err,
+                is_refusal=is_4xx,
+                cfg=CFG,
+                circuit=circuit,
+                on_retry=retries.append,
+            )
+        )
+        assert isinstance(out.refusal, Err) and out.refusal.code == 400 and out.attempts == 1
+        assert retries == [] and len(calls) == 1  # one call, no retry
+    assert not circuit.is_open
+    # and the remote path still works: the next request prefills remotely
+    out = run(
+        remote_prefill(
+            lambda: FakeStream(["kv"]), is_error=is_err, is_refusal=is_4xx, cfg=CFG, circuit=circuit, on_retry=print
+        )
+    )
+    assert out.chunk == "kv" and out.path is Path.REMOTE
+
+
+def test_orchestrate_hands_a_prefill_refusal_to_the_client_without_decoding():
+    paths = []
+
+    async def prefill():
+        return PrefillOutcome(refusal=Err(400), attempts=1)
+
+    async def never(*_):
+        raise AssertionError("neither decode path may run")
+
+    out = run(
+        collect(
+            orchestrate(
+                prefill=prefill,
+                decode_with=never,
+                decode_local=never,
+                is_server_error=is_5xx,
+                kv_ready_timeout_s=lambda: 1.0,
+                on_path=lambda p, r: paths.append((p, r)),
+            )
+        )
+    )
+    assert len(out) == 1 and out[0].code == 400 and paths == []
+
+
+def test_a_completion_with_several_prompts_prefills_locally_by_design():
+    from serving.core.prompts import prompt_count
+
+    assert [prompt_count(p) for p in ("a", [1, 2, 3], ["a"], ["a", "b"], [[1], [2, 3]])] == [1, 1, 1, 2, 2]
+    assert Reason.PROMPT_BATCH in Reason.designed_local()
+    out, paths = _drive(None, FakeStream(["x"]), local_reason=Reason.PROMPT_BATCH)
+    assert out == ["x"] and paths == [(Path.LOCAL, Reason.PROMPT_BATCH)]

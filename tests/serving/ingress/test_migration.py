@@ -30,6 +30,7 @@ from serving.ingress.migration import (
     RECOMPUTED,
     StreamRecord,
     not_continuable,
+    stop_strings,
 )
 from serving.ingress.relay import Migration, guarded_stream
 from tests.serving.fakes import FakeStream, collect, run
@@ -47,14 +48,18 @@ def full_text() -> str:
     return "".join(p for _, p in ANSWER)
 
 
-def engine_events(endpoint, prompt, *, rid, max_tokens, return_ids=True, usage=True):
-    """The events a vLLM engine streams for `prompt` (ids), continuing the fixed answer."""
+def engine_events(endpoint, prompt, *, rid, max_tokens, return_ids=True, usage=True, stop=(), include=False):
+    """The events a vLLM engine streams for `prompt` (ids), continuing the fixed answer; with
+    `stop` strings, vLLM's rule (vllm/v1/engine/detokenizer.py: hold back max(len) - 1
+    characters unless `include`, search the new text, truncate at the first match)."""
     start = len(prompt) - len(PROMPT)
     assert prompt[: len(PROMPT)] == PROMPT and [t for t, _ in ANSWER[:start]] == prompt[len(PROMPT) :]
     rest = ANSWER[start:]
     if max_tokens is not None:
         rest = rest[:max_tokens]
     finish = "stop" if start + len(rest) == len(ANSWER) else "length"
+    if stop:
+        return _stop_engine_events(endpoint, prompt, rest, finish, rid, return_ids, usage, list(stop), include)
     obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
     base = {"id": rid, "object": obj, "created": 7, "model": "m"}
     P = len(prompt)
@@ -102,6 +107,69 @@ def engine_events(endpoint, prompt, *, rid, max_tokens, return_ids=True, usage=T
     return [f"data: {json.dumps(e)}\n\n" for e in out] + ["data: [DONE]\n\n"]
 
 
+def _stop_engine_events(endpoint, prompt, rest, finish, rid, return_ids, usage, stop, include):
+    obj = "chat.completion.chunk" if endpoint == "chat" else "text_completion"
+    base = {"id": rid, "object": obj, "created": 7, "model": "m"}
+    P = len(prompt)
+    hold = 0 if include else max(len(s) for s in stop) - 1
+    out, output, sent, held = [], "", 0, ""
+    if endpoint == "chat":
+        first = {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
+        if return_ids:
+            first["prompt_token_ids"] = list(prompt)
+        if usage:
+            first["usage"] = {"prompt_tokens": P, "completion_tokens": 0, "total_tokens": P}
+        out.append(first)
+    for i, (tid, piece) in enumerate(rest):
+        last = i == len(rest) - 1
+        held += piece
+        new = "" if tid in HELD and not last else held
+        if new:
+            held = ""
+        output += new
+        done, reason = (finish if last else None), None
+        if new:
+            for s in stop:
+                at = output.find(s, max(0, len(output) - len(new) - len(s) + 1))
+                if at >= 0:
+                    output = output[: at + (len(s) if include else 0)]
+                    done, reason = "stop", s
+                    break
+        upto = len(output) if done else len(output) - hold
+        text = output[sent:upto] if upto > sent else ""
+        sent = max(sent, upto)
+        choice = {"index": 0, "logprobs": None, "finish_reason": done}
+        if reason is not None:
+            choice["stop_reason"] = reason
+        if endpoint == "chat":
+            if not text and not done and not return_ids:
+                continue
+            choice["delta"] = {"content": text} if text else {}
+        else:
+            choice["text"] = text
+            if i == 0 and return_ids:
+                choice["prompt_token_ids"] = list(prompt)
+        if return_ids:
+            choice["token_ids"] = [tid]
+        ev = {**base, "choices": [choice]}
+        if usage:
+            ev["usage"] = {"prompt_tokens": P, "completion_tokens": i + 1, "total_tokens": P + i + 1}
+        out.append(ev)
+        if done:
+            n = i + 1
+            break
+    else:
+        n = len(rest)
+    if usage:
+        out.append(
+            {**base, "choices": [], "usage": {"prompt_tokens": P, "completion_tokens": n, "total_tokens": P + n}}
+        )
+    return [f"data: {json.dumps(e)}\n\n" for e in out] + ["data: [DONE]\n\n"]
+
+
 def client_view(packets):
     """(text, ids seen, finishes, final usage, [DONE] count, error events) of a client's stream."""
     text, ids, finishes, usage, done, errors = "", set(), [], None, 0, []
@@ -131,6 +199,8 @@ def client_view(packets):
 def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=None, resume_fails=False, busy=0):
     record = StreamRecord(endpoint, fields, max_tokens)
     sent, outcomes = [], []
+    if record._stop is not None:
+        assert record.engine_fields()["include_stop_str_in_output"] is True
 
     async def resume(body):
         sent.append(body)
@@ -138,7 +208,14 @@ def make_migration(endpoint, fields, max_tokens, *, attempts=2, die_again_after=
             raise RuntimeError("no decode replica")
         if len(sent) <= busy:  # Serve's back-pressure on the surviving replicas
             raise overloaded(1)
-        packets = engine_events("completions", body["prompt"], rid="cmpl-cont", max_tokens=body.get("max_tokens"))
+        packets = engine_events(
+            "completions",
+            body["prompt"],
+            rid="cmpl-cont",
+            max_tokens=body.get("max_tokens"),
+            stop=stop_strings(body),
+            include=bool(body.get("include_stop_str_in_output")),
+        )
         if die_again_after is not None and len(sent) == 1:
             packets = [*packets[:die_again_after], RayActorError()]
         stream = FakeStream(packets)
@@ -390,3 +467,54 @@ def test_a_continuation_waits_out_back_pressure_within_the_stall_bound():
     out, _ = relay([*original[:4], RayActorError()], m)
     assert len(client_view(out)[5]) == 1 and outcomes == [(Reason.REPLICA_DIED, "failed")]
     assert 2 <= len(sent) <= 4
+
+
+TEXT = "".join(p.rstrip("+") for p in PIECES)
+STOPS = st.one_of(
+    st.builds(lambda i, n: TEXT[i : i + n], st.integers(0, len(TEXT) - 1), st.integers(1, 6)),
+    st.sampled_from(["zz", "cat sat", " on", "\n\n"]),
+).filter(bool)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    endpoint=st.sampled_from(["chat", "completions"]),
+    cut=st.integers(min_value=1, max_value=len(ANSWER) + 2),
+    stops=st.lists(STOPS, min_size=1, max_size=3),
+    include=st.booleans(),
+)
+def test_a_cut_with_stop_strings_leaves_the_client_the_no_fault_answer(endpoint, cut, stops, include):
+    """vLLM holds back text while it may become a stop string, but every chunk carries all its
+    token ids: a continuation from those ids lost the held-back text, and a stop string across
+    the cut was never matched (the continuation's engine sees its first half as prompt). The
+    ingress asks the engines to hold nothing back and applies the stop strings itself: after a
+    cut anywhere the client has exactly the answer it would have had without the fault."""
+    fields = {"model": "m", "stream": True, "stop": stops, **USAGE}
+    if include:
+        fields["include_stop_str_in_output"] = True
+    reference = engine_events(endpoint, PROMPT, rid="r", max_tokens=None, return_ids=False, stop=stops, include=include)
+    original = engine_events(endpoint, PROMPT, rid="r", max_tokens=None, stop=stops, include=True)
+    cut = min(cut, len(original) - 1)
+    m, _sent, outcomes = make_migration(endpoint, fields, None)
+    out, _ = relay([*original[:cut], RayActorError()], m)
+    want, got = client_view(reference), client_view(out)
+    assert got[0] == want[0]  # the same text, nothing lost, repeated, or past a stop string
+    assert got[2] == want[2] and got[4] == 1 and got[5] == []
+    assert got[3] == want[3]  # every generated token counted once
+    assert all(o in ("continued",) for _, o in outcomes)
+
+
+def test_a_streamed_echo_is_not_traded_for_continuability():
+    """vLLM blanks the echoed prompt when return_token_ids is set: an echo stream keeps its
+    prompt and is not continued (instead of losing the prompt to be continuable)."""
+    assert not_continuable("completions", {"echo": True}) == "echo"
+    assert not_continuable("completions", {"echo": False}) is None
+
+
+def test_text_without_token_ids_makes_the_stream_not_continuable():
+    """With a tool or reasoning parser and include_reasoning false, vLLM 0.32 sends chunks
+    without token_ids (entrypoints/openai/chat_completion/serving.py): a continuation would
+    restart the answer, so the record refuses to continue it."""
+    record = StreamRecord("chat", {}, None)
+    record.relay_event({"id": "r", "prompt_token_ids": PROMPT, "choices": [{"index": 0, "delta": {"content": "hi"}}]})
+    assert record.not_continuable() == "text without token ids"

@@ -1,0 +1,258 @@
+"""serving/ingress/pipeline.py: every request shape through every step, and the state it leaves.
+
+Driven through the front door with the relay replaced (tests/serving/ingress/test_routing.py's
+harness) or through the real deployment class with a fake engine handle
+(tests/serving/test_app.py's): no Ray started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from starlette.responses import JSONResponse, StreamingResponse
+
+from serving.core.failures import EngineRefused, Reason, Unservable
+from serving.ingress.catalog import ModelNotFound, Models, redact_storage
+from serving.ingress.fields import MAX_N, openai_fields, refused_field
+from serving.ingress.limits import Decision, KeyLimit, SlidingWindows, estimate_tokens
+from tests.serving.ingress.test_routing import _limited, _Request, _routing, _run
+from tests.serving.test_app import CHAT, KEY, error_of, make_ingress, make_request, run
+
+
+# --- limits: reserve what a request may cost, settle exactly once -----------------------------
+def test_a_request_without_max_tokens_reserves_what_the_context_leaves():
+    body = {"prompt": "abcd" * 25}  # 25 tokens
+    assert estimate_tokens(body, context_len=1000) == 25 + 975
+    assert estimate_tokens({**body, "n": 3}, context_len=1000) == 25 + 3 * 975
+    # a cap bounds it; every prompt of a batch counts, each with its own output
+    assert estimate_tokens({"prompt": ["abcd", "abcdabcd"], "max_tokens": 10}) == (1 + 10) + (2 + 10)
+    assert estimate_tokens({"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 1, "n": 2}) == (3 + 2) + (2 + 2)
+
+
+def test_tool_definitions_and_documents_count_as_prompt():
+    plain = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    assert estimate_tokens({**plain, "tools": tools}) > estimate_tokens(plain) + 10
+    assert estimate_tokens({**plain, "documents": [{"text": "x" * 400}]}) >= estimate_tokens(plain) + 100
+
+
+def test_concurrent_admissions_cannot_spend_a_minute_many_times_over():
+    """50 requests at once under 1000 tokens a minute, each of which may cost 300: only the
+    ones whose reservations fit are admitted (the defect: all 50 were)."""
+    w = SlidingWindows()
+    lim = KeyLimit(tokens_per_minute=1000)
+    admitted = [w.admit("k", 0.0, lim, estimate_tokens({"prompt": "x" * 40}, context_len=300)).ok for _ in range(50)]
+    assert sum(admitted) == 3  # 3 x 300 <= 1000 < 4 x 300
+
+
+def test_a_request_that_can_never_fit_says_so():
+    w = SlidingWindows()
+    d = w.admit("k", 0.0, KeyLimit(tokens_per_minute=1000), 4096)
+    assert not d.ok and d.limit == "tpm" and "max_tokens" in d.message and "4096" in d.message
+
+
+OUTCOMES = ("json", "stream", "stream_cut", "engine_400", "unservable", "unservable_fallback", "crash")
+
+
+def _cluster(outcome: str):
+    async def call(body):
+        if outcome == "json":
+            return JSONResponse({"model": "ours", "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 3}})
+        if outcome in ("stream", "stream_cut"):
+
+            async def gen():
+                yield 'data: {"model":"ours","choices":[{"text":"a"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\n'
+                if outcome == "stream":
+                    yield 'data: {"model":"ours","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":1}}\n\n'
+                    yield "data: [DONE]\n\n"
+                else:
+                    await asyncio.sleep(30)
+
+            return StreamingResponse(gen(), media_type="text/event-stream")
+        if outcome == "engine_400":
+            raise EngineRefused(400, "This model's maximum context length is 1024 tokens.")
+        if outcome in ("unservable", "unservable_fallback"):
+            raise Unservable(Reason.DEADLINE, 1)
+        raise RuntimeError("boom")
+
+    return call
+
+
+@settings(max_examples=60, deadline=None)
+@given(outcomes=st.lists(st.sampled_from(OUTCOMES), min_size=1, max_size=6))
+def test_every_admitted_request_is_settled_exactly_once_whatever_its_fate(outcomes):
+    """The state the system returns to: after any sequence of answers, refusals, cut streams,
+    fallbacks and failures, each admission's reservation was settled once (never left in the
+    window, never twice), and nothing is left in flight."""
+    mp = pytest.MonkeyPatch()
+    try:
+        r, _, _ = _routing(mp, when=("deadline",))
+        base_cfg = r.router.fallback.config
+        settled: list[tuple] = []
+        admitted: list[Decision] = []
+
+        async def admit(kid, model, body, context_len=None):
+            d = Decision(True, ticket=(len(admitted), 1))
+            admitted.append(d)
+            return d
+
+        r.limiter.admit = admit
+        r.limiter.settle = lambda kid, model, decision, used: settled.append(decision.ticket)
+        for outcome in outcomes:
+            fallback = outcome == "unservable_fallback"
+            r.router.fallback.config = replace(base_cfg, when=frozenset({"deadline"} if fallback else set()))
+
+            async def go(outcome=outcome):
+                stream = outcome.startswith("stream")
+                body = {"model": "ours", "prompt": "x", "stream": stream}
+                resp = await r.handle(_Request(), body, "completions", _cluster(outcome))
+                if isinstance(resp, StreamingResponse):
+                    it = resp.body_iterator.__aiter__()
+                    if outcome == "stream_cut":
+                        await it.__anext__()
+                        await it.aclose()  # the client went away
+                    else:
+                        async for _ in it:
+                            pass
+                return resp
+
+            asyncio.run(go())
+        assert sorted(settled) == sorted(d.ticket for d in admitted)
+        assert r.inflight.count() == 0
+    finally:
+        mp.undo()
+
+
+def test_an_engine_refusal_leaves_nothing_in_the_window(monkeypatch):
+    """Fail closed no more: an over-long prompt answered 400 by the engine under a small TPM
+    does not turn the key's next small request into a 429."""
+    r, _, _ = _routing(monkeypatch, fallback=False)
+    ledger = _limited(r, {"tokens_per_minute": 100})
+    resp, _ = _run(r, {"model": "ours", "prompt": "x" * 300, "max_tokens": 10}, _cluster("engine_400"))
+    assert resp.status_code == 400
+    resp, _ = _run(r, {"model": "ours", "prompt": "x" * 40, "max_tokens": 10}, _cluster("json"))
+    assert resp.status_code == 200
+    from serving.spec import key_id
+
+    assert ledger.actor.totals(key_id("sk-client"), "ours") == (2, 5)  # 0 for the refused, 5 used
+
+
+# --- bounds: body size, n ---------------------------------------------------------------------------
+def test_a_body_over_the_bound_is_413_before_it_is_read_whole(monkeypatch):
+    ingress, handle = make_ingress(monkeypatch)
+    ingress._door.max_body_bytes = 1000
+    big = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}
+    status, err = error_of(run(ingress.chat(make_request(big))))
+    assert status == 413 and err["code"] == "request_too_large" and handle.calls == []
+    # Announced by Content-Length: refused before a byte of the body is read.
+    req = make_request(big)
+    req.scope["headers"].append((b"content-length", b"5100"))
+    req._receive = None  # reading the body would fail
+    status, _ = error_of(run(ingress.chat(req)))
+    assert status == 413
+
+
+def test_n_is_bounded_as_openai_documents(monkeypatch):
+    assert refused_field("chat", {"n": MAX_N}) is None
+    assert refused_field("chat", {"n": MAX_N + 1})[0] == "n"
+    ingress, handle = make_ingress(monkeypatch)
+    status, err = error_of(run(ingress.chat(make_request({**CHAT, "n": 1000}))))
+    assert status == 400 and err["param"] == "n" and handle.calls == []
+
+
+def test_tokenize_and_detokenize_take_only_their_fields(monkeypatch):
+    ingress, handle = make_ingress(monkeypatch)
+    req = make_request({"model": "tiny", "prompt": "hi", "priority": 5}, path="/tokenize")
+    status, err = error_of(run(ingress.tokenize(req)))
+    assert status == 400 and err["param"] == "priority" and handle.calls == []
+    req = make_request({"model": "tiny", "tokens": [1], "vllm_xargs": {}}, path="/detokenize")
+    status, err = error_of(run(ingress.detokenize(req)))
+    assert status == 400 and err["param"] == "vllm_xargs"
+
+
+def test_the_provider_never_sees_the_usage_stats_the_cluster_gets():
+    body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    cluster = {**body, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    assert openai_fields("completions", cluster)["stream_options"] == {"include_usage": True}
+
+
+# --- adapters -------------------------------------------------------------------------------------
+class _Ingress:
+    def __init__(self):
+        self._model_cards = {"tiny": type("Card", (), {"metadata": {"max_request_context_length": 1024}})()}
+        self._lora_paths = {"tiny": "s3://bucket/adapters"}
+        self._default_serve_handles = {"tiny": type("H", (), {"deployment_name": "Decode"})()}
+        self.configured = []
+
+    def _get_configured_serve_handle(self, model):
+        self.configured.append(model)
+        return model
+
+
+def test_an_adapter_must_exist_in_storage_before_any_engine_sees_it():
+    listed = []
+
+    def adapters(path, base):
+        listed.append(path)
+        return [f"{base}:support"]
+
+    models = Models(_Ingress(), list_adapters=adapters)
+
+    async def go(model):
+        return await models.resolve(model)
+
+    route = asyncio.run(go("tiny:support"))
+    assert route.base == "tiny" and route.context_len == 1024 and route.engine == "Decode"
+    for bad in ("tiny:", "tiny:nope", "other:support"):
+        with pytest.raises(ModelNotFound):
+            asyncio.run(go(bad))
+    # the listing was read at most twice (cached, and once more for a name it lacked)
+    assert 1 <= len(listed) <= 3
+
+
+def test_an_empty_adapter_name_is_openais_404_not_a_500(monkeypatch):
+    ingress, handle = make_ingress(monkeypatch)
+    status, err = error_of(run(ingress.chat(make_request({**CHAT, "model": "tiny:"}))))
+    assert status == 404 and err["code"] == "model_not_found" and handle.calls == []
+
+
+def test_no_answer_names_where_adapters_are_stored():
+    text = "Adapter 'x' not found at s3://acme-models/adapters/x (NoSuchKey)"
+    assert "s3://" not in redact_storage(text) and "acme" not in redact_storage(text)
+
+
+# --- the operational surface: /health, /ping, /version ---------------------------------------------
+def test_health_follows_the_engines_and_needs_no_key(monkeypatch):
+    ingress, _ = make_ingress(monkeypatch)
+    door = ingress._door
+
+    async def running(up):
+        return {"Decode": up}
+
+    for up, status in ((1, 200), (0, 503)):
+        door.router.running = lambda up=up: running(up)
+        door.models._ingress._default_serve_handles["tiny"].deployment_name = "Decode"
+        assert run(ingress.health()).status_code == status
+        assert run(ingress.ping()).status_code == status
+    assert json.loads(run(ingress.version()).body)["version"]
+
+
+def test_the_responses_api_is_a_clear_404(monkeypatch):
+    ingress, _ = make_ingress(monkeypatch)
+    status, err = error_of(run(ingress.responses(make_request(CHAT, path="/v1/responses"))))
+    assert status == 404 and "/v1/chat/completions" in err["message"]
+    assert error_of(run(ingress.responses(make_request(CHAT, key="wrong"))))[0] == 401
+
+
+def test_the_key_is_read_once_per_request(monkeypatch):
+    ingress, _ = make_ingress(monkeypatch)
+    seen = []
+    real = ingress._door.auth.key_id
+    ingress._door.auth.key_id = lambda req: seen.append(1) or real(req)
+    assert run(ingress.chat(make_request(CHAT))).status_code == 200
+    assert seen == [1] and KEY
