@@ -23,6 +23,7 @@ import secrets
 import signal
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -160,10 +161,6 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
             f"port {args.port} on {HOST} is already in use (another `make serve`?); "
             "stop it or choose another port: make serve PORT=8001"
         )
-    if local_data_plane(args.data_plane) is DataPlane.HAPROXY:
-        leftover = leftover_haproxy()
-        if leftover is not None:
-            return leftover
     if args.signals:
         try:
             prometheus_binary()
@@ -184,6 +181,12 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
     except LocalConfigError as exc:
         stack.close()
         return str(exc)
+    # Last: a mistake in the settings is named first, whatever else runs on this machine.
+    if local_data_plane(args.data_plane) is DataPlane.HAPROXY:
+        leftover = leftover_haproxy()
+        if leftover is not None:
+            stack.close()
+            return leftover
     return stack, hybrid
 
 
@@ -256,104 +259,148 @@ def _ready_line(mode: str, urls: dict[str, str], api_key: str | None, extras: di
     )
 
 
+@dataclass
+class _Run:
+    """What one local run started, for its shutdown."""
+
+    cluster: LocalCluster = field(default_factory=LocalCluster)
+    prometheus: LocalPrometheus | None = None
+
+
+def _serve(
+    args: argparse.Namespace, run: _Run, stack: contextlib.ExitStack, hybrid: dict, keys: list[str], say: Any
+) -> None:
+    """Build the model, start the cluster, deploy, check each app, write the state file and
+    print READY; then wait for the signal that stops the run."""
+    from local.tiny_model import ensure_tiny_model
+
+    auth = not args.no_auth
+    api_key = keys[0] if auth else None
+    say("building or loading the tiny model (random weights, local tokenizer)")
+    model_dir = ensure_tiny_model()
+    extras = _models_extras(args, stack, keys)
+    if extras:
+        say(f"local S3 with the tiny LoRA adapter at {extras['lora_path']} ({extras['adapter']})")
+    config = render_local_config(
+        args.mode,
+        model_dir,
+        port=args.port,
+        auth=auth,
+        hybrid=hybrid,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+        signals=args.signals,
+        scale_to_zero=args.scale_to_zero,
+        models=args.models,
+        lora_path=extras.get("lora_path"),
+        key_models=extras.get("key_models"),
+        data_plane=args.data_plane,
+    )
+    if "fallback" in hybrid:
+        fb = hybrid["fallback"]
+        say(f"fallback: {fb['baseUrl']} (model {fb['model']}); key from ${FALLBACK_API_KEY_ENV}")
+    names = [a["name"] for a in config["applications"]]
+    _start_cluster(args, run, extras, keys, say)
+    cluster = run.cluster
+    wait_dashboard(cluster.dashboard_url)
+    say(
+        f"cluster up, dashboard {cluster.dashboard_url}; deploying {', '.join(names)} "
+        "(vLLM engines take about a minute on two cores)"
+    )
+    deploy(cluster.dashboard_url, config)
+    wait_running(cluster.dashboard_url, names, timeout=args.timeout, progress=say)
+    urls = app_urls(config, args.port)
+    for mode, url in urls.items():
+        for model in extras.get("models", [MODEL_ID])[:2]:  # a third starts on its first request
+            say(f"test request through the {mode} app ({model})")
+            smoke_request(url, api_key, model)
+    if args.state_file:
+        state = _state(
+            args, model_dir, api_key, urls, cluster, config, {k: v for k, v in extras.items() if k != "s3_env"}
+        )
+        args.state_file.write_text(json.dumps(state, indent=2))
+    # Ray's metrics export port on each node: Ray's, Serve's and vLLM's metrics (ray_vllm_*),
+    # what Prometheus scrapes in the cloud (infra/k8s/monitoring.py).
+    metrics = ", ".join(f"{n['label']} {n['metrics_url']}" for n in cluster.nodes())
+    say(f"metrics (Prometheus text format): {metrics}")
+    print(f"READY in {say.elapsed():.0f}s: {_ready_line(args.mode, urls, api_key, extras)}", flush=True)
+    while True:
+        time.sleep(3600)
+
+
+def _start_cluster(args: argparse.Namespace, run: _Run, extras: dict[str, Any], keys: list[str], say: Any) -> None:
+    say("starting a local Ray cluster: nodes labelled head, prefill, decode")
+    env = {**cluster_env(), **data_plane_env(args.data_plane), **extras.get("s3_env", {})}
+    if not args.no_auth:
+        env[API_KEYS_ENV] = ",".join(keys)
+    extra_prefill = args.prefill_replicas - 1
+    if args.signals:
+        # The Serve controller reads RAY_PROMETHEUS_HOST from its environment (Ray's
+        # PrometheusQueryMixin); Prometheus itself starts once the nodes' ports are known.
+        run.prometheus = LocalPrometheus(free_port())
+        env[PROMETHEUS_HOST_ENV] = run.prometheus.url
+        extra_prefill = max(extra_prefill, 1)  # room for a second prefill replica
+    # The second model's engine runs on the decode node too.
+    extra_decode = args.decode_replicas - 1 + (args.models - 1)
+    run.cluster.start(env, extra_prefill=extra_prefill, extra_decode=extra_decode)
+    if run.prometheus is not None:
+        run.prometheus.start(run.cluster.nodes())
+        if not run.prometheus.ready():
+            raise DeployFailed(f"the local Prometheus did not start at {run.prometheus.url}")
+        say(f"Prometheus at {run.prometheus.url} scrapes the nodes every {SCRAPE_S}s (per-role autoscaling signals)")
+    # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
+    _stop_on_signals()
+
+
+def _shutdown(args: argparse.Namespace, run: _Run, stack: contextlib.ExitStack, rc: int, say: Any) -> int:
+    # A second Ctrl-C during shutdown must not leave Ray behind.
+    for s in (signal.SIGINT, *STOP_SIGNALS):
+        signal.signal(s, signal.SIG_IGN)
+    run.cluster.shutdown()
+    if run.prometheus is not None:
+        run.prometheus.stop()
+    stack.close()
+    if rc == 0:
+        deadline = time.monotonic() + 30
+        while port_in_use(args.port) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        if port_in_use(args.port):
+            print(f"error: port {args.port} is still in use after shutdown", file=sys.stderr)
+            return 1
+        say(f"stopped; port {args.port} is free")
+    return rc
+
+
+class _Say:
+    """Progress lines, each with the seconds since the start."""
+
+    def __init__(self) -> None:
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        _say(self.t0, msg)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    t0 = time.monotonic()
-    say = lambda msg: _say(t0, msg)  # noqa: E731
-
+    say = _Say()
     checked = _preflight(args)
     if isinstance(checked, str):
         print(f"error: {checked}", file=sys.stderr)
         return 1
     stack, hybrid = checked
-
-    auth = not args.no_auth
     keys = list(parse_api_keys(os.environ.get(API_KEYS_ENV)))
-    if auth and not keys:
+    if not args.no_auth and not keys:
         keys = ["sk-local-" + secrets.token_urlsafe(18)]
-    api_key = keys[0] if auth else None
-
     # Started in the background by a shell, SIGINT may arrive ignored: Ctrl-C must work.
     _stop_on_signals()
-
-    cluster = LocalCluster()
-    prometheus: LocalPrometheus | None = None
+    run = _Run()
     rc = 0
     try:
-        from local.tiny_model import ensure_tiny_model
-
-        say("building or loading the tiny model (random weights, local tokenizer)")
-        model_dir = ensure_tiny_model()
-        extras = _models_extras(args, stack, keys)
-        if extras:
-            say(f"local S3 with the tiny LoRA adapter at {extras['lora_path']} ({extras['adapter']})")
-        config = render_local_config(
-            args.mode,
-            model_dir,
-            port=args.port,
-            auth=auth,
-            hybrid=hybrid,
-            prefill_replicas=args.prefill_replicas,
-            decode_replicas=args.decode_replicas,
-            signals=args.signals,
-            scale_to_zero=args.scale_to_zero,
-            models=args.models,
-            lora_path=extras.get("lora_path"),
-            key_models=extras.get("key_models"),
-            data_plane=args.data_plane,
-        )
-        if "fallback" in hybrid:
-            fb = hybrid["fallback"]
-            say(f"fallback: {fb['baseUrl']} (model {fb['model']}); key from ${FALLBACK_API_KEY_ENV}")
-        names = [a["name"] for a in config["applications"]]
-
-        say("starting a local Ray cluster: nodes labelled head, prefill, decode")
-        env = {**cluster_env(), **data_plane_env(args.data_plane), **extras.get("s3_env", {})}
-        if auth:
-            env[API_KEYS_ENV] = ",".join(keys)
-        extra_prefill = args.prefill_replicas - 1
-        if args.signals:
-            # The Serve controller reads RAY_PROMETHEUS_HOST from its environment (Ray's
-            # PrometheusQueryMixin); Prometheus itself starts once the nodes' ports are known.
-            prometheus = LocalPrometheus(free_port())
-            env[PROMETHEUS_HOST_ENV] = prometheus.url
-            extra_prefill = max(extra_prefill, 1)  # room for a second prefill replica
-        # The second model's engine runs on the decode node too.
-        extra_decode = args.decode_replicas - 1 + (args.models - 1)
-        cluster.start(env, extra_prefill=extra_prefill, extra_decode=extra_decode)
-        if prometheus is not None:
-            prometheus.start(cluster.nodes())
-            if not prometheus.ready():
-                raise DeployFailed(f"the local Prometheus did not start at {prometheus.url}")
-            say(f"Prometheus at {prometheus.url} scrapes the nodes every {SCRAPE_S}s (per-role autoscaling signals)")
-        # Ray's node code installs its own SIGTERM handler; ours decides how to stop.
-        _stop_on_signals()
-        wait_dashboard(cluster.dashboard_url)
-        say(
-            f"cluster up, dashboard {cluster.dashboard_url}; deploying {', '.join(names)} "
-            "(vLLM engines take about a minute on two cores)"
-        )
-        deploy(cluster.dashboard_url, config)
-        wait_running(cluster.dashboard_url, names, timeout=args.timeout, progress=say)
-        urls = app_urls(config, args.port)
-        for mode, url in urls.items():
-            for model in extras.get("models", [MODEL_ID])[:2]:  # a third starts on its first request
-                say(f"test request through the {mode} app ({model})")
-                smoke_request(url, api_key, model)
-
-        if args.state_file:
-            state = _state(
-                args, model_dir, api_key, urls, cluster, config, {k: v for k, v in extras.items() if k != "s3_env"}
-            )
-            args.state_file.write_text(json.dumps(state, indent=2))
-
-        # Ray's metrics export port on each node: Ray's, Serve's and vLLM's metrics (ray_vllm_*),
-        # what Prometheus scrapes in the cloud (infra/k8s/monitoring.py).
-        metrics = ", ".join(f"{n['label']} {n['metrics_url']}" for n in cluster.nodes())
-        say(f"metrics (Prometheus text format): {metrics}")
-        print(f"READY in {time.monotonic() - t0:.0f}s: {_ready_line(args.mode, urls, api_key, extras)}", flush=True)
-        while True:
-            time.sleep(3600)
+        _serve(args, run, stack, hybrid, keys, say)
     except KeyboardInterrupt:
         print(flush=True)
         say("stopping: shutting Ray down")
@@ -366,22 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         rc = 1
     finally:
-        # A second Ctrl-C during shutdown must not leave Ray behind.
-        for s in (signal.SIGINT, *STOP_SIGNALS):
-            signal.signal(s, signal.SIG_IGN)
-        cluster.shutdown()
-        if prometheus is not None:
-            prometheus.stop()
-        stack.close()
-        if rc == 0:
-            deadline = time.monotonic() + 30
-            while port_in_use(args.port) and time.monotonic() < deadline:
-                time.sleep(0.5)
-            if port_in_use(args.port):
-                print(f"error: port {args.port} is still in use after shutdown", file=sys.stderr)
-                rc = 1
-            else:
-                say(f"stopped; port {args.port} is free")
+        rc = _shutdown(args, run, stack, rc, say)
     return rc
 
 

@@ -53,6 +53,28 @@ class RunningStack:
         return interrupt_and_wait(self.proc, timeout)
 
 
+def _command(
+    mode: str,
+    port: int,
+    state_file: Path,
+    timeout: float,
+    api_key: str | None,
+    extra_keys: tuple[str, ...],
+    extra_args: Sequence[str],
+    extra_env: Mapping[str, str] | None,
+) -> tuple[list[str], dict[str, str]]:
+    """`python -m local` with these options, and its environment."""
+    env = {**os.environ, **(extra_env or {})}
+    cmd = [sys.executable, "-m", "local", "--port", str(port), "--mode", mode]
+    cmd += ["--state-file", str(state_file), "--timeout", str(timeout), *extra_args]
+    if api_key:
+        env[API_KEYS_ENV] = ",".join([api_key, *extra_keys])
+    else:
+        env.pop(API_KEYS_ENV, None)
+        cmd.append("--no-auth")
+    return cmd, env
+
+
 @contextlib.contextmanager
 def background_stack(
     *,
@@ -78,26 +100,7 @@ def background_stack(
     port = port or free_port()
     tmp = Path(tempfile.mkdtemp(prefix="pd-serve-"))
     state_file = tmp / "state.json"
-    env = {**os.environ, **(extra_env or {})}
-    cmd = [
-        sys.executable,
-        "-m",
-        "local",
-        "--port",
-        str(port),
-        "--mode",
-        mode,
-        "--state-file",
-        str(state_file),
-        "--timeout",
-        str(timeout),
-        *extra_args,
-    ]
-    if api_key:
-        env[API_KEYS_ENV] = ",".join([api_key, *extra_keys])
-    else:
-        env.pop(API_KEYS_ENV, None)
-        cmd.append("--no-auth")
+    cmd, env = _command(mode, port, state_file, timeout, api_key, extra_keys, extra_args, extra_env)
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,

@@ -27,7 +27,7 @@ AGGREGATED_APP = f"{APP_NAME}-aggregated"
 AGGREGATED_PREFIX = "/aggregated"
 HOST = "127.0.0.1"
 MODES = ("disaggregated", "aggregated", "both")
-# `make serve PD_MODELS=2` (issue 26): the many-model form. The tiny model P/D as before, and a
+# `make serve PD_MODELS=2`: the many-model form. The tiny model P/D as before, and a
 # second model, aggregated on the decode node, with a LoRA adapter the project builds itself
 # (local/tiny_lora.py) loaded on demand from a local S3 (local/s3.py); both
 # behind the one front door. The second model has the same weights under its own id: what
@@ -61,7 +61,7 @@ LOCAL_DECODE_AUTOSCALING = {
     "upscaleDelayS": LOCAL_UPSCALE_S,
     "downscaleDelayS": LOCAL_DOWNSCALE_S,
 }
-# `make serve SIGNALS=1` (issue 29): each role scales on its own engine signals, read from a
+# `make serve SIGNALS=1`: each role scales on its own engine signals, read from a
 # local Prometheus (local/prometheus.py) as in the cloud; prefill may then add a second
 # replica too. The thresholds come from the SLO by the cloud's own rule
 # (serving.spec.scaling.slo_thresholds: prefill adds a replica when prompts queue for half the

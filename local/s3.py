@@ -1,4 +1,4 @@
-"""A local S3 holding the LoRA adapters of `make serve PD_MODELS=2` (issue 26).
+"""A local S3 holding the LoRA adapters of `make serve PD_MODELS=2`.
 
 What flows through here: adapter directories (name -> local folder; by default the tiny model's
 own adapter, local/tiny_lora.py) -> moto's S3 server (moto[server], which `make venv`

@@ -1,4 +1,4 @@
-"""A LoRA adapter for the tiny model, built locally and deterministically (issue 26).
+"""A LoRA adapter for the tiny model, built locally and deterministically.
 
 What flows through here: a fixed recipe (rank, alpha, target modules, seed) and the tiny
 model's own recipe (local/tiny_model.py) go in; a PEFT-format adapter directory comes

@@ -94,19 +94,14 @@ async def remote_prefill(
 ) -> PrefillOutcome:
     """Run the prefill call under its deadlines, retrying; the outcome says fall back or not.
 
-    `call()` starts one prefill request and returns its response stream (a Serve
-    DeploymentResponseGenerator: async-iterable with .cancel()). A failed or late call is
-    cancelled, so the prefill engine drops it. A replica death, an error or a stall (no
-    answer within prefill_timeout_s after a replica took the call) counts against the
-    circuit and is retried (Serve routes the retry away from a dead replica); a call no
-    replica takes in time, or Serve's back-pressure, means the prefill tier is busy, not
-    broken: no retry, no verdict on the circuit (except for the probe, which must prove the
-    tier works). The probe is never retried: its failure opens the circuit again.
-    `no_replica()` True (Serve reports no running prefill replica: a restart takes minutes)
-    is broken, not busy: the request prefills locally at once, counted against the circuit,
-    instead of waiting prefill_queue_timeout_s for a replica that is not there.
-    An answer `is_refusal` (the engine's 4xx for the request itself) is returned as the
-    outcome's refusal: no retry, no verdict on the circuit.
+    `call()` starts one prefill request (a Serve response stream, with .cancel()); a failed or
+    late call is cancelled so the engine drops it. A replica death, an error or a stall (no
+    answer within prefill_timeout_s after a replica took it) counts against the circuit and
+    is retried; a call no replica takes in time, or back-pressure, is a busy tier, not a
+    broken one: no retry, no verdict (except for the probe, never retried, which must prove
+    the tier works). `no_replica()` (Serve reports none running) is broken: local prefill at
+    once, counted. An `is_refusal` answer (the engine's 4xx for the request itself) is the
+    outcome's refusal: no retry, no verdict.
     """
     if not circuit.allow():
         return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)

@@ -211,25 +211,13 @@ async def guarded_stream(
         while True:
             cut: Reason | None = None
             if item is None:
-                remaining = deadline_at - clock()
-                if remaining <= 0:
-                    raise TimeoutError
                 # A stall counts as a cut only where a continuation can follow; elsewhere
                 # the stream may still recover before the deadline.
-                wait = min(remaining, migration.stall_timeout_s) if migration and record else remaining
+                stall_s = migration.stall_timeout_s if migration and record else None
                 try:
-                    item = await asyncio.wait_for(current.__anext__(), wait)
+                    item, cut = await _next(current, deadline_at, stall_s, migration is not None, clock)
                 except StopAsyncIteration:
                     break
-                except TimeoutError:
-                    if record is None or clock() >= deadline_at:
-                        raise
-                    cut = Reason.STALL
-                except Exception as exc:
-                    if migration is None or classify(exc) is not Reason.REPLICA_DIED:
-                        raise
-                    logger.warning("decode replica lost mid-stream: %r", exc)
-                    cut = Reason.REPLICA_DIED
             if cut is None:
                 packet, item = to_packet(item), None
                 sent = _relayed(packet, pipe, server_errors=migration is not None)
@@ -271,6 +259,31 @@ async def guarded_stream(
                 cancel_call(current)
         finally:
             pipe.close()
+
+
+async def _next(
+    stream: Any, deadline_at: float, stall_s: float | None, cut_on_death: bool, clock: Callable[[], float]
+) -> tuple[Any, Reason | None]:
+    """(the stream's next item, None), or (None, why it is cut: a stall of `stall_s`, a dead
+    replica when `cut_on_death`); StopAsyncIteration at its end, TimeoutError at the deadline."""
+    remaining = deadline_at - clock()
+    if remaining <= 0:
+        raise TimeoutError
+    try:
+        return await asyncio.wait_for(
+            stream.__anext__(), remaining if stall_s is None else min(remaining, stall_s)
+        ), None
+    except StopAsyncIteration:
+        raise
+    except TimeoutError:
+        if stall_s is None or clock() >= deadline_at:
+            raise
+        return None, Reason.STALL
+    except Exception as exc:
+        if not cut_on_death or classify(exc) is not Reason.REPLICA_DIED:
+            raise
+        logger.warning("decode replica lost mid-stream: %r", exc)
+        return None, Reason.REPLICA_DIED
 
 
 def _relayed(packet: str, pipe: EventPipeline, *, server_errors: bool) -> tuple[str, bool] | None:

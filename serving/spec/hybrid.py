@@ -24,7 +24,7 @@ from serving.spec.base import (
 )
 from serving.spec.models import ADAPTER_SEP, base_model_id
 
-# --- hybrid routing: the external fallback and per-key limits (issue 14) ----------------------
+# --- hybrid routing: the external fallback and per-key limits -----------------------------------
 # The environment variable holding the fallback provider's API key in the ingress replicas; in
 # the cloud it is fed from a Kubernetes Secret (the stack's fallbackApiKey Pulumi secret).
 FALLBACK_API_KEY_ENV = "PD_FALLBACK_API_KEY"

@@ -1,4 +1,4 @@
-"""Spec parts of issue 29: how engines load their weights, and what each role scales on.
+"""The serving spec's loading and scaling parts: how engines load their weights, and what each role scales on.
 
 `serving/spec/serving.py` imports this module and renders with it; it imports pydantic and the
 standard library only (the Pulumi program imports the spec and must not need Ray or vLLM).
