@@ -313,3 +313,47 @@ def test_ctrl_c_shuts_everything_down(stack):
             break
         time.sleep(1)
     assert not left, f"Ray processes of the stopped cluster still alive: {left}"
+    # nor the HAProxy Serve ran on its nodes (the haproxy data plane): a next start is clean
+    nodes = [n["node_id"] for n in stack.nodes]
+    assert not [p.pid for p in local_procs._haproxies() if any(n in " ".join(p.info["cmdline"]) for n in nodes)]
+
+
+@pytest.mark.e2e
+@pytest.mark.own_stack
+def test_a_bench_stopped_by_sigterm_leaves_nothing_and_the_next_start_is_clean(tmp_path):
+    """A `make bench` under `timeout` gets SIGTERM: its stack stops as on Ctrl-C. Before, Ray's
+    HAProxy outlived it holding ports 8404 and 9101, and the next two starts failed with a
+    Serve traceback. The next own-stack tests are that next start."""
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    driver = (
+        "import time\n"
+        "from local.background import background_stack\n"
+        "with background_stack(mode='disaggregated', api_key=None, timeout=900) as s:\n"
+        "    print('UP', s.state['gcs_address'], flush=True)\n"
+        "    time.sleep(3600)\n"
+    )
+    bench = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert bench.stdout is not None
+        line = bench.stdout.readline()
+        assert line.startswith("UP"), line
+        gcs = line.split()[1]
+        assert local_procs.leftover_haproxy() is not None  # the stack's own HAProxy runs
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=300)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    deadline = time.monotonic() + 60
+    while True:
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if gcs in " ".join(p.info["cmdline"] or [])]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not left, f"Ray processes of the stopped stack still alive: {left}"
+    assert local_procs.leftover_haproxy() is None  # what made the next start fail
