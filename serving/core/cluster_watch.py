@@ -1,18 +1,24 @@
-"""What Serve says about the application: running replicas per deployment, kept fresh.
+"""What Serve says about the applications: running replicas per deployment, kept fresh while read.
 
-What flows through here: `serve.status()` (Serve's controller; it blocks, so it is polled in
-a thread every `period_s`) -> running replicas per deployment of this application (and of
+What flows through here: `serve.status()` (Serve's controller; it blocks, so it is read in a
+thread every `period_s`) -> running replicas per deployment of this application (and of
 every other one, by "<app>/<deployment>": a many-model front door watches the models'
-applications) -> the
-hybrid routing rules (serving/ingress/routing.py): is the deployment that serves a model's tokens
-down, and how many decode replicas share the load.
+applications) -> the routing rules (serving/ingress/routing.py: is the deployment that serves
+a model's tokens down, how many decode replicas share the load) and the decode server's
+prefill hop (serving/engines/pd_server.py: no running prefill replica -> prefill locally).
+
+Read on demand: each `serve.status()` is a full round trip to the controller (it reads its
+checkpoint and every application's config), so the watch polls only while someone reads it,
+and stops after `idle_s` without a read. An idle stack asks the controller nothing; the first
+read after a pause finds no fresh answer (`replicas` is None: the callers then do not guess)
+and wakes the poll.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,20 +46,36 @@ def running_replicas(applications: Mapping[str, Any], own_app: str) -> dict[str,
 
 
 class ClusterWatch:
-    """Polls `serve.status()` every `period_s` in a thread (it blocks on the controller)."""
+    """Polls `serve.status()` every `period_s` in a thread (it blocks on the controller), while
+    it is read; `idle_s` after the last read it stops until the next."""
 
-    def __init__(self, app_name: str, own_deployment: str, period_s: float = 1.0):
+    def __init__(
+        self,
+        app_name: str,
+        own_deployment: str,
+        period_s: float = 1.0,
+        idle_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.app_name = app_name
         self.own = own_deployment
         self.period_s = period_s
+        self.idle_s = idle_s
+        self._clock = clock
         self.state = ClusterState()
         self._task: asyncio.Task | None = None
+        self._started = False
+        self._read_at = -float("inf")
+        self._wake: asyncio.Event | None = None
 
     def start(self) -> None:
+        self._started = True
         if self._task is None:
+            self._wake = asyncio.Event()
             self._task = asyncio.get_event_loop().create_task(self._run())
 
     def stop(self) -> None:
+        self._started = False
         if self._task is not None:
             self._task.cancel()
             self._task = None
@@ -65,18 +87,28 @@ class ClusterWatch:
         return running_replicas(serve.status().applications, self.app_name)
 
     async def _run(self) -> None:
+        assert self._wake is not None
         while True:
+            if self._clock() - self._read_at > self.idle_s:
+                self._wake.clear()
+                await self._wake.wait()  # nobody reads: ask the controller nothing
             try:
                 running = await asyncio.to_thread(self.poll)
-                self.state = ClusterState(running=running, updated=time.monotonic())
+                self.state = ClusterState(running=running, updated=self._clock())
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 self.state.error = repr(exc)
             await asyncio.sleep(self.period_s)
 
+    def _read(self) -> None:
+        self._read_at = self._clock()
+        if self._wake is not None and not self._wake.is_set():
+            self._wake.set()
+
     def fresh(self, max_age_s: float = 10.0) -> bool:
-        return bool(self.state.running) and time.monotonic() - self.state.updated < max_age_s
+        self._read()
+        return bool(self.state.running) and self._clock() - self.state.updated < max_age_s
 
     def replicas(self, deployment: str) -> int | None:
         if not self.fresh():
