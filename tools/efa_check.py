@@ -130,7 +130,7 @@ def offline_image(cfg: StackConfig, stack: str) -> str:
 
 def schema_validator() -> Callable[..., Any] | None:
     """kubernetes-validate's `validate`, or None in the light environment (`.venv-pulumi`:
-    requirements.txt only, issue 24 item 9). Without it the API server validates on apply
+    requirements.lock only). Without it the API server validates on apply
     (kubectl's default `--validate=strict`); `make test` validates these objects strictly
     (tests/infra/k8s/test_efa_check.py, test_nccl_check.py)."""
     try:

