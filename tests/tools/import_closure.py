@@ -225,9 +225,9 @@ class _Walker:
                         self.reach(name, module.name)
                     elif top and top not in sys.stdlib_module_names and top != "__future__":
                         self.closure.third_party.setdefault(top, (module.name, getattr(node, "lineno", 0)))
-                if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
-                    if (parts := _chain(node)) is not None:
-                        self.resolve(module, parts)
+                loads = isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load)
+                if loads and (parts := _chain(node)) is not None:
+                    self.resolve(module, parts)
         return self.closure
 
 

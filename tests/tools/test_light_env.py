@@ -143,7 +143,10 @@ def test_every_stack_renders_and_the_offline_tools_run_in_the_light_environment(
         ("tools.diff", ["--rendered", "--markdown", str(tmp_path / "dev"), str(tmp_path / "staging")]),
         ("tools.affected", ["--environment", "prod"]),
         # Without --write: validates, renders before and after, prints; changes no file.
-        ("tools.model", ["--stack", "platform", "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--pool", "decode=general"]),
+        (
+            "tools.model",
+            ["--stack", "platform", "--model", "mistralai/Mistral-7B-Instruct-v0.3", "--pool", "decode=general"],
+        ),
     ]
     results = _run_in_light_env(light_python, renders + tools)
     assert not _failures(results), _failures(results)
@@ -200,7 +203,9 @@ def _with_line(module: str, line: str):
 def test_a_module_level_starlette_import_in_a_serving_module_the_program_reads_fails() -> None:
     """The regression that broke every deploy: serving code the program imports for its facts
     gained a module-level web-framework import."""
-    closure = import_closure.walk(ROOT, source_of=_with_line("serving.core.failures", "from starlette.responses import Response"))
+    closure = import_closure.walk(
+        ROOT, source_of=_with_line("serving.core.failures", "from starlette.responses import Response")
+    )
     (problem,) = unpinned(closure)
     assert problem.startswith("serving.core.failures:") and " imports starlette " in problem
     assert "__main__ -> " in problem and problem.endswith("serving.core.failures")
