@@ -15,15 +15,17 @@ if TYPE_CHECKING:
     from infra.config import StackConfig
 
 # Ray's GCS Redis address (ray/_private/services.py get_address): host:port, redis://host:port,
-# or rediss://host:port for TLS (what ElastiCache in-transit encryption needs).
+# or rediss://host:port for TLS (what ElastiCache in-transit encryption needs). The shape is
+# checked here; gcs_errors then requires TLS for an external Redis.
 _REDIS_ADDRESS = re.compile(r"^(rediss?://)?[A-Za-z0-9.-]+:\d{1,5}$")
+TLS_SCHEME = "rediss://"
 # ElastiCache node types: cache.<family>.<size> (cache.t4g.medium, cache.m7g.large, ...).
 _CACHE_NODE_TYPE = re.compile(r"^cache\.[a-z][a-z0-9-]*\.[0-9]*(micro|small|medium|large|xlarge)$")
 
 
 class GcsFaultTolerance(str, Enum):
     DISABLED = "disabled"
-    EXTERNAL_REDIS = "external-redis"  # the stack's gcsRedisAddress (+ gcsRedisPassword secret)
+    EXTERNAL_REDIS = "external-redis"  # the stack's gcsRedisAddress (rediss://) + gcsRedisPassword secret
     MANAGED = "managed"  # a stack-created ElastiCache (Valkey) group, TLS + AUTH (gcsRedis: its size)
 
 
@@ -68,11 +70,27 @@ class GcsKeys(SpecModel):
 
 
 def gcs_errors(cfg: StackConfig) -> list[tuple[str, str]]:
-    """Each GCS key only with the mode that uses it; prod keeps a replica to fail over to."""
+    """Each GCS key only with the mode that uses it; an external Redis over TLS only (its AUTH
+    secret: infra/config/secrets.py); prod keeps a replica to fail over to.
+
+    Ray's GCS keeps the cluster's control state in that Redis (nodes, actors, placement groups,
+    jobs, the Serve controller's checkpoints): whoever can read or write it unencrypted or
+    without AUTH can rewrite what the cluster runs. The managed group has both by construction
+    (infra/components/gcs_redis.py); an external one must say so in its address."""
     errors = []
     mode = cfg.gcs_fault_tolerance
     if mode is GcsFaultTolerance.EXTERNAL_REDIS and not cfg.gcs_redis_address:
         errors.append(("gcsRedisAddress", "gcsFaultTolerance external-redis needs gcsRedisAddress"))
+    address = cfg.gcs_redis_address
+    if mode is GcsFaultTolerance.EXTERNAL_REDIS and address and not address.startswith(TLS_SCHEME):
+        errors.append(
+            (
+                "gcsRedisAddress",
+                f"{address!r} is a plaintext Redis: Ray's control state would cross the network unencrypted; "
+                f"use {TLS_SCHEME}host:port (ElastiCache: in-transit encryption on, with an AUTH token in "
+                "gcsRedisPassword)",
+            )
+        )
     if mode is not GcsFaultTolerance.EXTERNAL_REDIS and cfg.gcs_redis_address:
         errors.append(("gcsRedisAddress", f"only used with gcsFaultTolerance external-redis (not {mode.value})"))
     managed = mode is GcsFaultTolerance.MANAGED

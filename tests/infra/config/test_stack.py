@@ -232,3 +232,40 @@ def test_a_single_node_group_is_fine_outside_prod(prod):
     values["environment"] = "staging"
     values["gcsRedis"] = {"replicas": 0}
     assert not _load(values, secrets).gcs_redis.failover
+
+
+# --- gcsFaultTolerance external-redis: TLS and AUTH, in every environment ----------------------
+# Ray 2.60 python/ray/_private/services.py (`get_address`: only a `rediss://` address turns
+# TLS on; host:port and redis:// connect in plaintext) and KubeRay v1.7.0
+# ray-operator/controllers/ray/common/pod.go (REDIS_PASSWORD comes only from
+# gcsFaultToleranceOptions.redisPassword: without it the GCS connects without AUTH). The GCS
+# keeps the cluster's control state there.
+@pytest.mark.parametrize("environment", ["prod", "staging", "dev"])
+@pytest.mark.parametrize(
+    "address", ["pd.abc123.use1.cache.amazonaws.com:6379", "redis://pd.abc123.use1.cache.amazonaws.com:6379"]
+)
+def test_an_external_gcs_redis_in_plaintext_is_refused(prod, environment, address):
+    values, secrets = prod
+    values["environment"] = environment
+    values["gcsRedisAddress"] = address
+    msg = _error(values, secrets)
+    assert msg.startswith(f"{SOURCE}: gcsRedisAddress: {address!r} is a plaintext Redis"), msg
+    assert "rediss://host:port" in msg
+
+
+@pytest.mark.parametrize("environment", ["prod", "dev"])
+def test_an_external_gcs_redis_needs_its_auth_secret(prod, environment):
+    values, secrets = prod
+    assert values["gcsRedisAddress"].startswith("rediss://")  # the shipped prod stack, fixed
+    values["environment"] = environment
+    values.pop("gcsRedisPassword", None)
+    assert _error(values, secrets - {"gcsRedisPassword"}) == (
+        f"{SOURCE}: gcsRedisPassword: gcsFaultTolerance is external-redis but no gcsRedisPassword secret is set "
+        "(pulumi config set --secret gcsRedisPassword <the Redis AUTH token>)"
+    )
+
+
+def test_an_external_gcs_redis_over_tls_with_auth_loads(prod):
+    cfg = _load(*prod)
+    assert cfg.gcs_fault_tolerance is config.GcsFaultTolerance.EXTERNAL_REDIS
+    assert cfg.gcs_redis_address.startswith("rediss://")
