@@ -139,7 +139,8 @@ plugins = DevicePluginArgs(provider=cluster.provider)
 NvidiaDevicePlugin("nvidia-device-plugin", plugins)
 EfaDevicePlugin("efa-device-plugin", plugins)
 operator = KubeRayOperator("kuberay", KubeRayOperatorArgs(provider=cluster.provider, watch_namespaces=[cfg.namespace]))
-# The EFA worker image (images/ray-llm-efa FROM rayImage) when the pools need it; else rayImage.
+# The worker image (images/ray-llm-efa FROM rayImage: EFA userspace, Run:ai streamer) when the
+# pools have EFA or weights stream from S3; else rayImage.
 worker_image = (
     WorkerImage(
         "worker-image", WorkerImageArgs(repository=f"{cluster_name}/ray-llm-efa", base_image=cfg.ray_image, tags=tags)

@@ -1,4 +1,5 @@
-"""WorkerImage: the EFA worker image, built from images/ray-llm-efa and pushed to a private ECR repo.
+"""WorkerImage: the worker image (the EFA userspace and the Run:ai model streamer on top of the
+stock Ray LLM image), built from images/ray-llm-efa and pushed to a private ECR repo.
 
 What flows through here: the pinned base Ray image and the EFA installer pin -> an ECR
 repository (immutable tags, scan on push, KMS-encrypted with ECR's managed key, old images

@@ -36,10 +36,12 @@ class UpgradeStrategy(str, Enum):
 
 
 class ImageBuild(str, Enum):
-    """What the Ray pods run. AUTO: the EFA worker image (images/ray-llm-efa, FROM rayImage,
-    built and pushed by the stack) when the engine pools have EFA, rayImage as is otherwise.
-    EFA_USERSPACE: always build it. NONE: run rayImage as is (a prebuilt image that already
-    carries the EFA userspace, e.g. an AWS Deep Learning Container)."""
+    """What the Ray pods run. AUTO: the worker image (images/ray-llm-efa, FROM rayImage,
+    built and pushed by the stack) when the engine pools have EFA or a model's weights are
+    streamed from S3 (it adds the EFA userspace and the Run:ai model streamer, neither of
+    which the stock image carries), rayImage as is otherwise. EFA_USERSPACE: always build it.
+    NONE: run rayImage as is (a prebuilt image that already carries what the stack needs,
+    e.g. an AWS Deep Learning Container)."""
 
     AUTO = "auto"
     EFA_USERSPACE = "efa-userspace"
@@ -88,24 +90,50 @@ def exposure_errors(cfg: StackConfig) -> list[tuple[str, str]]:
     return []
 
 
+def streamed_models(cfg: StackConfig) -> list[str]:
+    """The ids of the models whose engines stream their weights (vLLM's `runai_streamer`
+    load format: an s3:// source with loading.weights auto, or weights: streamer)."""
+    return [m.model.id for m in cfg.serving.served if m.model.loading.streamed(m.model.source)]
+
+
 def builds_worker_image(cfg: StackConfig) -> bool:
-    """Whether the stack builds the EFA worker image (images/ray-llm-efa) FROM rayImage."""
+    """Whether the stack builds the worker image (images/ray-llm-efa) FROM rayImage.
+
+    AUTO builds it whenever the stock image would lack something the stack uses: the EFA
+    userspace (EFA pools) or the Run:ai model streamer (streamed weights). For streamed weights
+    the stack builds rather than refuses: the stack file asked for S3 weights and the stack
+    already knows how to build that image, so the unsurprising outcome is that they load."""
     if cfg.image_build is ImageBuild.AUTO:
-        return any(pool.instance.efa for pool in engine_pools(cfg).values())
+        return any(pool.instance.efa for pool in engine_pools(cfg).values()) or bool(streamed_models(cfg))
     return cfg.image_build is ImageBuild.EFA_USERSPACE
 
 
 def image_errors(cfg: StackConfig) -> list[tuple[str, str]]:
-    """EFA pools need the EFA userspace in the image the pods run."""
-    efa = any(pool.instance.efa for pool in engine_pools(cfg).values())
+    """The stock image run as is (imageBuild none) lacks the EFA userspace that EFA pools need
+    and the Run:ai model streamer that streamed weights need."""
     stock = cfg.ray_image.split("@")[0].rsplit(":", 1)[0] == versions.RAY_IMAGE.rsplit(":", 1)[0]
-    if efa and cfg.image_build is ImageBuild.NONE and stock:
-        return [
+    if cfg.image_build is not ImageBuild.NONE or not stock:
+        return []
+    errors = []
+    if any(pool.instance.efa for pool in engine_pools(cfg).values()):
+        errors.append(
             (
                 "imageBuild",
                 f"none runs {cfg.ray_image} as is, which has no EFA userspace: NIXL's LIBFABRIC plugin "
                 "cannot load libfabric.so.1 (leave imageBuild auto, or set rayImage to an image with the "
                 "AWS EFA installer, e.g. a Deep Learning Container)",
             )
-        ]
-    return []
+        )
+    streamed = streamed_models(cfg)
+    if streamed:
+        errors.append(
+            (
+                "imageBuild",
+                f"none runs {cfg.ray_image} as is, which has no Run:ai model streamer, but the weights of "
+                f"{', '.join(streamed)} are streamed from S3 (vLLM load_format runai_streamer cannot import "
+                "it): leave imageBuild auto (the stack builds images/ray-llm-efa, which installs it), set "
+                "the model's loading.weights: download, or set rayImage to an image that carries "
+                "runai-model-streamer[s3]",
+            )
+        )
+    return errors

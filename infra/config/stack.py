@@ -115,7 +115,8 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
 
     @property
     def builds_worker_image(self) -> bool:
-        """Whether the stack builds the EFA worker image (images/ray-llm-efa) FROM rayImage."""
+        """Whether the stack builds the worker image (images/ray-llm-efa) FROM rayImage: EFA
+        pools or streamed weights (infra/config/service.py)."""
         return service.builds_worker_image(self)
 
 
