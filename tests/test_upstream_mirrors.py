@@ -1,7 +1,8 @@
 """The hand mirrors of upstream code (tests/upstream.py) cannot drift from the pins (issue 24 item 10).
 
-What flows through here: tests/upstream.MIRRORS (per public function: repository, paths, the tag
-or commit it was read from, and the project pin it was checked against) -> the pins as they
+What flows through here: the MIRRORS of tests/upstream.py and tests/upstream_network.py (per
+public function: repository, paths, the tag or commit it was read from, and the project pin
+it was checked against) -> the pins as they
 are now in infra/versions.py and requirements.txt. A pin that moved without its
 mirrors being re-read (and MIRRORS updated) fails, naming the mirror and what to re-read.
 """
@@ -15,17 +16,22 @@ import pytest
 
 from infra import versions
 from infra.paths import ROOT
-from tests import upstream
+from tests import upstream, upstream_network
 
+MODULES = (upstream, upstream_network)
 _REF = re.compile(r"^(([A-Za-z][A-Za-z-]*-)?v?\d+(\.\d+)*([.-][0-9A-Za-z.]+)?|[0-9a-f]{12,40})$")
 
 
-def _public_functions() -> set[str]:
+def _public_functions(module) -> set[str]:
     return {
         name
-        for name, obj in vars(upstream).items()
-        if inspect.isfunction(obj) and obj.__module__ == upstream.__name__ and not name.startswith("_")
+        for name, obj in vars(module).items()
+        if inspect.isfunction(obj) and obj.__module__ == module.__name__ and not name.startswith("_")
     }
+
+
+def _mirrors() -> dict[str, upstream.Mirror]:
+    return {name: m for module in MODULES for name, m in module.MIRRORS.items()}
 
 
 def _requirement(package: str) -> str | None:
@@ -51,7 +57,7 @@ def pin_value(where: str) -> str | None:
 def drift() -> list[str]:
     """One line per mirror whose pin moved since it was read."""
     problems = []
-    for name, m in sorted(upstream.MIRRORS.items()):
+    for name, m in sorted(_mirrors().items()):
         if m.pin is None:
             continue
         where, read_at = m.pin
@@ -59,23 +65,24 @@ def drift() -> list[str]:
         if now != read_at:
             problems.append(
                 f"{name}: {where} is {now!r}, the mirror was read for {read_at!r}: re-read {m.repo} "
-                f"{', '.join(m.paths)} at the new release and update tests/upstream.MIRRORS"
+                f"{', '.join(m.paths)} at the new release and update the MIRRORS of tests/upstream.py or tests/upstream_network.py"
             )
     return problems
 
 
-def test_every_mirror_names_where_it_was_read() -> None:
-    missing = _public_functions() - set(upstream.MIRRORS)
+@pytest.mark.parametrize("module", MODULES, ids=lambda m: m.__name__)
+def test_every_mirror_names_where_it_was_read(module) -> None:
+    missing = _public_functions(module) - set(module.MIRRORS)
     assert not missing, f"mirrors without a recorded source: {sorted(missing)}"
-    assert not set(upstream.MIRRORS) - _public_functions(), "MIRRORS names functions that do not exist"
-    for name, m in upstream.MIRRORS.items():
+    assert not set(module.MIRRORS) - _public_functions(module), "MIRRORS names functions that do not exist"
+    for name, m in module.MIRRORS.items():
         assert re.fullmatch(r"[\w.-]+/[\w.-]+", m.repo), name
         assert m.paths and all(m.paths), name
         assert _REF.match(m.ref), f"{name}: {m.ref!r} is neither a tag nor a commit"
 
 
 def test_every_pin_resolves() -> None:
-    for name, m in upstream.MIRRORS.items():
+    for name, m in _mirrors().items():
         if m.pin is not None:
             assert pin_value(m.pin[0]) is not None, f"{name}: {m.pin[0]} names no pin"
 

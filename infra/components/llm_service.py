@@ -33,8 +33,8 @@ from infra import catalog
 from infra.components.buckets import private_bucket
 from infra.components.iam import trusted_by
 from infra.config import ServiceExposure
+from infra.k8s.api_access import namespace_ingress_policy
 from infra.k8s.egress import fallback_egress_policy
-from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.rayservice import PoolBounds, RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
 from infra.k8s.tracing import TraceExport, exporter_configmap
 from infra.package import write_serving_zip
@@ -66,7 +66,8 @@ class LlmServiceArgs:
     allowed_cidrs: list[str]
     """Client CIDRs allowed to the API (NLB source ranges, NetworkPolicy)."""
     vpc_cidr: str
-    """The VPC range (NetworkPolicy fallback when no client CIDRs are given)."""
+    """The VPC range: the NetworkPolicy's API sources when no client CIDRs are given, and
+    behind the NLB the forwarding nodes' addresses (infra/k8s/api_access.py)."""
     upgrade_strategy: str
     """RayService upgrade strategy (KubeRay's `upgradeStrategy.type`)."""
     api_keys: pulumi.Output[str] | None = None
@@ -336,25 +337,21 @@ def create_rayservice(
 
 
 def create_network_policies(name: str, args: LlmServiceArgs, opts: pulumi.ResourceOptions) -> None:
-    """Only Ray's own pods, the operator and the API's clients may reach the namespace; with
-    an external fallback, the ingress pods' egress too (infra/k8s/egress.py)."""
-    api_sources = [{"ipBlock": {"cidr": c}} for c in (args.allowed_cidrs or [args.vpc_cidr])]
-    k8s.networking.v1.NetworkPolicy(  # type: ignore[call-overload]  # TypedDict inputs
-        f"{name}-netpol",
-        metadata={"name": f"{name}-ingress", "namespace": args.namespace},
-        spec={
-            "podSelector": {},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {}}]},
-                {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": KUBERAY_NAMESPACE}}}]},
-                {"from": api_sources, "ports": [{"port": SERVE_PORT, "protocol": "TCP"}]},
-            ],
-        },
-        opts=opts,
+    """Only Ray's own pods, the operator and the API's clients may reach the namespace
+    (infra/k8s/api_access.py: behind the NLB, the forwarding nodes too); with an external
+    fallback, the ingress pods' egress too (infra/k8s/egress.py)."""
+    ingress = namespace_ingress_policy(
+        name,
+        args.namespace,
+        args.allowed_cidrs,
+        args.vpc_cidr,
+        behind_nlb=args.exposure is ServiceExposure.INTERNAL_NLB,
     )
+    k8s.networking.v1.NetworkPolicy(f"{name}-netpol", metadata=ingress["metadata"], spec=ingress["spec"], opts=opts)
     if args.serving.fallback is not None:
-        egress = fallback_egress_policy(name, args.namespace, args.vpc_cidr, args.serving.fallback.port)
+        egress = fallback_egress_policy(
+            name, args.namespace, args.vpc_cidr, args.serving.fallback.port, tracing=args.tracing is not None
+        )
         k8s.networking.v1.NetworkPolicy(
             f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=opts
         )

@@ -24,7 +24,9 @@ def secret_errors(cfg: StackConfig, secrets_present: Collection[str]) -> list[tu
         errors.append(missing_secret("apiKeys", "serving.auth is api-key", "<key1,key2>"))
     if cfg.gcs_fault_tolerance is GcsFaultTolerance.EXTERNAL_REDIS and "gcsRedisPassword" not in secrets_present:
         # Without AUTH, any client that reaches the Redis may rewrite Ray's control state.
-        errors.append(missing_secret("gcsRedisPassword", "gcsFaultTolerance is external-redis", "<the Redis AUTH token>"))
+        errors.append(
+            missing_secret("gcsRedisPassword", "gcsFaultTolerance is external-redis", "<the Redis AUTH token>")
+        )
     if cfg.gcs_fault_tolerance is GcsFaultTolerance.MANAGED and "gcsRedisPassword" in secrets_present:
         # The stack generates the managed group's AUTH token itself (random.RandomPassword).
         errors.append(
