@@ -125,7 +125,9 @@ def egress_endpoints(
             continue
         for peer in rule["to"]:
             if "ipBlock" in peer:
-                out.append({"cidr": peer["ipBlock"]["cidr"], "except": peer["ipBlock"].get("except", []), "ports": ports})
+                out.append(
+                    {"cidr": peer["ipBlock"]["cidr"], "except": peer["ipBlock"].get("except", []), "ports": ports}
+                )
                 continue
             if "namespaceSelector" in peer:
                 names = [n for n, labels in namespaces.items() if _matches(peer["namespaceSelector"], labels)]

@@ -92,8 +92,10 @@ def test_nlb_clients_reach_the_serving_pod_from_any_node(allowed, client):
     assert allowed_cidrs == values["serviceAllowedCidrs"]
     policy = _policy(result, "llm-ingress")
     kubernetes_validate.validate(policy, "1.35", strict=True)
-    nodes = _node_ips(values["vpcCidr"], len(values["availabilityZones"]))
-    sg = nlb_node_security_group_rules(allowed_cidrs, subnet_cidrs(values["vpcCidr"], 3)[1], NODE_PORT, HEALTH_PORT)
+    zones = len(values["availabilityZones"])
+    nodes = _node_ips(values["vpcCidr"], zones)
+    # An internal NLB sits in the private subnets (their CIDRs: its health checks' sources).
+    sg = nlb_node_security_group_rules(allowed_cidrs, subnet_cidrs(values["vpcCidr"], zones)[0], NODE_PORT, HEALTH_PORT)
     assert security_group_admits(sg, client, NODE_PORT)
     pod_node = nodes[-1]
     refused = []
@@ -108,10 +110,13 @@ def test_a_client_outside_the_allowed_cidrs_is_stopped_at_the_node_security_grou
     """Admitting the VPC range on the pods does not widen who may use the NLB."""
     result, values = _run("prod", serviceAllowedCidrs=[PEERED])
     spec = result.one(RAYSERVICE).inputs["spec"]["serveService"]["spec"]
-    sg = nlb_node_security_group_rules(spec["loadBalancerSourceRanges"], ["10.40.128.0/20"], NODE_PORT, HEALTH_PORT)
+    private = subnet_cidrs(values["vpcCidr"], len(values["availabilityZones"]))[0]
+    sg = nlb_node_security_group_rules(spec["loadBalancerSourceRanges"], private, NODE_PORT, HEALTH_PORT)
+    vpc_host = str(ipaddress.ip_network(private[0])[77])
     assert not security_group_admits(sg, "192.168.1.1", NODE_PORT)
-    assert not security_group_admits(sg, "10.40.1.1", NODE_PORT)  # a VPC host, too: only on the health port
-    assert security_group_admits(sg, "10.40.130.9", HEALTH_PORT)
+    assert not security_group_admits(sg, vpc_host, NODE_PORT)  # a VPC host, too: only on the health port
+    assert security_group_admits(sg, vpc_host, HEALTH_PORT)
+    assert security_group_admits(sg, "172.16.20.7", NODE_PORT)
 
 
 def test_without_the_nlb_the_serve_port_admits_the_clients_only():
