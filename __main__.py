@@ -164,6 +164,7 @@ service = LlmService(
         allowed_cidrs=cfg.service_allowed_cidrs,
         vpc_cidr=cfg.vpc_cidr,
         upgrade_strategy=cfg.upgrade_strategy.value,
+        region=region,
         api_keys=secrets["apiKeys"],
         fallback_api_key=secrets["fallbackApiKey"],
         hf_token=secrets["hfToken"],

@@ -381,21 +381,32 @@ def check_control_plane_logging(type_: str, props: dict[str, Any], ctx: Context)
 
 
 # --- nodes -------------------------------------------------------------------------------------------
+# IMDSv2's PUT response hop limit that keeps pod-network containers away from the instance
+# metadata service, and so from the node role (AWS EKS best practices, "Restrict access to the
+# instance profile assigned to the worker node"; infra/components/launch_templates.py).
+IMDS_HOP_LIMIT = 1
+_TEMPLATE_FIX = (
+    f"give the node group a launch template with metadataOptions.httpTokens 'required' and "
+    f"httpPutResponseHopLimit {IMDS_HOP_LIMIT}"
+)
+
+
 def check_imdsv2(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:
     if type_ in (EKS_MNG, EKS_NODE_GROUP_V2):
         if props.get("launchTemplate"):
             return  # the template carries the metadata options; it is checked itself
         if props.get("enableIMDSv2") is not True:
             yield (
-                "nodes accept IMDSv1 (pods could read the node role's credentials with a plain GET): set "
-                "enableIMDSv2=True, or give the node group a launch template with metadataOptions.httpTokens 'required'"
+                "nodes accept IMDSv1 (pods could read the node role's credentials with a plain GET): "
+                f"{_TEMPLATE_FIX}"
             )
+        else:
+            # pulumi-eks's template for enableIMDSv2 hard-codes httpPutResponseHopLimit 2
+            # (nodejs/eks/nodes/nodegroup.ts createMNGCustomLaunchTemplate).
+            yield f"enableIMDSv2 gives the nodes a hop limit of 2 (pods reach IMDS and the node role): {_TEMPLATE_FIX}"
     elif type_ == AWS_NODE_GROUP:
         if not props.get("launchTemplate"):
-            yield (
-                "an EKS node group without a launch template gets IMDSv1: give it a launch template with "
-                "metadataOptions.httpTokens 'required' (pulumi-eks: enableIMDSv2=True)"
-            )
+            yield f"an EKS node group without a launch template gets IMDSv1: {_TEMPLATE_FIX}"
     elif type_ == LAUNCH_TEMPLATE:
         meta = props.get("metadataOptions")
         if not known(meta):
@@ -406,7 +417,14 @@ def check_imdsv2(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[st
         if known(tokens) and tokens != "required":
             yield (
                 f"launch template metadataOptions.httpTokens is {tokens!r}: set it to 'required' (IMDSv2) with "
-                "httpPutResponseHopLimit 2 for pods that need it"
+                f"httpPutResponseHopLimit {IMDS_HOP_LIMIT}"
+            )
+        hops = dig(meta, "httpPutResponseHopLimit")
+        if known(hops) and (hops is None or int(hops) > IMDS_HOP_LIMIT):
+            what = "unset (an AMI with IMDSv2 support v2.0, as AL2023's, then gives 2)" if hops is None else hops
+            yield (
+                f"launch template metadataOptions.httpPutResponseHopLimit is {what}: set it to {IMDS_HOP_LIMIT} so "
+                "pods cannot reach IMDS and the node role (give pods their own role through EKS Pod Identity)"
             )
 
 
@@ -774,7 +792,7 @@ RULES: list[Rule] = [
     ),
     Rule(
         "nodes-imdsv2-required",
-        "Nodes require IMDSv2 (node groups and their launch templates).",
+        "Nodes require IMDSv2 with a hop limit of 1 (node groups and their launch templates).",
         MANDATORY,
         check_imdsv2,
     ),

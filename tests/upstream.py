@@ -423,6 +423,22 @@ def mng_root_volume(inputs: dict[str, Any], templates: dict[str, dict[str, Any]]
     return {"source": "eks-default", "encrypted": False}
 
 
+def mng_metadata_options(inputs: dict[str, Any], templates: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """The instance metadata options an eks.ManagedNodeGroup's nodes boot with, given its
+    (camelCase) inputs and the stack's launch templates by id.
+
+    With the user's launchTemplate, its metadataOptions. Else createMNGCustomLaunchTemplate
+    (pulumi-eks v4, nodegroup.ts) sets, whenever enableIMDSv2 is given, {httpTokens: required
+    (or optional when false), httpPutResponseHopLimit: 2, httpEndpoint: enabled}: the hop limit
+    is not configurable there. Else None: EKS's default template, the AMI's defaults."""
+    if inputs.get("launchTemplate"):
+        return templates[inputs["launchTemplate"]["id"]].get("metadataOptions")
+    if inputs.get("enableIMDSv2") is not None:
+        tokens = "required" if inputs["enableIMDSv2"] else "optional"
+        return {"httpTokens": tokens, "httpPutResponseHopLimit": 2, "httpEndpoint": "enabled"}
+    return None
+
+
 def efa_network_interfaces(network_cards: int, security_groups: list[str]) -> list[dict[str, Any]]:
     """getEfaNetworkInterfaces (pulumi-eks v4, nodejs/eks/nodes/instances.ts): one interface per
     network card (maximumNetworkCards of DescribeInstanceTypes), card 0 "efa" at device index 0,
@@ -872,6 +888,7 @@ MIRRORS: dict[str, Mirror] = {
     "botocore_container_credentials": _BOTOCORE,
     "mng_image": _PULUMI_EKS,
     "mng_root_volume": _PULUMI_EKS,
+    "mng_metadata_options": _PULUMI_EKS,
     "efa_network_interfaces": _PULUMI_EKS,
     "container_memlock": _EKS_AMI,
     "elasticache_replication_group_errors": _ELASTICACHE,

@@ -189,17 +189,7 @@ class _Mocks(pulumi.runtime.Mocks):
             return {"name": args.args.get("name"), "vpcConfig": {"clusterSecurityGroupId": "sg-0eksmanaged000001"}}
         if args.token == "aws:ecr/getAuthorizationToken:getAuthorizationToken":
             return {"userName": "AWS", "password": "mock-ecr-token", "authorizationToken": "bW9jaw==", "id": "mock"}
-        if args.token == "aws:ec2/getAmi:getAmi":
-            names = [v for f in args.args.get("filters") or [] if f.get("name") == "name" for v in f.get("values", [])]
-            return {"id": mock_ami_id(names[0] if names else ""), "name": names[0] if names else ""}
         return {}
-
-
-def mock_ami_id(name: str) -> str:
-    """A stable stand-in image id per AMI name: a different release renders a different amiId."""
-    import hashlib
-
-    return "ami-" + hashlib.sha256(name.encode()).hexdigest()[:17]
 
 
 class _Monitor(_mocks.MockMonitor):

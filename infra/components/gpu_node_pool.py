@@ -6,15 +6,17 @@ the catalog entry of its type -> an `eks.ManagedNodeGroup` on the AL2023 NVIDIA 
 the Ray worker group of that pool lands there. One-model stacks name their pools after the
 engine roles (`prefill`, `decode`); with `serving.models` several models' roles share pools.
 
-EFA types and Capacity Blocks get a launch template this component builds itself: every EFA
-interface of the type (card 0 "efa", the rest "efa-only"), an EFA security group that allows
-all traffic to and from itself, an encrypted gp3 root volume, IMDSv2, and the node user data
-(the RAID0 NodeConfig, the containerd memlock drop-in). On-demand and spot EFA pools get a
-cluster placement group (the pool's one subnet puts it in the EFA zone); a Capacity Block
-already carries its placement and is targeted instead. pulumi-eks's own EFA support
-(`enableEfaSupport`) is not used: the launch template it builds sets only the root volume's
-size, never `encrypted` (pulumi/pulumi-eks nodejs/eks/nodes/nodegroup.ts,
-createMNGCustomLaunchTemplate). Pools of other types (g5, g6e) use pulumi-eks's options.
+Every pool gets a launch template this component builds itself: an encrypted gp3 root volume,
+IMDSv2 with a hop limit of 1 (infra/components/launch_templates.py: pods cannot reach the
+instance metadata service, so not the node role), and the node user data (the RAID0
+NodeConfig; on EFA types the containerd memlock drop-in). EFA types add every EFA interface of
+the type (card 0 "efa", the rest "efa-only") and an EFA security group that allows all traffic
+to and from itself; on-demand and spot EFA pools get a cluster placement group (the pool's one
+subnet puts it in the EFA zone); a Capacity Block already carries its placement and is
+targeted instead. pulumi-eks's own templates are not used (pulumi/pulumi-eks
+nodejs/eks/nodes/nodegroup.ts, createMNGCustomLaunchTemplate): the one behind
+`enableEfaSupport` sets only the root volume's size, never `encrypted`, and the one behind
+`enableIMDSv2` hard-codes `httpPutResponseHopLimit: 2`.
 """
 
 from __future__ import annotations
@@ -105,24 +107,6 @@ class GpuNodePoolArgs:
     """Tags for every AWS resource of the component."""
 
 
-def nvidia_ami_name(kubernetes_version: str, ami_release_version: str) -> str:
-    """The AL2023 NVIDIA AMI of a release, as awslabs/amazon-eks-ami names it in its releases:
-    amazon-eks-node-al2023-x86_64-nvidia-<k8s minor>-v<date>."""
-    date = ami_release_version.rsplit("-", 1)[1]
-    return f"amazon-eks-node-al2023-x86_64-nvidia-{kubernetes_version}-v{date}"
-
-
-def pinned_ami_id(name: str, opts: pulumi.ResourceOptions) -> pulumi.Output[str]:
-    """The image id of the named Amazon-owned AMI in the stack's region (one per name)."""
-    ami = aws.ec2.get_ami_output(
-        owners=["amazon"],
-        most_recent=True,
-        filters=[aws.ec2.GetAmiFilterArgs(name="name", values=[name])],
-        opts=pulumi.InvokeOutputOptions(parent=opts.parent),
-    )
-    return ami.id
-
-
 def efa_network_interfaces(instance: catalog.InstanceType, security_groups: Sequence[pulumi.Input[str]]) -> list:
     """All EFA interfaces of the type: card 0 is EFA with ENA, every other card EFA-only."""
     return [
@@ -199,42 +183,23 @@ class GpuNodePool(pulumi.ComponentResource):
             tags={**args.tags, ROLE_LABEL: args.role, **scale_from_zero_tags(inst)},
         )
 
-        # The AMI is pinned by the stack's amiReleaseVersion (issue 10). Where EKS picks it
-        # (our own template, no image id) the node group's releaseVersion pins it. Where
-        # pulumi-eks writes the user data (nodeadm options), it also writes the template's
-        # image id, from an SSM lookup of the *recommended* AMI on every run unless amiId is
-        # given (pulumi-eks nodejs/eks/nodes/nodegroup.ts createMNGCustomLaunchTemplate):
-        # amiId is the pinned release's AMI then (amiId excludes gpu and amiType).
-        self.ami_name = nvidia_ami_name(args.kubernetes_version, args.ami_release_version)
-        if pool.capacity_type is CapacityType.CAPACITY_BLOCK or inst.efa:
-            # Our own launch template (module docstring); EKS picks the AMI from amiType and
-            # the pinned releaseVersion, as the template names no image.
-            lt = self._launch_template(name, args, raid, child)
-            eks.ManagedNodeGroup(
-                f"{name}-ng",
-                # One subnet: EFA traffic stays in one zone; a Capacity Block lives in one.
-                subnet_ids=[args.efa_subnet_id],
-                launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
-                ami_type=AMI_TYPE,
-                gpu=True,
-                release_version=args.ami_release_version,
-                opts=child,
-                **common,
-            )
-        else:
-            extra: dict[str, Any] = dict(disk_size=pool.root_volume_gib, enable_imd_sv2=True)
-            if raid:
-                extra["nodeadm_extra_options"] = [
-                    eks.NodeadmOptionsArgs(content=RAID0_NODECONFIG, content_type="application/node.eks.aws")
-                ]
-                extra.update(
-                    ami_id=pinned_ami_id(self.ami_name, child),
-                    operating_system=eks.OperatingSystem.AL2023,
-                )
-            else:
-                extra.update(ami_type=AMI_TYPE, gpu=True, release_version=args.ami_release_version)
-            extra["subnet_ids"] = args.subnet_ids
-            eks.ManagedNodeGroup(f"{name}-ng", opts=child, **common, **extra)
+        # Our own launch template for every pool (module docstring). The AMI is pinned by the
+        # stack's amiReleaseVersion: the template names no image, so EKS picks it from amiType
+        # and the node group's releaseVersion.
+        lt = self._launch_template(name, args, raid, child)
+        one_zone = pool.capacity_type is CapacityType.CAPACITY_BLOCK or inst.efa
+        eks.ManagedNodeGroup(
+            f"{name}-ng",
+            # One subnet for EFA (its traffic stays in one zone) and Capacity Blocks (they live
+            # in one); every private subnet otherwise.
+            subnet_ids=[args.efa_subnet_id] if one_zone else args.subnet_ids,
+            launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
+            ami_type=AMI_TYPE,
+            gpu=True,
+            release_version=args.ami_release_version,
+            opts=child,
+            **common,
+        )
 
         self.node_group_name = group_name
         self.register_outputs({"nodeGroupName": self.node_group_name, "instanceType": inst.name})
@@ -242,7 +207,7 @@ class GpuNodePool(pulumi.ComponentResource):
     def _launch_template(
         self, name: str, args: GpuNodePoolArgs, raid: bool, child: pulumi.ResourceOptions
     ) -> aws.ec2.LaunchTemplate:
-        """The launch template of an EFA or Capacity Block pool (see the module docstring)."""
+        """The pool's launch template (see the module docstring)."""
         pool, inst = args.pool, args.pool.instance
         block = pool.capacity_type is CapacityType.CAPACITY_BLOCK
         sg_ids: list[pulumi.Input[str]] = []

@@ -70,6 +70,9 @@ class LlmServiceArgs:
     behind the NLB the forwarding nodes' addresses (infra/k8s/api_access.py)."""
     upgrade_strategy: str
     """RayService upgrade strategy (KubeRay's `upgradeStrategy.type`)."""
+    region: str | None = None
+    """The stack's AWS region (aws:region): the Ray pods' AWS_REGION / AWS_DEFAULT_REGION, so
+    their SDKs never ask the instance metadata service, which pods cannot reach."""
     api_keys: pulumi.Output[str] | None = None
     """Secret: comma-separated API keys, delivered as a Kubernetes Secret."""
     fallback_api_key: pulumi.Output[str] | None = None
@@ -313,6 +316,7 @@ def create_rayservice(
         redis_password=secrets.redis_password,
         gcs_redis_address=redis_ref,
         upgrade_strategy=args.upgrade_strategy,
+        region=args.region,
         service_name=service_name,
         head_cpus=args.head_cpus,
         cold_start_s=dict(args.cold_start_s),

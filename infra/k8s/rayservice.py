@@ -102,6 +102,14 @@ NCCL_EFA_ENV = {"NCCL_NET_PLUGIN": "ofi"}
 REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
 SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
+# The stack's region, for every AWS SDK in the Ray pods: the nodes' instance metadata is out of
+# a pod's reach (hop limit 1, infra/components/launch_templates.py), so an SDK that looked the
+# region up there would wait for IMDS and fail. AWS_REGION is the variable of the AWS SDKs
+# (Go, Java, JavaScript, C++: the Run:ai streamer's S3 client); botocore, which Ray's S3
+# working_dir download and the streamer's listing use, reads AWS_DEFAULT_REGION only
+# (botocore/configprovider.py, `region`).
+REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
+
 
 def gcs_uses_tls(address: str | None) -> bool:
     """Whether Ray talks TLS to this GCS Redis address (Ray needs the `rediss://` form)."""
@@ -144,6 +152,8 @@ class RayServiceInputs:
     redis_password: SecretRef | None = None
     gcs_redis_address: str | None = None
     upgrade_strategy: str = "NewCluster"
+    # The stack's AWS region (aws:region): every Ray container's REGION_ENV; None sets none.
+    region: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Request tracing (observability.tracing): every Ray pod exports Serve's spans and every
     # engine vLLM's to this collector; None renders none of it (infra/k8s/tracing.py).
@@ -299,6 +309,11 @@ def _data_plane_env(inp: RayServiceInputs) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in inp.serving.ray_env().items()]
 
 
+def _region_env(inp: RayServiceInputs) -> list[dict[str, str]]:
+    """The stack's region under every name the pods' AWS SDKs read (REGION_ENV)."""
+    return [{"name": var, "value": inp.region} for var in REGION_ENV] if inp.region else []
+
+
 def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
     """How long Ray drains a pod's node on SIGTERM (old cluster deleted, pod evicted, node
     drained) before it kills the node's processes: long enough for the node's Serve replicas and
@@ -327,6 +342,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
     env.append(_node_drain_env(inp))
     env.extend(_data_plane_env(inp))
+    env.extend(_region_env(inp))
     volumes: list[dict[str, Any]] = [{"name": "ray-tmp", "emptyDir": {"sizeLimit": "20Gi"}}]
     mounts: list[dict[str, Any]] = [{"name": "ray-tmp", "mountPath": "/tmp/ray"}]
     _add_tracing(inp, "head", env, volumes, mounts)
@@ -427,6 +443,7 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
     env.append(_node_drain_env(inp))
     env.extend(_data_plane_env(inp))
+    env.extend(_region_env(inp))
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
         {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},

@@ -14,12 +14,11 @@ import pytest
 import yaml
 
 from infra import catalog, config, versions
-from infra.components.gpu_node_pool import AMI_TYPE, nvidia_ami_name
+from infra.components.gpu_node_pool import AMI_TYPE
 from infra.k8s.labels import ROLE_LABEL
 from infra.paths import ROOT
 from tests.conftest import STACKS
 from tests.upstream import mng_image
-from tools import mock_runtime
 
 MNG = "eks:index:ManagedNodeGroup"
 LAUNCH_TEMPLATE = "aws:ec2/launchTemplate:LaunchTemplate"
@@ -83,13 +82,8 @@ def test_gpu_pools_efa_taint_label_ami(stack):
         assert inp["instanceTypes"] == [inst.name]
         # The AL2023 NVIDIA AMI of the pinned release (tests/infra/components/test_ami_pin_contract.py).
         image = mng_image(inp)
-        assert image["pinned"], (role, image)
-        if image["source"] == "amiId":
-            assert inp["amiId"] == mock_runtime.mock_ami_id(
-                nvidia_ami_name(cfg.kubernetes_version, cfg.ami_release_version)
-            )
-        else:
-            assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
+        assert image["pinned"] and image["source"] == "eks-release", (role, image)
+        assert inp["amiType"] == AMI_TYPE == "AL2023_x86_64_NVIDIA"
         assert inp["taints"] == [{"key": "nvidia.com/gpu", "value": "true", "effect": "NO_SCHEDULE"}]
         # The role, and the Cluster Autoscaler's GPU label (test_node_autoscaler.py, GPU contract).
         assert inp["labels"][ROLE_LABEL] == role and set(inp["labels"]) == {ROLE_LABEL, "k8s.amazonaws.com/accelerator"}
@@ -99,25 +93,23 @@ def test_gpu_pools_efa_taint_label_ami(stack):
             pools[role].desired_size,
             pools[role].max_size,
         )
+        # Our own launch template for every pool (pulumi-eks's have no `encrypted` and hop limit 2:
+        # test_efa_node_template_contract.py, test_imds_contract.py).
+        assert not inp.get("enableEfaSupport") and not inp.get("enableIMDSv2")
+        lt = _template_of(stack.result, group).inputs
+        assert lt["metadataOptions"]["httpTokens"] == "required"
+        assert inp["releaseVersion"] == cfg.ami_release_version
+        user_data = _user_data(_template_of(stack.result, group))
+        if inst.nvme_disks:
+            assert "RAID0" in user_data
         if inst.efa:
-            # Our own launch template (pulumi-eks's has no `encrypted`: test_efa_launch_template_contract.py).
-            assert not inp.get("enableEfaSupport") and not inp.get("enableIMDSv2")
-            lt = _template_of(stack.result, group).inputs
-            assert lt["metadataOptions"]["httpTokens"] == "required"
             assert len(lt["networkInterfaces"]) == inst.efa_interfaces
             assert lt["placement"]["groupName"], "EFA pools run in a cluster placement group"
             assert inp["subnetIds"] == [f"{efa_subnet.name}-id"], "EFA pools live in one zone"
-            assert inp["releaseVersion"] == cfg.ami_release_version
-            user_data = _user_data(_template_of(stack.result, group))
             assert "LimitMEMLOCK=infinity" in user_data
-            if inst.nvme_disks:
-                assert "RAID0" in user_data
         else:
-            assert inp["enableIMDSv2"] is True
-            assert not inp.get("enableEfaSupport")
+            assert not lt.get("placement") and "LimitMEMLOCK" not in user_data
             assert len(inp["subnetIds"]) == len(cfg.availability_zones)
-            if inst.nvme_disks:
-                assert "RAID0" in inp["nodeadmExtraOptions"][0]["content"]
 
 
 def test_p5_and_p4de_pools_have_efa(rendered_stacks):

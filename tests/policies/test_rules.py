@@ -275,16 +275,26 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         "eks-system",
         # The system nodes boot from the stack's template (IMDSv2 there); without it, IMDSv1.
         lambda i: i.pop("launchTemplate"),
-        "enableIMDSv2=True",
+        "httpPutResponseHopLimit 1",
     ),
     (
-        "gpu-imdsv1",
+        "gpu-pulumi-eks-imdsv2",
         "nodes-imdsv2-required",
         "dev",
         rules.EKS_MNG,
         "gpu-decode-ng",
-        lambda i: i.update(enableIMDSv2=False),
-        "httpTokens 'required'",
+        # pulumi-eks's own template for enableIMDSv2 has hop limit 2 (tests.upstream.mng_metadata_options).
+        lambda i: (i.pop("launchTemplate"), i.update(enableIMDSv2=True)),
+        "hop limit of 2",
+    ),
+    (
+        "template-hop-limit-2",
+        "nodes-imdsv2-required",
+        "prod",
+        rules.LAUNCH_TEMPLATE,
+        "gpu-prefill-lt",
+        lambda i: i["metadataOptions"].update(httpPutResponseHopLimit=2),
+        "httpPutResponseHopLimit is 2",
     ),
     (
         "template-imdsv1",

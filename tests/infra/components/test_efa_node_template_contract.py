@@ -157,9 +157,22 @@ def test_the_memlock_rule_bites():
     assert "daemon-reload" in MEMLOCK_SCRIPT and CONTAINERD_MEMLOCK_DROP_IN.startswith(CONTAINERD_DROP_IN_DIR + "/")
 
 
-def test_non_efa_pools_are_left_to_pulumi_eks(rendered_stacks):
-    """g5/g6e pools (dev) keep pulumi-eks's options: no EFA, so no memlock need and no placement."""
+def test_non_efa_pools_boot_from_the_stacks_own_template_too(rendered_stacks):
+    """g5/g6e pools (dev, platform): the stack's template (pulumi-eks's would leave the root
+    volume unencrypted and the metadata hop limit at 2), with no EFA interface, no placement
+    group and no memlock drop-in."""
+    seen = 0
     for rendered in rendered_stacks.values():
+        templates = _templates(rendered.result)
         for group in _gpu_groups(rendered.result).values():
-            if not catalog.lookup(group.inputs["instanceTypes"][0]).efa:
-                assert not group.inputs.get("launchTemplate") and group.inputs["enableIMDSv2"] is True
+            if catalog.lookup(group.inputs["instanceTypes"][0]).efa:
+                continue
+            seen += 1
+            assert not group.inputs.get("enableIMDSv2") and not group.inputs.get("enableEfaSupport")
+            assert mng_root_volume(group.inputs, templates) == {"source": "own-template", "encrypted": True}
+            lt = templates[group.inputs["launchTemplate"]["id"]]
+            assert not lt.get("placement")
+            assert all("interfaceType" not in n for n in lt.get("networkInterfaces") or [])
+            user_data = base64.b64decode(lt["userData"]).decode() if lt.get("userData") else ""
+            assert "LimitMEMLOCK" not in user_data
+    assert seen
