@@ -365,11 +365,10 @@ def test_network_policies_admit_spans_only_from_the_llm_namespace(stack):
 @pytest.fixture(scope="module")
 def untraced():
     asyncio.set_event_loop(asyncio.new_event_loop())
-    values, secrets, others = stackfile.read("prod")
+    values, secrets, others = stackfile.read_as_deployed("prod")  # its secrets set (stand-ins)
     values = copy.deepcopy(values)
     values["observability"] = {"tracing": {"enabled": False}}
-    values.setdefault("apiKeys", "stand-in-api-keys")
-    return mock_runtime.run("prod", values, secrets | {"apiKeys"}, others)
+    return mock_runtime.run("prod", values, secrets, others)
 
 
 def test_tracing_off_renders_none_of_it(untraced):
