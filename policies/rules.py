@@ -397,8 +397,7 @@ def check_imdsv2(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[st
             return  # the template carries the metadata options; it is checked itself
         if props.get("enableIMDSv2") is not True:
             yield (
-                "nodes accept IMDSv1 (pods could read the node role's credentials with a plain GET): "
-                f"{_TEMPLATE_FIX}"
+                f"nodes accept IMDSv1 (pods could read the node role's credentials with a plain GET): {_TEMPLATE_FIX}"
             )
         else:
             # pulumi-eks's template for enableIMDSv2 hard-codes httpPutResponseHopLimit 2
