@@ -1,7 +1,7 @@
 """The composition root: read and validate the stack config, then wire the components.
 
-What flows through here: Pulumi's config for this stack -> `infra.config.load` (one line
-naming the stack file and key on any error, before anything is registered) -> Network ->
+What flows through here: Pulumi's config for this stack -> `infra.plan.stack.load` (one
+line naming the stack file and key on any error, before anything is registered) -> Network ->
 the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
 node pool per `nodePools` entry (one-model stacks: prefill and decode) -> device plugins and
 the KubeRay operator -> the LLM service -> observability (metrics pipeline, GPU metrics,
@@ -21,7 +21,7 @@ from infra.components.network import Network, NetworkArgs
 from infra.components.node_autoscaler import NodeAutoscaler, NodeAutoscalerArgs
 from infra.components.observability import ObservabilityArgs, ObservabilityStack
 from infra.components.worker_image import WorkerImage, WorkerImageArgs
-from infra.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance, load
+from infra.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance
 from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
@@ -29,6 +29,7 @@ from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.k8s.tracing import export_for
 from infra.paths import stack_file
 from infra.plan.planning import KvLink, cold_start_seconds, kv_link, model_view, stack_head
+from infra.plan.stack import load
 from infra.sizing.head import HEAD_BASE_VCPUS
 from serving.spec import Mode
 

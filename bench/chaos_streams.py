@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 
 from bench import hops
+from bench.replicas import replica_processes, wait_healthy
 from bench.sse import Streamed, stream_request
 
 NAMES = ("migrate-decode", "scale-in")
@@ -101,7 +102,6 @@ async def _counted_round(ctx: Any, fault: Any) -> dict[str, Any]:
 
 async def migrate_decode_scenario(ctx: Any) -> dict[str, Any]:
     """SIGKILL one decode replica under STREAMS long streams."""
-    from bench.chaos import replica_processes, wait_healthy
 
     killed: list[int] = []
 
@@ -135,7 +135,6 @@ def _with_decode_replicas(config: dict[str, Any], n: int) -> dict[str, Any]:
 
 async def scale_in_scenario(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
     """A Serve config update takes decode from 2 replicas to 1 under STREAMS long streams."""
-    from bench.chaos import wait_healthy
     from local.cluster import deploy
     from local.decode_autoscale import decode_replicas
 

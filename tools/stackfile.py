@@ -16,7 +16,8 @@ from typing import Any
 import yaml
 
 from infra import paths
-from infra.config import PROJECT, SECRET_KEYS, ConfigError, StackConfig, load
+from infra.config import PROJECT, SECRET_KEYS, ConfigError, StackConfig
+from infra.plan.stack import load
 
 # PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
 # tests render throwaway files from a temporary folder); messages still say stacks/<file>.

@@ -36,6 +36,15 @@ def cross_field(errors: list[tuple[str, str]]) -> ValueError:
     return ValueError(CROSS_SEP.join(f"@{key}@ {msg}" for key, msg in errors))
 
 
+def cross_line(source: str, errors: list[tuple[str, str]]) -> str:
+    """(key, message) pairs of cross-field checks as one line naming the file, the first first."""
+    (key, msg), *more = errors
+    line = f"{source}: {key}: {msg}"
+    if more:
+        line += f" (and {len(more)} more: " + "; ".join(f"{k}: {v}" for k, v in more) + ")"
+    return line
+
+
 def _loc(loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     for p in loc:
@@ -75,11 +84,7 @@ def one_line(source: str, err: ValidationError, data: Any = None) -> str:
             msg = msg[len(prefix) :]
     if msg.startswith("@"):  # cross-field checks name their own keys; all of them, on one line
         found = [re.match(r"^@([^@]+)@ (.*)$", part, flags=re.S) for part in msg.split(CROSS_SEP)]
-        first, *more = [(m.group(1), m.group(2)) for m in found if m]
-        line = f"{source}: {first[0]}: {first[1]}"
-        if more:
-            line += f" (and {len(more)} more: " + "; ".join(f"{k}: {v}" for k, v in more) + ")"
-        return line
+        return cross_line(source, [(m.group(1), m.group(2)) for m in found if m])
     key = _loc(loc) or "(top level)"
     if e["type"] == "extra_forbidden":
         return f"{source}: {key}: unknown key (check the spelling against docs/configuration.md)"

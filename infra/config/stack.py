@@ -36,7 +36,6 @@ from infra.config.pools import CapacityType, LocalStorage, NodePool, NodePools, 
 from infra.config.secrets import SECRET_KEYS
 from infra.config.service import ImageBuild, ServiceExposure, ServiceKeys, UpgradeStrategy
 from infra.config.serving import ServingKeys
-from infra.sizing.head import stack_head_errors
 
 __all__ = [
     "EMPTY_MEANS_UNSET",
@@ -107,8 +106,7 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
             # Does each model fit its pools' GPUs (weights, one maxModelLen sequence of KV cache)?
             *served.fit_problems(self),
         ]
-        # The head's sizing reads the capacity plan, which assumes every check above passed.
-        errors = errors or stack_head_errors(self)
+        # The head's sizing reads the capacity plan: infra.plan.stack.load checks it after these.
         if errors:
             raise cross_field(errors)
         return self

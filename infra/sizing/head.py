@@ -6,8 +6,8 @@ the serving mode, the system node instance type and `FRONT_DOOR_CPU` (the measur
 per data plane: CPU-ms per request of Serve's HTTP proxy (and HAProxy) and of the ingress
 replicas, with its date, machine and source) -> `HeadSizing`: vCPUs the front door keeps
 busy, vCPUs the head pod needs, ingress replicas needed, and what one system node can give
-the head pod -> `format_head` (the plan's text) and `head_errors` (the stack config's
-refusal, one line naming the key).
+the head pod -> `format_head` (the plan's text) and `head_errors` (the stack's refusal,
+one line naming the key, through `infra.plan.stack.load`).
 
 The arithmetic, for a planned rate R (requests/s), proxy and ingress CPU-ms per request p
 and i, and a target utilization U:
@@ -28,12 +28,8 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from infra import catalog
-
-if TYPE_CHECKING:
-    from infra.config import StackConfig
 
 
 @dataclass(frozen=True)
@@ -247,12 +243,3 @@ def format_head(h: HeadSizing | None) -> list[str]:
         f"{h.ingress_replicas} (maxReplicas {h.ingress_max_replicas}): {ok}",
         f"         CPU figure: {h.figure.kind}; {h.figure.measured}, {h.figure.machine} (docs/capacity.md)",
     ]
-
-
-def stack_head_errors(cfg: StackConfig) -> list[tuple[str, str]]:
-    """The stack config's check: the head sizing at the plan's planned rate (none when the
-    model's shape, and so the roofline, is unknown)."""
-    from infra.plan.planning import stack_head
-
-    h = stack_head(cfg)
-    return [] if h is None else head_errors(h)

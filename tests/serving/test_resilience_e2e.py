@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from bench import chaos, hops, prefill_mode
+from bench import chaos, hops, prefill_mode, replicas
 from serving.core.failures import Reason
 from serving.core.metrics import LOCAL_PREFILLS
 
@@ -93,7 +93,7 @@ def test_prefill_killed_under_streamed_load_costs_no_request_and_pd_comes_back(s
         t0 = time.monotonic()
         async with chaos.Load(url, stack.api_key, 4, t0, model=stack.model) as load:
             await asyncio.sleep(5)
-            victims = chaos.replica_processes(stack.proc.pid, ":Prefill:")
+            victims = replicas.replica_processes(stack.proc.pid, ":Prefill:")
             assert victims, "no prefill replica process under the stack"
             os.kill(victims[0].pid, signal.SIGKILL)
             fault_at = time.monotonic() - t0
@@ -116,7 +116,7 @@ def test_prefill_killed_under_streamed_load_costs_no_request_and_pd_comes_back(s
         assert set(fallbacks) <= {r.value for r in Reason}, fallbacks
     finally:
         # Leave the shared stack as we found it: the prefill replica running again.
-        asyncio.run(chaos.wait_healthy(dashboard, ":Prefill:", 1, timeout=600, dead_pid=dead))
+        asyncio.run(replicas.wait_healthy(dashboard, ":Prefill:", 1, timeout=600, dead_pid=dead))
     # The designed state, not only answers: requests are prefilled remotely again.
     _back_to_remote_prefill(stack, url)
 

@@ -10,6 +10,7 @@ import pytest
 
 from infra import config
 from infra.plan import planning
+from infra.plan.stack import load
 from infra.sizing import head as head_sizing
 from infra.sizing.head import FRONT_DOOR_CPU, HEAD_BASE_VCPUS, TARGET_UTILIZATION, front_door_cpu
 from tools import stackfile
@@ -24,7 +25,7 @@ def prod():
 
 
 def _load(values, secrets):
-    return config.load(values, secret_keys=secrets, source=SOURCE)
+    return load(values, secret_keys=secrets, source=SOURCE)
 
 
 def _error(values, secrets) -> str:
@@ -140,7 +141,7 @@ def test_a_size_the_rule_cannot_read_is_refused_with_the_key(prod):
 @pytest.mark.parametrize("stack", stackfile.stacks())
 def test_shipped_stacks_carry_their_planned_rate(stack):
     values, secrets, _ = stackfile.read_as_deployed(stack)
-    cfg = config.load(values, secret_keys=secrets, source=stack)
+    cfg = load(values, secret_keys=secrets, source=stack)
     head = planning.plan(cfg).head
     assert head is None or not head_sizing.head_errors(head)
 
@@ -185,3 +186,12 @@ def test_every_data_plane_has_a_measured_figure_for_every_mode():
         for mode in (Mode.DISAGGREGATED, Mode.AGGREGATED):
             proxy, ingress = fig.per_request_ms(mode.value)
             assert proxy > 0 and ingress > 0
+
+
+def test_the_head_check_reads_the_plan_after_the_configs_own_checks(prod):
+    """The config's own load accepts a head too small for the planned rate (the config never
+    reads the plan); the stack loader that pulumi up and the tools use refuses it."""
+    values, secrets = prod
+    values["systemNodes"] = {**values.get("systemNodes", {}), "instanceType": "m7i.large"}
+    assert config.load(values, secret_keys=secrets, source=SOURCE).system_nodes.instance_type == "m7i.large"
+    assert "systemNodes" in _error(values, secrets)

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from bench import chaos
+from bench import replicas
 from bench.sse import Streamed, stream_request
 from local.config import LOCAL_DECODE_TARGET
 from serving.core.metrics import STREAM_MIGRATIONS
@@ -107,7 +107,7 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
         async with Clients(stack, 3 * LOCAL_DECODE_TARGET) as load:
             await _until(lambda running, _all: running >= 2, SCALE_OUT_WITHIN_S, "2 running decode replicas", seen)
             await asyncio.sleep(3)  # every client mid-stream
-            victims = chaos.replica_processes(stack.proc.pid, ":Decode:")
+            victims = replicas.replica_processes(stack.proc.pid, ":Decode:")
             assert len(victims) >= 2, f"expected two decode replica processes, found {len(victims)}"
             os.kill(victims[0].pid, signal.SIGKILL)
             await asyncio.sleep(10)
