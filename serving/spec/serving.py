@@ -19,9 +19,10 @@ adds an application and changes the ingress's user_config: no other model's engi
 The spec's parts live in serving/spec/base.py (constants, base model, enums),
 serving/spec/roles.py (model, roles, KV transfer, deadlines, SLOs), serving/spec/models.py
 (pools per role, LoRA, the `serving.models` entry), serving/spec/hybrid.py (fallback, limits)
-and serving/spec/target.py (where it runs); this module composes them, renders, and
-re-exports them (the spec's one public surface). pydantic and the standard library only: the Pulumi program imports it, and
-the Pulumi program must not need Ray or vLLM.
+and serving/spec/target.py (where it runs); this module composes them and re-exports them
+(the spec's one public surface); serving/spec/render.py writes the result for Ray. pydantic
+and the standard library only: the Pulumi program imports it, and the Pulumi program must not
+need Ray or vLLM.
 """
 
 from __future__ import annotations
@@ -31,40 +32,23 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_validator, model_validator
 
+from serving.spec import render
 from serving.spec.base import (
-    API_KEYS_ENV,
-    APP_IMPORT_PATH,
-    APP_NAME,
-    EAGER_SERVER_CLS,
-    FIRST_CHUNK_KEY,
     HAPROXY_HARD_STOP_ENV,
-    MODEL_APP_IMPORT_PATH,
-    MODEL_APP_PREFIX,
-    MODELS_MODE,
-    PREFIX_ROUTER_CLS,
     PROXY_TIMEOUT_MARGIN_S,
     RESERVED_ENGINE_KWARGS,
     SERVE_PORT,
-    SERVING_ENV,
     VLLM_DEFAULT_KV_LEASE_S,
     AuthMode,
     DataPlane,
-    FirstChunk,
-    KvBackend,
     KvConnector,
     Mode,
-    MoeParallelism,
-    Router,
     SpecModel,
 )
 from serving.spec.drain import DrainPlan
 from serving.spec.hybrid import (
-    FALLBACK_API_KEY_ENV,
-    INGRESS_DEPLOYMENT,
     FallbackSpec,
-    KeyLimitSpec,
     LimitsSpec,
-    RateLimitSpec,
 )
 from serving.spec.models import (
     PER_MODEL_KEYS,
@@ -83,7 +67,6 @@ from serving.spec.roles import (
     SloSpec,
     StreamingSpec,
 )
-from serving.spec.scaling import policy_config, slo_thresholds
 from serving.spec.target import Target
 
 # The validation context of one entry's spec inside the many-model form (`for_entry`): what
@@ -328,290 +311,33 @@ class ServingSpec(SpecModel):
             return {"decode": self.decode}
         return {"prefill": self.prefill, "decode": self.decode}
 
-    # --- rendering ----------------------------------------------------------------------
-    def _model_source(self) -> str | dict[str, str]:
-        # Ray Serve LLM reads a bucket through its mirror config; a repo id or path as is.
-        src = self.model.source
-        return {"bucket_uri": src} if src.startswith("s3://") else src
-
-    def _llm_config(self, role: str, spec: RoleSpec, target: Target) -> dict[str, Any]:
-        label = self.pool_label(role)
-        engine_kwargs: dict[str, Any] = {
-            "dtype": self.model.dtype.value,
-            "max_model_len": self.model.max_model_len,
-            "tensor_parallel_size": spec.tensor_parallel_size,
-            "pipeline_parallel_size": spec.pipeline_parallel_size,
-            # Prompts stay out of the logs (Ray 2.60 defaults this to False in
-            # engines/vllm/vllm_models.py; stated here so that no default can flip it).
-            "enable_log_requests": False,
-        }
-        if spec.data_parallel_size > 1:
-            # Ray Serve LLM's P/D builder switches to its DP servers on this key
-            # (serving_patterns/prefill_decode/builder.py: DPPDPrefillServer / DPPDDecodeServer).
-            engine_kwargs["data_parallel_size"] = spec.data_parallel_size
-        if spec.moe_parallelism is MoeParallelism.EXPERT:
-            engine_kwargs["enable_expert_parallel"] = True
-        if not target.cpu:
-            engine_kwargs["gpu_memory_utilization"] = self.model.gpu_memory_utilization
-        if target.traces_endpoint:
-            engine_kwargs["otlp_traces_endpoint"] = target.traces_endpoint
-        if self.mode is Mode.DISAGGREGATED:
-            kv: dict[str, Any] = {
-                "kv_connector": self.kv_transfer.connector.value,
-                "kv_role": self._kv_role(role),
-                "kv_buffer_device": "cpu" if target.cpu else self.kv_transfer.buffer_device.value,
-                "kv_load_failure_policy": self.kv_transfer.load_failure_policy.value,
-            }
-            backend = self.kv_transfer.requested_backend or target.kv_backend
-            extra = dict(self.kv_transfer.extra_config)
-            if self.kv_transfer.lease_duration_s is not None:
-                extra["kv_lease_duration"] = self.kv_transfer.lease_duration_s
-            # Always explicit: vLLM's NixlConnector defaults to UCX, which on EFA silently
-            # falls back to TCP (ai-dynamo/nixl#909); the policy pack reads this key.
-            kv["kv_connector_extra_config"] = {**extra, "backends": [KvBackend(backend).value]}
-            engine_kwargs["kv_transfer_config"] = kv
-        engine_kwargs.update(self.model.loading.engine_kwargs(self.model.source))
-        if self.lora is not None:
-            engine_kwargs.update(self.lora.engine_kwargs())
-        engine_kwargs.update(self.engine_kwargs)
-
-        autoscaling: dict[str, Any] = {
-            "min_replicas": spec.min_replicas,
-            "max_replicas": spec.max_replicas,
-            "target_ongoing_requests": spec.target_ongoing_requests,
-            "upscale_delay_s": spec.upscale_delay_s,
-            "downscale_delay_s": spec.downscale_delay_s,
-        }
-        if spec.initial_replicas is not None or spec.min_replicas == 0:
-            autoscaling["initial_replicas"] = spec.starting_replicas
-        policy = self._policy(role, spec, target)
-        if policy is not None:
-            autoscaling["policy"] = policy
-        # One bundle per GPU worker of one Serve replica (a DP rank): vLLM's Ray executor starts
-        # one worker per GPU bundle (vllm/v1/executor/ray_executor.py), so bundles are never
-        # per node.
-        bundles = spec.gpus_per_rank
-        config: dict[str, Any] = {
-            "model_loading_config": {"model_id": self.model.id, "model_source": self._model_source()},
-            "engine_kwargs": engine_kwargs,
-            "deployment_config": {
-                "autoscaling_config": autoscaling,
-                "max_ongoing_requests": spec.max_ongoing_requests,
-                "max_queued_requests": spec.max_queued_requests,
-                # Scale-in and restarting updates let the replica's streams finish (serving/spec/drain.py).
-                **self.drain().deployment_options("prefill" if role == "prefill" else "engine"),
-                # One selector per placement-group bundle (one bundle per GPU/worker).
-                "placement_group_bundle_label_selector": [{self.placement.label_key: label} for _ in range(bundles)],
-            },
-        }
-        if self.lora is not None:
-            # The same path on both P/D legs (Ray's PDServingArgs refuses a mismatch).
-            config["lora_config"] = self.lora.llm_config()
-        if spec.router is Router.PREFIX_CACHE_AFFINITY:
-            config["deployment_config"]["request_router_config"] = {"request_router_class": PREFIX_ROUTER_CLS}
-        config["experimental_configs"] = {
-            "stream_batching_interval_ms": self.streaming.batch_interval_ms,
-            # Read by serving.engines.streaming's mixin, wherever a server class carries it.
-            FIRST_CHUNK_KEY: self.streaming.first_chunk.value,
-        }
-        if self.streaming.first_chunk is FirstChunk.EAGER and self.mode is Mode.AGGREGATED:
-            # Ray's P/D builder fixes the decode class (PDDecodeServer): server_cls counts for
-            # the aggregated engine only.
-            config["server_cls"] = EAGER_SERVER_CLS
-        if target.cpu:
-            config["accelerator_config"] = {"kind": "cpu"}
-        else:
-            config["accelerator_type"] = target.role_accelerator_types.get(role, target.accelerator_type)
-        config["runtime_env"] = {"env_vars": {**dict(target.engine_env), **SERVING_ENV}}
-        return config
-
-    def _policy(self, role: str, spec: RoleSpec, target: Target) -> dict[str, Any] | None:
-        # The aggregated engine runs under the decode role and its policy.
-        planned = dict(slo_thresholds(role, self.slo.ttft_seconds, self.slo.itl_seconds, spec.target_ongoing_requests))
-        planned.update(target.role_thresholds.get(role, {}))
-        return policy_config(
-            role,
-            spec.signals,
-            planned,
-            target_ongoing=spec.target_ongoing_requests,
-            metrics_selector=target.metrics_selectors.get(role),
-        )
-
-    def _kv_role(self, role: str) -> str:
-        # Prefill produces KV, decode consumes it, for both NIXL connectors: vLLM deprecates
-        # kv_both for NIXL (NixlBaseConnector.__init__, 0.29 and 0.32: "set kv_role='kv_producer'
-        # for prefill instances and kv_role='kv_consumer' for decode instances"), and the push
-        # connector keys decode's checks on kv_consumer (a PP decode is refused there). A
-        # consumer still prefills a request that carries no kv_transfer_params itself, which is
-        # what local prefill on decode relies on (the transfer direction comes from the params).
-        return "kv_producer" if role == "prefill" else "kv_consumer"
-
+    # --- rendering (serving/spec/render.py) -------------------------------------------
     def engine_args(self, target: Target) -> dict[str, Any]:
-        """One model's engines as Ray Serve LLM's builders take them: `llm_configs` (aggregated,
-        build_openai_app) or `prefill_config` and `decode_config` (build_pd_openai_app)."""
-        roles = self.engine_roles()
-        if self.mode is Mode.AGGREGATED:
-            return {"llm_configs": [self._llm_config("decode", roles["decode"], target)]}
-        return {
-            "prefill_config": self._llm_config("prefill", roles["prefill"], target),
-            "decode_config": self._llm_config("decode", roles["decode"], target),
-        }
+        """One model's engines as Ray Serve LLM's builders take them (render.engine_args)."""
+        return render.engine_args(self, target)
 
     def app_args(self, target: Target) -> dict[str, Any]:
-        """The `args` of the front door application: what serving.app:build_app receives.
-
-        One-model form: `mode` and that model's engine args (unchanged). Many-model form:
-        `mode: models` and the shared keys only (the models are in the ingress's user_config
-        and in their own applications: `model_app_args`), so adding a model leaves them alone.
-        """
-        ingress: dict[str, Any] = {
-            "autoscaling_config": {
-                "min_replicas": self.ingress.min_replicas,
-                "max_replicas": self.ingress.max_replicas,
-            },
-            "max_ongoing_requests": self.ingress.max_ongoing_requests,
-            "max_queued_requests": self.ingress.max_queued_requests,
-            **self.drain().deployment_options("ingress"),
-            "ray_actor_options": {
-                "label_selector": {self.placement.label_key: self.placement.head},
-                # The head offers no CPUs to Serve replicas (it must not take model work);
-                # the ingress is I/O-bound and asks for none.
-                "num_cpus": 0,
-            },
-        }
-        ingress["ray_actor_options"]["runtime_env"] = {"env_vars": {**dict(target.ingress_env), **SERVING_ENV}}
-        args: dict[str, Any] = {
-            "auth": {"mode": self.auth.value, "api_keys_env": API_KEYS_ENV},
-            # decode serves every request's tokens (the aggregated engine is the decode role).
-            "resilience": self.resilience.runtime_args(target.cold_start_s.get("decode")),
-            "ingress_deployment_config": ingress,
-            "max_body_bytes": self.ingress.max_body_mib << 20,
-        }
-        if not self.many:
-            return {"mode": self.mode.value, **args, **self.engine_args(target)}
-        return {"mode": MODELS_MODE, **args}
+        """The `args` of the front door application (render.app_args)."""
+        return render.app_args(self, target)
 
     def model_app_args(self, target: Target) -> dict[str, Any]:
-        """The `args` of one model's own application (many-model form; `self` is one of
-        `served`): what serving.app:build_model_app receives."""
-        return {
-            "model_id": self.model.id,
-            "mode": self.mode.value,
-            "resilience": self.resilience.runtime_args(),
-            **self.engine_args(target),
-        }
+        """The `args` of one model's own application (render.model_app_args)."""
+        return render.model_app_args(self, target)
 
     def model_table(self) -> list[dict[str, Any]]:
-        """The front door's view of the models (ingress user_config `models`), in order: the id
-        clients send, the application and mode that serve it, its context length (its card in
-        `/v1/models`) and its adapters' path."""
-        return [
-            {
-                "model_id": m.model.id,
-                "app_name": MODEL_APP_PREFIX + m.model.id,
-                "mode": m.mode.value,
-                "max_model_len": m.model.max_model_len,
-                "lora_path": m.lora.adapters_path if m.lora is not None else None,
-            }
-            for m in self.served
-        ]
+        """The front door's view of the models, in order (render.model_table)."""
+        return render.model_table(self)
 
     def ingress_user_config(self) -> dict[str, Any]:
-        """The ingress deployment's user_config: the fallback, and the per-key limits and
-        model access (snake_case, read by serving.ingress.limits.LimitsConfig.from_user_config).
-
-        A user_config change reaches the running ingress through `reconfigure` (Serve's
-        lightweight update); application `args` changes rebuild every deployment, engines
-        included. So what operators tune (limits, provider) lives here, not in args.
-        """
-        fb = self.fallback
-        fallback = None
-        if fb is not None:
-            fallback = {
-                "base_url": fb.base_url,
-                # Many-model form: the map names each model's provider model (spec_models).
-                "models": fb.models_for(self.model.id),
-                "when": [w.value for w in fb.when],
-                # The engine deployment the ingress calls: decode (or the aggregated engine);
-                # with several models, the smallest of their bounds.
-                "overflow_at": fb.overflow_at or min(m.decode.max_ongoing_requests for m in self.served),
-                "first_token_timeout_s": fb.first_token_timeout_s,
-                "timeout_s": fb.timeout_s,
-                "connect_timeout_s": fb.connect_timeout_s,
-                "retries": fb.retries,
-                "api_key_env": FALLBACK_API_KEY_ENV,
-                # The relay joins the provider's events as the engines batch their tokens.
-                "batch_interval_ms": self.streaming.batch_interval_ms,
-            }
-        limits = self.limits
-        return {
-            "fallback": fallback,
-            "limits": {
-                **_rates(limits),
-                # A key's own limits when its entry names one; the models it may use when listed.
-                "keys": {k: _key_entry(v) for k, v in sorted(limits.keys.items())},
-                # Every key's limits on a model, unless the key has its own.
-                "models": {m: _rates(v) for m, v in sorted(limits.models.items())},
-                "when_ledger_unreachable": limits.when_ledger_unreachable,
-                # Where the shared limits actor lives: with the ingress, on the head.
-                "label_selector": {self.placement.label_key: self.placement.head},
-            },
-        }
+        """The ingress deployment's user_config (render.ingress_user_config)."""
+        return render.ingress_user_config(self)
 
     def serve_config(
         self, target: Target, *, port: int = SERVE_PORT, model_targets: Mapping[str, Target] | None = None
     ) -> dict[str, Any]:
         """The Serve config (RayService serveConfigV2 / `serve deploy` file) for `target`
-        (and, with several models, each model's own Target by id: one application each)."""
-        user_config = self.ingress_user_config()
-        if self.many:
-            user_config["models"] = self.model_table()
-        app: dict[str, Any] = {
-            "name": APP_NAME,
-            "route_prefix": "/",
-            "import_path": APP_IMPORT_PATH,
-            "args": self.app_args(target),
-            "deployments": [{"name": INGRESS_DEPLOYMENT, "user_config": user_config}],
-        }
-        apps = [app]
-        if self.many:
-            targets = model_targets or {}
-            for m in self.served:
-                apps.append(
-                    {
-                        "name": MODEL_APP_PREFIX + m.model.id,
-                        # Not over HTTP: the front door calls it through deployment handles.
-                        "route_prefix": None,
-                        "import_path": MODEL_APP_IMPORT_PATH,
-                        "args": m.model_app_args(targets.get(m.model.id, target)),
-                    }
-                )
-        if target.working_dir:
-            for a in apps:
-                a["runtime_env"] = {"working_dir": target.working_dir}
-        return {
-            "proxy_location": target.proxy_location,
-            # Serve's own request timeout backs the ingress's total deadline up (a hung
-            # ingress still answers), a little later so the ingress's JSON error wins.
-            "http_options": {
-                "host": "0.0.0.0",
-                "port": port,
-                "request_timeout_s": self.drain().proxy_request_s,
-            },
-            "applications": apps,
-        }
-
-
-def _rates(limit: RateLimitSpec) -> dict[str, int]:
-    return {"requests_per_minute": limit.requests_per_minute, "tokens_per_minute": limit.tokens_per_minute}
-
-
-def _key_entry(entry: KeyLimitSpec) -> dict[str, Any]:
-    own = entry.own_limits
-    rendered: dict[str, Any] = _rates(own) if own is not None else {}
-    if entry.models is not None:
-        rendered["models"] = list(entry.models)
-    return rendered
+        (render.serve_config)."""
+        return render.serve_config(self, target, port=port, model_targets=model_targets)
 
 
 def pool_label(placement: PlacementSpec, pool: str) -> str:
