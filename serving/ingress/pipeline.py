@@ -34,11 +34,12 @@ from serving.core.calls import cancel_call
 from serving.core.failures import EngineRefused
 from serving.ingress.auth import ApiKeyAuth
 from serving.ingress.catalog import ModelNotFound, ModelRoute, Models, redact_storage
+from serving.ingress.dispatch import dispatch_call
 from serving.ingress.errors import SERVED_BY, answer_for, error_response, model_not_found, validation_error
 from serving.ingress.fields import refused_field
 from serving.ingress.limits import UNCHECKED, Decision, Limiter, Reservation
 from serving.ingress.migration import StreamRecord
-from serving.ingress.relay import Relay, dispatch_call
+from serving.ingress.relay import Relay
 from serving.ingress.routing import Router
 
 # A request body larger than this is refused with 413 before it is read whole (the default of

@@ -13,9 +13,7 @@ or ended with an OpenAI-style error event, the downstream call cancelled when th
 away; each packet's events decoded once, read and edited there by the migration record and
 the metering the router adds (serving.ingress.sse.EventPipeline), each encoded once.
 
-Only tracing headers reach the engines: vLLM reads `X-Vllm-Priority`, `X-Session-ID`,
-`X-data-parallel-rank` and `x-request-id` from a request's headers (vllm 0.32
-entrypoints/openai/generate/base/serving.py), and those are the server's to set.
+The call itself, and which headers cross with it: serving/ingress/dispatch.py.
 """
 
 from __future__ import annotations
@@ -40,6 +38,7 @@ from serving.core.calls import (
 )
 from serving.core.failures import EngineRefused, Reason, Unservable, classify, decode_unavailable, overloaded
 from serving.core.metrics import MigrationOutcome
+from serving.ingress.dispatch import dispatch_call
 from serving.ingress.migration import StreamRecord, not_continuable
 from serving.ingress.sse import (
     DONE,
@@ -54,10 +53,6 @@ from serving.ingress.sse import (
 from serving.spec import ResilienceSpec
 
 logger = logging.getLogger("ray.serve")
-
-# The request headers an engine may see: W3C trace context, so vLLM's spans join the
-# ingress's trace (vllm/tracing/otel.py extract_trace_context). Nothing else a client sends.
-ENGINE_HEADERS = frozenset({"traceparent", "tracestate"})
 
 
 class DecodeHealth:
@@ -211,11 +206,8 @@ async def guarded_stream(
         while True:
             cut: Reason | None = None
             if item is None:
-                # A stall counts as a cut only where a continuation can follow; elsewhere
-                # the stream may still recover before the deadline.
-                stall_s = migration.stall_timeout_s if migration and record else None
                 try:
-                    item, cut = await _next(current, deadline_at, stall_s, migration is not None, clock)
+                    item, cut = await _next(current, deadline_at, migration, clock)
                 except StopAsyncIteration:
                     break
             if cut is None:
@@ -262,10 +254,14 @@ async def guarded_stream(
 
 
 async def _next(
-    stream: Any, deadline_at: float, stall_s: float | None, cut_on_death: bool, clock: Callable[[], float]
+    stream: Any, deadline_at: float, migration: Migration | None, clock: Callable[[], float]
 ) -> tuple[Any, Reason | None]:
-    """(the stream's next item, None), or (None, why it is cut: a stall of `stall_s`, a dead
-    replica when `cut_on_death`); StopAsyncIteration at its end, TimeoutError at the deadline."""
+    """(the stream's next item, None), or (None, why it is cut: a stall of stallTimeoutS, a
+    dead replica); StopAsyncIteration at its end, TimeoutError at the deadline. A dead replica
+    is a cut wherever a migration is set up (its cut ends with an error event at least); a
+    stall only where a continuation can follow: elsewhere the stream may still recover."""
+    stall_s = migration.stall_timeout_s if migration and migration.record else None
+    cut_on_death = migration is not None
     remaining = deadline_at - clock()
     if remaining <= 0:
         raise TimeoutError
@@ -469,41 +465,3 @@ class Relay:
             self._migrations.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome.value})
 
         return Migration(record, blocked, self.cfg.migrations, self.cfg.stall_timeout_s, resume, on_outcome)
-
-
-def engine_headers(raw_request: Any) -> dict[str, str]:
-    """The headers of the client's request that an engine may see (ENGINE_HEADERS)."""
-    if raw_request is None:
-        return {}
-    return {k: v for k, v in raw_request.headers.items() if k.lower() in ENGINE_HEADERS}
-
-
-def dispatch_call(handle: Any, body: Any, call_method: str, raw_request: Any) -> Any:
-    """One streaming call to the model deployment (what OpenAiIngress._get_response does,
-    keeping hold of the response so it can be cancelled), with the allow-listed headers."""
-    from ray.serve.llm.openai_api_models import ChatCompletionRequest
-
-    from serving import ray_internals as ri
-
-    if raw_request is not None:
-        session_id = ri.session_id_from_headers(raw_request.headers)
-        if session_id:  # Serve's session-affinity routing, on the handle; not for the engine
-            handle = handle.options(session_id=session_id)
-    if isinstance(body, ChatCompletionRequest):
-        body = ri.sanitize_chat_request(body)
-    info = ri.RawRequestInfo(headers=engine_headers(raw_request)) if raw_request is not None else None
-    if info is not None:
-        _with_trace_context(info.headers)
-    return getattr(handle, call_method).remote(body, info)
-
-
-def _with_trace_context(headers: dict[str, str]) -> None:
-    """The ingress's span (Serve attaches it to OpenTelemetry's current context,
-    ray/serve/_private/tracing_utils.py) becomes the parent of the engines' spans: vLLM takes
-    `traceparent` from the headers it is handed (vllm/tracing/otel.py
-    extract_trace_context). With tracing off there is no span and nothing is written."""
-    try:
-        from opentelemetry import propagate
-    except ImportError:  # not in every image: then there are no spans either
-        return
-    propagate.inject(headers)

@@ -28,10 +28,11 @@ from starlette.responses import JSONResponse, Response
 from serving.core.calls import in_background
 from serving.ingress.auth import ApiKeyAuth
 from serving.ingress.catalog import ModelCatalog, ModelNotFound, ModelRoute, Models
+from serving.ingress.dispatch import dispatch_call
 from serving.ingress.errors import answer_for, error_response, model_not_found
 from serving.ingress.limits import Limiter, LimitsConfig, UsageMeter, get_ledger
 from serving.ingress.pipeline import DEFAULT_MAX_BODY_BYTES, FrontDoor
-from serving.ingress.relay import Relay, dispatch_call
+from serving.ingress.relay import Relay
 from serving.ingress.routing import Router
 from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec
 
