@@ -154,7 +154,7 @@ test-live-metrics: venv
 test-fast: venv light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e"
 
-# SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus (issue 29).
+# SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus.
 serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
 	$(PY) -m local --port $(PORT) $(if $(PD_MODELS),--models $(PD_MODELS)) $(if $(PD_DATA_PLANE),--data-plane $(PD_DATA_PLANE)) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
 
@@ -171,7 +171,7 @@ bench: venv
 	$(PY) -m bench.decode_autoscale --out build/bench/decode-autoscale.json
 	$(MAKE) bench-scaling
 
-# Issue 29: each role scales on its own load (local Prometheus), and scale from zero per path.
+# Each role scales on its own load (local Prometheus), and scale from zero per path.
 bench-scaling: venv $(PROMETHEUS)
 	$(PY) -m bench.role_scaling --out build/bench/role-scaling.json
 	$(PY) -m bench.cold_start --out build/bench/cold-start.json
@@ -179,7 +179,7 @@ bench-scaling: venv $(PROMETHEUS)
 bench-prefix: venv
 	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
 
-# Issue 27: the ingress's CPU per streamed event (parse, migration record, metering) against a
+# The ingress's CPU per streamed event (parse, migration record, metering) against a
 # bare passthrough beside it, in process (no Ray started; a minute or two). Not part of make bench.
 bench-ingress: venv
 	$(PY) -m bench.ingress_events

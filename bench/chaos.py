@@ -355,7 +355,7 @@ def verdicts(results: dict[str, dict]) -> dict[str, Any]:
         )
     kd = results.get("kill-decode")
     if kd:
-        # Cut streams are continued on the other decode replica (issue 25): none may fail.
+        # Cut streams are continued on the other decode replica: none may fail.
         out["kill-decode: 0 failed, 0 streams cut"] = all(p["failed"] == 0 for p in kd["phases"].values())
     out.update(chaos_streams.verdicts(results))
     ov = results.get("overload")

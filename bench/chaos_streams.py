@@ -1,4 +1,4 @@
-"""`make chaos` stream scenarios (issue 25): long answers through a decode death and a scale-in.
+"""`make chaos` stream scenarios: long answers through a decode death and a scale-in.
 
 What flows through here: the chaos stack (1 prefill + 2 decode replicas, bench/chaos.py) ->
 STREAMS streamed chat clients, one long answer each (a fixed prompt, temperature 0,

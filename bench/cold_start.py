@@ -1,4 +1,4 @@
-"""From zero decode replicas to a first token, per path (issue 29): `python -m bench.cold_start`.
+"""From zero decode replicas to a first token, per path: `python -m bench.cold_start`.
 
 What flows through here: the stand-in provider (local.provider: plain vLLM serving the
 tiny model under another name) and a local stack started with `--scale-to-zero` (decode

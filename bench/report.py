@@ -28,8 +28,8 @@ README = ROOT / "README.md"
 # The README's headline figures live between these markers and are rewritten from the JSON.
 BEGIN, END = "<!-- perf-headline:begin -->", "<!-- perf-headline:end -->"
 
-# The bars of issue 27 (ratio to plain vLLM at the same concurrency; "<=" for TTFT, ">=" for
-# tok/s); they replace issue 17's looser ones.
+# The bars (ratio to plain vLLM at the same concurrency; "<=" for TTFT, ">=" for
+# tok/s); they replace looser earlier ones.
 BARS = (
     ("disaggregated", 1, "ttft_p50_ms", "<=", 2.5),
     ("disaggregated", 16, "ttft_p50_ms", "<=", 3.0),
@@ -39,7 +39,7 @@ BARS = (
     ("aggregated", 16, "output_tok_s", ">=", 0.95),
 )
 WARM_START_BAR_S = 45
-# The bars of issue 27 on CPU: non-engine CPU-ms per request over plain vLLM's API server
+# The bars on CPU: non-engine CPU-ms per request over plain vLLM's API server
 # process's, all levels pooled.
 CPU_BARS = (("aggregated", 2.0), ("disaggregated", 3.0))
 CPU_LEVELS = ("1", "16", "all")  # the CPU tables' columns per target

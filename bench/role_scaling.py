@@ -1,4 +1,4 @@
-"""Each role scales on its own load (issue 29): `python -m bench.role_scaling`, part of `make bench`.
+"""Each role scales on its own load: `python -m bench.role_scaling`, part of `make bench`.
 
 What flows through here: a local stack started with `--signals` (disaggregated; prefill and
 decode each autoscaled 1..2 by their own policy, serving/engines/autoscaling.py, reading vLLM's

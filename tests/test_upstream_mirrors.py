@@ -1,4 +1,4 @@
-"""The hand mirrors of upstream code (tests/upstream.py) cannot drift from the pins (issue 24 item 10).
+"""The hand mirrors of upstream code (tests/upstream.py) cannot drift from the pins.
 
 What flows through here: the MIRRORS of tests/upstream.py and tests/upstream_network.py (per
 public function: repository, paths, the tag or commit it was read from, and the project pin

@@ -743,7 +743,7 @@ def efa_uses_huge_pages(env: dict[str, str]) -> bool:
     return explicit is not False
 
 
-# --- Where each mirror above was read (issue 24 item 10) ---------------------------------------
+# --- Where each mirror above was read ---------------------------------------
 # Every public function of this module names the upstream repository, the paths and the tag or
 # commit its logic was read from, and, where the project pins that upstream (a chart, an image,
 # an AMI release, a Python package), the pin's value at the time of reading. A pin that moves

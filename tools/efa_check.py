@@ -12,7 +12,7 @@ stack's version (kubernetes-validate, strict).
 
 Every EFA pool on which some model's engine replicas span nodes (TP x PP or DP x TP above one
 node's GPUs, e.g. stacks/Pulumi.deepseek-p5.yaml; aggregated models included) also gets the
-NCCL check (`infra.k8s.nccl_check`, issue 24 item 8), once per pool: an Indexed Job of two
+NCCL check (`infra.k8s.nccl_check`), once per pool: an Indexed Job of two
 pods on two nodes of that pool, an all-reduce over every GPU of both, which fails unless NCCL
 used the aws-ofi-nccl (Libfabric) network; it registers GPU memory with EFA as the engines'
 NCCL does.

@@ -1,4 +1,4 @@
-"""Refuse an AMI release whose NVIDIA driver is older than the worker image needs (issue 24 item 8).
+"""Refuse an AMI release whose NVIDIA driver is older than the worker image needs.
 
 What flows through here: a stack's `amiReleaseVersion` and its GPU pools -> `(key, message)`
 pairs for the config model's cross-field checks (one line each, naming `amiReleaseVersion`).

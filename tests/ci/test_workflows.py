@@ -365,7 +365,7 @@ def test_make_in_pulumi_jobs_runs_in_pulumis_own_light_virtualenv(pr, deploy):
 
 
 def test_every_tier_checks_the_fabric_after_its_update(deploy):
-    """issue 24 item 8: `make efa-check` (EFA, memory registration and, for multi-node stacks,
+    """`make efa-check` (EFA, memory registration and, for multi-node stacks,
     NCCL across nodes) runs right after each tier's `pulumi up`, on the stack's own image."""
     for tier in ("dev", "staging", "prod"):
         steps = deploy["jobs"][tier]["steps"]

@@ -159,7 +159,7 @@ CASES: list[Hostile] = [
         _set("serving.decode.tensorParallelSize", 6),
         "serving.decode.tensorParallelSize",
     ),
-    # Scale to zero is for dev and staging (issue 29): prod refuses it.
+    # Scale to zero is for dev and staging: prod refuses it.
     Hostile("zero-replicas-in-prod", "prod", _set("serving.prefill.minReplicas", 0), "serving.prefill.minReplicas"),
     Hostile("negative-replicas", "dev", _set("serving.decode.maxReplicas", -1), "serving.decode.maxReplicas"),
     Hostile("replicas-max-below-min", "prod", _set("serving.decode.maxReplicas", 1), "serving.decode"),
@@ -194,7 +194,7 @@ CASES: list[Hostile] = [
     Hostile("ami-release-malformed", "prod", _set("amiReleaseVersion", "latest"), "amiReleaseVersion"),
     Hostile("ami-release-other-k8s", "prod", _set("amiReleaseVersion", "1.34.9-20260714"), "amiReleaseVersion"),
     Hostile("ami-release-missing", "staging", _del("amiReleaseVersion"), "amiReleaseVersion"),
-    # No recorded NVIDIA driver for that release: refused, not guessed (issue 24 item 8).
+    # No recorded NVIDIA driver for that release: refused, not guessed.
     Hostile("ami-release-unknown-driver", "prod", _set("amiReleaseVersion", "1.35.6-20990101"), "amiReleaseVersion"),
     Hostile("redis-address-not-tls-scheme", "prod", _set("gcsRedisAddress", "http://x:6379"), "gcsRedisAddress"),
     Hostile(
@@ -289,7 +289,7 @@ CASES: list[Hostile] = [
         _set("serving.engineKwargs", {"log_level": "debug"}),
         "serving.engineKwargs",
     ),
-    # --- limits name model ids: only served ones (issue 26) -----------------------------------
+    # --- limits name model ids: only served ones -----------------------------------
     Hostile(
         "limits-key-model-not-served",
         "platform",

@@ -272,7 +272,7 @@ def test_pulumi_yaml_declares_scalar_keys_with_model_defaults():
     fields = config.StackConfig.model_fields
     by_alias = {(f.alias or name): f for name, f in fields.items()}
     # A key declared `secret: true` is required in every stack by Pulumi itself (its merged
-    # default would be plain text: "must be encrypted"); secrets stay undeclared (issue 10).
+    # default would be plain text: "must be encrypted"); secrets stay undeclared.
     assert not set(declared) & set(config.SECRET_KEYS)
     for key, decl in declared.items():
         assert key in by_alias, f"Pulumi.yaml declares {key}, which the config model does not have"

@@ -1,4 +1,4 @@
-"""The Ray image tag and the GPU driver it needs (issue 10 item 3).
+"""The Ray image tag and the GPU driver it needs.
 
 Upstream rules encoded here:
 - ray-project/ray `docker/ray-llm/Dockerfile`: ray-llm images are built for Python 3.12 with

@@ -1,6 +1,6 @@
 """`make serve PD_MODELS=2|3` (local/config.py): the many-model form rendered for this machine.
 
-The expectations come from issue 26's local clause (the tiny model P/D as before, a second
+The expectations come from what many models mean locally (the tiny model P/D as before, a second
 tiny model aggregated with the project's own LoRA adapter, one front door) and from the spec's
 one-model render of the same model, not from the many-model renderer.
 """

@@ -1,4 +1,4 @@
-"""`make serve SIGNALS=1` / `SCALE_TO_ZERO=1` (issue 29): what the local stack deploys, and the
+"""`make serve SIGNALS=1` / `SCALE_TO_ZERO=1`: what the local stack deploys, and the
 local Prometheus's scrape config checked by Prometheus's own `promtool check config`."""
 
 from __future__ import annotations

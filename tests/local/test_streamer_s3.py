@@ -1,4 +1,4 @@
-"""The Run:ai model streamer loads the tiny model from a local S3-compatible server (issue 29).
+"""The Run:ai model streamer loads the tiny model from a local S3-compatible server.
 
 What flows through here: the tiny model the project builds itself (local/tiny_model.py,
 the copy `make serve` caches) is uploaded to moto's S3 server mode on a free loopback port;

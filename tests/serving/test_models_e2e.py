@@ -1,4 +1,4 @@
-"""Many models behind one front door, for real (issue 26): `make serve PD_MODELS=2` on this CPU.
+"""Many models behind one front door, for real: `make serve PD_MODELS=2` on this CPU.
 
 Its own stack (`python -m local --models 2`: the tiny model P/D, a second model
 aggregated with the project's own LoRA adapter loaded by Ray Serve LLM from a local S3, one

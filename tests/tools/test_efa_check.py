@@ -63,7 +63,7 @@ def test_make_render_writes_the_check_for_efa_stacks_only(tmp_path: Path) -> Non
         assert (tmp_path / stack / "efa-check").is_dir() is expect
 
 
-# --- issue 24 item 8: the NCCL check rides along for stacks whose replicas span nodes ---------
+# --- the NCCL check rides along for stacks whose replicas span nodes ---------
 def test_multi_node_stacks_get_the_nccl_check_of_each_spanning_role(tmp_path: Path) -> None:
     out = _run("--stack", "deepseek-p5", "--dry-run", "--out", str(tmp_path))
     assert out.returncode == 0, out.stderr
@@ -137,7 +137,7 @@ def test_a_clean_run_passes(tmp_path: Path) -> None:
     assert "EFA check PASS" in out.stdout and "NCCL check nccl-check-decode: PASS" in out.stdout
 
 
-# --- issue 26: named pools, several models -------------------------------------------------
+# --- named pools, several models -------------------------------------------------
 # What a user sees for a one-model stack on the pools named prefill and decode (docs/efa.md):
 # a Service and two Jobs named efa-check-*, each pod pinned to its pool's nodes by the role
 # label and the instance type, asking for every EFA interface of its node. Expected values

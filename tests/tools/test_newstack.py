@@ -44,7 +44,7 @@ def test_new_stack_is_dev_sized_safe_and_renders(stacks_dir, capsys):
     assert path.is_file()
 
     _, file_secrets, _ = stackfile.read("team-search")
-    assert file_secrets == set()  # no fake ciphertext: Pulumi would fail to decrypt it (issue 10)
+    assert file_secrets == set()  # no fake ciphertext: Pulumi would fail to decrypt it
     assert "secure:" not in path.read_text()
     values, secrets, others = stackfile.read_as_deployed("team-search")
     cfg = load(values, secret_keys=secrets, source="stacks/Pulumi.team-search.yaml")

@@ -1,4 +1,4 @@
-"""The AMI release's NVIDIA driver is checked where stacks come in, not only by tests (issue 24 item 8).
+"""The AMI release's NVIDIA driver is checked where stacks come in, not only by tests.
 
 Upstream rules encoded here (the table itself: infra/versions.py):
 - NVIDIA "CUDA Compatibility" (minor-version compatibility table): CUDA 13.x needs a driver of

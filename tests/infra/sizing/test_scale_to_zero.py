@@ -1,4 +1,4 @@
-"""Issue 29 in the stack file: scale to zero (dev and staging only), per-role signals and the
+"""In the stack file: scale to zero (dev and staging only), per-role signals and the
 weights path, each refused with one line naming file and key; the plan's time to serve for the
 first request after idle.
 

@@ -163,7 +163,7 @@ def test_the_plan_prints_time_to_serve_per_role():
     assert "S3 via gateway endpoint, streamed to GPUs" in text
 
 
-# --- the Run:ai streamer (issue 29) ---------------------------------------------------------
+# --- the Run:ai streamer ---------------------------------------------------------
 def test_streamed_weights_take_the_streamers_rate_and_skip_the_disk():
     """anyscale/ray-serve-llm-perf-examples replica_initialization/ llama70b-s3-runai.txt
     (commit 04ba8ab4): 131.4 GiB streamed from S3 in 91.06 s with `load_format: runai_streamer`.

