@@ -1,9 +1,9 @@
-"""The policy pack's entry point: Pulumi runs this file; it only assembles policies/rules.py.
+"""The policy pack's entry point: Pulumi runs this file; it only assembles the rules of policies/rules/.
 
 What flows through here: `pulumi preview --policy-pack policies` starts this program in the
 pack's own virtualenv -> `PolicyPack(...)` serves the rules over gRPC to the engine, which
 sends it every resource of the preview. PolicyPack() never returns: nothing imports this file
-(the tests import policies/rules.py).
+(the tests import the policies.rules package).
 """
 
 import sys
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pulumi_policy import EnforcementLevel, PolicyPack
 
-# Pulumi runs this file by path; make its sibling module importable however it is launched.
+# Pulumi runs this file by path; make its sibling package importable however it is launched.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rules import POLICIES

@@ -16,6 +16,7 @@ from pulumi_policy.deserialize import deserialize_properties
 from pulumi_policy.proxy import unknown_checking_proxy
 
 from policies import rules
+from policies.rules.inputs import PROJECT
 from tools.mock_runtime import Registered
 
 
@@ -32,7 +33,7 @@ def args_for(
         additional_secret_outputs=[],
         parent=None,
     )
-    urn = f"urn:pulumi:{stack}::{rules.PROJECT}::{type_}::{name}"
+    urn = f"urn:pulumi:{stack}::{PROJECT}::{type_}::{name}"
     return ResourceValidationArgs(type_, props, urn, name, opts, None, config, {})
 
 

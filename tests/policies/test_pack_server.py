@@ -20,6 +20,7 @@ from pulumi.runtime.proto import analyzer_pb2_grpc
 
 from infra.paths import ROOT
 from policies import rules
+from policies.rules.inputs import EKS_CLUSTER, PROJECT
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def _analyze(stub, type_: str, name: str, inputs: dict, stack: str = "prod"):
     request = proto.AnalyzeRequest(
         type=type_,
         properties=props,
-        urn=f"urn:pulumi:{stack}::{rules.PROJECT}::{type_}::{name}",
+        urn=f"urn:pulumi:{stack}::{PROJECT}::{type_}::{name}",
         name=name,
     )
     return stub.Analyze(request, timeout=30).diagnostics
@@ -66,7 +67,7 @@ def test_the_engine_sees_every_rule(analyzer) -> None:
 
 
 def test_a_violation_fails_the_preview(analyzer, rendered_stacks) -> None:
-    cluster = next(r for r in rendered_stacks["prod"].result.resources if r.type == rules.EKS_CLUSTER)
+    cluster = next(r for r in rendered_stacks["prod"].result.resources if r.type == EKS_CLUSTER)
     assert [
         d
         for d in _analyze(analyzer, cluster.type, cluster.name, cluster.inputs)
