@@ -24,7 +24,8 @@ from tests.serving.ingress.test_routing_e2e import base_user_config, set_user_co
 
 pytestmark = pytest.mark.e2e
 
-LONG = " ".join(f"word{i % 50}" for i in range(300))
+# About 300 tokens of the tiny model's tokenizer (its context is 1024): long beside "Hello there".
+LONG = " ".join(f"word{i % 50}" for i in range(64))
 
 
 @pytest.fixture(scope="module")
