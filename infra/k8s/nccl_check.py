@@ -72,13 +72,29 @@ def nccl_check_manifests(
         f"--master-addr={name}-0.{name}.{namespace}.svc --master-port={PORT} /scripts/{SCRIPT.name} "
         f"--sizes-mib={','.join(str(s) for s in sizes_mib)} --min-busbw-gbps={min_busbw_gbps:g}"
     )
-    devices = {
-        "cpu": str(instance.pod_cpus),
-        "memory": f"{instance.pod_memory_gib}Gi",
-        "nvidia.com/gpu": str(instance.gpus),
-        "vpc.amazonaws.com/efa": str(instance.efa_interfaces),
+    pod = _pod(name, role, instance, _container(image, instance, torchrun))
+    if service_account:
+        pod["serviceAccountName"] = service_account
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": JOB_DEADLINE_S,
+            "ttlSecondsAfterFinished": 3600,
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
     }
-    pod: dict[str, Any] = {
+    return [config_map, service, job]
+
+
+def _pod(name: str, role: str, instance: InstanceType, container: dict[str, Any]) -> dict[str, Any]:
+    """The Job's pod spec: on a `role` node of the type, never beside its peer, the script mounted."""
+    return {
         "subdomain": name,  # <name>-<index>.<name> resolves through the headless Service
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
@@ -98,50 +114,42 @@ def nccl_check_manifests(
             "fsGroup": 100,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [
-            {
-                "name": "nccl",
-                "image": image,
-                "command": ["sh", "-c", torchrun],
-                # The engines' libfabric settings (FI_EFA_FORK_SAFE=1: no huge pages, so no
-                # hugepages-2Mi request; libfabric prov/efa/src/efa_fork_support.c), then NCCL's.
-                "env": [{"name": k, "value": v} for k, v in {**efa_engine_env([instance]), **NCCL_ENV}.items()],
-                "ports": [{"containerPort": PORT, "name": "rdzv"}],
-                "resources": {"requests": dict(devices), "limits": dict(devices)},
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "capabilities": {"drop": ["ALL"]},
-                    "runAsNonRoot": True,
-                    "runAsUser": RUN_AS,
-                    "seccompProfile": {"type": "RuntimeDefault"},
-                },
-                "volumeMounts": [
-                    {"name": "script", "mountPath": "/scripts", "readOnly": True},
-                    {"name": "dshm", "mountPath": "/dev/shm"},
-                    {"name": "tmp", "mountPath": "/tmp"},
-                ],
-            }
-        ],
+        "containers": [container],
         "volumes": [
             {"name": "script", "configMap": {"name": name}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{instance.shm_gib}Gi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         ],
     }
-    if service_account:
-        pod["serviceAccountName"] = service_account
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": 2,
-            "parallelism": 2,
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": JOB_DEADLINE_S,
-            "ttlSecondsAfterFinished": 3600,
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
+
+
+def _container(image: str, instance: InstanceType, torchrun: str) -> dict[str, Any]:
+    """The `torchrun` container: the whole node's GPUs and EFA interfaces, NCCL's environment."""
+    devices = {
+        "cpu": str(instance.pod_cpus),
+        "memory": f"{instance.pod_memory_gib}Gi",
+        "nvidia.com/gpu": str(instance.gpus),
+        "vpc.amazonaws.com/efa": str(instance.efa_interfaces),
     }
-    return [config_map, service, job]
+    return {
+        "name": "nccl",
+        "image": image,
+        "command": ["sh", "-c", torchrun],
+        # The engines' libfabric settings (FI_EFA_FORK_SAFE=1: no huge pages, so no
+        # hugepages-2Mi request; libfabric prov/efa/src/efa_fork_support.c), then NCCL's.
+        "env": [{"name": k, "value": v} for k, v in {**efa_engine_env([instance]), **NCCL_ENV}.items()],
+        "ports": [{"containerPort": PORT, "name": "rdzv"}],
+        "resources": {"requests": dict(devices), "limits": dict(devices)},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "script", "mountPath": "/scripts", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
