@@ -21,14 +21,14 @@ from typing import Any
 
 from infra.catalog import InstanceType
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
-from infra.k8s.rayservice import efa_engine_env
+from infra.k8s.ray_env import efa_engine_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "nccl_allreduce.py"
 PORT = 29500
 JOB_DEADLINE_S = 1200  # the Job's activeDeadlineSeconds: image pull on two new nodes, NCCL init, sizes
 RUN_AS = 1000  # the `ray` user of Ray's images, as the engine pods
 
-# NCCL over EFA (sources in infra/k8s/rayservice.py NCCL_EFA_ENV): the plugin by name, and its
+# NCCL over EFA (sources in infra/k8s/ray_env.py NCCL_EFA_ENV): the plugin by name, and its
 # debug lines in a file the script reads back to prove which network NCCL chose.
 NCCL_ENV = {
     "NCCL_NET_PLUGIN": "ofi",
