@@ -74,93 +74,8 @@ class GcsRedis(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self)
         tags = dict(args.tags)
         group_id = replication_group_id(args.cluster_name)
-
-        clients = aws.ec2.SecurityGroup(
-            f"{name}-clients-sg",
-            description=f"GCS Redis clients ({group_id}): the system nodes of the Ray head",
-            vpc_id=args.vpc_id,
-            tags={**tags, "Name": f"{group_id}-clients"},
-            opts=child,
-        )
-        redis_sg = aws.ec2.SecurityGroup(
-            f"{name}-sg",
-            description=f"GCS Redis ({group_id}): TCP {PORT} from the GCS clients group only",
-            vpc_id=args.vpc_id,
-            tags={**tags, "Name": group_id},
-            opts=child,
-        )
-        aws.vpc.SecurityGroupIngressRule(
-            f"{name}-in",
-            security_group_id=redis_sg.id,
-            description="Ray GCS (head) and KubeRay's Redis cleanup Job",
-            ip_protocol="tcp",
-            from_port=PORT,
-            to_port=PORT,
-            referenced_security_group_id=clients.id,
-            opts=child,
-        )
-        aws.vpc.SecurityGroupEgressRule(
-            f"{name}-clients-out",
-            security_group_id=clients.id,
-            description="to the GCS Redis",
-            ip_protocol="tcp",
-            from_port=PORT,
-            to_port=PORT,
-            referenced_security_group_id=redis_sg.id,
-            opts=child,
-        )
-
-        subnets = aws.elasticache.SubnetGroup(
-            f"{name}-subnets",
-            name=group_id,
-            description="Private subnets of the GCS Redis",
-            subnet_ids=args.subnet_ids,
-            tags=tags,
-            opts=child,
-        )
-        key = aws.kms.Key(
-            f"{name}-key",
-            description=f"At-rest encryption of ElastiCache group {group_id}",
-            enable_key_rotation=True,
-            deletion_window_in_days=30,
-            tags=tags,
-            opts=child,
-        )
-        token = random.RandomPassword(
-            f"{name}-auth",
-            length=AUTH_TOKEN_LENGTH,
-            special=False,
-            # Three character types, as AWS recommends for AUTH tokens.
-            min_upper=1,
-            min_lower=1,
-            min_numeric=1,
-            opts=child,
-        )
-        s = args.settings
-        group = aws.elasticache.ReplicationGroup(
-            f"{name}-group",
-            replication_group_id=group_id,
-            description="Ray GCS fault tolerance (KubeRay gcsFaultToleranceOptions)",
-            engine=versions.GCS_REDIS_ENGINE,
-            engine_version=versions.GCS_REDIS_ENGINE_VERSION,
-            node_type=s.node_type,
-            # One shard (cluster mode disabled): a primary and its replicas.
-            cluster_mode="disabled",
-            num_cache_clusters=s.nodes,
-            automatic_failover_enabled=s.failover,
-            multi_az_enabled=s.failover,
-            port=PORT,
-            subnet_group_name=subnets.name,
-            security_group_ids=[redis_sg.id],
-            transit_encryption_enabled=True,
-            transit_encryption_mode="required",
-            at_rest_encryption_enabled=True,
-            kms_key_id=key.arn,
-            # Output.secret's generic parameter defeats mypy's inference (pulumi 3.272), as in llm_service.py.
-            auth_token=pulumi.Output.secret(token.result),  # type: ignore[arg-type]
-            tags=tags,
-            opts=pulumi.ResourceOptions(parent=self, additional_secret_outputs=["authToken"]),
-        )
+        clients, redis_sg = create_security_groups(name, group_id, args.vpc_id, tags, child)
+        group, token = create_replication_group(name, group_id, args, redis_sg, self)
 
         self.address = pulumi.Output.concat("rediss://", group.primary_endpoint_address, f":{PORT}")
         self.password = pulumi.Output.secret(token.result)
@@ -172,3 +87,107 @@ class GcsRedis(pulumi.ComponentResource):
                 "replicationGroupId": group.id,
             }
         )
+
+
+def create_security_groups(
+    name: str, group_id: str, vpc_id: pulumi.Input[str], tags: dict[str, str], opts: pulumi.ResourceOptions
+) -> tuple[aws.ec2.SecurityGroup, aws.ec2.SecurityGroup]:
+    """(GCS clients, Redis): the Redis group admits TCP 6379 from the clients group only, and
+    the clients group may reach the Redis group on that port only."""
+    clients = aws.ec2.SecurityGroup(
+        f"{name}-clients-sg",
+        description=f"GCS Redis clients ({group_id}): the system nodes of the Ray head",
+        vpc_id=vpc_id,
+        tags={**tags, "Name": f"{group_id}-clients"},
+        opts=opts,
+    )
+    redis_sg = aws.ec2.SecurityGroup(
+        f"{name}-sg",
+        description=f"GCS Redis ({group_id}): TCP {PORT} from the GCS clients group only",
+        vpc_id=vpc_id,
+        tags={**tags, "Name": group_id},
+        opts=opts,
+    )
+    aws.vpc.SecurityGroupIngressRule(
+        f"{name}-in",
+        security_group_id=redis_sg.id,
+        description="Ray GCS (head) and KubeRay's Redis cleanup Job",
+        ip_protocol="tcp",
+        from_port=PORT,
+        to_port=PORT,
+        referenced_security_group_id=clients.id,
+        opts=opts,
+    )
+    aws.vpc.SecurityGroupEgressRule(
+        f"{name}-clients-out",
+        security_group_id=clients.id,
+        description="to the GCS Redis",
+        ip_protocol="tcp",
+        from_port=PORT,
+        to_port=PORT,
+        referenced_security_group_id=redis_sg.id,
+        opts=opts,
+    )
+    return clients, redis_sg
+
+
+def create_replication_group(
+    name: str, group_id: str, args: GcsRedisArgs, redis_sg: aws.ec2.SecurityGroup, parent: pulumi.Resource
+) -> tuple[aws.elasticache.ReplicationGroup, random.RandomPassword]:
+    """The single-shard Valkey group in a subnet group of the private subnets: TLS required,
+    encrypted at rest with its own KMS key, a generated AUTH token (returned: the password);
+    failover and Multi-AZ when it has a replica."""
+    child = pulumi.ResourceOptions(parent=parent)
+    tags = dict(args.tags)
+    subnets = aws.elasticache.SubnetGroup(
+        f"{name}-subnets",
+        name=group_id,
+        description="Private subnets of the GCS Redis",
+        subnet_ids=args.subnet_ids,
+        tags=tags,
+        opts=child,
+    )
+    key = aws.kms.Key(
+        f"{name}-key",
+        description=f"At-rest encryption of ElastiCache group {group_id}",
+        enable_key_rotation=True,
+        deletion_window_in_days=30,
+        tags=tags,
+        opts=child,
+    )
+    token = random.RandomPassword(
+        f"{name}-auth",
+        length=AUTH_TOKEN_LENGTH,
+        special=False,
+        # Three character types, as AWS recommends for AUTH tokens.
+        min_upper=1,
+        min_lower=1,
+        min_numeric=1,
+        opts=child,
+    )
+    s = args.settings
+    group = aws.elasticache.ReplicationGroup(
+        f"{name}-group",
+        replication_group_id=group_id,
+        description="Ray GCS fault tolerance (KubeRay gcsFaultToleranceOptions)",
+        engine=versions.GCS_REDIS_ENGINE,
+        engine_version=versions.GCS_REDIS_ENGINE_VERSION,
+        node_type=s.node_type,
+        # One shard (cluster mode disabled): a primary and its replicas.
+        cluster_mode="disabled",
+        num_cache_clusters=s.nodes,
+        automatic_failover_enabled=s.failover,
+        multi_az_enabled=s.failover,
+        port=PORT,
+        subnet_group_name=subnets.name,
+        security_group_ids=[redis_sg.id],
+        transit_encryption_enabled=True,
+        transit_encryption_mode="required",
+        at_rest_encryption_enabled=True,
+        kms_key_id=key.arn,
+        # Output.secret's generic parameter defeats mypy's inference (pulumi 3.272), as in llm_service.py.
+        auth_token=pulumi.Output.secret(token.result),  # type: ignore[arg-type]
+        tags=tags,
+        opts=pulumi.ResourceOptions(parent=parent, additional_secret_outputs=["authToken"]),
+    )
+    return group, token

@@ -11,7 +11,7 @@ request never returns: no pod can take the node role's credentials (CNI, ECR pul
 or read the instance's identity. Host-network pods (the VPC CNI, kube-proxy, the device
 plugins) keep IMDS. Nothing on the pod network needs it: every workload that calls AWS gets
 its own role through EKS Pod Identity and its region from its configuration (the Ray pods'
-AWS_REGION: infra/k8s/rayservice.py; the Cluster Autoscaler's awsRegion; Tempo's S3 region),
+AWS_REGION: infra/k8s/ray_env.py; the Cluster Autoscaler's awsRegion; Tempo's S3 region),
 and the EBS CSI driver falls back to Kubernetes metadata when IMDS is out of reach
 (kubernetes-sigs/aws-ebs-csi-driver docs/install.md, "Metadata").
 """

@@ -6,7 +6,7 @@ namespace, the worker image and the role label/taint -> a headless Service and t
 `check_names` gives each pool pair of a stack its own name, `efa-check` for the pools named
 prefill and decode). Each pod asks for all of its node's EFA
 interfaces (and no GPUs) and runs as the engines do (uid 1000, every capability dropped, the
-engines' libfabric environment from `infra.k8s.rayservice.efa_engine_env`). Each checks what
+engines' libfabric environment from `infra.k8s.ray_env.efa_engine_env`). Each checks what
 memory registration needs in such a pod (docs/efa.md, "Memory registration in the pods"):
 an unlimited RLIMIT_MEMLOCK, one readable and writable `/dev/infiniband/uverbs*` file per
 interface; then `fi_info -p efa` must see every interface, and one `fi_pingpong` (libfabric's
@@ -30,7 +30,7 @@ from typing import Any
 
 from infra import catalog
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
-from infra.k8s.rayservice import efa_engine_env
+from infra.k8s.ray_env import efa_engine_env
 
 NAME = "efa-check"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"

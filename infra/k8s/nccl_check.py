@@ -21,14 +21,14 @@ from typing import Any
 
 from infra.catalog import InstanceType
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
-from infra.k8s.rayservice import efa_engine_env
+from infra.k8s.ray_env import efa_engine_env
 
 SCRIPT = Path(__file__).parent / "scripts" / "nccl_allreduce.py"
 PORT = 29500
 JOB_DEADLINE_S = 1200  # the Job's activeDeadlineSeconds: image pull on two new nodes, NCCL init, sizes
 RUN_AS = 1000  # the `ray` user of Ray's images, as the engine pods
 
-# NCCL over EFA (sources in infra/k8s/rayservice.py NCCL_EFA_ENV): the plugin by name, and its
+# NCCL over EFA (sources in infra/k8s/ray_env.py NCCL_EFA_ENV): the plugin by name, and its
 # debug lines in a file the script reads back to prove which network NCCL chose.
 NCCL_ENV = {
     "NCCL_NET_PLUGIN": "ofi",
@@ -72,13 +72,29 @@ def nccl_check_manifests(
         f"--master-addr={name}-0.{name}.{namespace}.svc --master-port={PORT} /scripts/{SCRIPT.name} "
         f"--sizes-mib={','.join(str(s) for s in sizes_mib)} --min-busbw-gbps={min_busbw_gbps:g}"
     )
-    devices = {
-        "cpu": str(instance.pod_cpus),
-        "memory": f"{instance.pod_memory_gib}Gi",
-        "nvidia.com/gpu": str(instance.gpus),
-        "vpc.amazonaws.com/efa": str(instance.efa_interfaces),
+    pod = _pod(name, role, instance, _container(image, instance, torchrun))
+    if service_account:
+        pod["serviceAccountName"] = service_account
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": 2,
+            "parallelism": 2,
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": JOB_DEADLINE_S,
+            "ttlSecondsAfterFinished": 3600,
+            "template": {"metadata": {"labels": labels}, "spec": pod},
+        },
     }
-    pod: dict[str, Any] = {
+    return [config_map, service, job]
+
+
+def _pod(name: str, role: str, instance: InstanceType, container: dict[str, Any]) -> dict[str, Any]:
+    """The Job's pod spec: on a `role` node of the type, never beside its peer, the script mounted."""
+    return {
         "subdomain": name,  # <name>-<index>.<name> resolves through the headless Service
         "restartPolicy": "Never",
         "automountServiceAccountToken": False,
@@ -98,50 +114,42 @@ def nccl_check_manifests(
             "fsGroup": 100,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [
-            {
-                "name": "nccl",
-                "image": image,
-                "command": ["sh", "-c", torchrun],
-                # The engines' libfabric settings (FI_EFA_FORK_SAFE=1: no huge pages, so no
-                # hugepages-2Mi request; libfabric prov/efa/src/efa_fork_support.c), then NCCL's.
-                "env": [{"name": k, "value": v} for k, v in {**efa_engine_env([instance]), **NCCL_ENV}.items()],
-                "ports": [{"containerPort": PORT, "name": "rdzv"}],
-                "resources": {"requests": dict(devices), "limits": dict(devices)},
-                "securityContext": {
-                    "allowPrivilegeEscalation": False,
-                    "capabilities": {"drop": ["ALL"]},
-                    "runAsNonRoot": True,
-                    "runAsUser": RUN_AS,
-                    "seccompProfile": {"type": "RuntimeDefault"},
-                },
-                "volumeMounts": [
-                    {"name": "script", "mountPath": "/scripts", "readOnly": True},
-                    {"name": "dshm", "mountPath": "/dev/shm"},
-                    {"name": "tmp", "mountPath": "/tmp"},
-                ],
-            }
-        ],
+        "containers": [container],
         "volumes": [
             {"name": "script", "configMap": {"name": name}},
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{instance.shm_gib}Gi"}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         ],
     }
-    if service_account:
-        pod["serviceAccountName"] = service_account
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {
-            "completionMode": "Indexed",
-            "completions": 2,
-            "parallelism": 2,
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": JOB_DEADLINE_S,
-            "ttlSecondsAfterFinished": 3600,
-            "template": {"metadata": {"labels": labels}, "spec": pod},
-        },
+
+
+def _container(image: str, instance: InstanceType, torchrun: str) -> dict[str, Any]:
+    """The `torchrun` container: the whole node's GPUs and EFA interfaces, NCCL's environment."""
+    devices = {
+        "cpu": str(instance.pod_cpus),
+        "memory": f"{instance.pod_memory_gib}Gi",
+        "nvidia.com/gpu": str(instance.gpus),
+        "vpc.amazonaws.com/efa": str(instance.efa_interfaces),
     }
-    return [config_map, service, job]
+    return {
+        "name": "nccl",
+        "image": image,
+        "command": ["sh", "-c", torchrun],
+        # The engines' libfabric settings (FI_EFA_FORK_SAFE=1: no huge pages, so no
+        # hugepages-2Mi request; libfabric prov/efa/src/efa_fork_support.c), then NCCL's.
+        "env": [{"name": k, "value": v} for k, v in {**efa_engine_env([instance]), **NCCL_ENV}.items()],
+        "ports": [{"containerPort": PORT, "name": "rdzv"}],
+        "resources": {"requests": dict(devices), "limits": dict(devices)},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [
+            {"name": "script", "mountPath": "/scripts", "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }

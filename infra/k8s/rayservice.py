@@ -10,8 +10,10 @@ Worker groups are per pool, never per model: a one-model stack has the groups `p
 takes the pool's node bounds (`PoolBounds`), so that adding a model to existing pools changes
 serveConfigV2 only, which KubeRay 1.7 applies to the running cluster's Serve in place
 (infra/k8s/upgrades.py). Every model's Serve deployments reach their pools through the pool's
-Ray node label (`ServingSpec.pool_label`) in their placement bundles' label selectors. No Pulumi here: `LlmService` calls it inside an apply once
-the code bucket's name is known, and the tests call it directly.
+Ray node label (`ServingSpec.pool_label`) in their placement bundles' label selectors. The
+containers' environment (EFA and NCCL, the GCS's CA bundle, the region, the data plane's Ray
+switches, the node drain) comes from `infra.k8s.ray_env`. No Pulumi here: `LlmService` calls
+it inside an apply once the code bucket's name is known, and the tests call it directly.
 
 Sizing rules (all from the catalog, never literals): a worker pod owns its node, asks for
 every GPU and every EFA interface of the type, most of its CPUs and memory, and a RAM-backed
@@ -29,13 +31,23 @@ from infra import catalog
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
 from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
+from infra.k8s.ray_env import (
+    NCCL_EFA_ENV,
+    PROMETHEUS_HOST_ENV,
+    REDIS_CA_CERT_ENV,
+    SYSTEM_CA_BUNDLE,
+    data_plane_env,
+    efa_engine_env,
+    gcs_uses_tls,
+    node_drain_env,
+    region_env,
+)
 from infra.k8s.tracing import TraceExport, exporter_mount, exporter_volume, pod_env
 from infra.sizing import nodes as sizing
 from infra.sizing.head import HEAD_BASE_VCPUS
 from infra.sizing.signals import role_thresholds
 from infra.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
-from serving.spec.drain import NODE_DRAIN_ENV
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -49,71 +61,6 @@ NODE_HEALTH_PATH = "/api/healthz"
 # The head's and proxy-running workers' container port name; the serve Service targets it by
 # name, so only pods that declare it receive API traffic.
 SERVE_PORT_NAME = "serve"
-
-# libfabric over EFA for NIXL's LIBFABRIC backend (and NCCL's aws-ofi-nccl). Each entry
-# says where it comes from.
-EFA_ENV = {
-    # Only the EFA provider (ai-dynamo/dynamo tests/deploy/efa/disagg-efa.yaml).
-    "FI_PROVIDER": "efa",
-    # Python workers fork (Ray, vLLM); libfabric's EFA provider must know (libfabric fi_efa(7)).
-    "FI_EFA_FORK_SAFE": "1",
-    # No shared-memory transfers inside libfabric: prefill and decode never share a node here
-    # (each role has its own node group, and EFA has no loopback between them, dynamo#7764),
-    # and libfabric's shm path needs cross-process memory access (CMA/ptrace) that the
-    # non-root, capability-free Ray containers lack (dynamo's EFA deploy test sets the same).
-    "FI_EFA_ENABLE_SHM_TRANSFER": "0",
-    "NCCL_SOCKET_IFNAME": "^lo,docker",
-}
-# GPUDirect RDMA reads, only on the types whose EFA supports them (catalog `efa_rdma`).
-EFA_RDMA_ENV = {"FI_EFA_USE_DEVICE_RDMA": "1"}
-
-
-def efa_engine_env(instances: list[catalog.InstanceType]) -> dict[str, str]:
-    """The engines' libfabric environment for these pools (empty when none has EFA).
-
-    The NIXL side channel is set per pod (`VLLM_NIXL_SIDE_CHANNEL_HOST`, the pod IP) and per
-    replica (`VLLM_NIXL_SIDE_CHANNEL_PORT`, which Ray Serve LLM's NIXL backend assigns).
-    """
-    efa = [i for i in instances if i.efa]
-    if not efa:
-        return {}
-    env = dict(EFA_ENV)
-    if all(i.efa_rdma for i in efa):
-        env.update(EFA_RDMA_ENV)
-    return env
-
-
-# NCCL between the nodes of one engine replica (TP x PP across nodes, the DP + EP all-to-all)
-# goes over EFA through aws-ofi-nccl. The image carries it as libnccl-net-ofi.so
-# (aws/aws-ofi-nccl src/Makefile.am builds that name; the libnccl-net.so link NCCL would load
-# by default exists only with --enable-nccl-net-symlink), and NCCL loads
-# libnccl-net-${NCCL_NET_PLUGIN}.so (NCCL user guide, Environment Variables, NCCL_NET_PLUGIN).
-# Without it NCCL falls back to TCP sockets without an error. NCCL needs no FI_* setting with
-# libfabric >= 1.18 and aws-ofi-nccl >= 1.7 (aws-ofi-nccl doc/efa-env-var.md); the FI_* above
-# are NIXL's and harmless to NCCL. NCCL_SOCKET_IFNAME above only picks the bootstrap interface.
-NCCL_EFA_ENV = {"NCCL_NET_PLUGIN": "ofi"}
-
-# GCS over TLS (`rediss://`): Ray's C++ Redis client verifies the server against the CA file
-# named by RAY_REDIS_CA_CERT and passes none when it is unset (ray src/ray/common/
-# ray_config_def.h REDIS_CA_CERT, Ray 2.60), so ElastiCache's certificate fails with
-# CERTIFICATE_VERIFY_FAILED (ray#41161, fixed there by naming the system bundle). The ray-llm
-# images are Ubuntu: the bundle is at Debian's path. KubeRay's Redis cleanup Job is built from
-# the head pod (kuberay v1.7.0 raycluster_controller.go buildRedisCleanupJob), so it inherits it.
-REDIS_CA_CERT_ENV = "RAY_REDIS_CA_CERT"
-SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
-
-# The stack's region, for every AWS SDK in the Ray pods: the nodes' instance metadata is out of
-# a pod's reach (hop limit 1, infra/components/launch_templates.py), so an SDK that looked the
-# region up there would wait for IMDS and fail. AWS_REGION is the variable of the AWS SDKs
-# (Go, Java, JavaScript, C++: the Run:ai streamer's S3 client); botocore, which Ray's S3
-# working_dir download and the streamer's listing use, reads AWS_DEFAULT_REGION only
-# (botocore/configprovider.py, `region`).
-REGION_ENV = ("AWS_REGION", "AWS_DEFAULT_REGION")
-
-
-def gcs_uses_tls(address: str | None) -> bool:
-    """Whether Ray talks TLS to this GCS Redis address (Ray needs the `rediss://` form)."""
-    return bool(address) and str(address).startswith("rediss://")
 
 
 @dataclass(frozen=True)
@@ -152,7 +99,7 @@ class RayServiceInputs:
     redis_password: SecretRef | None = None
     gcs_redis_address: str | None = None
     upgrade_strategy: str = "NewCluster"
-    # The stack's AWS region (aws:region): every Ray container's REGION_ENV; None sets none.
+    # The stack's AWS region (aws:region): every Ray container's REGION_ENV (infra/k8s/ray_env.py); None sets none.
     region: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
     # Request tracing (observability.tracing): every Ray pod exports Serve's spans and every
@@ -298,35 +245,6 @@ def serve_config_yaml(inp: RayServiceInputs) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def _data_plane_env(inp: RayServiceInputs) -> list[dict[str, str]]:
-    """The data plane's Ray switches (serving.ingress.dataPlane: `ServingSpec.ray_env`, the one
-    place that names them, with HAProxy's hard stop after a reload), for every Ray pod's
-    container. Ray 2.60 reads them once, at import, in every Ray process
-    (ray/serve/_private/constants.py, end of the module: the throughput block and the HAProxy
-    block), never from the Serve config: the controller on the head, the HAProxy managers or
-    proxies on every proxy node, and the replicas that open direct-ingress and gRPC servers
-    must all agree, so every container carries the same values."""
-    return [{"name": k, "value": v} for k, v in inp.serving.ray_env().items()]
-
-
-def _region_env(inp: RayServiceInputs) -> list[dict[str, str]]:
-    """The stack's region under every name the pods' AWS SDKs read (REGION_ENV)."""
-    return [{"name": var, "value": inp.region} for var in REGION_ENV] if inp.region else []
-
-
-def _node_drain_env(inp: RayServiceInputs) -> dict[str, str]:
-    """How long Ray drains a pod's node on SIGTERM (old cluster deleted, pod evicted, node
-    drained) before it kills the node's processes: long enough for the node's Serve replicas and
-    proxy to finish every stream (serving/spec/drain.py). The pod's terminationGracePeriodSeconds
-    adds the teardown on top."""
-    return {"name": NODE_DRAIN_ENV, "value": str(inp.serving.drain().node_drain_s)}
-
-
-# Ray's Prometheus address variable (ray/serve/autoscaling_policy.py PrometheusQueryMixin, and
-# Ray's dashboard), Ray 2.60.
-PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"
-
-
 # The head pod's CPU limit when its sizing asks for less: room for bursts of Ray's own work.
 HEAD_CPU_LIMIT = 4
 
@@ -340,9 +258,9 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     # The Serve controller (on the head) runs the per-role autoscaling policies; their
     # PrometheusQueryMixin reads the engines' metrics from here (serving/engines/autoscaling.py).
     env.append({"name": PROMETHEUS_HOST_ENV, "value": PROMETHEUS_URL})
-    env.append(_node_drain_env(inp))
-    env.extend(_data_plane_env(inp))
-    env.extend(_region_env(inp))
+    env.append(node_drain_env(inp.serving))
+    env.extend(data_plane_env(inp.serving))
+    env.extend(region_env(inp.region))
     volumes: list[dict[str, Any]] = [{"name": "ray-tmp", "emptyDir": {"sizeLimit": "20Gi"}}]
     mounts: list[dict[str, Any]] = [{"name": "ray-tmp", "mountPath": "/tmp/ray"}]
     _add_tracing(inp, "head", env, volumes, mounts)
@@ -441,9 +359,9 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
     ]
     if inp.hf_token:
         env.append(inp.hf_token.env(HF_TOKEN_ENV))
-    env.append(_node_drain_env(inp))
-    env.extend(_data_plane_env(inp))
-    env.extend(_region_env(inp))
+    env.append(node_drain_env(inp.serving))
+    env.extend(data_plane_env(inp.serving))
+    env.extend(region_env(inp.region))
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
         {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},

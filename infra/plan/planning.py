@@ -35,7 +35,7 @@ from infra.sizing.fit import (
     weights_gib,
 )
 from infra.sizing.head import HeadSizing, front_door_cpu, size_head, size_head_many
-from serving.spec import Mode, ModelSpec, RoleSpec, ServingSpec
+from serving.spec import Mode, RoleSpec, ServingSpec
 from serving.spec.models import RolePools
 
 
@@ -158,8 +158,6 @@ def _replica_rps(
     spec: RoleSpec,
     inst: catalog.InstanceType,
     shape: ModelShape,
-    model: ModelSpec,
-    serving: ServingSpec,
     figures_fn: Callable[..., ModelFigures],
     workload: Workload,
 ) -> float | None:
@@ -178,12 +176,10 @@ def _replica_rps(
         figs = figures_fn(context_len=workload.prompt_tokens + workload.output_tokens, max_num_seqs=max(1, int(target)))
         if figs.decode_tokens_per_s_max_batch is None:
             return None
-        per_replica = figs.decode_tokens_per_s_max_batch / workload.output_tokens
-    else:
-        flops = spec.tensor_parallel_size * catalog.DENSE_BF16_TFLOPS[inst.ray_accelerator] * 1e12
-        mu = flops / (2 * shape.parameters_billions * 1e9 * workload.prompt_tokens)
-        per_replica = mu * target / (target + 1)
-    return per_replica
+        return figs.decode_tokens_per_s_max_batch / workload.output_tokens
+    flops = spec.tensor_parallel_size * catalog.DENSE_BF16_TFLOPS[inst.ray_accelerator] * 1e12
+    mu = flops / (2 * shape.parameters_billions * 1e9 * workload.prompt_tokens)
+    return mu * target / (target + 1)
 
 
 @dataclass(frozen=True)
@@ -408,8 +404,7 @@ def _role_scaling(
 ) -> RoleScaling:
     """Node, GPU and price ranges from minReplicas to maxReplicas, the upgrade's extra nodes,
     and the request rate at which Serve scales the role out."""
-    serving = config.serving
-    model = serving.model
+    model = config.serving.model
     gpus = spec.gpus_per_replica
     nodes = [sizing.nodes_for(n, gpus, inst.gpus) for n in (spec.min_replicas, spec.max_replicas)]
     strategy = config.upgrade_strategy.value
@@ -421,7 +416,7 @@ def _role_scaling(
         assert shape is not None  # only called when the shape is known
         return model_figures(shape, model, role, spec, inst, **kw)
 
-    per_replica = None if shape is None else _replica_rps(role, spec, inst, shape, model, serving, figures_fn, workload)
+    per_replica = None if shape is None else _replica_rps(role, spec, inst, shape, figures_fn, workload)
 
     return RoleScaling(
         nodes_min=nodes[0],

@@ -20,7 +20,7 @@ import botocore.session
 import pytest
 
 from infra.components.launch_templates import IMDS_HOP_LIMIT
-from infra.k8s.rayservice import REGION_ENV
+from infra.k8s.ray_env import REGION_ENV
 from tests.conftest import STACKS
 from tests.upstream import mng_metadata_options
 from tools import stackfile

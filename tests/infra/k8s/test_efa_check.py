@@ -202,8 +202,8 @@ def test_a_registration_error_fails_both_sides_by_name(tmp_path: Path) -> None:
 
 def test_the_check_pods_run_with_the_engines_libfabric_settings() -> None:
     """The check proves the engines' set-up, so it uses their libfabric environment
-    (infra.k8s.rayservice.efa_engine_env) and their security context."""
-    from infra.k8s.rayservice import efa_engine_env
+    (infra.k8s.ray_env.efa_engine_env) and their security context."""
+    from infra.k8s.ray_env import efa_engine_env
 
     for obj in efa_check.manifests(_inp()).values():
         if obj["kind"] != "Job":

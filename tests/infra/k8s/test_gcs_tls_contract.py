@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from infra.k8s.rayservice import REDIS_CA_CERT_ENV, SYSTEM_CA_BUNDLE, gcs_uses_tls
+from infra.k8s.ray_env import REDIS_CA_CERT_ENV, SYSTEM_CA_BUNDLE, gcs_uses_tls
 from tests.conftest import STACKS
 from tests.upstream import ray_redis_ca_file, redis_cleanup_job_env
 

@@ -20,7 +20,8 @@ import yaml
 
 from infra import catalog
 from infra.k8s import rayservice
-from infra.k8s.rayservice import RayServiceInputs, efa_engine_env
+from infra.k8s.ray_env import efa_engine_env
+from infra.k8s.rayservice import RayServiceInputs
 from local import config as local_config
 from tests.conftest import STACKS
 

@@ -314,13 +314,14 @@ def test_trace_links_query_span_names_and_attributes_the_installed_ray_and_vllm_
     import vllm.v1.engine.output_processor as output_processor
     from vllm.tracing.utils import SpanAttributes
 
+    from infra.k8s import dashboard_panels as panels
     from infra.k8s import dashboards
 
-    assert f'trace_name="{dashboards.PROXY_SPAN}"' in inspect.getsource(proxy)
-    assert f'span_name="{dashboards.ENGINE_SPAN}"' in inspect.getsource(output_processor)
-    assert SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN == dashboards.TTFT_ATTRIBUTE
-    _, query = dashboards.SLOW_FIRST_TOKENS
-    assert f"span.{dashboards.TTFT_ATTRIBUTE} >= ${{__value.numeric}}" in query
+    assert f'trace_name="{panels.PROXY_SPAN}"' in inspect.getsource(proxy)
+    assert f'span_name="{panels.ENGINE_SPAN}"' in inspect.getsource(output_processor)
+    assert SpanAttributes.GEN_AI_LATENCY_TIME_TO_FIRST_TOKEN == panels.TTFT_ATTRIBUTE
+    _, query = panels.SLOW_FIRST_TOKENS
+    assert f"span.{panels.TTFT_ATTRIBUTE} >= ${{__value.numeric}}" in query
     url = dashboards.explore_url(query)
     assert "${__value.numeric}" in url  # left for Grafana to fill in
 
