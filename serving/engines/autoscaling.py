@@ -43,7 +43,7 @@ from ray.serve.config import AutoscalingContext
 logger = logging.getLogger("ray.serve")
 
 # PromQL per signal, `{sel}` replaced by the role's selector; Ray exports vLLM's metrics with a
-# `ray_` prefix and `vllm:` turned into `vllm_` (the names infra/k8s/dashboards.py reads). Sums
+# `ray_` prefix and `vllm:` turned into `vllm_` (the names infra/k8s/dashboard_panels.py reads). Sums
 # over the role's replicas; the policy divides by the running replicas where a level is per
 # replica.
 WINDOW = "1m"
