@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bench import BENCH_DIR, cpu, vllm_load
+from bench.observe import stack_apps
 from bench.serving_bench import (
     INPUT_LEN,
     OUTPUT_LEN,
@@ -42,7 +43,6 @@ from bench.serving_bench import (
     parse_levels,
     run_level,
     sender,
-    stack_apps,
     warm_up,
 )
 from bench.stats import aligned, summarize

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import BENCH_DIR, hops, vllm_load
-from bench.serving_bench import roles, serve_apps, settled
+from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
