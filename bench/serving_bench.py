@@ -310,7 +310,7 @@ class Measured:
     apps: dict[str, str]  # target -> Serve app name
     served: dict[str, dict[str, Any]]  # Serve's view of each app (serve_apps)
     idle: dict[str, dict[str, float]]
-    tallies: Any  # cpu.Meter.tallies
+    tallies: dict[str, dict[str, cpu.Tally]]  # cpu.Meter.tallies: target -> level -> CPU
     backend: str  # the NIXL backend of the deployed config
 
 
