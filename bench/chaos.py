@@ -44,6 +44,9 @@ DEFAULT_OUT = BUILD_DIR / "chaos"
 # Overload first (nothing to recover), the kill of prefill (slowest to restart) last.
 SCENARIOS = ("overload", "kill-ingress", "migrate-decode", "scale-in", "kill-decode", "kill-prefill")
 SOAK = "soak"
+# The kill scenarios: the deployment marker (in the replica's process title) and how many
+# replicas it runs, which Serve must be back to.
+KILLS = {"kill-prefill": (":Prefill:", 1), "kill-decode": (":Decode:", 2), "kill-ingress": ("Ingress", 1)}
 
 # The workload: short streamed chats, so each client sends many requests per phase.
 MAX_TOKENS = 48
@@ -371,6 +374,12 @@ def verdicts(results: dict[str, dict]) -> dict[str, Any]:
 
 
 # --- the command ------------------------------------------------------------------------------
+def stack_options() -> dict[str, Any]:
+    """background_stack's arguments: the disaggregated app, 1 prefill + 2 decode replicas (what
+    every scenario expects; tests/bench/test_chaos.py builds what it deploys, without Ray)."""
+    return {"mode": "disaggregated", "extra_args": ["--prefill-replicas", "1", "--decode-replicas", "2"]}
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.chaos", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -415,12 +424,9 @@ async def run(args: argparse.Namespace, stack: Any, say: Callable[[str], None]) 
     args.out.mkdir(parents=True, exist_ok=True)
     for name in names:
         say(f"scenario {name}")
-        if name == "kill-prefill":
-            res = await kill_scenario(ctx, ":Prefill:", want=1)
-        elif name == "kill-decode":
-            res = await kill_scenario(ctx, ":Decode:", want=2)
-        elif name == "kill-ingress":
-            res = await kill_scenario(ctx, "Ingress", want=1)
+        if name in KILLS:
+            marker, want = KILLS[name]
+            res = await kill_scenario(ctx, marker, want=want)
         elif name == "overload":
             res = await overload_scenario(ctx)
         elif name == "migrate-decode":
@@ -468,9 +474,7 @@ def main(argv=None) -> int:
     say("starting the local stack: 1 prefill + 2 decode replicas")
     log = args.out / "serve.log"
     args.out.mkdir(parents=True, exist_ok=True)
-    with background_stack(
-        mode="disaggregated", log_path=log, extra_args=["--prefill-replicas", "1", "--decode-replicas", "2"]
-    ) as stack:
+    with background_stack(**stack_options(), log_path=log) as stack:
         say(f"stack ready: {stack.urls['disaggregated']}")
         results = asyncio.run(run(args, stack, say))
     v = verdicts(results)

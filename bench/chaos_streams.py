@@ -38,6 +38,9 @@ TOKENS = 600
 FAULT_AT_S = 1.5
 PROMPT = "Tell me a long story about a robot that learns to paint."
 MIGRATIONS = "ray_pd_stream_migrations_total"
+# The decode deployment (in its replicas' process titles) and the replicas the chaos stack runs.
+DECODE = ":Decode:"
+DECODE_REPLICAS = 2
 
 
 async def _round(ctx: Any, fault: Any = None) -> list[Streamed]:
@@ -106,15 +109,15 @@ async def migrate_decode_scenario(ctx: Any) -> dict[str, Any]:
     killed: list[int] = []
 
     async def kill() -> None:
-        victim = replica_processes(ctx.root_pid, ":Decode:")[0]
+        victim = replica_processes(ctx.root_pid, DECODE)[0]
         ctx.say(f"SIGKILL decode replica pid {victim.pid}, {FAULT_AT_S}s into {STREAMS} streams")
         os.kill(victim.pid, signal.SIGKILL)
         killed.append(victim.pid)
 
     res = await _counted_round(ctx, kill)
     t = time.monotonic()
-    await wait_healthy(ctx.dashboard_url, ":Decode:", 2, ctx.recover_timeout_s, dead_pid=killed[0])
-    ctx.say(f"decode back to 2 replicas {time.monotonic() - t:.0f}s after the round")
+    await wait_healthy(ctx.dashboard_url, DECODE, DECODE_REPLICAS, ctx.recover_timeout_s, dead_pid=killed[0])
+    ctx.say(f"decode back to {DECODE_REPLICAS} replicas {time.monotonic() - t:.0f}s after the round")
     return res
 
 
@@ -150,8 +153,8 @@ async def scale_in_scenario(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
         await asyncio.sleep(1)
     res["scaled_in_after_round_s"] = time.monotonic() - t
     await asyncio.to_thread(deploy, ctx.dashboard_url, config)
-    await wait_healthy(ctx.dashboard_url, ":Decode:", 2, ctx.recover_timeout_s)
-    ctx.say("decode back to 2 replicas")
+    await wait_healthy(ctx.dashboard_url, DECODE, DECODE_REPLICAS, ctx.recover_timeout_s)
+    ctx.say(f"decode back to {DECODE_REPLICAS} replicas")
     return res
 
 

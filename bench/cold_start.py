@@ -86,17 +86,23 @@ async def fallback_path(stack: Any) -> dict[str, Any]:
     return out
 
 
-def set_fallback(stack: Any, keep: bool) -> None:
-    """PUT the stack's own config with or without the ingress's fallback; wait until applied."""
+def fallback_config(config: dict[str, Any], keep: bool) -> dict[str, Any]:
+    """The stack's Serve config with or without the ingress's fallback (its user_config)."""
     from serving.spec import APP_NAME, INGRESS_DEPLOYMENT
 
-    config = copy.deepcopy(stack.state["config"])
+    config = copy.deepcopy(config)
     for app in config["applications"]:
         if app["name"] != APP_NAME:
             continue
         for dep in app.get("deployments", []):
             if dep["name"] == INGRESS_DEPLOYMENT and not keep:
                 dep["user_config"] = {k: v for k, v in dep["user_config"].items() if k != "fallback"}
+    return config
+
+
+def set_fallback(stack: Any, keep: bool) -> None:
+    """PUT the stack's own config with or without the ingress's fallback; wait until applied."""
+    config = fallback_config(stack.state["config"], keep)
     url = f"{stack.state['dashboard_url']}/api/serve/applications/"
     r = httpx.put(url, json=config, timeout=60)
     r.raise_for_status()
@@ -112,12 +118,25 @@ async def cluster_path(stack: Any) -> dict[str, Any]:
     return got
 
 
+def stack_options(provider_url: str) -> dict[str, Any]:
+    """background_stack's arguments: decode scales to zero, the provider at `provider_url` its
+    fallback (tests/bench/test_cold_start.py builds what it deploys, without Ray)."""
+    from local.provider import EXTERNAL_MODEL, PROVIDER_KEY
+    from serving.spec import FALLBACK_API_KEY_ENV
+
+    env = {
+        "PD_FALLBACK_BASE_URL": provider_url,
+        "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
+        FALLBACK_API_KEY_ENV: PROVIDER_KEY,
+    }
+    return {"mode": "disaggregated", "extra_env": env, "extra_args": ["--scale-to-zero"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     from local.background import background_stack
     from local.config import local_target
-    from local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
+    from local.provider import running_provider
     from local.tiny_model import ensure_tiny_model
-    from serving.spec import FALLBACK_API_KEY_ENV
 
     p = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=BUILD_DIR / "bench" / "cold-start.json")
@@ -127,24 +146,19 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda m: print(f"[{time.monotonic() - t_start:6.1f}s] {m}", flush=True)  # noqa: E731
     say("starting the stand-in provider and a stack whose decode scales to zero")
     log = args.out.with_suffix(".log")
-    with running_provider(
-        str(ensure_tiny_model()), args.out.with_suffix(".provider.log"), dict(local_target().engine_env)
-    ) as provider:
-        env = {
-            "PD_FALLBACK_BASE_URL": provider.url,
-            "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
-            FALLBACK_API_KEY_ENV: PROVIDER_KEY,
-        }
-        with background_stack(
-            mode="disaggregated", extra_env=env, extra_args=["--scale-to-zero"], log_path=log
-        ) as stack:
-            fb = asyncio.run(fallback_path(stack))
-            say(
-                f"fallback path: first request {fb['first']}; the cluster served again "
-                f"{fb.get('cluster_again_s')}s after decode was at zero; no 5xx: {fb['no_5xx']}"
-            )
-            cl = asyncio.run(cluster_path(stack))
-            say(f"cluster path (no fallback): {cl}")
+    with (
+        running_provider(
+            str(ensure_tiny_model()), args.out.with_suffix(".provider.log"), dict(local_target().engine_env)
+        ) as provider,
+        background_stack(**stack_options(provider.url), log_path=log) as stack,
+    ):
+        fb = asyncio.run(fallback_path(stack))
+        say(
+            f"fallback path: first request {fb['first']}; the cluster served again "
+            f"{fb.get('cluster_again_s')}s after decode was at zero; no 5xx: {fb['no_5xx']}"
+        )
+        cl = asyncio.run(cluster_path(stack))
+        say(f"cluster path (no fallback): {cl}")
     verdicts = {
         "scale from zero: the first request is answered by the fallback": fb["first"]["served_by"] == "fallback"
         and fb["first"]["status"] == 200,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from bench import BENCH_DIR, cpu, vllm_load
+from bench.observe import stack_apps
 from bench.serving_bench import (
     INPUT_LEN,
     OUTPUT_LEN,
@@ -42,7 +43,6 @@ from bench.serving_bench import (
     parse_levels,
     run_level,
     sender,
-    stack_apps,
     warm_up,
 )
 from bench.stats import aligned, summarize
@@ -62,6 +62,12 @@ Get = Callable[[Run], float | None]
 
 
 # --- the runs ------------------------------------------------------------------------------
+def stack_options(plane: str) -> dict[str, Any]:
+    """background_stack's arguments: both apps on `plane` (tests/bench/test_data_plane.py
+    builds what each plane deploys, without Ray)."""
+    return {"mode": "both", "api_key": "sk-bench", "extra_args": ["--data-plane", plane]}
+
+
 def one_stack(
     plane: str, rnd: int, args: argparse.Namespace, model_dir: str, log: TextIO, say: Callable[[str], None]
 ) -> dict[str, Any]:
@@ -73,9 +79,7 @@ def one_stack(
     from local.config import MODEL_ID
 
     logs = args.out.parent
-    with background_stack(
-        mode="both", api_key="sk-bench", log_path=logs / f"serve-{plane}-r{rnd}.log", extra_args=["--data-plane", plane]
-    ) as stack:
+    with background_stack(**stack_options(plane), log_path=logs / f"serve-{plane}-r{rnd}.log") as stack:
         ready = stack.ready_line.split(":", 1)[0].strip()  # "READY in <s>s" (the rest names URLs and key)
         say(f"round {rnd + 1}: {plane} stack {ready}; warming up")
         send = sender(stack.urls, {t: stack.api_key for t in TARGETS}, MODEL_ID, model_dir, log)

@@ -16,10 +16,17 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from bench import BENCH_DIR
 
 DEFAULT_OUT = BENCH_DIR / "decode-autoscale.json"
+
+
+def stack_options() -> dict[str, Any]:
+    """background_stack's arguments: the disaggregated app as `make serve` runs it (decode
+    autoscaled 1-2; tests/bench/test_decode_autoscale.py builds what it deploys, without Ray)."""
+    return {"mode": "disaggregated", "api_key": "sk-bench"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,9 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from local.decode_autoscale import measure_decode_scaling
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    with background_stack(
-        mode="disaggregated", api_key="sk-bench", log_path=args.out.parent / "decode-autoscale-serve.log"
-    ) as stack:
+    with background_stack(**stack_options(), log_path=args.out.parent / "decode-autoscale-serve.log") as stack:
         run = measure_decode_scaling(
             stack.state["dashboard_url"], stack.urls["disaggregated"], stack.api_key, stack.model, clients=args.clients
         )

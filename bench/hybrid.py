@@ -90,6 +90,20 @@ def by_path(results: list[tuple[str, RequestResult]], duration: float) -> dict[s
     return {p: summarize([r for s, r in results if s == p], duration) for p in paths}
 
 
+def stack_options(provider_url: str, overflow_at: int) -> dict[str, Any]:
+    """background_stack's arguments: the disaggregated app, the provider at `provider_url` its
+    fallback past `overflow_at` (tests/bench/test_hybrid.py builds what it deploys, without Ray)."""
+    from local.provider import EXTERNAL_MODEL, PROVIDER_KEY
+
+    env = {
+        "PD_FALLBACK_BASE_URL": provider_url,
+        "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
+        "PD_FALLBACK_API_KEY": PROVIDER_KEY,
+        "PD_FALLBACK_OVERFLOW_AT": str(overflow_at),
+    }
+    return {"mode": "disaggregated", "api_key": "sk-bench-hybrid", "extra_env": env}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.hybrid", description=__doc__.split("\n")[0])
     p.add_argument("--unloaded", type=int, default=24, help="requests sent one at a time (default %(default)s)")
@@ -124,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from local.background import background_stack
     from local.config import local_target
-    from local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
+    from local.provider import running_provider
     from local.tiny_model import ensure_tiny_model
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -133,33 +147,27 @@ def main(argv: list[str] | None = None) -> int:
     backend = Backend(args.provider)
     pace = Pace(ttft_s=args.provider_ttft_ms / 1000, tokens_per_s=args.provider_tokens_per_s)
     say(f"starting the external provider ({backend.value} backend) and the local stack with a fallback")
-    with running_provider(
-        model_dir, logs / "hybrid-provider.log", dict(local_target().engine_env), backend=backend, pace=pace
-    ) as provider:
-        env = {
-            "PD_FALLBACK_BASE_URL": provider.url,
-            "PD_FALLBACK_MODEL": EXTERNAL_MODEL,
-            "PD_FALLBACK_API_KEY": PROVIDER_KEY,
-            "PD_FALLBACK_OVERFLOW_AT": str(args.overflow_at),
-        }
-        with background_stack(
-            mode="disaggregated", api_key="sk-bench-hybrid", log_path=logs / "hybrid-serve.log", extra_env=env
-        ) as stack:
-            url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
-            assert key is not None  # given to background_stack above
-            say("warming up")
-            asyncio.run(phase(url, key, model, 2, 1, args.max_tokens))
-            unloaded: list[tuple[str, RequestResult]] = []
-            burst: list[tuple[str, RequestResult]] = []
-            d_unloaded = d_burst = 0.0
-            for i in range(args.rounds):
-                say(f"round {i + 1}/{args.rounds}: {args.unloaded} requests one at a time")
-                got, took = asyncio.run(phase(url, key, model, args.unloaded, 1, args.max_tokens))
-                unloaded, d_unloaded = unloaded + got, d_unloaded + took
-                say(f"round {i + 1}/{args.rounds}: burst of {args.burst} at concurrency {args.concurrency}")
-                got, took = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
-                burst, d_burst = burst + got, d_burst + took
-            leaked = [r for r in provider.records if key in repr(r.headers) + repr(r.body)]
+    with (
+        running_provider(
+            model_dir, logs / "hybrid-provider.log", dict(local_target().engine_env), backend=backend, pace=pace
+        ) as provider,
+        background_stack(**stack_options(provider.url, args.overflow_at), log_path=logs / "hybrid-serve.log") as stack,
+    ):
+        url, key, model = stack.urls["disaggregated"], stack.api_key, stack.model
+        assert key is not None  # given to background_stack above
+        say("warming up")
+        asyncio.run(phase(url, key, model, 2, 1, args.max_tokens))
+        unloaded: list[tuple[str, RequestResult]] = []
+        burst: list[tuple[str, RequestResult]] = []
+        d_unloaded = d_burst = 0.0
+        for i in range(args.rounds):
+            say(f"round {i + 1}/{args.rounds}: {args.unloaded} requests one at a time")
+            got, took = asyncio.run(phase(url, key, model, args.unloaded, 1, args.max_tokens))
+            unloaded, d_unloaded = unloaded + got, d_unloaded + took
+            say(f"round {i + 1}/{args.rounds}: burst of {args.burst} at concurrency {args.concurrency}")
+            got, took = asyncio.run(phase(url, key, model, args.burst, args.concurrency, args.max_tokens))
+            burst, d_burst = burst + got, d_burst + took
+        leaked = [r for r in provider.records if key in repr(r.headers) + repr(r.body)]
 
     u = by_path(unloaded, d_unloaded)
     b = by_path(burst, d_burst)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import BENCH_DIR, hops, vllm_load
-from bench.serving_bench import roles, serve_apps, settled
+from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
@@ -51,7 +51,9 @@ def render(model_dir: Path, port: int) -> dict[str, Any]:
     for name, router in ROUTERS.items():
         base = local_spec(Mode.AGGREGATED, model_dir, auth=False)
         decode = RoleSpec.model_validate({"minReplicas": REPLICAS, "maxReplicas": REPLICAS, "router": router})
-        spec = base.model_validate({**base.model_dump(by_alias=True), "decode": decode.model_dump(by_alias=True)})
+        spec = base.model_validate(
+            {**base.model_dump(by_alias=True, exclude={"models"}), "decode": decode.model_dump(by_alias=True)}
+        )
         config = spec.serve_config(local_target(), port=port)
         app = config["applications"][0]
         app["name"], app["route_prefix"] = name, f"/{name}"

@@ -162,6 +162,12 @@ def verdicts(phases: list[Phase]) -> dict[str, bool]:
     return out
 
 
+def stack_options() -> dict[str, Any]:
+    """background_stack's arguments: the disaggregated app, each role autoscaled on its own
+    signals (tests/bench/test_role_scaling.py builds what it deploys, without Ray)."""
+    return {"mode": "disaggregated", "extra_args": ["--signals"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     from local.background import background_stack
 
@@ -172,9 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda m: print(f"[{time.monotonic() - t_start:6.1f}s] {m}", flush=True)  # noqa: E731
     args.out.parent.mkdir(parents=True, exist_ok=True)
     say("starting the local stack with per-role signals (local Prometheus)")
-    with background_stack(
-        mode="disaggregated", extra_args=["--signals"], log_path=args.out.with_suffix(".log")
-    ) as stack:
+    with background_stack(**stack_options(), log_path=args.out.with_suffix(".log")) as stack:
 
         async def both() -> list[Phase]:
             phases = [await run_phase(stack, "prompt-heavy", "prefill", PROMPT_CLIENTS, say)]

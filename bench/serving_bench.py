@@ -13,7 +13,10 @@ b/c; every chunk's arrival -> the gaps between chunks and the share held to a st
 per request and per 1,000 output tokens per hop (bench/cpu.py); Ray Serve's request spans
 and the engines' vLLM metrics around each level -> the per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
 request; the cold and warm start of `make serve` -> tables on screen and
-build/bench/serving.json.
+build/bench/serving.json. `main` reads as that pipeline: parse the options -> time `make
+serve` -> start the targets and run the levels (run_targets) -> the figures (analyse,
+build_report) -> the JSON, the plot and the tables. What the targets are read with beside
+the load (metrics, Serve's apps, spans, idle CPU) is bench/observe.py.
 
 Each concurrency level runs in rounds; each round sends the same requests to every target,
 and the order of targets rotates from round to round, so drift in the machine (thermal,
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import glob
 import json
 import os
 import platform
@@ -37,16 +39,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import httpx
 
 from bench import BENCH_DIR, cpu, gaps, hops, plots, vllm_load
+from bench.observe import KV_KEYS, idle_cpu, kv_totals, read_spans, roles, settled, stack_apps
 from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_per_request, ratios, samples, summarize
 from infra.paths import ROOT as REPO_ROOT
-
-if TYPE_CHECKING:
-    from local.background import RunningStack
 
 DEFAULT_OUT = BENCH_DIR / "serving.json"
 TARGETS = ("disaggregated", "aggregated", "vllm")
@@ -187,23 +187,6 @@ def cpu_counts(summaries: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict
     }
 
 
-# --- decode's NIXL counters ---------------------------------------------------------------------
-KV_KEYS = ("nixl_bytes", "nixl_transfers", "nixl_xfer_s", "external_kv_tokens")
-
-
-def kv_totals(samples: list[hops.Sample]) -> dict[str, float]:
-    return {
-        "nixl_bytes": hops.metric_total(samples, "ray_vllm_nixl_bytes_transferred_sum"),
-        "nixl_transfers": hops.metric_total(samples, "ray_vllm_nixl_xfer_time_seconds_count"),
-        "nixl_xfer_s": hops.metric_total(samples, "ray_vllm_nixl_xfer_time_seconds_sum"),
-        "external_kv_tokens": hops.metric_total(
-            samples,
-            "ray_vllm_prompt_tokens_by_source_total",
-            lambda labels: labels.get("source") == "external_kv_transfer",
-        ),
-    }
-
-
 # --- vLLM's own server (target c) --------------------------------------------------------------
 @contextlib.contextmanager
 def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, str], log_path: Path):
@@ -232,100 +215,19 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise TimeoutError(f"vLLM server at {url} not healthy after {timeout:.0f}s")
 
 
-# --- metrics and spans around each level ------------------------------------------------------
-def scrape(url: str) -> list[hops.Sample]:
-    return hops.parse_prometheus(httpx.get(url, timeout=10).text)
+# --- the stacks (tests/bench/test_serving_bench.py builds what they deploy, without Ray) ---------
+def stack_options() -> dict[str, Any]:
+    """background_stack's arguments for targets a and b: both apps, Serve's tracing on."""
+    return {"mode": "both", "api_key": "sk-bench", "extra_env": BENCH_ENV}
 
 
-def settled(urls: list[str], quiet_s: float = 4, limit_s: float = 60) -> dict[str, list[hops.Sample]]:
-    """A scrape of every URL once the engines' counters stop moving (Ray exports them periodically)."""
-
-    def counts(scrapes: dict[str, list[hops.Sample]]) -> list[float]:
-        return [v for ss in scrapes.values() for n, _, v in ss if n.endswith("_count") and "vllm" in n]
-
-    now = {u: scrape(u) for u in urls}
-    since = t0 = time.monotonic()
-    while time.monotonic() - since < quiet_s and time.monotonic() - t0 < limit_s:
-        time.sleep(1)
-        nxt = {u: scrape(u) for u in urls}
-        if counts(nxt) != counts(now):
-            since = time.monotonic()
-        now = nxt
-    return now
-
-
-def serve_apps(dashboard_url: str) -> dict[str, dict[str, Any]]:
-    """app -> {"ingress": deployment name, "replicas": deployment -> Serve replica ids}.
-
-    The replica ids are the `ReplicaId` label Ray puts on the engines' vLLM metrics.
-    """
-    apps = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()["applications"]
+def start_options(cache_dir: str | None) -> dict[str, Any]:
+    """background_stack's arguments for a timed `make serve`; cold: `cache_dir`, an empty model cache."""
     return {
-        app: {
-            # Serve's schema: ApplicationDetails.deployment_topology.ingress_deployment.
-            "ingress": (a.get("deployment_topology") or {}).get("ingress_deployment")
-            or next((d for d in a.get("deployments") or {} if "Ingress" in d), None),
-            "replicas": {
-                dep: [r["replica_id"] for r in d.get("replicas") or []]
-                for dep, d in (a.get("deployments") or {}).items()
-            },
-        }
-        for app, a in apps.items()
+        "mode": "disaggregated",
+        "api_key": "sk-bench",
+        "extra_env": {"PD_CACHE_DIR": cache_dir} if cache_dir else {},
     }
-
-
-def read_spans(since: float) -> list[hops.Span]:
-    """Serve's span files written since `since` (Ray's file exporter: <session>/logs/serve/spans/)."""
-    spans: list[hops.Span] = []
-    for path in glob.glob("/tmp/ray/session_*/logs/serve/spans/*"):
-        with contextlib.suppress(OSError):
-            if os.path.getmtime(path) >= since:
-                spans.extend(hops.parse_spans(Path(path).read_text(errors="replace")))
-    return spans
-
-
-def roles(app: dict[str, Any]) -> tuple[str, str, str | None]:
-    """(ingress, streaming engine, prefill or None) deployment names of one application."""
-    ingress, deployments = app["ingress"], app["replicas"]
-    prefill = next((d for d in deployments if d.startswith("Prefill")), None)
-    engine = next(d for d in deployments if d not in (ingress, prefill))
-    return ingress, engine, prefill
-
-
-def stack_apps(stack: RunningStack) -> tuple[dict[str, str], dict[str, dict[str, Any]], dict[str, tuple[str, str]]]:
-    """A running local stack's Ray apps: target (the app's mode) -> Serve app name, Serve's
-    view of each app (serve_apps), and the CPU sampler's layout of their replicas."""
-    apps = {c["args"]["mode"]: c["name"] for c in stack.state["config"]["applications"]}
-    served = serve_apps(stack.state["dashboard_url"])
-    return apps, served, cpu.serve_layout({app: roles(served[app]) for app in apps.values()})
-
-
-def idle_cpu(root_pid: int, seconds: float = 5) -> dict[str, float]:
-    """CPU use (% of one core) of the stack's processes while no request is in flight, by title.
-
-    The processes under `root_pid` (the `make serve` command: raylets, Serve replicas, vLLM
-    engine cores and workers) grouped by their process title's first word, e.g.
-    `ray::ServeReplica:llm:Decode:tiny-llama` or `VLLM::EngineCore`.
-    """
-    import psutil
-
-    try:
-        procs = psutil.Process(root_pid).children(recursive=True)
-    except psutil.Error:
-        return {}
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.cpu_percent(None)
-    time.sleep(seconds)
-    use: dict[str, float] = {}
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            cmd = p.cmdline()
-            title = (cmd[0] if cmd else p.name()).split(" ")[0]
-            if title.endswith("python") or title.endswith("python3"):
-                title = " ".join(cmd[1:3])[:60]
-            use[title] = use.get(title, 0.0) + p.cpu_percent(None)
-    return {k: round(v, 1) for k, v in sorted(use.items(), key=lambda kv: -kv[1]) if v >= 1.0}
 
 
 # --- start times ---------------------------------------------------------------------------
@@ -337,12 +239,10 @@ def start_time(cold: bool, log_dir: Path) -> dict[str, Any]:
     """`make serve` (disaggregated) once, timed by its own READY line; cold: an empty model cache."""
     from local.background import background_stack
 
-    env: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
-        if cold:
-            env["PD_CACHE_DIR"] = stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-cold-"))
+        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-cold-")) if cold else None
         log = log_dir / f"serve-{'cold' if cold else 'warm'}.log"
-        with background_stack(mode="disaggregated", api_key="sk-bench", log_path=log, extra_env=env) as running:
+        with background_stack(**start_options(cache), log_path=log) as running:
             ready = _READY.match(running.ready_line)
             steps = [m.groups() for line in running.output if (m := _STEP.match(line.strip()))]
     return {
@@ -375,37 +275,58 @@ def _say(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    levels = parse_levels(args.levels)
-    t0 = time.monotonic()
-    say = lambda m: _say(t0, m)  # noqa: E731
-
-    from local import tiny_model
-    from local.background import background_stack
-    from local.config import HOST, MODEL_ID, local_target
-    from local.procs import free_port
-
-    model_dir = str(tiny_model.ensure_tiny_model())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    logs = args.out.parent
-    client_log = open(logs / "vllm-bench-client.log", "w")  # noqa: SIM115 - closed below
-
+def start_times(args: argparse.Namespace, logs: Path, say: Callable[[str], None]) -> dict[str, Any]:
+    """A cold and a warm `make serve` timed (none with --no-start-times)."""
     starts: dict[str, Any] = {}
     if not args.no_start_times:
         for kind in ("cold", "warm"):
             say(f"timing a {kind} `make serve` (disaggregated)")
             starts[kind] = start_time(kind == "cold", logs)
             say(f"{kind} start: READY in {starts[kind]['ready_s']}s")
-    if args.start_times_only:
-        report = json.loads(args.out.read_text()) if args.out.is_file() else {}
-        report["start_times"] = {
-            **starts,
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "load_average": list(os.getloadavg()),
-        }
-        args.out.write_text(json.dumps(report, indent=2))
-        return 0
+    return starts
+
+
+def save_start_times(out: Path, starts: dict[str, Any]) -> None:
+    """--start-times-only: the figures added to an existing --out file."""
+    report = json.loads(out.read_text()) if out.is_file() else {}
+    report["start_times"] = {
+        **starts,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average": list(os.getloadavg()),
+    }
+    out.write_text(json.dumps(report, indent=2))
+
+
+@dataclass
+class Measured:
+    """What the three targets gave, level by level, and what was read around them."""
+
+    results: dict[str, dict[int, list[RequestResult]]]
+    durations: dict[str, dict[int, float]]
+    windows: dict[int, tuple[float, float]]  # concurrency -> the level's epoch start and end
+    snaps: list[dict[str, list[hops.Sample]]]  # metric URL -> scrape: before the first level, after each
+    metric_urls: list[str]  # decode node, prefill node, vLLM's server
+    spans: list[hops.Span]
+    apps: dict[str, str]  # target -> Serve app name
+    served: dict[str, dict[str, Any]]  # Serve's view of each app (serve_apps)
+    idle: dict[str, dict[str, float]]
+    tallies: dict[str, dict[str, cpu.Tally]]  # cpu.Meter.tallies: target -> level -> CPU
+    backend: str  # the NIXL backend of the deployed config
+
+
+def run_targets(
+    args: argparse.Namespace,
+    levels: dict[int, int],
+    model_dir: str,
+    logs: Path,
+    client_log: TextIO,
+    say: Callable[[str], None],
+) -> Measured:
+    """Targets a and b (the local Ray stack) and c (vLLM's server) up; warm-up, idle CPU, then
+    every level in rounds, the engines' metrics settled around each; all stopped after."""
+    from local.background import background_stack
+    from local.config import HOST, MODEL_ID, local_target
+    from local.procs import free_port
 
     vport = free_port()
     vroot = f"http://{HOST}:{vport}"
@@ -413,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     spans_since = time.time()
     # The Ray stack first: its nodes time out at start when vLLM's server imports alongside them.
     with (
-        background_stack(mode="both", api_key="sk-bench", log_path=logs / "serve.log", extra_env=BENCH_ENV) as stack,
+        background_stack(**stack_options(), log_path=logs / "serve.log") as stack,
         vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc,
     ):
         wait_healthy(vroot, vproc)
@@ -437,43 +358,62 @@ def main(argv: list[str] | None = None) -> int:
         # CPU per hop: every process of the target whose batch runs, snapshot around the batch.
         meter = cpu.Meter({"stack": stack.proc.pid, cpu.PLAIN: vproc.pid}, layout)
         say(f"idle CPU (% of a core) of the Ray stack's processes: {idle['stack']}")
-        snaps = [settled(metric_urls)]
-        windows: dict[int, tuple[float, float]] = {}
-        results: dict[str, dict[int, list[RequestResult]]] = {t: {} for t in TARGETS}
-        durations: dict[str, dict[int, float]] = {t: {} for t in TARGETS}
+        m = Measured(
+            results={t: {} for t in TARGETS},
+            durations={t: {} for t in TARGETS},
+            windows={},
+            snaps=[settled(metric_urls)],
+            metric_urls=metric_urls,
+            spans=[],
+            apps=apps,
+            served=served,
+            idle=idle,
+            tallies=meter.tallies,
+            backend=backend,
+        )
         for li, (conc, n) in enumerate(levels.items()):
             lv = run_level(
                 send, TARGETS, conc, n, rounds=args.rounds, seed=args.seed, meter=meter, apps=apps, shift=li, say=say
             )
             for t in TARGETS:
-                results[t][conc], durations[t][conc] = lv.results[t], lv.duration_s[t]
-            windows[conc] = lv.window
-            snaps.append(settled(metric_urls))
-        spans = read_spans(spans_since)
-    client_log.close()
+                m.results[t][conc], m.durations[t][conc] = lv.results[t], lv.duration_s[t]
+            m.windows[conc] = lv.window
+            m.snaps.append(settled(metric_urls))
+        m.spans = read_spans(spans_since)
+    return m
 
-    summaries = {t: {c: summarize(results[t][c], durations[t][c]) for c in levels} for t in TARGETS}
-    cpu_figures = cpu.run_figures(meter.tallies, cpu_counts(summaries))
-    chunk_gaps = {t: {str(c): gaps.summary(results[t][c]) for c in levels} for t in TARGETS}
 
-    # --- the hop breakdown, per target and level -------------------------------------------
+@dataclass
+class Figures:
+    """Per target and level: bench.stats figures, the hop breakdown of the time to first token
+    and the prefix-cache hit rate; the analysis's errors (a target left out of a level)."""
+
+    summaries: dict[str, dict[int, dict[str, Any]]]
+    breakdown: dict[str, dict[int, dict[str, float | None]]]
+    prefix_hits: dict[str, dict[int, float | None]]
+    analysis_errors: list[str]
+
+
+def analyse(m: Measured, levels: Mapping[int, int]) -> Figures:
+    """The measured requests, metrics and spans -> Figures."""
+    summaries = {t: {c: summarize(m.results[t][c], m.durations[t][c]) for c in levels} for t in TARGETS}
     breakdown: dict[str, dict[int, dict[str, float | None]]] = {t: {} for t in TARGETS}
     prefix_hits: dict[str, dict[int, float | None]] = {t: {} for t in TARGETS}
     analysis_errors: list[str] = []
-    decode_url, prefill_url, vllm_url = metric_urls
+    decode_url, prefill_url, vllm_url = m.metric_urls
     for li, conc in enumerate(levels):
-        before, after = snaps[li], snaps[li + 1]
+        before, after = m.snaps[li], m.snaps[li + 1]
         for t in TARGETS:
-            ok = [r for r in results[t][conc] if r.ok]
+            ok = [r for r in m.results[t][conc] if r.ok]
             ttft = sum(r.ttft_s for r in ok) * 1000 / len(ok) if ok else None
             try:
                 if t == BASELINE:
                     eng = hops.engine_delta(before[vllm_url], after[vllm_url], via_ray=False)
                     row = hops.breakdown(ttft, eng, requests=len(ok))
                 else:
-                    app = apps[t]
-                    ing, engine_dep, prefill_dep = roles(served[app])
-                    ids = served[app]["replicas"]
+                    app = m.apps[t]
+                    ing, engine_dep, prefill_dep = roles(m.served[app])
+                    ids = m.served[app]["replicas"]
                     eng = hops.engine_delta(
                         before[decode_url], after[decode_url], via_ray=True, replica_ids=ids[engine_dep]
                     )
@@ -485,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
                         else None
                     )
                     sh = hops.span_hops(
-                        spans, app=app, ingress=ing, engine=engine_dep, prefill=prefill_dep, window=windows[conc]
+                        m.spans, app=app, ingress=ing, engine=engine_dep, prefill=prefill_dep, window=m.windows[conc]
                     )
                     row = hops.breakdown(ttft, eng, requests=len(ok), hops=sh if sh.requests else None, prefill=pre)
             except Exception as exc:
@@ -493,11 +433,26 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             breakdown[t][conc] = row
             prefix_hits[t][conc] = eng.prefix_hit_rate
+    return Figures(summaries, breakdown, prefix_hits, analysis_errors)
 
-    kv_delta = {k: kv_totals(snaps[-1][decode_url])[k] - kv_totals(snaps[0][decode_url])[k] for k in KV_KEYS}
+
+def build_report(
+    args: argparse.Namespace,
+    levels: dict[int, int],
+    m: Measured,
+    f: Figures,
+    starts: dict[str, Any],
+    model_dir: str,
+    t0: float,
+) -> dict[str, Any]:
+    """The JSON: the workload, the machine, every figure per target and level, the samples."""
+    from local.config import MODEL_ID
+
+    summaries = f.summaries
+    decode_url = m.metric_urls[0]
+    kv_delta = {k: kv_totals(m.snaps[-1][decode_url])[k] - kv_totals(m.snaps[0][decode_url])[k] for k in KV_KEYS}
     n_pd = sum(int(s["completed"] or 0) for s in summaries["disaggregated"].values())
-    kv = kv_transfer_per_request(kv_delta, n_pd)
-    report = {
+    return {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": {
             "seed": args.seed,
@@ -520,35 +475,42 @@ def main(argv: list[str] | None = None) -> int:
             for t in TARGETS
             if t != BASELINE
         },
-        "hops_ms": {t: {str(c): row for c, row in by.items()} for t, by in breakdown.items()},
+        "hops_ms": {t: {str(c): row for c, row in by.items()} for t, by in f.breakdown.items()},
         "hop_rows": dict(hops.HOP_ROWS),
         # Engine metrics of these targets came through Ray (bucket-midpoint sums: hops.RAY_HISTOGRAM_NOTE).
         "hops_approx_targets": [t for t in TARGETS if t != BASELINE],
         "hops_approx_rows": sorted(hops.ENGINE_HISTOGRAM_ROWS),
         "hops_note": hops.RAY_HISTOGRAM_NOTE,
-        "prefix_cache_hit_rate": {t: {str(c): v for c, v in by.items()} for t, by in prefix_hits.items()},
-        "kv_transfer": {"backend": backend, "decode_counters_delta": kv_delta, **kv},
+        "prefix_cache_hit_rate": {t: {str(c): v for c, v in by.items()} for t, by in f.prefix_hits.items()},
+        "kv_transfer": {
+            "backend": m.backend,
+            "decode_counters_delta": kv_delta,
+            **kv_transfer_per_request(kv_delta, n_pd),
+        },
         "start_times": starts,
-        "idle_cpu_percent": idle,
+        "idle_cpu_percent": m.idle,
         # target -> level (and "all") -> CPU-ms per request and per 1,000 output tokens per hop.
-        "cpu": cpu_figures,
+        "cpu": cpu.run_figures(m.tallies, cpu_counts(summaries)),
         "cpu_classes": dict(cpu.CLASSES),
-        "chunk_gaps": chunk_gaps,
-        "analysis_errors": analysis_errors,
+        "chunk_gaps": {t: {str(c): gaps.summary(m.results[t][c]) for c in levels} for t in TARGETS},
+        "analysis_errors": f.analysis_errors,
         "conditions": [
             "Serve request tracing on for the Ray targets (every request sampled, Ray's file "
             "exporter): a small cost the vLLM baseline does not pay.",
             "All three targets share this machine's cores with each other and with other jobs "
             "on the machine (load average above).",
         ],
-        "errors_sample": {t: [r.error for c in levels for r in results[t][c] if not r.ok][:5] for t in TARGETS},
+        "errors_sample": {t: [r.error for c in levels for r in m.results[t][c] if not r.ok][:5] for t in TARGETS},
         # Per-request figures for the distribution plots (bench/plots.py).
-        "samples": {t: {str(c): samples(results[t][c]) for c in levels} for t in TARGETS},
+        "samples": {t: {str(c): samples(m.results[t][c]) for c in levels} for t in TARGETS},
         "wall_s": time.monotonic() - t0,
     }
-    args.out.write_text(json.dumps(report, indent=2))
-    png = plots.serving_png(report, args.out.with_suffix(".png"))
 
+
+def print_report(report: dict[str, Any], f: Figures, out: Path, png: Path) -> None:
+    """The tables on screen."""
+    summaries, breakdown = f.summaries, f.breakdown
+    cpu_figures, chunk_gaps, kv = report["cpu"], report["chunk_gaps"], report["kv_transfer"]
     print()
     print(format_table(summaries, BASELINE))
     print()
@@ -572,14 +534,40 @@ def main(argv: list[str] | None = None) -> int:
     print(gaps.format_text(chunk_gaps))
     print()
     print(
-        f"KV transfer over NIXL {backend} (decode's NIXL counters over the disaggregated requests): "
+        f"KV transfer over NIXL {kv['backend']} (decode's NIXL counters over the disaggregated requests): "
         f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
         f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'] or 0)} transfers)"
     )
-    for kind, st in starts.items():
+    for kind, st in report["start_times"].items():
         print(f"{kind} `make serve` (disaggregated): READY in {st['ready_s']}s")
     print("Ratios are target / vllm (TTFT, TPOT: lower is better; tok/s, req/s: higher is better).")
-    print(f"JSON: {args.out}  PNG: {png}  wall {report['wall_s']:.0f}s")
+    print(f"JSON: {out}  PNG: {png}  wall {report['wall_s']:.0f}s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """parse the options -> time `make serve` -> start the three targets and run the levels ->
+    the report, its figures and tables."""
+    args = parse_args(argv)
+    levels = parse_levels(args.levels)
+    t0 = time.monotonic()
+    say = lambda m: _say(t0, m)  # noqa: E731
+
+    from local import tiny_model
+
+    model_dir = str(tiny_model.ensure_tiny_model())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.out.parent
+    with open(logs / "vllm-bench-client.log", "w") as client_log:
+        starts = start_times(args, logs, say)
+        if args.start_times_only:
+            save_start_times(args.out, starts)
+            return 0
+        measured = run_targets(args, levels, model_dir, logs, client_log, say)
+    figures = analyse(measured, levels)
+    report = build_report(args, levels, measured, figures, starts, model_dir, t0)
+    args.out.write_text(json.dumps(report, indent=2))
+    png = plots.serving_png(report, args.out.with_suffix(".png"))
+    print_report(report, figures, args.out, png)
     return 0
 
 

@@ -23,6 +23,7 @@ import secrets
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,9 @@ def _replicas(raw: str) -> int:
     return n
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The command line; the defaults from `environ` (the process's environment when None)."""
+    env = os.environ if environ is None else environ
     p = argparse.ArgumentParser(
         prog="python -m local",
         description="Run the disaggregated prefill/decode OpenAI API locally on CPU with a tiny model.",
@@ -91,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"serve without API keys (default: keys from ${API_KEYS_ENV}, or a generated one)",
     )
     p.add_argument("--timeout", type=float, default=600, help="seconds to wait for ready (default 600)")
-    default_n = os.environ.get(REPLICAS_ENV) or "1"
+    default_n = env.get(REPLICAS_ENV) or "1"
     for role in ("prefill", "decode"):
         p.add_argument(
             f"--{role}-replicas",
@@ -102,14 +105,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--signals",
         action="store_true",
-        default=os.environ.get(SIGNALS_ENV) == "1",
+        default=env.get(SIGNALS_ENV) == "1",
         help="each role autoscales on its engines' own signals, read from a local Prometheus "
         f"(prefill 1-2 replicas too; default ${SIGNALS_ENV}=1)",
     )
     p.add_argument(
         "--scale-to-zero",
         action="store_true",
-        default=os.environ.get(SCALE_TO_ZERO_ENV) == "1",
+        default=env.get(SCALE_TO_ZERO_ENV) == "1",
         help="decode may scale to zero replicas when idle; needs a fallback (PD_FALLBACK_BASE_URL) "
         f"for `unavailable` (default ${SCALE_TO_ZERO_ENV}=1)",
     )
@@ -117,14 +120,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--models",
         type=int,
         choices=range(1, MAX_LOCAL_MODELS + 1),
-        default=int(os.environ.get(MODELS_ENV) or 1),
+        default=int(env.get(MODELS_ENV) or 1),
         help=f"2: also serve {MODEL_B_ID} (aggregated, with a LoRA adapter from a local S3) through "
         f"the same front door; 3: and {MODEL_C_ID} at zero replicas (default ${MODELS_ENV} or 1)",
     )
     p.add_argument(
         "--data-plane",
         choices=[d.value for d in DataPlane],
-        default=os.environ.get(DATA_PLANE_ENV) or None,
+        default=env.get(DATA_PLANE_ENV) or None,
         help="how requests reach the ingress and cross between replicas: haproxy (Ray's "
         "high-throughput mode), grpc, or ray-proxy (Ray's defaults); default "
         f"${DATA_PLANE_ENV} or the spec's",
@@ -259,6 +262,28 @@ def _ready_line(mode: str, urls: dict[str, str], api_key: str | None, extras: di
     )
 
 
+def render_config(
+    args: argparse.Namespace, model_dir: Path, hybrid: dict[str, Any], extras: dict[str, Any]
+) -> dict[str, Any]:
+    """The Serve config a run with these options deploys (pure: nothing is started; the
+    benches' dry runs build it too, local/background.py plan_stack)."""
+    return render_local_config(
+        args.mode,
+        model_dir,
+        port=args.port,
+        auth=not args.no_auth,
+        hybrid=hybrid,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+        signals=args.signals,
+        scale_to_zero=args.scale_to_zero,
+        models=args.models,
+        lora_path=extras.get("lora_path"),
+        key_models=extras.get("key_models"),
+        data_plane=args.data_plane,
+    )
+
+
 @dataclass
 class _Run:
     """What one local run started, for its shutdown."""
@@ -281,21 +306,7 @@ def _serve(
     extras = _models_extras(args, stack, keys)
     if extras:
         say(f"local S3 with the tiny LoRA adapter at {extras['lora_path']} ({extras['adapter']})")
-    config = render_local_config(
-        args.mode,
-        model_dir,
-        port=args.port,
-        auth=auth,
-        hybrid=hybrid,
-        prefill_replicas=args.prefill_replicas,
-        decode_replicas=args.decode_replicas,
-        signals=args.signals,
-        scale_to_zero=args.scale_to_zero,
-        models=args.models,
-        lora_path=extras.get("lora_path"),
-        key_models=extras.get("key_models"),
-        data_plane=args.data_plane,
-    )
+    config = render_config(args, model_dir, hybrid, extras)
     if "fallback" in hybrid:
         fb = hybrid["fallback"]
         say(f"fallback: {fb['baseUrl']} (model {fb['model']}); key from ${FALLBACK_API_KEY_ENV}")

@@ -2,7 +2,9 @@
 
 What flows through here: a mode, a port and an API key -> `python -m local` started
 with a state file -> once it prints READY, its URLs, key and node metrics endpoints (read
-from the state file) -> Ctrl-C (SIGINT) on exit, as a person would stop it.
+from the state file) -> Ctrl-C (SIGINT) on exit, as a person would stop it. `plan_stack`
+takes the same arguments and starts nothing: the Serve config and Ray environment that
+command would deploy, for the benches' dry runs (tests/bench).
 """
 
 from __future__ import annotations
@@ -62,9 +64,11 @@ def _command(
     extra_keys: tuple[str, ...],
     extra_args: Sequence[str],
     extra_env: Mapping[str, str] | None,
+    environ: Mapping[str, str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """`python -m local` with these options, and its environment."""
-    env = {**os.environ, **(extra_env or {})}
+    """`python -m local` with these options, and its environment (`environ`, by default this
+    process's, plus `extra_env`)."""
+    env = {**(os.environ if environ is None else environ), **(extra_env or {})}
     cmd = [sys.executable, "-m", "local", "--port", str(port), "--mode", mode]
     cmd += ["--state-file", str(state_file), "--timeout", str(timeout), *extra_args]
     if api_key:
@@ -73,6 +77,44 @@ def _command(
         env.pop(API_KEYS_ENV, None)
         cmd.append("--no-auth")
     return cmd, env
+
+
+@dataclass
+class StackPlan:
+    """What `python -m local` would deploy for a background_stack call, built without starting it."""
+
+    argv: list[str]
+    config: dict[str, Any]  # the Serve config PUT to the dashboard
+    ray_env: dict[str, str]  # the data plane's switches the Ray nodes start with
+
+
+def plan_stack(
+    *,
+    mode: str = "both",
+    port: int = 8000,
+    api_key: str | None = "sk-local-test",
+    extra_env: Mapping[str, str] | None = None,
+    extra_keys: tuple[str, ...] = (),
+    extra_args: Sequence[str] = (),
+    environ: Mapping[str, str] | None = None,
+    model_dir: Path = Path("/models/plan"),
+) -> StackPlan:
+    """background_stack's arguments -> the same command line and environment -> `python -m
+    local`'s own parsing, settings checks and render (local/__main__.py), with nothing started:
+    a bad setting or spec raises here as it would there. `environ` stands for this process's
+    environment (tests pass a clean one)."""
+    from local.__main__ import parse_args, render_config
+    from local.config import LocalConfigError, data_plane_env, hybrid_from_env, models_problem
+
+    cmd, env = _command(mode, port, Path("state.json"), 600, api_key, extra_keys, extra_args, extra_env, environ)
+    args = parse_args(cmd[3:], environ=env)
+    problem = models_problem(args.models, args.mode)
+    if problem:
+        raise LocalConfigError(problem)
+    if args.models > 1:
+        raise LocalConfigError("a plan of the many-model form needs its local S3 (not planned here)")
+    config = render_config(args, model_dir, hybrid_from_env(dict(env)), {})
+    return StackPlan(argv=cmd, config=config, ray_env=data_plane_env(args.data_plane))
 
 
 @contextlib.contextmanager

@@ -359,9 +359,9 @@ def test_snapshot_reads_real_processes_and_survives_one_that_is_killed():
 
 
 def test_the_bench_builds_its_layout_from_serves_application_list():
-    """`make bench` reads the apps from Serve's API (serving_bench.serve_apps' shape) and names
-    each deployment's role with serving_bench.roles."""
-    from bench.serving_bench import roles
+    """`make bench` reads the apps from Serve's API (observe.serve_apps' shape) and names
+    each deployment's role with observe.roles."""
+    from bench.observe import roles
 
     served = {
         PD: {

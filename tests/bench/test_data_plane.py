@@ -129,3 +129,23 @@ def test_the_command_runs_every_plane_each_round_and_keeps_going_past_a_failed_s
     printed = capsys.readouterr().out
     assert "Failed runs (left out): grpc round 2" in printed
     assert "HAProxy (Serve's HTTP front in haproxy mode)" in printed
+
+
+# --- each plane's stack, dry (tests/bench/dry_run.py: built as Serve builds it, no Ray) -------
+@pytest.mark.parametrize("plane", data_plane.DATA_PLANES)
+def test_each_planes_stack_builds_with_its_rays_switches(plane):
+    from serving.spec.base import DataPlane
+    from tests.bench import dry_run
+
+    stack = dry_run.plan(data_plane.stack_options(plane))
+    assert stack.ray_env.items() >= DataPlane(plane).ray_env.items()
+    built = dry_run.build(stack.config)
+    assert set(built) == {"llm", "llm-aggregated"}
+    assert {c["args"]["mode"] for c in stack.config["applications"]} == set(data_plane.TARGETS)
+
+
+def test_the_record_of_a_run_builds_before_any_stack(tmp_path):
+    args = data_plane.parse_args(["--out", str(tmp_path / "dp.json")])
+    rep = data_plane.record(args, [], 0.0)
+    assert list(rep["ray_env"]) == list(data_plane.DATA_PLANES)
+    json.dumps(rep)

@@ -59,3 +59,34 @@ def test_levels_and_cpu_counts():
         "aggregated": {1: {"completed": 24, "output_tokens": 1300}, 16: {"completed": None, "output_tokens": None}}
     }
     assert cpu_counts(summaries) == {"aggregated": {"1": (24, 1300), "16": (0, 0)}}
+
+
+# --- the stacks, dry (tests/bench/dry_run.py: built as Serve builds them, no Ray) -------------
+def test_the_three_targets_stack_holds_both_apps_with_the_roles_the_figures_read():
+    from bench.observe import roles
+    from bench.serving_bench import BENCH_ENV, TARGETS, stack_options
+    from bench.stats import kv_backends
+    from local.config import app_urls
+    from serving.spec import INGRESS_DEPLOYMENT
+    from tests.bench import dry_run
+
+    stack = dry_run.plan(stack_options())
+    built = dry_run.build(stack.config)
+    # run_targets: a and b are the stack's apps by mode, c is vLLM's own server.
+    apps = {c["args"]["mode"]: c["name"] for c in stack.config["applications"]}
+    assert [*apps, "vllm"] == list(TARGETS) and set(app_urls(stack.config, 8000)) == set(apps)
+    served = dry_run.served(built, INGRESS_DEPLOYMENT)
+    assert roles(served[apps["disaggregated"]]) == (INGRESS_DEPLOYMENT, "Decode:tiny-llama", "Prefill:tiny-llama")
+    assert roles(served[apps["aggregated"]])[::2] == (INGRESS_DEPLOYMENT, None)
+    assert kv_backends(stack.config)  # labels the KV figures
+    assert stack_options()["extra_env"] == BENCH_ENV  # Serve's tracing, for the hop breakdown
+
+
+@pytest.mark.parametrize("cache_dir", [None, "/tmp/pd-cold-x"])
+def test_the_timed_make_serve_is_the_disaggregated_app(cache_dir):
+    from bench.serving_bench import start_options
+    from tests.bench import dry_run
+
+    options = start_options(cache_dir)
+    assert options["extra_env"] == ({"PD_CACHE_DIR": cache_dir} if cache_dir else {})
+    assert list(dry_run.build(dry_run.plan(options).config)) == ["llm"]

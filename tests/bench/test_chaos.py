@@ -1,0 +1,57 @@
+"""`make chaos` dry (bench/chaos.py, bench/chaos_streams.py): the stack every scenario runs on,
+and the configs the scenarios deploy, built without Ray (tests/bench/dry_run.py); each
+scenario's expectations of that stack (the deployments it kills, the replicas Serve must be
+back to, the admission bound it bursts past) hold in what is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import chaos
+from bench import chaos_streams as cs
+from local.config import admission_bound
+from tests.bench import dry_run
+
+
+@pytest.fixture(scope="module")
+def stack() -> dry_run.StackPlan:
+    return dry_run.plan(chaos.stack_options())
+
+
+@pytest.fixture(scope="module")
+def built(stack) -> dict[str, dry_run.Replicas]:
+    (app,) = dry_run.build(stack.config).items()
+    assert app[0] == "llm"
+    return app[1]
+
+
+def _deployment(built: dict[str, dry_run.Replicas], marker: str) -> str:
+    """The one deployment whose replicas' process titles (ray::ServeReplica:<app>:<deployment>)
+    hold `marker`, and whose name holds the marker Serve's REST view is searched by."""
+    found = [d for d in built if marker in f"ray::ServeReplica:llm:{d}" and marker.strip(":") in d]
+    assert len(found) == 1, (marker, list(built))
+    return found[0]
+
+
+def test_every_scenario_is_checked_here():
+    assert {*chaos.SCENARIOS, chaos.SOAK} == {*chaos.KILLS, *cs.NAMES, "overload", chaos.SOAK}
+
+
+@pytest.mark.parametrize("name", sorted(chaos.KILLS))
+def test_a_kill_scenario_finds_its_deployment_and_the_replicas_serve_restores(built, name):
+    marker, want = chaos.KILLS[name]
+    assert built[_deployment(built, marker)] == dry_run.Replicas(want, want)
+
+
+def test_the_stream_scenarios_have_two_decode_replicas_and_scale_in_deploys_one(stack, built):
+    decode = _deployment(built, cs.DECODE)
+    assert built[decode] == dry_run.Replicas(cs.DECODE_REPLICAS, cs.DECODE_REPLICAS)
+    # scale-in deploys the stack's config with decode at 1, then the stack's own again
+    (scaled,) = dry_run.build(cs._with_decode_replicas(stack.config, 1)).values()
+    assert scaled[decode] == dry_run.Replicas(1, 1, initial=1)
+    assert {d: r for d, r in scaled.items() if d != decode} == {d: r for d, r in built.items() if d != decode}
+
+
+def test_overload_bursts_past_the_admission_bound_of_the_built_decode(stack, built):
+    decode = stack.config["applications"][0]["args"]["decode_config"]["deployment_config"]
+    assert admission_bound(stack.config) == decode["max_ongoing_requests"] * 2 + decode["max_queued_requests"] > 0
