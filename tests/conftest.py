@@ -66,4 +66,20 @@ def stack():
         extra_keys=(E2E_KEY_2,),
         extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
     ) as running:
+        _SHARED.append(running)
         yield running
+
+
+# The shared stack, once started: a test with a stack of its own stops it first (the machine runs
+# one Ray stack at a time, and the shared stack's HAProxy holds the ports the next one needs).
+# In a full run the last shared-stack test has stopped it already; in a selection it may not have.
+_SHARED: list = []
+
+
+@pytest.fixture(autouse=True)
+def _one_stack_at_a_time(request):
+    if request.node.get_closest_marker("own_stack"):
+        for running in _SHARED:
+            if running.proc.poll() is None:
+                running.stop()
+    yield
