@@ -2,10 +2,12 @@
 
 What flows through here: Pulumi's config for this stack -> `infra.plan.stack.load` (one
 line naming the stack file and key on any error, before anything is registered) -> Network ->
-the GCS Redis (gcsFaultTolerance managed) -> Cluster (and its kubernetes Provider) -> a GPU
-node pool per `nodePools` entry (one-model stacks: prefill and decode) -> device plugins and
-the KubeRay operator -> the LLM service -> observability (metrics pipeline, GPU metrics,
-monitors, alerts, dashboards, request traces) -> stack outputs. Only this file reads config.
+the GCS Redis (gcsFaultTolerance managed) -> Cluster, whose `core` (a `ClusterCore`: name,
+kubernetes Provider, node role, subnets, region, tags, ...) everything built on it takes -> a
+GPU node pool per `nodePools` entry (one-model stacks: prefill and decode) -> the node
+autoscaler, device plugins and the KubeRay operator -> the LLM service -> observability
+(metrics pipeline, GPU metrics, monitors, alerts, dashboards, request traces) -> stack
+outputs. Only this file reads config.
 """
 
 import pulumi
@@ -14,7 +16,7 @@ from infra import catalog
 from infra.components.cluster import Cluster, ClusterArgs
 from infra.components.device_plugins import DevicePluginArgs, EfaDevicePlugin, NvidiaDevicePlugin
 from infra.components.gcs_redis import GcsRedis, GcsRedisArgs
-from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs, node_group_name
+from infra.components.gpu_node_pool import GpuNodePool, GpuNodePoolArgs
 from infra.components.kuberay import KubeRayOperator, KubeRayOperatorArgs
 from infra.components.llm_service import LlmService, LlmServiceArgs
 from infra.components.network import Network, NetworkArgs
@@ -52,6 +54,9 @@ except ConfigError as err:
 conf = pulumi.Config()
 secrets = {k: conf.get_secret(k) for k in SECRET_KEYS}
 stack = pulumi.get_stack()
+# Before anything is registered: the cluster's core carries the region to its add-ons.
+if not region:
+    raise pulumi.RunError(f"{stack_file(stack)}: aws:region: required (the node autoscaler calls the AWS APIs there)")
 cluster_name = f"{PROJECT}-{stack}"
 tags = {"pd-inference/stack": stack, "pd-inference/environment": cfg.environment.value}
 
@@ -88,8 +93,12 @@ cluster = Cluster(
         cluster_name=cluster_name,
         kubernetes_version=cfg.kubernetes_version,
         vpc_id=network.vpc_id,
+        vpc_cidr=cfg.vpc_cidr,
         private_subnet_ids=network.private_subnet_ids,
         public_subnet_ids=network.public_subnet_ids,
+        efa_subnet_id=network.efa_subnet_id,
+        efa_zone=cfg.efa_zone_name,
+        region=region,
         endpoint_access=cfg.endpoint_access,
         public_access_cidrs=cfg.public_access_cidrs,
         admin_role_arns=cfg.admin_role_arns,
@@ -101,45 +110,18 @@ cluster = Cluster(
         tags=tags,
     ),
 )
+# Everything built on the cluster takes its core (name, provider, node role, subnets, region,
+# tags, ...), as pulumi-eks's node groups take a cluster.
+core = cluster.core
 pools = {
-    name: GpuNodePool(
-        f"gpu-{name}",
-        GpuNodePoolArgs(
-            role=name,
-            pool=pool,
-            cluster=cluster.eks,
-            cluster_name=cluster.cluster_name,
-            node_role=cluster.node_role,
-            vpc_id=network.vpc_id,
-            subnet_ids=network.private_subnet_ids,
-            efa_subnet_id=network.efa_subnet_id,
-            efa_zone=cfg.efa_zone_name,
-            kubernetes_version=cfg.kubernetes_version,
-            ami_release_version=cfg.ami_release_version,
-            tags=tags,
-        ),
-    )
+    name: GpuNodePool(f"gpu-{name}", GpuNodePoolArgs(role=name, pool=pool, cluster=core))
     for name, pool in cfg.node_pools
 }
-if not region:
-    raise pulumi.RunError(f"{stack_file(stack)}: aws:region: required (the node autoscaler calls the AWS APIs there)")
-node_autoscaler = NodeAutoscaler(
-    "node-autoscaler",
-    NodeAutoscalerArgs(
-        cluster_name=cluster_name,
-        region=region,
-        kubernetes_version=cfg.kubernetes_version,
-        node_group_names=[node_group_name(cluster_name, role) for role in pools],
-        provider=cluster.provider,
-        depends_on=list(pools.values()),
-        pod_identity_agent=cluster.pod_identity_agent,
-        tags=tags,
-    ),
-)
-plugins = DevicePluginArgs(provider=cluster.provider)
+node_autoscaler = NodeAutoscaler("node-autoscaler", NodeAutoscalerArgs(cluster=core, pools=list(pools.values())))
+plugins = DevicePluginArgs(cluster=core)
 NvidiaDevicePlugin("nvidia-device-plugin", plugins)
 EfaDevicePlugin("efa-device-plugin", plugins)
-operator = KubeRayOperator("kuberay", KubeRayOperatorArgs(provider=cluster.provider, watch_namespaces=[cfg.namespace]))
+operator = KubeRayOperator("kuberay", KubeRayOperatorArgs(cluster=core, watch_namespaces=[cfg.namespace]))
 # The worker image (images/ray-llm-efa FROM rayImage: EFA userspace, Run:ai streamer) when the
 # pools have EFA or weights stream from S3; else rayImage.
 worker_image = (
@@ -152,9 +134,8 @@ worker_image = (
 service = LlmService(
     "llm",
     LlmServiceArgs(
-        cluster_name=cluster.cluster_name,
+        cluster=core,
         namespace=cfg.namespace,
-        provider=cluster.provider,
         operator=operator,
         serving=cfg.serving,
         # In nodePools order: a pool added at the end becomes an appended worker group.
@@ -163,19 +144,15 @@ service = LlmService(
         image=worker_image.ref if worker_image else cfg.ray_image,
         exposure=cfg.service_exposure,
         allowed_cidrs=cfg.service_allowed_cidrs,
-        vpc_cidr=cfg.vpc_cidr,
         upgrade_strategy=cfg.upgrade_strategy.value,
-        region=region,
         api_keys=secrets["apiKeys"],
         fallback_api_key=secrets["fallbackApiKey"],
         hf_token=secrets["hfToken"],
         redis_password=gcs_redis.password if gcs_redis else secrets["gcsRedisPassword"],
         gcs_redis_address=gcs_redis.address if gcs_redis else cfg.gcs_redis_address,
         model_bucket=cfg.model_bucket,
-        pod_identity_agent=cluster.pod_identity_agent,
         # Spans go to the observability stack's collector (a fixed in-cluster address).
         tracing=export_for(cfg.observability.tracing, cfg.environment.value),
-        tags=tags,
         # The head pod asks for what the planned rate needs (make plan; the config refused a
         # system node that cannot give it).
         head_cpus=head.head_vcpus if (head := stack_head(cfg)) else HEAD_BASE_VCPUS,
@@ -194,8 +171,7 @@ def _kv_link() -> KvLink | None:
 observability = ObservabilityStack(
     "obs",
     ObservabilityArgs(
-        provider=cluster.provider,
-        cluster_name=cluster.cluster_name,
+        cluster=core,
         settings=cfg.observability,
         slo=cfg.serving.slo,
         llm_namespace=cfg.namespace,
@@ -205,8 +181,6 @@ observability = ObservabilityStack(
         # P/D only: KV bytes at zero while requests succeed, transfers slower than the plan's link.
         # (With several models: the first P/D model's link, on its own pools.)
         extra_rule_groups=kv_rule_groups(link) if (link := _kv_link()) else [],
-        region=region,
-        tags=tags,
     ),
     # The LLM namespace (its NetworkPolicy) comes from the operator component.
     opts=pulumi.ResourceOptions(depends_on=[operator]),

@@ -1,11 +1,12 @@
 """Cluster: the EKS control plane, its KMS key, the node IAM role, the CPU system node group
 and the `kubernetes.Provider` every in-cluster resource uses.
 
-What flows through here: the network's subnets and the stack's cluster settings (version,
-endpoint access, admin roles) -> an `eks.Cluster` with API authentication and access
-entries, all control-plane logs, envelope encryption of Secrets with a rotating KMS key,
-the core add-ons plus the Pod Identity agent, an OIDC provider -> the provider, the node
-role (shared by every node group) and the outputs the stack exports.
+What flows through here: the network's VPC and subnets and the stack's cluster settings
+(version, endpoint access, admin roles) -> an `eks.Cluster` with API authentication and
+access entries, all control-plane logs, envelope encryption of Secrets with a rotating KMS
+key, the core add-ons plus the Pod Identity agent, an OIDC provider -> `core` (a
+`ClusterCore`: what every component built on the cluster reads from it, as pulumi-eks hands
+its node groups a `Cluster | CoreData`) and the outputs the stack exports.
 """
 
 from __future__ import annotations
@@ -36,6 +37,45 @@ NODE_POLICIES = {
 }
 
 
+@dataclass(frozen=True)
+class ClusterCore:
+    """The cluster as the components built on it see it (`Cluster.core`): a GPU node pool, an
+    add-on or the LLM service takes this one object instead of a dozen of its fields, and
+    parents its own resources under itself."""
+
+    name: str
+    """EKS cluster name: node group names, Pod Identity associations, add-ons, lookups."""
+    eks: eks.Cluster
+    """The pulumi-eks cluster a managed node group joins."""
+    provider: k8s.Provider
+    """The Kubernetes provider every in-cluster resource goes through."""
+    node_role: aws.iam.Role
+    """The IAM role every node group's instances run as (system and GPU)."""
+    cluster_security_group_id: pulumi.Output[str]
+    """The EKS-managed cluster security group (node <-> control plane, node <-> node): what a
+    launch template that names security groups must name too."""
+    pod_identity_agent: aws.eks.Addon
+    """The EKS Pod Identity agent: pods whose credentials it serves are created after it."""
+    kubernetes_version: str
+    """EKS control-plane version, e.g. "1.35"."""
+    ami_release_version: str
+    """The pinned EKS AMI release (`amiReleaseVersion`) of every node group."""
+    vpc_id: pulumi.Input[str]
+    """VPC of the cluster and its nodes."""
+    vpc_cidr: str
+    """The VPC's range (the nodes' addresses)."""
+    private_subnet_ids: pulumi.Input[list[str]]
+    """The private subnets: the control plane's ENIs and the nodes of multi-zone pools."""
+    efa_subnet_id: pulumi.Input[str]
+    """The private subnet in the EFA zone: EFA and Capacity Block pools live in this one."""
+    efa_zone: str
+    """Availability zone of that subnet (and so of the EFA placement groups)."""
+    region: str
+    """The stack's AWS region (aws:region), where add-ons call the AWS APIs."""
+    tags: dict[str, str]
+    """The stack's tags, for every AWS resource built on the cluster."""
+
+
 @dataclass
 class ClusterArgs:
     cluster_name: str
@@ -44,10 +84,21 @@ class ClusterArgs:
     """EKS control-plane version, e.g. "1.35"."""
     vpc_id: pulumi.Input[str]
     """VPC of the cluster and its nodes."""
+    vpc_cidr: str
+    """The VPC's range (passed on in `core`)."""
     private_subnet_ids: pulumi.Input[list[str]]
     """Subnets of the control-plane ENIs and the system nodes."""
     public_subnet_ids: pulumi.Input[list[str]]
     """Public subnets (tagged for internet-facing load balancers only)."""
+    efa_subnet_id: pulumi.Input[str]
+    """The private subnet in the EFA zone (passed on in `core` to the GPU node pools)."""
+    efa_zone: str
+    """Availability zone of that subnet."""
+    region: str
+    """The stack's AWS region (passed on in `core`)."""
+    ami_release_version: str
+    """EKS AMI release (`amiReleaseVersion`) of the system node group (and, through `core`, of
+    the GPU pools)."""
     endpoint_access: EndpointAccess
     """Private only, or public and private with `public_access_cidrs`."""
     public_access_cidrs: list[str]
@@ -58,8 +109,6 @@ class ClusterArgs:
     """The CPU node group of the Ray head and the operators."""
     view_role_arns: list[str] = field(default_factory=list)
     """IAM roles given read-only access entries (AmazonEKSViewPolicy), e.g. the CI preview role."""
-    ami_release_version: str | None = None
-    """EKS AMI release (`amiReleaseVersion`) of the system node group."""
     system_security_group_ids: list[pulumi.Input[str]] = field(default_factory=list)
     """Security groups the system nodes carry besides the EKS cluster security group (e.g. the
     GCS Redis clients group: the Ray head runs there). Non-empty: a launch template of ours."""
@@ -70,41 +119,61 @@ class ClusterArgs:
 
 
 class Cluster(pulumi.ComponentResource):
-    eks: eks.Cluster
-    provider: k8s.Provider
-    node_role: aws.iam.Role
+    core: ClusterCore
     cluster_name: pulumi.Output[str]
     kubeconfig: pulumi.Output[str]
     oidc_issuer: pulumi.Output[str]
     system_node_group_name: pulumi.Output[str]
-    pod_identity_agent: aws.eks.Addon
 
     def __init__(self, name: str, args: ClusterArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:cluster:Cluster", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
 
         key = _secrets_key(name, args, child)
-        self.node_role = _node_role(name, args, child)
-        self.eks = _control_plane(name, args, key, child)
+        node_role = _node_role(name, args, child)
+        control_plane = _control_plane(name, args, key, child)
         self.cluster_name = pulumi.Output.from_input(args.cluster_name)
         # Pod Identity: how the Ray pods get their S3 role without node-wide credentials.
         # Pods whose credentials come from it wait for it (LlmService, NodeAutoscaler).
-        self.pod_identity_agent = aws.eks.Addon(
+        pod_identity_agent = aws.eks.Addon(
             f"{name}-pod-identity-agent",
             cluster_name=self.cluster_name,
             addon_name="eks-pod-identity-agent",
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[self.eks]),
+            opts=pulumi.ResourceOptions(parent=self, depends_on=[control_plane]),
         )
-        _system_node_group(name, args, self.eks, self.node_role, self._system_template(name, args, child), child)
+        # The EKS-managed cluster security group: what managed nodes get when EKS builds their
+        # launch template, so every template of ours names it too.
+        cluster_sg = aws.eks.get_cluster_output(
+            name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[control_plane])
+        ).vpc_config.cluster_security_group_id
+        template = _system_template(name, args, cluster_sg, child)
+        _system_node_group(name, args, control_plane, node_role, template, child)
         self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
 
-        self.kubeconfig = pulumi.Output.secret(self.eks.kubeconfig_json)
-        self.oidc_issuer = self.eks.oidc_issuer
-        self.provider = k8s.Provider(
+        self.kubeconfig = pulumi.Output.secret(control_plane.kubeconfig_json)
+        self.oidc_issuer = control_plane.oidc_issuer
+        provider = k8s.Provider(
             f"{name}-k8s",
             kubeconfig=self.kubeconfig,
             enable_server_side_apply=True,
             opts=child,
+        )
+        self.core = ClusterCore(
+            name=args.cluster_name,
+            eks=control_plane,
+            provider=provider,
+            node_role=node_role,
+            cluster_security_group_id=cluster_sg,
+            pod_identity_agent=pod_identity_agent,
+            kubernetes_version=args.kubernetes_version,
+            ami_release_version=args.ami_release_version,
+            vpc_id=args.vpc_id,
+            vpc_cidr=args.vpc_cidr,
+            private_subnet_ids=args.private_subnet_ids,
+            efa_subnet_id=args.efa_subnet_id,
+            efa_zone=args.efa_zone,
+            region=args.region,
+            tags=dict(args.tags),
         )
         self.register_outputs(
             {
@@ -115,31 +184,29 @@ class Cluster(pulumi.ComponentResource):
             }
         )
 
-    def _system_template(
-        self, name: str, args: ClusterArgs, child: pulumi.ResourceOptions
-    ) -> aws.eks.NodeGroupLaunchTemplateArgs:
-        """The system nodes' launch template: an encrypted gp3 root volume sized for the
-        ray-llm image (EKS's default is 20 GiB, encrypted only if the account says so), the
-        extra security groups, IMDSv2, no image and no user data (EKS still picks the AMI from
-        amiType and releaseVersion and bootstraps).
 
-        A template that names security groups replaces the ones EKS would attach, so the EKS
-        cluster security group (node <-> control plane, node <-> node) is named here too, as
-        EKS's own template would have it (EKS user guide, "Customizing managed nodes with
-        launch templates": security groups)."""
-        cluster = aws.eks.get_cluster_output(
-            name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[self.eks])
-        )
-        lt = aws.ec2.LaunchTemplate(
-            f"{name}-system-lt",
-            description=f"System nodes of {args.cluster_name}: EKS cluster SG + {len(args.system_security_group_ids)} more",
-            vpc_security_group_ids=[cluster.vpc_config.cluster_security_group_id, *args.system_security_group_ids],
-            metadata_options=IMDSV2,
-            block_device_mappings=[encrypted_root_volume(args.system_nodes.root_volume_gib)],
-            tags=dict(args.tags),
-            opts=child,
-        )
-        return aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str))
+def _system_template(
+    name: str, args: ClusterArgs, cluster_sg: pulumi.Input[str], child: pulumi.ResourceOptions
+) -> aws.eks.NodeGroupLaunchTemplateArgs:
+    """The system nodes' launch template: an encrypted gp3 root volume sized for the ray-llm
+    image (EKS's default is 20 GiB, encrypted only if the account says so), the extra security
+    groups, IMDSv2, no image and no user data (EKS still picks the AMI from amiType and
+    releaseVersion and bootstraps).
+
+    A template that names security groups replaces the ones EKS would attach, so the EKS
+    cluster security group (node <-> control plane, node <-> node) is named here too, as EKS's
+    own template would have it (EKS user guide, "Customizing managed nodes with launch
+    templates": security groups)."""
+    lt = aws.ec2.LaunchTemplate(
+        f"{name}-system-lt",
+        description=f"System nodes of {args.cluster_name}: EKS cluster SG + {len(args.system_security_group_ids)} more",
+        vpc_security_group_ids=[cluster_sg, *args.system_security_group_ids],
+        metadata_options=IMDSV2,
+        block_device_mappings=[encrypted_root_volume(args.system_nodes.root_volume_gib)],
+        tags=dict(args.tags),
+        opts=child,
+    )
+    return aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str))
 
 
 def _secrets_key(name: str, args: ClusterArgs, child: pulumi.ResourceOptions) -> aws.kms.Key:

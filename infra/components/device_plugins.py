@@ -1,7 +1,7 @@
 """Device plugins: how Kubernetes learns a node's GPUs and EFA interfaces.
 
 What flows through here: the GPU and EFA instance types of the catalog -> two Helm releases
-(versions from infra/versions.py) whose DaemonSets tolerate the GPU taint and run only on
+(versions from infra/versions.py, through the provider of the cluster's core) whose DaemonSets tolerate the GPU taint and run only on
 those types: the NVIDIA device plugin (`nvidia.com/gpu`) and the AWS EFA device plugin
 (`vpc.amazonaws.com/efa`). The AL2023 NVIDIA AMI ships drivers and EFA host software but
 neither plugin. The EFA plugin must stay off nodes without EFA, or they never get Ready.
@@ -15,6 +15,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import catalog, versions
+from infra.components.cluster import ClusterCore
 from infra.components.helm import release
 from infra.k8s.labels import (
     GPU_TOLERATION,
@@ -29,8 +30,8 @@ EFA_TYPES = sorted(t.name for t in catalog.CATALOG.values() if t.efa)
 
 @dataclass
 class DevicePluginArgs:
-    provider: k8s.Provider
-    """Kubernetes provider of the cluster the plugins are installed in."""
+    cluster: ClusterCore
+    """The cluster the plugins are installed in (through its Kubernetes provider)."""
 
 
 class NvidiaDevicePlugin(pulumi.ComponentResource):
@@ -41,7 +42,7 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
         ns = k8s.core.v1.Namespace(
             f"{name}-ns",
             metadata={"name": self.NAMESPACE},
-            opts=pulumi.ResourceOptions(parent=self, provider=args.provider),
+            opts=pulumi.ResourceOptions(parent=self, provider=args.cluster.provider),
         )
         values = {
             # EKS nodes carry no Node Feature Discovery labels: select on the GPU types instead.
@@ -52,7 +53,13 @@ class NvidiaDevicePlugin(pulumi.ComponentResource):
             "priorityClassName": "system-node-critical",
         }
         self.chart = release(
-            self, f"{name}-chart", versions.NVIDIA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider, depends_on=[ns]
+            self,
+            f"{name}-chart",
+            versions.NVIDIA_DEVICE_PLUGIN,
+            self.NAMESPACE,
+            values,
+            args.cluster.provider,
+            depends_on=[ns],
         )
         self.register_outputs({"chartVersion": versions.NVIDIA_DEVICE_PLUGIN.version})
 
@@ -69,5 +76,7 @@ class EfaDevicePlugin(pulumi.ComponentResource):
             "supportedInstanceLabels": {"keys": [INSTANCE_TYPE_LABEL], "values": EFA_TYPES},
             "tolerations": [GPU_TOLERATION],
         }
-        self.chart = release(self, f"{name}-chart", versions.EFA_DEVICE_PLUGIN, self.NAMESPACE, values, args.provider)
+        self.chart = release(
+            self, f"{name}-chart", versions.EFA_DEVICE_PLUGIN, self.NAMESPACE, values, args.cluster.provider
+        )
         self.register_outputs({"chartVersion": versions.EFA_DEVICE_PLUGIN.version})

@@ -1,7 +1,8 @@
 """GpuNodePool: one EKS managed node group of GPU instances for one named pool (`nodePools.<name>`).
 
-What flows through here: a pool's config (instance type, capacity type, sizes, storage) and
-the catalog entry of its type -> an `eks.ManagedNodeGroup` on the AL2023 NVIDIA AMI, tainted
+What flows through here: a pool's config (instance type, capacity type, sizes, storage), the
+catalog entry of its type and the cluster's core (`ClusterCore`: node role, cluster security
+group, subnets, AMI release, tags) -> an `eks.ManagedNodeGroup` on the AL2023 NVIDIA AMI, tainted
 `nvidia.com/gpu=true:NoSchedule` and labelled with the pool's name (the role label) so only
 the Ray worker group of that pool lands there. One-model stacks name their pools after the
 engine roles (`prefill`, `decode`); with `serving.models` several models' roles share pools.
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import pulumi
@@ -31,6 +32,7 @@ import pulumi_aws as aws
 import pulumi_eks as eks
 
 from infra import catalog
+from infra.components.cluster import ClusterCore
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
 from infra.components.node_autoscaler import gpu_node_labels, scale_from_zero_tags
 from infra.config import CapacityType, LocalStorage, NodePool
@@ -85,26 +87,10 @@ class GpuNodePoolArgs:
     """The pool's name (`nodePools` key): its node label and names (`prefill`, `decode`, ...)."""
     pool: NodePool
     """The pool's validated config: instance type, capacity type, sizes, storage."""
-    cluster: eks.Cluster
-    """The cluster the managed node group joins."""
-    cluster_name: pulumi.Input[str]
-    """Name of that cluster (looked up for its security group)."""
-    node_role: aws.iam.Role
-    """IAM role the nodes run as (shared with the system nodes)."""
-    vpc_id: pulumi.Input[str]
-    """VPC of the EFA security group."""
-    subnet_ids: pulumi.Input[list[str]]
-    """All private subnets (used by non-EFA instance types)."""
-    efa_subnet_id: pulumi.Input[str]
-    """The private subnet in the EFA zone: EFA pools live in this one subnet."""
-    efa_zone: str
-    """Availability zone of the EFA placement group."""
-    kubernetes_version: str
-    """EKS Kubernetes version of the cluster (names the AMI)."""
-    ami_release_version: str
-    """The pinned AMI release (stack key amiReleaseVersion), e.g. "1.35.6-20260714"."""
-    tags: dict[str, str] = field(default_factory=dict)
-    """Tags for every AWS resource of the component."""
+    cluster: ClusterCore
+    """The cluster the managed node group joins: its node role, cluster security group,
+    private subnets (the EFA zone's one for EFA and Capacity Block pools), VPC, pinned AMI
+    release and tags."""
 
 
 def efa_network_interfaces(instance: catalog.InstanceType, security_groups: Sequence[pulumi.Input[str]]) -> list:
@@ -152,23 +138,23 @@ def node_group_name(cluster_name: str, role: str) -> str:
 
 
 class GpuNodePool(pulumi.ComponentResource):
-    node_group_name: pulumi.Output[str]
+    node_group_name: str
     labels: dict[str, str]
     instance: catalog.InstanceType
 
     def __init__(self, name: str, args: GpuNodePoolArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:nodes:GpuNodePool", name, None, opts)
         child = pulumi.ResourceOptions(parent=self)
-        pool, inst = args.pool, args.pool.instance
+        pool, inst, cluster = args.pool, args.pool.instance, args.cluster
         self.instance = inst
         # The role (what the engine pods select) and the GPU label the Cluster Autoscaler
         # needs to wait for the device plugin instead of adding another node.
         self.labels = {ROLE_LABEL: args.role, **gpu_node_labels(inst)}
-        group_name = pulumi.Output.from_input(args.cluster_name).apply(lambda c: node_group_name(c, args.role))
+        group_name = node_group_name(cluster.name, args.role)
         raid = pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0
         common: dict[str, Any] = dict(
-            cluster=args.cluster,
-            node_role=args.node_role,
+            cluster=cluster.eks,
+            node_role=cluster.node_role,
             node_group_name=group_name,
             instance_types=[inst.name],
             capacity_type=_CAPACITY[pool.capacity_type],
@@ -180,7 +166,7 @@ class GpuNodePool(pulumi.ComponentResource):
             # The Cluster Autoscaler owns desiredSize once the pool exists; Pulumi keeps min/max.
             ignore_scaling_changes=True,
             # What a node of an empty pool would offer, for the autoscaler's scale from zero.
-            tags={**args.tags, ROLE_LABEL: args.role, **scale_from_zero_tags(inst)},
+            tags={**cluster.tags, ROLE_LABEL: args.role, **scale_from_zero_tags(inst)},
         )
 
         # Our own launch template for every pool (module docstring). The AMI is pinned by the
@@ -192,11 +178,11 @@ class GpuNodePool(pulumi.ComponentResource):
             f"{name}-ng",
             # One subnet for EFA (its traffic stays in one zone) and Capacity Blocks (they live
             # in one); every private subnet otherwise.
-            subnet_ids=[args.efa_subnet_id] if one_zone else args.subnet_ids,
+            subnet_ids=[cluster.efa_subnet_id] if one_zone else cluster.private_subnet_ids,
             launch_template=aws.eks.NodeGroupLaunchTemplateArgs(id=lt.id, version=lt.latest_version.apply(str)),
             ami_type=AMI_TYPE,
             gpu=True,
-            release_version=args.ami_release_version,
+            release_version=cluster.ami_release_version,
             opts=child,
             **common,
         )
@@ -208,20 +194,16 @@ class GpuNodePool(pulumi.ComponentResource):
         self, name: str, args: GpuNodePoolArgs, raid: bool, child: pulumi.ResourceOptions
     ) -> aws.ec2.LaunchTemplate:
         """The pool's launch template (see the module docstring)."""
-        pool, inst = args.pool, args.pool.instance
+        pool, inst, cluster = args.pool, args.pool.instance, args.cluster
         block = pool.capacity_type is CapacityType.CAPACITY_BLOCK
-        sg_ids: list[pulumi.Input[str]] = []
         # The EKS-managed cluster security group: what MNG nodes get when EKS builds the template.
-        cluster = aws.eks.get_cluster_output(
-            name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[args.cluster])
-        )
-        sg_ids.append(cluster.vpc_config.cluster_security_group_id)
+        sg_ids: list[pulumi.Input[str]] = [cluster.cluster_security_group_id]
         if inst.efa:
             efa_sg = aws.ec2.SecurityGroup(
                 f"{name}-efa-sg",
                 description="EFA: all traffic to and from members of this group only",
-                vpc_id=args.vpc_id,
-                tags=args.tags,
+                vpc_id=cluster.vpc_id,
+                tags=cluster.tags,
                 opts=child,
             )
             aws.vpc.SecurityGroupIngressRule(
@@ -250,7 +232,7 @@ class GpuNodePool(pulumi.ComponentResource):
         if inst.efa and not block:
             # EFA wants the nodes close together: a cluster placement group. Its zone is the
             # one of the pool's only subnet (the EFA zone).
-            group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=args.tags, opts=child)
+            group = aws.ec2.PlacementGroup(f"{name}-pg", strategy="cluster", tags=cluster.tags, opts=child)
             placement = aws.ec2.LaunchTemplatePlacementArgs(group_name=group.name)
         market: dict[str, Any] = {}
         if block:
@@ -262,7 +244,7 @@ class GpuNodePool(pulumi.ComponentResource):
                     )
                 ),
             )
-        where = f"capacity block {pool.capacity_reservation_id}" if block else f"EFA, {args.efa_zone}"
+        where = f"capacity block {pool.capacity_reservation_id}" if block else f"EFA, {cluster.efa_zone}"
         return aws.ec2.LaunchTemplate(
             f"{name}-lt",
             description=f"{args.role} GPU nodes ({inst.name}, {where})",
@@ -274,9 +256,9 @@ class GpuNodePool(pulumi.ComponentResource):
             user_data=mime_user_data(node_user_data_parts(raid, inst.efa)),
             tag_specifications=[
                 aws.ec2.LaunchTemplateTagSpecificationArgs(
-                    resource_type="instance", tags={**args.tags, ROLE_LABEL: args.role}
+                    resource_type="instance", tags={**cluster.tags, ROLE_LABEL: args.role}
                 )
             ],
-            tags=args.tags,
+            tags=cluster.tags,
             opts=child,
         )

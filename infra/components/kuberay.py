@@ -1,6 +1,7 @@
 """KubeRayOperator: the operator that turns a RayService into a Ray cluster running Serve.
 
-What flows through here: the workload namespaces it manages -> those namespaces (Pod Security
+What flows through here: the cluster's core (its provider) and the workload namespaces it
+manages -> those namespaces (Pod Security
 "baseline" enforced, "restricted" warned) and the KubeRay operator Helm release (version
 pinned in infra/versions.py) on the system nodes, with namespace-scoped RBAC for just those
 namespaces (least privilege) instead of cluster-wide rights. The operator creates the
@@ -15,6 +16,7 @@ import pulumi
 import pulumi_kubernetes as k8s
 
 from infra import versions
+from infra.components.cluster import ClusterCore
 from infra.components.helm import release
 from infra.k8s.labels import KUBERAY_NAMESPACE as NAMESPACE
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
@@ -22,8 +24,8 @@ from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
 
 @dataclass
 class KubeRayOperatorArgs:
-    provider: k8s.Provider
-    """Kubernetes provider of the cluster."""
+    cluster: ClusterCore
+    """The cluster the operator runs in (through its Kubernetes provider)."""
     watch_namespaces: list[str]
     """Namespaces the operator watches (its RBAC is limited to them)."""
 
@@ -31,7 +33,8 @@ class KubeRayOperatorArgs:
 class KubeRayOperator(pulumi.ComponentResource):
     def __init__(self, name: str, args: KubeRayOperatorArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:kuberay:KubeRayOperator", name, None, opts)
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        provider = args.cluster.provider
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=provider)
         ns = k8s.core.v1.Namespace(f"{name}-ns", metadata={"name": NAMESPACE}, opts=k8s_opts)
         self.workload_namespaces = [
             k8s.core.v1.Namespace(
@@ -59,6 +62,6 @@ class KubeRayOperator(pulumi.ComponentResource):
         }
         # Its Roles live in the namespaces it watches: those must exist first.
         self.chart = release(
-            self, f"{name}-chart", chart, NAMESPACE, values, args.provider, depends_on=[ns, *self.workload_namespaces]
+            self, f"{name}-chart", chart, NAMESPACE, values, provider, depends_on=[ns, *self.workload_namespaces]
         )
         self.register_outputs({"chartVersion": chart.version, "namespace": NAMESPACE})

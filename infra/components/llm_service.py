@@ -1,7 +1,8 @@
 """LlmService: the OpenAI-compatible P/D service, as a KubeRay RayService and what it needs.
 
-What flows through here: the serving spec, the pools' instance types, the secret Outputs
-(API keys, Hugging Face token, Redis password) and the stack's endpoint settings ->
+What flows through here: the cluster's core (`ClusterCore`: name, provider, Pod Identity
+agent, region, VPC range, tags), the serving spec, the pools' instance types, the secret
+Outputs (API keys, Hugging Face token, Redis password) and the stack's endpoint settings ->
 - a code bucket (private, encrypted, versioned) holding serving/ as a content-hashed zip,
   which the RayService's runtime_env points at (no custom image);
 - an IAM role the Ray pods assume through EKS Pod Identity: read that zip and, in the model
@@ -31,6 +32,7 @@ import pulumi_kubernetes as k8s
 
 from infra import catalog
 from infra.components.buckets import private_bucket
+from infra.components.cluster import ClusterCore
 from infra.components.iam import trusted_by
 from infra.config import ServiceExposure
 from infra.k8s.api_access import namespace_ingress_policy
@@ -47,12 +49,15 @@ API_KEYS_SECRET_KEY = "api-keys"
 
 @dataclass
 class LlmServiceArgs:
-    cluster_name: pulumi.Input[str]
-    """EKS cluster name (the Pod Identity association's cluster)."""
+    cluster: ClusterCore
+    """The cluster: its name (the Pod Identity associations' cluster), Kubernetes provider,
+    Pod Identity agent (it serves the pods' credentials: the RayService waits for it, and for
+    its associations, ServiceAccounts and Secrets), region (the Ray pods' AWS_REGION /
+    AWS_DEFAULT_REGION, so their SDKs never ask the instance metadata service, which pods
+    cannot reach), VPC range (the NetworkPolicy's API sources when no client CIDRs are given,
+    and behind the NLB the forwarding nodes' addresses: infra/k8s/api_access.py) and tags."""
     namespace: str
     """Namespace of the RayService, its Secrets and Services."""
-    provider: k8s.Provider
-    """Kubernetes provider of the cluster."""
     operator: pulumi.Resource
     """The KubeRay operator: the RayService CRD must exist first."""
     serving: ServingSpec
@@ -65,14 +70,8 @@ class LlmServiceArgs:
     """How the OpenAI API is exposed: ClusterIP or an internal NLB."""
     allowed_cidrs: list[str]
     """Client CIDRs allowed to the API (NLB source ranges, NetworkPolicy)."""
-    vpc_cidr: str
-    """The VPC range: the NetworkPolicy's API sources when no client CIDRs are given, and
-    behind the NLB the forwarding nodes' addresses (infra/k8s/api_access.py)."""
     upgrade_strategy: str
     """RayService upgrade strategy (KubeRay's `upgradeStrategy.type`)."""
-    region: str | None = None
-    """The stack's AWS region (aws:region): the Ray pods' AWS_REGION / AWS_DEFAULT_REGION, so
-    their SDKs never ask the instance metadata service, which pods cannot reach."""
     api_keys: pulumi.Output[str] | None = None
     """Secret: comma-separated API keys, delivered as a Kubernetes Secret."""
     fallback_api_key: pulumi.Output[str] | None = None
@@ -87,16 +86,11 @@ class LlmServiceArgs:
     None keeps GCS fault tolerance off."""
     model_bucket: str | None = None
     """S3 bucket the pods may read model weights from."""
-    pod_identity_agent: pulumi.Resource | None = None
-    """The EKS Pod Identity agent add-on, which serves the pods' credentials: the RayService
-    waits for it (and for its associations, ServiceAccounts and Secrets)."""
     tracing: TraceExport | None = None
     """Request tracing (observability.tracing): the collector's address and the sampling
     ratio the Ray pods and engines export with; None: no tracing."""
     pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
     """Node pool name -> its node group sizes: the worker groups' bounds with several models."""
-    tags: dict[str, str] = field(default_factory=dict)
-    """Tags for every AWS resource of the component."""
     head_cpus: int = HEAD_BASE_VCPUS
     """CPU request of the Ray head pod: the head sizing's vCPUs at the planned rate
     (`infra.sizing.head`, printed by `make plan`)."""
@@ -115,9 +109,9 @@ class LlmService(pulumi.ComponentResource):
     def __init__(self, name: str, args: LlmServiceArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:serving:LlmService", name, None, opts)
         aws_opts = pulumi.ResourceOptions(parent=self)
-        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.provider)
+        k8s_opts = pulumi.ResourceOptions(parent=self, provider=args.cluster.provider)
         self.rayservice_name = name
-        code = create_code_bucket(name, dict(args.tags), aws_opts)
+        code = create_code_bucket(name, dict(args.cluster.tags), aws_opts)
         self.code_bucket = code.bucket.bucket
         identity = create_pod_identity(name, args, code.bucket, aws_opts, k8s_opts)
         secrets = create_secrets(name, args, k8s_opts)
@@ -125,9 +119,13 @@ class LlmService(pulumi.ComponentResource):
         # Pod Identity mutates a pod only at admission and only if its association exists
         # (aws/amazon-eks-pod-identity-webhook handler.go), and KubeRay creates the pods as
         # soon as the RayService exists: everything the pods use comes first.
-        ready: list[pulumi.Resource] = [args.operator, code.object, *identity.resources, *secrets.resources]
-        if args.pod_identity_agent is not None:
-            ready.append(args.pod_identity_agent)
+        ready: list[pulumi.Resource] = [
+            args.operator,
+            code.object,
+            *identity.resources,
+            *secrets.resources,
+            args.cluster.pod_identity_agent,
+        ]
         if args.tracing is not None:
             # The pods mount it at start: it must exist before KubeRay creates them.
             cm = exporter_configmap(args.tracing, name, args.namespace)
@@ -200,7 +198,7 @@ def create_pod_identity(
     role = aws.iam.Role(
         f"{name}-pods",
         assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
-        tags=dict(args.tags),
+        tags=dict(args.cluster.tags),
         opts=aws_opts,
     )
     model_bucket = args.model_bucket
@@ -216,11 +214,11 @@ def create_pod_identity(
         created.append(
             aws.eks.PodIdentityAssociation(
                 f"{name}-{sa.removeprefix(name + '-')}-identity",
-                cluster_name=args.cluster_name,
+                cluster_name=args.cluster.name,
                 namespace=args.namespace,
                 service_account=sa,
                 role_arn=role.arn,
-                tags=dict(args.tags),
+                tags=dict(args.cluster.tags),
                 opts=aws_opts,
             )
         )
@@ -316,7 +314,7 @@ def create_rayservice(
         redis_password=secrets.redis_password,
         gcs_redis_address=redis_ref,
         upgrade_strategy=args.upgrade_strategy,
-        region=args.region,
+        region=args.cluster.region,
         service_name=service_name,
         head_cpus=args.head_cpus,
         cold_start_s=dict(args.cold_start_s),
@@ -336,7 +334,7 @@ def create_rayservice(
         kind="RayService",
         metadata={"name": name, "namespace": args.namespace, "labels": {"app.kubernetes.io/name": name}},
         spec=spec,
-        opts=pulumi.ResourceOptions(parent=parent, provider=args.provider, depends_on=depends_on),
+        opts=pulumi.ResourceOptions(parent=parent, provider=args.cluster.provider, depends_on=depends_on),
     )
 
 
@@ -348,13 +346,13 @@ def create_network_policies(name: str, args: LlmServiceArgs, opts: pulumi.Resour
         name,
         args.namespace,
         args.allowed_cidrs,
-        args.vpc_cidr,
+        args.cluster.vpc_cidr,
         behind_nlb=args.exposure is ServiceExposure.INTERNAL_NLB,
     )
     k8s.networking.v1.NetworkPolicy(f"{name}-netpol", metadata=ingress["metadata"], spec=ingress["spec"], opts=opts)
     if args.serving.fallback is not None:
         egress = fallback_egress_policy(
-            name, args.namespace, args.vpc_cidr, args.serving.fallback.port, tracing=args.tracing is not None
+            name, args.namespace, args.cluster.vpc_cidr, args.serving.fallback.port, tracing=args.tracing is not None
         )
         k8s.networking.v1.NetworkPolicy(
             f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=opts

@@ -1,7 +1,7 @@
 """NodeAutoscaler: the Cluster Autoscaler that adds and removes GPU nodes as Ray asks for them.
 
-What flows through here: the cluster's name, region and Kubernetes version, and the names of
-the GPU managed node groups -> an IAM role that only this autoscaler's service account may
+What flows through here: the cluster's core (`ClusterCore`: name, region, Kubernetes version,
+provider, Pod Identity agent) and the GPU node pools -> an IAM role that only this autoscaler's service account may
 assume (EKS Pod Identity), with a least-privilege policy (read the groups; change the desired
 size of, and terminate instances in, only the Auto Scaling groups of those node groups) ->
 the `cluster-autoscaler` Helm release (chart and image pinned in infra/versions.py)
@@ -23,17 +23,22 @@ drains a node that still runs Ray work: the KubeRay autoscaler decides what goes
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pulumi
 import pulumi_aws as aws
-import pulumi_kubernetes as k8s
 
 from infra import catalog, versions
+from infra.components.cluster import ClusterCore
 from infra.components.helm import release
 from infra.components.iam import trusted_by
 from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
 from infra.k8s.monitoring import ScrapeTarget, node_autoscaler_target
+
+if TYPE_CHECKING:  # the pools' module reads this one's node labels and tags
+    from infra.components.gpu_node_pool import GpuNodePool
 
 NAMESPACE = "kube-system"
 SERVICE_ACCOUNT = "cluster-autoscaler"
@@ -177,23 +182,15 @@ def chart_values(cluster_name: str, region: str, kubernetes_version: str, node_g
 
 @dataclass
 class NodeAutoscalerArgs:
-    cluster_name: str
-    """The EKS cluster (its node groups' Auto Scaling groups carry it as `eks:cluster-name`)."""
-    region: str
-    """The cluster's AWS region, where the autoscaler calls the EC2, Auto Scaling and EKS APIs."""
-    kubernetes_version: str
-    """The cluster's version; picks the autoscaler release line (`infra/versions.py`)."""
-    node_group_names: list[str]
-    """The GPU managed node groups it may scale, and nothing else."""
-    provider: k8s.Provider
-    """The cluster's Kubernetes provider (the Helm release goes through it)."""
-    depends_on: list[pulumi.Resource] = field(default_factory=list)
-    """The node groups: their Auto Scaling groups must exist to be discovered."""
-    pod_identity_agent: pulumi.Resource | None = None
-    """The EKS Pod Identity agent add-on: it serves the autoscaler's credentials, which the
-    webhook wires in only at pod admission (with the association, created here first)."""
-    tags: dict[str, str] = field(default_factory=dict)
-    """Tags for every AWS resource of the component."""
+    cluster: ClusterCore
+    """The cluster: its name (its node groups' Auto Scaling groups carry it as
+    `eks:cluster-name`), region (where the autoscaler calls the EC2, Auto Scaling and EKS
+    APIs), version (picks the autoscaler release line, `infra/versions.py`), Kubernetes
+    provider, Pod Identity agent (it serves the autoscaler's credentials, which the webhook
+    wires in only at pod admission, with the association created here first) and tags."""
+    pools: Sequence[GpuNodePool]
+    """The GPU node pools it may scale, and nothing else (their Auto Scaling groups must exist
+    to be discovered, so the release comes after them)."""
 
 
 class NodeAutoscaler(pulumi.ComponentResource):
@@ -202,46 +199,43 @@ class NodeAutoscaler(pulumi.ComponentResource):
 
     def __init__(self, name: str, args: NodeAutoscalerArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:nodes:NodeAutoscaler", name, None, opts)
-        if not args.node_group_names:
+        if not args.pools:
             raise ValueError("NodeAutoscaler needs at least one node group to scale")
+        cluster = args.cluster
+        node_group_names = [p.node_group_name for p in args.pools]
         child = pulumi.ResourceOptions(parent=self)
         role = aws.iam.Role(
             f"{name}-role",
             assume_role_policy=trusted_by("pods.eks.amazonaws.com", ("sts:AssumeRole", "sts:TagSession")),
-            tags=args.tags,
+            tags=cluster.tags,
             opts=child,
         )
         policy = aws.iam.RolePolicy(
             f"{name}-policy",
             role=role.id,
-            policy=json.dumps(autoscaler_policy(args.cluster_name, args.node_group_names)),
+            policy=json.dumps(autoscaler_policy(cluster.name, node_group_names)),
             opts=child,
         )
         identity = aws.eks.PodIdentityAssociation(
             f"{name}-identity",
-            cluster_name=args.cluster_name,
+            cluster_name=cluster.name,
             namespace=NAMESPACE,
             service_account=SERVICE_ACCOUNT,
             role_arn=role.arn,
-            tags=args.tags,
+            tags=cluster.tags,
             opts=child,
         )
-        values = chart_values(args.cluster_name, args.region, args.kubernetes_version, args.node_group_names)
+        values = chart_values(cluster.name, cluster.region, cluster.kubernetes_version, node_group_names)
         release(
             self,
             f"{name}-chart",
             versions.CLUSTER_AUTOSCALER,
             NAMESPACE,
             values,
-            args.provider,
+            cluster.provider,
             # Credentials are wired in at pod admission: the association, its policy and the
             # agent that serves them exist first.
-            depends_on=[
-                identity,
-                policy,
-                *args.depends_on,
-                *([args.pod_identity_agent] if args.pod_identity_agent else []),
-            ],
+            depends_on=[identity, policy, *args.pools, cluster.pod_identity_agent],
             release_name=RELEASE_NAME,
         )
         self.role_arn = role.arn
