@@ -76,10 +76,10 @@ def stack():
 _SHARED: list = []
 
 
-@pytest.fixture(autouse=True)
-def _one_stack_at_a_time(request):
-    if request.node.get_closest_marker("own_stack"):
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    # Before any fixture of the item: a module-scoped stack fixture is set up before autouse ones.
+    if item.get_closest_marker("own_stack"):
         for running in _SHARED:
             if running.proc.poll() is None:
                 running.stop()
-    yield
