@@ -5,7 +5,7 @@ imports of project modules (module level and inside functions alike: a lazy impo
 dependency) -> the rules of docs/architecture.md ("The code"): serving/ ships alone (never
 infra/, local/, tools/, bench/); the spec is pure (its own parts only); the two serving wings
 (ingress, engines) meet only in serving/core and serving/app.py; below-above order inside
-infra (sizing < config < plan); and no circle anywhere.
+infra (sizing < config < plan); no circle anywhere; and modules and functions a reader can hold.
 """
 
 from __future__ import annotations
@@ -103,3 +103,30 @@ def test_the_rules_can_fail():
     graph = _graph()
     assert "serving.ingress.server" in graph["serving.app"]
     assert any(_under(d, "serving.spec") for d in graph["serving.ingress.pipeline"] | graph["serving.ingress.server"])
+
+
+def _sizes() -> tuple[list[tuple[str, int]], list[tuple[str, str, int]]]:
+    """(module, lines) and (module, function, lines) of the project's code (tests aside)."""
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py") if "__pycache__" not in p.parts]
+    modules, functions = [], []
+    for path in [*files, ROOT / "__main__.py"]:
+        text = path.read_text()
+        name = str(path.relative_to(ROOT))
+        modules.append((name, text.count("\n")))
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno is not None:
+                functions.append((name, node.name, node.end_lineno - node.lineno + 1))
+    return modules, functions
+
+
+def test_modules_and_functions_a_reader_can_hold():
+    """Modules of at most 500 lines and functions of at most 80 (a benchmark's: 600 and 120)."""
+    modules, functions = _sizes()
+    assert len(modules) > 100 and any(n > 60 for _, _, n in functions)  # the walk sees the code
+
+    def bench(path: str) -> bool:
+        return path.startswith("bench/")
+
+    too_long = [f"{m}: {n} lines" for m, n in modules if n > (600 if bench(m) else 500)]
+    too_long += [f"{m} {f}: {n} lines" for m, f, n in functions if n > (120 if bench(m) else 80)]
+    assert not too_long, "\n".join(too_long)
