@@ -29,6 +29,12 @@ def open_at(spans: Iterable[tuple[float, float]], t: float) -> int:
     return sum(1 for start, end in spans if start <= t < end)
 
 
+def delta_total(before: Mapping[str, float], after: Mapping[str, float]) -> float:
+    """How much a counter's series ({label value: total}) rose between two readings (a series
+    that disappeared counts as unchanged)."""
+    return sum(max(0.0, v - before.get(k, 0.0)) for k, v in after.items())
+
+
 def path_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
     """{path: requests} counted between two prefill_mode.path_counts readings (a series that
     disappeared counts as unchanged, as in prefill_mode.remote_share)."""
