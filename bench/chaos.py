@@ -367,10 +367,20 @@ async def soak_scenario(ctx: Ctx, duration_s: float, warmup_s: float = 60.0) -> 
 
 
 # --- the command ------------------------------------------------------------------------------
+# Ray exports metrics every second instead of every 10 s: the engines' running requests pick
+# the victim 1.5 s into a round, and the counters that show a fault landed (migrations, local
+# prefills) arrive before the scenario reads them.
+CHAOS_ENV = {"RAY_metrics_report_interval_ms": "1000"}
+
+
 def stack_options() -> dict[str, Any]:
     """background_stack's arguments: the disaggregated app, 1 prefill + 2 decode replicas (what
     every scenario expects; tests/bench/test_chaos.py builds what it deploys, without Ray)."""
-    return {"mode": "disaggregated", "extra_args": ["--prefill-replicas", "1", "--decode-replicas", "2"]}
+    return {
+        "mode": "disaggregated",
+        "extra_args": ["--prefill-replicas", "1", "--decode-replicas", "2"],
+        "extra_env": CHAOS_ENV,
+    }
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -52,6 +52,8 @@ BUSY_WITHIN_S = 20.0
 IDLE_WITHIN_S = 20.0
 # How long Serve may take to mark the replica it stops on scale-in.
 REMOVED_WITHIN_S = 30.0
+# How long the round's migrations may take to show in the exported counter.
+MIGRATIONS_WITHIN_S = 20.0
 
 
 async def _round(ctx: Any, fault: Any = None) -> list[Streamed]:
@@ -122,8 +124,14 @@ async def _counted_round(ctx: Any, fault: Any) -> dict[str, Any]:
     await _until_idle(ctx)
     before = await asyncio.to_thread(migrations, ctx.metrics_urls)
     faulted = await _round(ctx, fault)
-    await asyncio.sleep(6)  # Ray exports counters every few seconds
+    # Ray exports counters every few seconds: wait for the round's migrations to show (a
+    # scale-in that drains counts none: then the whole wait).
+    until = time.monotonic() + MIGRATIONS_WITHIN_S
+    await asyncio.sleep(6)
     after = await asyncio.to_thread(migrations, ctx.metrics_urls)
+    while not any(delta(before, after).values()) and time.monotonic() < until:
+        await asyncio.sleep(2)
+        after = await asyncio.to_thread(migrations, ctx.metrics_urls)
     ref, got = _summary(reference_round, reference), _summary(faulted, reference)
     return {
         "streams": STREAMS,
