@@ -203,6 +203,16 @@ async def _victim(ctx: Ctx, marker: str) -> tuple[Any, list[dict[str, Any]]]:
     return victim, reps
 
 
+async def _listed(ctx: Ctx, marker: str, tries: int = 5) -> list[dict[str, Any]]:
+    """The deployment's RUNNING replicas ([] if the dashboard does not answer in `tries`)."""
+    for _ in range(tries):
+        try:
+            return await asyncio.to_thread(replicas.running_replicas, ctx.dashboard_url, marker)
+        except httpx.HTTPError:  # a busy dashboard: ask again
+            await asyncio.sleep(1)
+    return []
+
+
 async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CONCURRENCY) -> dict:
     """Load; SIGKILL the busiest replica of the deployment named like `marker`; load until Serve
     has `want` healthy replicas again (at most during_max_s), then after_s more."""
@@ -213,8 +223,8 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         Load(ctx.url, ctx.api_key, concurrency, t0, model=ctx.model) as load,
     ):
         await asyncio.sleep(ctx.before_s)
-        victim, reps = await _victim(ctx, marker)
         migrations = await asyncio.to_thread(chaos_streams.migrations, ctx.metrics_urls)
+        victim, reps = await _victim(ctx, marker)
         fault_at = time.monotonic() - t0
         ctx.say(
             f"SIGKILL pid {victim.pid} (replica {victim.replica_id}, engine running {victim.running}) at {fault_at:.1f}s"
@@ -237,7 +247,7 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
             )
             ctx.say(f"{marker.strip(':')} healthy again {settle + ctx.during_max_s:.0f}s after the kill")
             back_from = time.monotonic() - t0
-        now = await asyncio.to_thread(replicas.running_replicas, ctx.dashboard_url, marker)
+        now = await _listed(ctx, marker)
         await asyncio.sleep(ctx.after_s)
         # Keep the load on until the serving mode is back (Ray exports counters every few
         # seconds, so a fixed window can end before the counts show it), at most BACK_MAX_S.
@@ -472,10 +482,14 @@ def main(argv=None) -> int:
     print("\n== acceptance figures ==")
     for k, verdict in v.items():
         print(f"  {verdict:<12}  {k}")
+    print("== what each fault hit ==")
     for name, res in results.items():
         print(f"  {cf.fault_line(name, res)}")
+    code = cf.exit_code(v)
+    if code:
+        say(f"a fault missed its target: its lines are INCONCLUSIVE (exit {code})")
     say(f"done; figures in {args.out}/")
-    return cf.exit_code(v)
+    return code
 
 
 if __name__ == "__main__":

@@ -163,7 +163,7 @@ def fault_line(name: str, res: Mapping[str, Any]) -> str:
     parts = []
     if f.get("pid") is not None:
         parts.append(f"replica {f.get('replica_id')} (pid {f['pid']})")
-    if "running" in f:
+    if f.get("running") is not None:
         parts.append(f"{_n(f['running'])} requests running in its engine")
     if "open_requests" in f:
         parts.append(f"{_n(f['open_requests'])} client requests open")

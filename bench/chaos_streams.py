@@ -94,9 +94,12 @@ async def _until_idle(ctx: Any) -> None:
     since (its series may linger in Ray's exporter) does not count."""
     until = time.monotonic() + IDLE_WITHIN_S
     while time.monotonic() < until:
-        reps = await asyncio.to_thread(replicas.running_replicas, ctx.dashboard_url, DECODE)
+        try:
+            reps = await asyncio.to_thread(replicas.running_replicas, ctx.dashboard_url, DECODE)
+        except httpx.HTTPError:  # a busy dashboard: ask again
+            reps = None
         running = await asyncio.to_thread(replicas.engine_running, ctx.metrics_urls)
-        if not replicas.busy(reps, running):
+        if reps is not None and not replicas.busy(reps, running):
             return
         await asyncio.sleep(1)
 
@@ -174,7 +177,7 @@ async def migrate_decode_scenario(ctx: Any) -> dict[str, Any]:
         fault.update(replica_id=victim.replica_id, pid=victim.pid, running=victim.running, at_s=at)
 
     res = await _counted_round(ctx, kill)
-    res["fault"] = fault
+    res["fault"], res["fault_at_s"] = fault, fault.get("at_s")
     t = time.monotonic()
     await replicas.wait_healthy(
         ctx.dashboard_url, DECODE, DECODE_REPLICAS, ctx.recover_timeout_s, dead_pid=fault["pid"]
@@ -207,7 +210,9 @@ async def scale_in_scenario(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
 
     async def scale_in() -> None:
         # Both engines running streams, so whichever replica Serve stops had some to keep.
+        t = time.monotonic()
         _, reps, running = await _busy_decode(ctx, want_busy=DECODE_REPLICAS)
+        fault["at_s"] = FAULT_AT_S + time.monotonic() - t  # seconds into the round
         ctx.say(f"Serve config update: decode 2 -> 1 replica, {STREAMS} streams running (engines: {running})")
         await asyncio.to_thread(deploy, ctx.dashboard_url, _with_decode_replicas(config, 1))
         # Which one Serve stops is Serve's choice: the first no longer RUNNING.
@@ -215,14 +220,17 @@ async def scale_in_scenario(ctx: Any, config: dict[str, Any]) -> dict[str, Any]:
         gone = None
         while gone is None and time.monotonic() < until:
             await asyncio.sleep(0.5)
-            now = await asyncio.to_thread(replicas.deployment_replicas, ctx.dashboard_url, DECODE)
+            try:
+                now = await asyncio.to_thread(replicas.deployment_replicas, ctx.dashboard_url, DECODE)
+            except httpx.HTTPError:  # a busy dashboard: ask again
+                continue
             gone = replicas.removed_replica([r["replica_id"] for r in reps], now)
         pid = next((r["pid"] for r in reps if r["replica_id"] == gone), None)
         fault.update(replica_id=gone, pid=pid, running=running.get(gone) if gone else None)
         ctx.say(f"Serve stops decode replica {gone} (engine running {fault['running']} at the update)")
 
     res = await _counted_round(ctx, scale_in)
-    res["fault"] = fault
+    res["fault"], res["fault_at_s"] = fault, fault.get("at_s")
     t = time.monotonic()
     while time.monotonic() - t < ctx.recover_timeout_s:
         if await asyncio.to_thread(decode_replicas, ctx.dashboard_url) == (1, 1):
