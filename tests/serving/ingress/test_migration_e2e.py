@@ -36,6 +36,8 @@ MAX_TOKENS = 192
 # Bounds on how long the stack may take, not speed figures (`make chaos` measures those).
 SCALE_OUT_WITHIN_S = 300
 SCALE_IN_WITHIN_S = 240
+# The replica scale-in removed must have run streams within this long before Serve stopped it.
+BUSY_WINDOW_S = 20
 
 
 class Clients:
@@ -108,9 +110,9 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
     urls = [n["metrics_url"] for n in stack.nodes]
     before = _metric_total_by(stack, MIGRATIONS, "outcome")
     seen: list = []
-    # The last engine reading of each decode replica while Serve listed it RUNNING (Ray exports
-    # the gauge every few seconds), to tell whether the replica scale-in removed ran streams.
-    last_running: dict[str, float] = {}
+    # Each decode replica's engine readings while Serve listed it RUNNING (Ray exports the gauge
+    # every few seconds): did the replica scale-in removed run streams shortly before?
+    readings: dict[str, list[tuple[float, float]]] = {}
     listed: list[dict] = []
 
     async def watch() -> None:
@@ -118,7 +120,11 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
         running = await asyncio.to_thread(replicas.engine_running, urls)
         for r in listed:
             if r["state"] == "RUNNING" and r["replica_id"] in running:
-                last_running[r["replica_id"]] = running[r["replica_id"]]
+                readings.setdefault(r["replica_id"], []).append((time.monotonic(), running[r["replica_id"]]))
+
+    def ran_streams_before_it_stopped(replica_id: str | None) -> bool:
+        got = readings.get(replica_id or "") or []
+        return any(v > 0 for t, v in got if t >= got[-1][0] - BUSY_WINDOW_S)
 
     async def scenario() -> tuple[list[tuple[str, Streamed]], Any, str | None]:
         async with Clients(stack, 3 * LOCAL_DECODE_TARGET) as load:
@@ -133,6 +139,9 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
             assert victim is not None, "no decode replica of the stack listed by Serve"
             os.kill(victim.pid, signal.SIGKILL)
             await asyncio.sleep(10)
+            # Decode whole again, so scale-in chooses between two replicas that serve streams
+            # (not the replacement still starting, which Serve would stop first).
+            await replicas.wait_healthy(DASHBOARD[0], ":Decode:", 2, SCALE_OUT_WITHIN_S, dead_pid=victim.pid)
             # A few clients stay: decode scales in to one replica while they stream.
             load.stop(keep=4)
             await watch()
@@ -150,7 +159,7 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
     results, victim, removed = asyncio.run(scenario())
     assert results, "no stream finished"
     # The faults landed first. The kill cut streams, and each of them was continued on the
-    # other replica; the replica scale-in removed ran streams when it was last seen RUNNING.
+    # other replica; the replica scale-in removed ran streams shortly before Serve stopped it.
     assert victim.running, f"the killed decode replica ran no request at the kill: {victim}"
     deadline = time.monotonic() + 60
     after = before
@@ -161,8 +170,9 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
         time.sleep(3)
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta.get("continued", 0) >= 1, f"no continued migration counted: {delta}"
-    assert removed is not None and last_running.get(removed, 0) > 0, (
-        f"the decode replica scale-in removed ({removed}) ran no stream when last seen: {last_running}"
+    assert removed is not None and ran_streams_before_it_stopped(removed), (
+        f"the decode replica scale-in removed ({removed}) ran no stream in the {BUSY_WINDOW_S}s "
+        f"before it stopped: {readings.get(removed or '')}"
     )
     # Then nothing broke.
     # 24 clients on the one replica left after the kill may meet Serve's admission bound: a
