@@ -55,3 +55,10 @@ def test_the_stream_scenarios_have_two_decode_replicas_and_scale_in_deploys_one(
 def test_overload_bursts_past_the_admission_bound_of_the_built_decode(stack, built):
     decode = stack.config["applications"][0]["args"]["decode_config"]["deployment_config"]
     assert admission_bound(stack.config) == decode["max_ongoing_requests"] * 2 + decode["max_queued_requests"] > 0
+
+
+def test_the_stack_exports_metrics_often_enough_to_pick_a_busy_victim(stack):
+    # The victim is picked from the engines' exported gauges within seconds of a round's start.
+    interval_s = int(chaos.stack_options()["extra_env"]["RAY_metrics_report_interval_ms"]) / 1000
+    assert interval_s * 5 <= min(chaos.VICTIM_WITHIN_S, cs.BUSY_WITHIN_S)
+    assert stack.config  # the stack still plans with the extra environment

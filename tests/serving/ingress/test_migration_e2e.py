@@ -2,8 +2,10 @@
 
 On the shared local stack (decode autoscaled 1..2, local/config.py): streamed chat
 and completion clients drive decode to two replicas; one decode replica is SIGKILLed while
-every client is mid-stream; then the load drops to a few clients and decode scales back to
-one replica while they stream. The designed state is asserted, not status codes: every
+every client is mid-stream (the one whose engine runs the most); then the load drops to a
+few clients and decode scales back to one replica while they stream. That each fault landed
+is asserted first (the killed replica ran streams and they were continued; the replica
+scale-in removed ran streams), then the designed state, not status codes: every
 stream ends with its finish reason, [DONE], no error event, and a usage block counting
 exactly the tokens asked for (ignore_eos); the cut streams were continued
 (`pd_stream_migrations`, outcome continued), none failed. The stack is left as found (one
@@ -16,6 +18,7 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -33,6 +36,8 @@ MAX_TOKENS = 192
 # Bounds on how long the stack may take, not speed figures (`make chaos` measures those).
 SCALE_OUT_WITHIN_S = 300
 SCALE_IN_WITHIN_S = 240
+# The replica scale-in removed must have run streams within this long before Serve stopped it.
+BUSY_WINDOW_S = 20
 
 
 class Clients:
@@ -82,13 +87,15 @@ class Clients:
         await self._http.aclose()
 
 
-async def _until(pred, within_s: float, what: str, seen: list) -> None:
+async def _until(pred, within_s: float, what: str, seen: list, watch=None) -> None:
     from local.decode_autoscale import decode_replicas
 
     t = time.monotonic()
     while time.monotonic() - t < within_s:
         state = await asyncio.to_thread(decode_replicas, DASHBOARD[0])
         seen.append((round(time.monotonic() - t), *state))
+        if watch is not None:
+            await watch()
         if pred(*state):
             return
         await asyncio.sleep(1)
@@ -100,27 +107,74 @@ DASHBOARD: list[str] = []
 
 def test_decode_death_and_scale_in_cut_no_stream(stack):
     DASHBOARD[:] = [stack.state["dashboard_url"]]
+    urls = [n["metrics_url"] for n in stack.nodes]
     before = _metric_total_by(stack, MIGRATIONS, "outcome")
     seen: list = []
+    # Each decode replica's engine readings while Serve listed it RUNNING (Ray exports the gauge
+    # every few seconds): did the replica scale-in removed run streams shortly before?
+    readings: dict[str, list[tuple[float, float]]] = {}
+    listed: list[dict] = []
 
-    async def scenario() -> tuple[list[tuple[str, Streamed]], int]:
+    async def watch() -> None:
+        listed[:] = await asyncio.to_thread(replicas.deployment_replicas, DASHBOARD[0], ":Decode:")
+        running = await asyncio.to_thread(replicas.engine_running, urls)
+        for r in listed:
+            if r["state"] == "RUNNING" and r["replica_id"] in running:
+                readings.setdefault(r["replica_id"], []).append((time.monotonic(), running[r["replica_id"]]))
+
+    def ran_streams_before_it_stopped(replica_id: str | None) -> bool:
+        got = readings.get(replica_id or "") or []
+        return any(v > 0 for t, v in got if t >= got[-1][0] - BUSY_WINDOW_S)
+
+    async def scenario() -> tuple[list[tuple[str, Streamed]], Any, str | None]:
         async with Clients(stack, 3 * LOCAL_DECODE_TARGET) as load:
             await _until(lambda running, _all: running >= 2, SCALE_OUT_WITHIN_S, "2 running decode replicas", seen)
             await asyncio.sleep(3)  # every client mid-stream
             victims = replicas.replica_processes(stack.proc.pid, ":Decode:")
             assert len(victims) >= 2, f"expected two decode replica processes, found {len(victims)}"
-            os.kill(victims[0].pid, signal.SIGKILL)
+            # The decode replica whose engine runs the most streams (as last exported).
+            victim, _, _ = await replicas.busiest_replica(
+                DASHBOARD[0], urls, stack.proc.pid, ":Decode:", within_s=20, want_busy=1
+            )
+            assert victim is not None, "no decode replica of the stack listed by Serve"
+            os.kill(victim.pid, signal.SIGKILL)
             await asyncio.sleep(10)
+            # Decode whole again, so scale-in chooses between two replicas that serve streams
+            # (not the replacement still starting, which Serve would stop first).
+            await replicas.wait_healthy(DASHBOARD[0], ":Decode:", 2, SCALE_OUT_WITHIN_S, dead_pid=victim.pid)
             # A few clients stay: decode scales in to one replica while they stream.
             load.stop(keep=4)
+            await watch()
+            ids = [r["replica_id"] for r in listed if r["state"] == "RUNNING"]
             await _until(
-                lambda running, all_: running == 1 and all_ == 1, SCALE_IN_WITHIN_S, "one decode replica", seen
+                lambda running, all_: running == 1 and all_ == 1,
+                SCALE_IN_WITHIN_S,
+                "one decode replica",
+                seen,
+                watch=watch,
             )
             await asyncio.sleep(3)
-        return load.results, victims[0].pid
+        return load.results, victim, replicas.removed_replica(ids, listed)
 
-    results, _ = asyncio.run(scenario())
+    results, victim, removed = asyncio.run(scenario())
     assert results, "no stream finished"
+    # The faults landed first. The kill cut streams, and each of them was continued on the
+    # other replica; the replica scale-in removed ran streams shortly before Serve stopped it.
+    assert victim.running, f"the killed decode replica ran no request at the kill: {victim}"
+    deadline = time.monotonic() + 60
+    after = before
+    while time.monotonic() < deadline:
+        after = _metric_total_by(stack, MIGRATIONS, "outcome")
+        if after.get("continued", 0) > before.get("continued", 0):
+            break
+        time.sleep(3)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta.get("continued", 0) >= 1, f"no continued migration counted: {delta}"
+    assert removed is not None and ran_streams_before_it_stopped(removed), (
+        f"the decode replica scale-in removed ({removed}) ran no stream in the {BUSY_WINDOW_S}s "
+        f"before it stopped: {readings.get(removed or '')}"
+    )
+    # Then nothing broke.
     # 24 clients on the one replica left after the kill may meet Serve's admission bound: a
     # request refused before its first byte gets the designed 503 + Retry-After (the overload
     # tests cover it). A stream that started must end complete.
@@ -134,14 +188,4 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
             bad.append((kind, r.kind, r.usage, r.error_event, r.error))
     assert not bad, f"{len(bad)} of {len(results)} streams cut or short: {bad[:4]}"
     assert len(refused) < len(results) / 10, f"{len(refused)} of {len(results)} refused"
-    # The kill cut streams, and each of them was continued on the other replica.
-    deadline = time.monotonic() + 60
-    after = before
-    while time.monotonic() < deadline:
-        after = _metric_total_by(stack, MIGRATIONS, "outcome")
-        if after.get("continued", 0) > before.get("continued", 0):
-            break
-        time.sleep(3)
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    assert delta.get("continued", 0) >= 1, f"no continued migration counted: {delta}"
     assert not delta.get("failed") and not delta.get("not_migratable"), delta
