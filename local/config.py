@@ -43,6 +43,10 @@ MODEL_C_ID = "tiny-llama-c"
 # The adapter's rank and how many stay loaded: one adapter, rank 8 (local/tiny_lora.py).
 LOCAL_LORA = {"maxAdaptersPerReplica": 2, "maxLoraRank": 8, "maxLoras": 1}
 
+# The tiny model's tool calling (serving.model.tools / chatTemplate, serving/spec/tools.py).
+LOCAL_TOOLS = {"parser": "hermes", "autoChoice": True}
+LOCAL_CHAT_TEMPLATE = "local/chat_templates/tiny-tools.jinja"
+
 # Logical CPUs per node. Ray only counts them (the OS shares the real cores); each engine
 # replica takes 2 (its actor plus the vLLM worker bundle). The head offers none, as in the
 # cloud: the ingress, proxy and controller ask for no CPU.
@@ -284,6 +288,10 @@ def _local_spec(
             "source": str(model_dir),
             "dtype": "float32",
             "maxModelLen": MAX_MODEL_LEN,
+            # Tool calling as a cloud model has it: vLLM's hermes parser, and a template that
+            # renders tools in its format (the same prompt as the model's own without them).
+            "tools": LOCAL_TOOLS,
+            "chatTemplate": LOCAL_CHAT_TEMPLATE,
         },
         "mode": mode.value,
         "auth": "api-key" if auth else "disabled",
