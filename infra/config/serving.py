@@ -125,17 +125,15 @@ def vllm_option_errors(cfg: StackConfig) -> list[tuple[str, str]]:
 
 def _parser_errors(spec: ServingSpec) -> list[tuple[str, str]]:
     """Tool and reasoning parsers must be ones both vLLMs register (the image's and the
-    local run's), set in serving.model or straight in engineKwargs."""
-    m, ek = spec.model, spec.engine_kwargs
+    local run's); engineKwargs may not name them (RESERVED_ENGINE_KWARGS)."""
+    m = spec.model
     asked = [
         ("tool", "serving.model.tools.parser", m.tools.parser if m.tools else None),
         ("reasoning", "serving.model.reasoning.parser", m.reasoning.parser if m.reasoning else None),
-        ("tool", "serving.engineKwargs.tool_call_parser", ek.get("tool_call_parser")),
-        ("reasoning", "serving.engineKwargs.reasoning_parser", ek.get("reasoning_parser")),
     ]
     found = []
     for kind, key, name in asked:
-        problem = vllm_options.parser_problem(kind, str(name)) if name is not None else None
+        problem = vllm_options.parser_problem(kind, name) if name is not None else None
         if problem:
             found.append((key, problem))
     return found

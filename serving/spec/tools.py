@@ -9,9 +9,10 @@ aggregated). pydantic and the standard library only.
 How the arguments reach vLLM: Ray Serve LLM 2.60 sends each engine kwarg that names a field
 of vLLM's `FrontendArgs` to the OpenAI layer it starts in the engine's replica
 (ray/llm/_internal/serve/engines/vllm/vllm_models.py `from_llm_config`, then
-vllm_engine.py `init_app_state`); `tool_call_parser`, `enable_auto_tool_choice`,
-`reasoning_parser` and `chat_template` are such fields (vllm/entrypoints/launchers/cli_args.py,
-0.29 and 0.32).
+vllm_engine.py `init_app_state`); `tool_call_parser`, `enable_auto_tool_choice` and
+`chat_template` are such fields (vllm/entrypoints/launchers/cli_args.py, 0.29 and 0.32).
+`reasoning_parser` is an engine argument (vLLM's structured outputs read it too), and Ray
+hands the OpenAI layer the engine and frontend arguments in one namespace.
 
 Why both P/D roles: Ray's P/D decode server sends prefill a deep copy of the client's chat
 request, clamped to one token (kv_transfer/base.py `prepare_prefill_request`), and prefill's
