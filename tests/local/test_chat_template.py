@@ -109,3 +109,26 @@ def test_the_local_model_has_its_parser_on_every_engine(mode):
         ek = engine["engine_kwargs"]
         assert ek["tool_call_parser"] == "hermes" and ek["enable_auto_tool_choice"] is True
         assert ek["chat_template"] == TEMPLATE
+
+
+def test_local_json_has_no_optional_whitespace_on_every_engine_and_the_plain_server():
+    """The tiny model's greedy decode repeats a newline wherever a JSON grammar allows
+    whitespace (seen with xgrammar on its weights): structured outputs without it end."""
+    cfg = local_config.render_local_config("disaggregated", Path("/tmp/model"), port=8000)
+    args = cfg["applications"][0]["args"]
+    for engine in (args["prefill_config"], args["decode_config"]):
+        assert engine["engine_kwargs"]["structured_outputs_config"] == local_config.LOCAL_STRUCTURED_OUTPUTS
+
+
+def test_the_plain_vllm_server_has_the_same_tool_calling():
+    """The stand-in provider and the bench's plain vLLM: the same parser, template and JSON
+    settings as the stack's engines, parsed and checked by vLLM's own serve arguments."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = local_config.plain_vllm_argv("/tmp/model", "m", 8000)[3:]
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
+    validate_parsed_serve_args(args)
+    assert (args.tool_call_parser, args.enable_auto_tool_choice) == ("hermes", True)
+    assert Path(args.chat_template).read_text() == TEMPLATE
+    assert args.structured_outputs_config.disable_any_whitespace is True
