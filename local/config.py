@@ -45,7 +45,8 @@ MODEL_C_ID = "tiny-llama-c"
 LOCAL_LORA = {"maxAdaptersPerReplica": 2, "maxLoraRank": 8, "maxLoras": 1}
 
 # The tiny model's tool calling (serving.model.tools / chatTemplate, serving/spec/tools.py).
-LOCAL_TOOLS = {"parser": "hermes", "autoChoice": True}
+LOCAL_TOOL_PARSER = "hermes"
+LOCAL_TOOLS: dict[str, object] = {"parser": LOCAL_TOOL_PARSER, "autoChoice": True}
 LOCAL_CHAT_TEMPLATE = "local/chat_templates/tiny-tools.jinja"
 LOCAL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
@@ -188,7 +189,7 @@ def plain_vllm_argv(model_dir: str, served_name: str, port: int) -> list[str]:
         # The same tool calling as the stack's engines (LOCAL_TOOLS), so a plain vLLM server
         # answers tool requests as they do.
         "--tool-call-parser",
-        LOCAL_TOOLS["parser"],
+        LOCAL_TOOL_PARSER,
         "--enable-auto-tool-choice",
         "--chat-template",
         str(ROOT / LOCAL_CHAT_TEMPLATE),

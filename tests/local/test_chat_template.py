@@ -90,7 +90,7 @@ def test_the_hermes_parser_reads_a_call_in_the_templates_format(tokenizer):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.tool_parsers import ToolParserManager
 
-    parser = ToolParserManager.get_tool_parser(local_config.LOCAL_TOOLS["parser"])(tokenizer)
+    parser = ToolParserManager.get_tool_parser(local_config.LOCAL_TOOL_PARSER)(tokenizer)
     request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[WEATHER])
     out = parser.extract_tool_calls(
         'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', request
