@@ -2,7 +2,8 @@
 
 What flows through here: the option surface of a vLLM release (engine arguments, the
 `kv_transfer_config` fields and their allowed `kv_load_failure_policy` values, the keys the
-NixlConnector reads from `kv_connector_extra_config`, the `VLLM_*` environment variables),
+NixlConnector reads from `kv_connector_extra_config`, the `VLLM_*` environment variables, the
+OpenAI server's arguments and the tool-call and reasoning parsers it registers),
 recorded as JSON in `infra/vllm/<version>.json` by `python -m tools.vllm_surface`
 from that release's own source -> `problems(serve_config, version)` lists every option a
 rendered Serve config uses that the version lacks.
@@ -51,8 +52,28 @@ def _llm_configs(serve_config: dict[str, Any]) -> Iterator[tuple[str, dict[str, 
 
 
 def engine_kwarg_problems(engine_kwargs: dict[str, Any], version: str) -> list[str]:
-    known = surface(version)["engine_args"]
+    # Ray Serve LLM 2.60 splits engine_kwargs between vLLM's FrontendArgs (the OpenAI layer:
+    # tool_call_parser, chat_template, ...) and AsyncEngineArgs, and refuses any other key
+    # (ray/llm/_internal/serve/engines/vllm/vllm_models.py `VLLMEngineConfig.from_llm_config`).
+    known = surface(version)["engine_args"] | surface(version)["frontend_args"]
     return [f"engine argument {k!r} does not exist in vLLM {version}" for k in sorted(engine_kwargs) if k not in known]
+
+
+def parser_problem(kind: str, name: str) -> str | None:
+    """Why `name` is not a `kind` ("tool" or "reasoning") parser both vLLMs register, or None.
+
+    The names come from each release's registry (`tool_parsers/__init__.py`
+    `_TOOL_PARSERS_TO_REGISTER`, `reasoning/__init__.py` `_REASONING_PARSERS_TO_REGISTER`),
+    recorded by tools/vllm_surface.py."""
+    key = f"{kind}_parsers"
+    lacking = [v for v in (IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION) if name not in surface(v)[key]]
+    if not lacking:
+        return None
+    both = sorted(surface(IMAGE_VLLM_VERSION)[key] & surface(LOCAL_VLLM_VERSION)[key])
+    return (
+        f"{name!r} is not a {kind} parser vLLM {' or '.join(lacking)} registers "
+        f"(one of: {', '.join(both)}; vllm/{'tool_parsers' if kind == 'tool' else 'reasoning'}/__init__.py)"
+    )
 
 
 def problems(serve_config: dict[str, Any], version: str) -> list[str]:
@@ -62,6 +83,9 @@ def problems(serve_config: dict[str, Any], version: str) -> list[str]:
     for where, cfg in _llm_configs(serve_config):
         ek = cfg.get("engine_kwargs") or {}
         out += [f"{where}: {p}" for p in engine_kwarg_problems(ek, version)]
+        for kind, arg in (("tool", "tool_call_parser"), ("reasoning", "reasoning_parser")):
+            if ek.get(arg) is not None and ek[arg] not in s[f"{kind}_parsers"]:
+                out.append(f"{where}: {arg} {ek[arg]!r} is not registered in vLLM {version}")
         kv = ek.get("kv_transfer_config") or {}
         for k in sorted(kv):
             if k not in s["kv_transfer_config"]:

@@ -10,6 +10,7 @@ under its own name and route prefix. Everything under `args` is exactly what the
 from __future__ import annotations
 
 import copy
+import json
 import os
 import sys
 from pathlib import Path
@@ -42,6 +43,12 @@ MODEL_B_ID = "tiny-llama-b"
 MODEL_C_ID = "tiny-llama-c"
 # The adapter's rank and how many stay loaded: one adapter, rank 8 (local/tiny_lora.py).
 LOCAL_LORA = {"maxAdaptersPerReplica": 2, "maxLoraRank": 8, "maxLoras": 1}
+
+# The tiny model's tool calling (serving.model.tools / chatTemplate, serving/spec/tools.py).
+LOCAL_TOOL_PARSER = "hermes"
+LOCAL_TOOLS: dict[str, object] = {"parser": LOCAL_TOOL_PARSER, "autoChoice": True}
+LOCAL_CHAT_TEMPLATE = "local/chat_templates/tiny-tools.jinja"
+LOCAL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
 
 # Logical CPUs per node. Ray only counts them (the OS shares the real cores); each engine
 # replica takes 2 (its actor plus the vLLM worker bundle). The head offers none, as in the
@@ -179,6 +186,15 @@ def plain_vllm_argv(model_dir: str, served_name: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--disable-uvicorn-access-log",
+        # The same tool calling as the stack's engines (LOCAL_TOOLS), so a plain vLLM server
+        # answers tool requests as they do.
+        "--tool-call-parser",
+        LOCAL_TOOL_PARSER,
+        "--enable-auto-tool-choice",
+        "--chat-template",
+        str(ROOT / LOCAL_CHAT_TEMPLATE),
+        "--structured-outputs-config",
+        json.dumps(LOCAL_STRUCTURED_OUTPUTS),
     ]
 
 
@@ -284,13 +300,20 @@ def _local_spec(
             "source": str(model_dir),
             "dtype": "float32",
             "maxModelLen": MAX_MODEL_LEN,
+            # Tool calling as a cloud model has it: vLLM's hermes parser, and a template that
+            # renders tools in its format (the same prompt as the model's own without them).
+            "tools": LOCAL_TOOLS,
+            "chatTemplate": LOCAL_CHAT_TEMPLATE,
         },
         "mode": mode.value,
         "auth": "api-key" if auth else "disabled",
         # One ingress replica: a second would only compete for the same two cores.
         "ingress": {"minReplicas": 1, "maxReplicas": 1},
-        # No CUDA graphs on CPU.
-        "engineKwargs": {"enforce_eager": True},
+        # No CUDA graphs on CPU. JSON of structured outputs (a tool call under tool_choice
+        # required or named, response_format) without optional whitespace: the tiny model's
+        # random weights, decoding greedily, repeat a newline forever where the grammar lets
+        # them; without it a schema of bounded values always ends in a valid document.
+        "engineKwargs": {"enforce_eager": True, "structured_outputs_config": LOCAL_STRUCTURED_OUTPUTS},
         "prefill": prefill,
         "decode": decode,
         "resilience": LOCAL_RESILIENCE,

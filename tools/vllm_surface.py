@@ -4,8 +4,12 @@ What flows through here: a vLLM package directory (an installed `vllm/`, or one 
 from a release wheel) -> its engine arguments (`EngineArgs`/`AsyncEngineArgs` fields in
 `engine/arg_utils.py`), `KVTransferConfig` fields and `kv_load_failure_policy` values
 (`config/kv_transfer.py`), the `kv_connector_extra_config` keys the NixlConnector reads
-(`distributed/kv_transfer/kv_connector/v1/nixl/*.py`), the `VLLM_*` variables (`envs.py`) and
-the Prometheus metric names (`name="vllm:..."`),
+(`distributed/kv_transfer/kv_connector/v1/nixl/*.py`), the `VLLM_*` variables (`envs.py`),
+the Prometheus metric names (`name="vllm:..."`), the OpenAI server's own arguments
+(`FrontendArgs` in `entrypoints/launchers/cli_args.py`: Ray Serve LLM 2.60 sends an
+engine kwarg that names one of them to the OpenAI layer, not to the engine) and the tool-call
+and reasoning parser names the release registers (`_TOOL_PARSERS_TO_REGISTER` in
+`tool_parsers/__init__.py`, `_REASONING_PARSERS_TO_REGISTER` in `reasoning/__init__.py`),
 found by reading the Python syntax tree (nothing is imported) -> JSON.
 
     python -m tools.vllm_surface .venv/lib/python3.11/site-packages/vllm --out infra/vllm/0.32.0.json
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 NIXL_DIR = "distributed/kv_transfer/kv_connector/v1/nixl"
+FRONTEND_ARGS = "entrypoints/launchers/cli_args.py"
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef | None:
@@ -47,6 +52,16 @@ def _literal(tree: ast.Module, cls_name: str, field: str) -> list[str]:
                 elts = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
                 return sorted(str(e.value) for e in elts if isinstance(e, ast.Constant))
     return []
+
+
+def _registered(module: Path, table: str) -> set[str]:
+    """The names of a parser registry: the keys of the module-level dict `table`."""
+    for node in ast.parse(module.read_text()).body:
+        target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id == table and isinstance(value, ast.Dict):
+            return {k.value for k in value.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return set()
 
 
 def _extra_config_keys(nixl: Path) -> set[str]:
@@ -97,6 +112,7 @@ def surface(vllm_dir: Path) -> dict[str, Any]:
     """The option surface of the vLLM package at `vllm_dir`, as sorted lists."""
     kv = ast.parse((vllm_dir / "config" / "kv_transfer.py").read_text())
     engine = ast.parse((vllm_dir / "engine" / "arg_utils.py").read_text())
+    frontend = ast.parse((vllm_dir / FRONTEND_ARGS).read_text())
     out = {
         "engine_args": sorted(_fields(engine, "EngineArgs") | _fields(engine, "AsyncEngineArgs")),
         "kv_transfer_config": sorted(_fields(kv, "KVTransferConfig")),
@@ -104,6 +120,11 @@ def surface(vllm_dir: Path) -> dict[str, Any]:
         "nixl_extra_config": sorted(_extra_config_keys(vllm_dir / NIXL_DIR)),
         "env_vars": sorted(_env_vars(vllm_dir / "envs.py")),
         "metrics": sorted(_metric_names(vllm_dir)),
+        "frontend_args": sorted(_fields(frontend, "BaseFrontendArgs") | _fields(frontend, "FrontendArgs")),
+        "tool_parsers": sorted(_registered(vllm_dir / "tool_parsers" / "__init__.py", "_TOOL_PARSERS_TO_REGISTER")),
+        "reasoning_parsers": sorted(
+            _registered(vllm_dir / "reasoning" / "__init__.py", "_REASONING_PARSERS_TO_REGISTER")
+        ),
     }
     empty = [k for k, v in out.items() if not v]
     if empty:

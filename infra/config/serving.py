@@ -112,13 +112,31 @@ def kv_transfer_errors(cfg: StackConfig) -> list[tuple[str, str]]:
 
 
 def vllm_option_errors(cfg: StackConfig) -> list[tuple[str, str]]:
-    """engineKwargs must exist in the vLLM the Ray image carries (vllm_options.IMAGE_VLLM_VERSION)."""
+    """engineKwargs must exist in the vLLM the Ray image carries (vllm_options.IMAGE_VLLM_VERSION),
+    and tool and reasoning parsers in both vLLMs."""
 
     def check(spec: ServingSpec) -> list[tuple[str, str]]:
         bad = vllm_options.engine_kwarg_problems(spec.engine_kwargs, vllm_options.IMAGE_VLLM_VERSION)
-        return [("serving.engineKwargs", bad[0] + " (the version the Ray image carries)")] if bad else []
+        found = [("serving.engineKwargs", bad[0] + " (the version the Ray image carries)")] if bad else []
+        return found + _parser_errors(spec)
 
     return _per_model(cfg, check)
+
+
+def _parser_errors(spec: ServingSpec) -> list[tuple[str, str]]:
+    """Tool and reasoning parsers must be ones both vLLMs register (the image's and the
+    local run's); engineKwargs may not name them (RESERVED_ENGINE_KWARGS)."""
+    m = spec.model
+    asked = [
+        ("tool", "serving.model.tools.parser", m.tools.parser if m.tools else None),
+        ("reasoning", "serving.model.reasoning.parser", m.reasoning.parser if m.reasoning else None),
+    ]
+    found = []
+    for kind, key, name in asked:
+        problem = vllm_options.parser_problem(kind, name) if name is not None else None
+        if problem:
+            found.append((key, problem))
+    return found
 
 
 def fit_problems(cfg: StackConfig) -> list[tuple[str, str]]:

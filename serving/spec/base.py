@@ -87,6 +87,14 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "enable_lora",
         "max_lora_rank",
         "max_loras",
+        # serving.model.tools / reasoning / chatTemplate (serving/spec/tools.py); the plugins
+        # would load Python from a file into the engines' OpenAI layer.
+        "tool_call_parser",
+        "enable_auto_tool_choice",
+        "tool_parser_plugin",
+        "reasoning_parser",
+        "reasoning_parser_plugin",
+        "chat_template",
     }
 )
 

@@ -99,6 +99,8 @@ def _engine_kwargs(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -
     if spec.mode is Mode.DISAGGREGATED:
         kwargs["kv_transfer_config"] = _kv_transfer_config(spec, role, target)
     kwargs.update(spec.model.loading.engine_kwargs(spec.model.source))
+    # The same on every role: prefill preprocesses the same chat request (serving/spec/tools.py).
+    kwargs.update(spec.model.openai_kwargs())
     if spec.lora is not None:
         kwargs.update(spec.lora.engine_kwargs())
     kwargs.update(spec.engine_kwargs)

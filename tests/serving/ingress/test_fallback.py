@@ -349,3 +349,88 @@ def test_the_clusters_first_token_bound_does_not_apply_to_the_provider(monkeypat
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     resp, chunks, _ = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
     assert resp.status_code == 200 and "".join(chunks).rstrip().endswith("data: [DONE]")
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }
+]
+
+
+@pytest.mark.parametrize(
+    "choice", ["auto", "required", "none", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tools_and_tool_choice_go_to_the_provider_and_its_call_comes_back(monkeypatch, choice):
+    message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+        ],
+    }
+    client, seen = _client(
+        lambda r: httpx.Response(
+            200,
+            json={
+                "id": "x",
+                "object": "chat.completion",
+                "model": "their/model",
+                "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls"}],
+                "usage": {"prompt_tokens": 50, "completion_tokens": 9, "total_tokens": 59},
+            },
+        ),
+        monkeypatch,
+    )
+    body = {
+        "model": "ours",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": TOOLS,
+        "tool_choice": choice,
+        "parallel_tool_calls": False,
+    }
+    resp, _, _ = _forward(client, "chat", body)
+    assert json.loads(seen[0].content) == {**body, "model": "their/model"}
+    answer = json.loads(resp.body)
+    assert answer["choices"][0]["message"] == message and answer["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_streamed_tool_call_is_relayed_delta_by_delta_unchanged(monkeypatch):
+    deltas = [
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {"index": 0, "id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": ""}}
+            ],
+        },
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"city":'}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '"Paris"}'}}]},
+    ]
+    events = [
+        {"object": "chat.completion.chunk", "model": "their/model", "choices": [{"index": 0, "delta": d}]}
+        for d in deltas
+    ]
+    events.append(
+        {
+            "object": "chat.completion.chunk",
+            "model": "their/model",
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+        }
+    )
+    client, _ = _client(
+        lambda r: httpx.Response(200, content=_sse(*events, "[DONE]"), headers={"content-type": "text/event-stream"}),
+        monkeypatch,
+    )
+    body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
+    _, chunks, done = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
+    relayed = [e for c in chunks for e in c.split("\n\n") if e.startswith("data: ")]
+    assert relayed[-1] == "data: [DONE]"
+    payloads = [json.loads(e[len("data: ") :]) for e in relayed[:-1]]
+    # Only the model name is ours; every delta is the provider's, in order.
+    assert payloads == [{**e, "model": "ours"} for e in events]
+    ((_, ok),) = done
+    assert ok

@@ -41,6 +41,17 @@ def test_tool_definitions_and_documents_count_as_prompt():
     assert estimate_tokens({**plain, "documents": [{"text": "x" * 400}]}) >= estimate_tokens(plain) + 100
 
 
+def test_the_tool_fields_are_served_and_go_to_the_fallback():
+    """tools, tool_choice (auto, required, none, a named function) and parallel_tool_calls are
+    OpenAI's: accepted for chat, and sent to an external provider as they are."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for choice in ("auto", "required", "none", {"type": "function", "function": {"name": "f"}}):
+        body = {"messages": [], "tools": tools, "tool_choice": choice, "parallel_tool_calls": False}
+        assert refused_field("chat", body) is None
+        assert openai_fields("chat", body) == body
+    assert refused_field("completions", {"prompt": "x", "tools": tools}) is not None
+
+
 def test_concurrent_admissions_cannot_spend_a_minute_many_times_over():
     """50 requests at once under 1000 tokens a minute, each of which may cost 300: only the
     ones whose reservations fit are admitted (the defect: all 50 were)."""
