@@ -486,7 +486,9 @@ def main(argv=None) -> int:
     for name, res in results.items():
         print(f"  {cf.fault_line(name, res)}")
     code = cf.exit_code(v)
-    if code:
+    if code == 1:
+        say(f"an acceptance bar failed: its lines read FAIL (exit {code})")
+    elif code:
         say(f"a fault missed its target: its lines are INCONCLUSIVE (exit {code})")
     say(f"done; figures in {args.out}/")
     return code

@@ -134,7 +134,10 @@ def judge(acceptance: Mapping[str, bool | None], results: Mapping[str, Mapping[s
 
 
 def exit_code(judged: Mapping[str, str]) -> int:
-    """Non-zero when a fault missed (the run proves nothing about what it was to test)."""
+    """1 when a bar failed; 2 when none failed but a fault missed (the run proves nothing about
+    what it was to test); 0 when every fault landed and every bar held."""
+    if FAIL in judged.values():
+        return 1
     return 2 if INCONCLUSIVE in judged.values() else 0
 
 

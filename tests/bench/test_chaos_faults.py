@@ -96,8 +96,13 @@ def test_a_missed_fault_is_inconclusive_and_the_run_exits_non_zero(name):
     assert all(ok is not False for ok in acceptance.values())  # the figures alone would pass
     judged = cf.judge(acceptance, {name: res})
     assert judged and set(judged.values()) == {cf.INCONCLUSIVE}, judged
-    assert cf.exit_code(judged) != 0
+    assert cf.exit_code(judged) == 2
     assert "fault missed" in cf.fault_line(name, res)
+
+
+def test_a_failed_bar_exits_1_whatever_else_the_run_says():
+    assert cf.exit_code({"a": cf.PASS, "b": cf.FAIL, "c": cf.INCONCLUSIVE}) == 1
+    assert cf.exit_code({"a": cf.PASS, "b": cf.NA}) == 0
 
 
 def test_a_migration_without_a_continuation_is_inconclusive_even_with_every_stream_complete():
