@@ -49,6 +49,13 @@ LOCAL_TOOL_PARSER = "hermes"
 LOCAL_TOOLS: dict[str, object] = {"parser": LOCAL_TOOL_PARSER, "autoChoice": True}
 LOCAL_CHAT_TEMPLATE = "local/chat_templates/tiny-tools.jinja"
 LOCAL_STRUCTURED_OUTPUTS = {"backend": "xgrammar", "disable_any_whitespace": True}
+# vLLM 0.32 forces a named or `required` tool choice through xgrammar's structural tag for
+# parsers that declare one (hermes does: tool_parsers/hermes_tool_parser.py
+# structural_tag_model), and that grammar ignores disable_any_whitespace: the tiny model then
+# writes newlines inside the arguments until max_tokens (seen on make serve). With this off
+# (envs.py, read when the parser class is defined) the choice is forced by the tools' JSON
+# schema instead (abstract_tool_parser.py adjust_request), which honours the setting above.
+LOCAL_TOOL_ENV = {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
 
 # Logical CPUs per node. Ray only counts them (the OS shares the real cores); each engine
 # replica takes 2 (its actor plus the vLLM worker bundle). The head offers none, as in the
@@ -163,7 +170,7 @@ def hybrid_from_env(environ: dict[str, str]) -> dict[str, Any]:
 
 # vLLM's own OpenAI server on the tiny model, with the engine settings the local stack uses:
 # the baseline `make bench` compares against and the stand-in external provider.
-PLAIN_VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+PLAIN_VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **LOCAL_TOOL_ENV}
 
 
 def plain_vllm_argv(model_dir: str, served_name: str, port: int) -> list[str]:
@@ -373,6 +380,7 @@ def local_target(signals: bool = False) -> Target:
             # thread busy: pinning ('auto', or a core list) stacks them onto the same
             # cores and made decode ~9x slower per token here. Let the OS place threads.
             "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            **LOCAL_TOOL_ENV,
         },
     )
 
