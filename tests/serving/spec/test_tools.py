@@ -144,3 +144,22 @@ def test_each_model_of_the_many_model_form_has_its_own():
     first, second = spec.served
     assert _configs(first)["decode"]["engine_kwargs"]["tool_call_parser"] == "hermes"
     assert "tool_call_parser" not in _configs(second)["decode"]["engine_kwargs"]
+
+
+def test_the_rendered_reasoning_parser_splits_reasoning_from_the_answer():
+    """At the parser seam: vLLM's OpenAI layer builds the parser from the name the spec renders
+    (ReasoningParserManager.get_reasoning_parser, vllm 0.32 reasoning/__init__.py) and reads
+    `reasoning` and `content` out of the text (reasoning/basic_parsers.py extract_reasoning).
+    The tiny tokenizer gets the think tokens a reasoning model's tokenizer has."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.reasoning import ReasoningParserManager
+
+    from local.tiny_model import ensure_tiny_model
+
+    name = _configs(_spec(**TOOLS))["decode"]["engine_kwargs"]["reasoning_parser"]
+    tokenizer = AutoTokenizer.from_pretrained(str(ensure_tiny_model()))
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=True)
+    parser = ReasoningParserManager.get_reasoning_parser(name)(tokenizer)
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "2+2?"}])
+    assert parser.extract_reasoning("<think>add two and two</think>four", request) == ("add two and two", "four")
