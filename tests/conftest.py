@@ -22,8 +22,12 @@ E2E_TIMEOUT_S = 1800
 
 
 E2E_KEY = "sk-e2e-test-key"
-# A second client key (per-key limits), and the key the hybrid tests' stand-in provider accepts.
+# More client keys, one per test that sets a per-key limit: a key's limit windows outlive a
+# user_config change (a config push must not hand a client a fresh minute), so two tests that
+# limited the same key would see each other's requests whenever they ran within a minute.
 E2E_KEY_2 = "sk-e2e-second-key"
+E2E_RPM_KEY = "sk-e2e-requests-limited-key"
+E2E_TPM_KEY = "sk-e2e-tokens-limited-key"
 LOG_DIR = BUILD_DIR / "test-logs"
 # Runs last: it stops the shared stack.
 LAST = "test_ctrl_c_shuts_everything_down"
@@ -63,7 +67,7 @@ def stack():
         api_key=E2E_KEY,
         log_path=log,
         timeout=480,
-        extra_keys=(E2E_KEY_2,),
+        extra_keys=(E2E_KEY_2, E2E_RPM_KEY, E2E_TPM_KEY),
         extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
     ) as running:
         _SHARED.append(running)

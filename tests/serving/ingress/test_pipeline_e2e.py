@@ -19,7 +19,7 @@ import pytest
 from bench import hops
 from serving.core.metrics import PREFILL_PATH
 from serving.spec import key_id
-from tests.conftest import E2E_KEY, E2E_KEY_2
+from tests.conftest import E2E_KEY, E2E_TPM_KEY
 from tests.serving.ingress.test_routing_e2e import base_user_config, set_user_config
 
 pytestmark = pytest.mark.e2e
@@ -100,12 +100,15 @@ def test_an_engine_refusal_leaves_the_keys_token_window_as_it_was(stack, restore
     """Fail closed no more: the reservation of a request the engine refuses is settled to 0,
     so the key's next request fits its tokens per minute."""
     cfg = json.loads(json.dumps(base_user_config(stack)))
-    cfg["limits"] = {**cfg["limits"], "keys": {key_id(E2E_KEY_2): {"requests_per_minute": 0, "tokens_per_minute": 600}}}
+    cfg["limits"] = {
+        **cfg["limits"],
+        "keys": {key_id(E2E_TPM_KEY): {"requests_per_minute": 0, "tokens_per_minute": 600}},
+    }
     set_user_config(stack, cfg)
     bad = {"model": stack.model, "prompt": "Hi", "max_tokens": 500, "top_k": -5}  # reserves 501 of 600
-    assert _post(stack, "/completions", bad, key=E2E_KEY_2).status_code == 400
+    assert _post(stack, "/completions", bad, key=E2E_TPM_KEY).status_code == 400
     small = {"model": stack.model, "prompt": "Hi", "max_tokens": 200}  # 201 more: over 600 had 501 stayed
-    r = _post(stack, "/completions", small, key=E2E_KEY_2)
+    r = _post(stack, "/completions", small, key=E2E_TPM_KEY)
     assert r.status_code == 200, r.text
 
 

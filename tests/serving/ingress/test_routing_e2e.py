@@ -23,7 +23,7 @@ from bench import hops
 from bench.sse import Streamed, stream_request
 from local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
 from serving.spec import INGRESS_DEPLOYMENT, key_id
-from tests.conftest import E2E_KEY, E2E_KEY_2, LOG_DIR
+from tests.conftest import E2E_KEY, E2E_KEY_2, E2E_RPM_KEY, LOG_DIR
 
 pytestmark = pytest.mark.e2e
 APP = "llm"
@@ -210,7 +210,7 @@ def test_cluster_answers_are_marked_and_metered_too(stack, provider, restore):
 
 def test_429_per_key_with_retry_after(stack, provider, restore):
     cfg = with_fallback(stack, provider)
-    cfg["limits"] = {**cfg["limits"], "keys": {key_id(E2E_KEY_2): {"requests_per_minute": 3, "tokens_per_minute": 0}}}
+    cfg["limits"] = {**cfg["limits"], "keys": {key_id(E2E_RPM_KEY): {"requests_per_minute": 3, "tokens_per_minute": 0}}}
     set_user_config(stack, cfg)
     url = f"{stack.urls['disaggregated']}/completions"
     body = {"model": stack.model, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
@@ -218,8 +218,8 @@ def test_429_per_key_with_retry_after(stack, provider, restore):
     def post(key):
         return httpx.post(url, headers={"Authorization": f"Bearer {key}"}, json=body, timeout=120)
 
-    codes = [post(E2E_KEY_2).status_code for _ in range(3)]
-    refused = post(E2E_KEY_2)
+    codes = [post(E2E_RPM_KEY).status_code for _ in range(3)]
+    refused = post(E2E_RPM_KEY)
     assert codes == [200, 200, 200]
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
@@ -228,7 +228,7 @@ def test_429_per_key_with_retry_after(stack, provider, restore):
     assert post(E2E_KEY).status_code == 200
     deadline = time.monotonic() + 30
     while not any(
-        "pd_rate_limited" in name and key_id(E2E_KEY_2) in labels.values()
+        "pd_rate_limited" in name and key_id(E2E_RPM_KEY) in labels.values()
         for name, labels, _ in hops.parse_prometheus(_metrics(stack))
     ):
         assert time.monotonic() < deadline, "pd_rate_limited_requests never showed the refused key"
