@@ -58,6 +58,9 @@ MAX_TOKENS = 48
 PROMPT = "Tell me a story about a robot that learns to paint."
 CONCURRENCY = 8
 SOAK_CONCURRENCY = 16
+# The seconds after a fault whose new requests are reported on their own ("switch"): the
+# circuit needs failures_to_open failed calls, and Serve's controller a health check, to notice.
+SWITCH_S = 10.0
 # After recovery, load goes on until the remote prefill share is back at the target, at most
 # this long past the "after" window; a stack that stays aggregated fails its verdict.
 BACK_MAX_S = 90.0
@@ -166,8 +169,15 @@ def phase_stats(outcomes: Iterable[Outcome]) -> dict[str, Any]:
 
 
 def by_phase(outcomes: list[Outcome], fault_at: float, healthy_at: float) -> dict[str, Any]:
+    """before: ended before the fault (untouched by it); hit: open at the fault; switch: started
+    within SWITCH_S after it (the requests that meet the stack while it notices); during: started
+    before the replica was healthy again; after: the rest. hit and switch are where a fault's
+    tail shows: inside a 90-second "during" it is diluted, and counted in "before" it flatters
+    the ratio the bar reads."""
     return {
-        "before": phase_stats(o for o in outcomes if o.start < fault_at),
+        "before": phase_stats(o for o in outcomes if o.end <= fault_at),
+        "hit": phase_stats(o for o in outcomes if o.start < fault_at < o.end),
+        "switch": phase_stats(o for o in outcomes if fault_at <= o.start < min(fault_at + SWITCH_S, healthy_at)),
         "during": phase_stats(o for o in outcomes if fault_at <= o.start < healthy_at),
         "after": phase_stats(o for o in outcomes if o.start >= healthy_at),
     }
@@ -279,6 +289,12 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         "open_requests": cf.open_at(((o.start, o.end) for o in load.outcomes), fault_at),
         "replaced_by": sorted(r["replica_id"] for r in now if r["replica_id"] not in known),
         "local_prefills": paths.get(PrefillPath.LOCAL.value, 0.0),
+        # Why they prefilled locally (no_replica, circuit_open, overloaded: the queue bound...).
+        "local_reasons": {
+            k: v
+            for k, v in (cf.path_delta(base[0], modes.samples[-1][1], by_reason=True) if modes.samples else {}).items()
+            if k.startswith(f"{PrefillPath.LOCAL.value}/") and v
+        },
     }
     return {
         "concurrency": concurrency,

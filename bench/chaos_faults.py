@@ -35,13 +35,15 @@ def delta_total(before: Mapping[str, float], after: Mapping[str, float]) -> floa
     return sum(max(0.0, v - before.get(k, 0.0)) for k, v in after.items())
 
 
-def path_delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """{path: requests} counted between two prefill_mode.path_counts readings (a series that
-    disappeared counts as unchanged, as in prefill_mode.remote_share)."""
+def path_delta(before: Mapping[str, float], after: Mapping[str, float], *, by_reason: bool = False) -> dict[str, float]:
+    """{path: requests} counted between two prefill_mode.path_counts readings ("path|reason|..."
+    keys; a series that disappeared counts as unchanged, as in prefill_mode.remote_share);
+    by_reason: {"path/reason": requests} instead, the reasons behind each local prefill."""
     out: dict[str, float] = {}
     for key, value in after.items():
-        path = key.split("|", 1)[0]
-        out[path] = out.get(path, 0.0) + max(0.0, value - before.get(key, 0.0))
+        path, reason = [*key.split("|"), ""][:2]
+        name = f"{path}/{reason}" if by_reason else path
+        out[name] = out.get(name, 0.0) + max(0.0, value - before.get(key, 0.0))
     return out
 
 
@@ -173,7 +175,10 @@ def fault_line(name: str, res: Mapping[str, Any]) -> str:
     if "replaced_by" in f:
         parts.append(f"replaced by {','.join(f['replaced_by'] or []) or 'nothing seen'}")
     if "local_prefills" in f:
-        parts.append(f"{_n(f['local_prefills'])} local prefills after the kill")
+        why = ", ".join(
+            f"{k.split('/', 1)[1] or '-'} {_n(v)}" for k, v in sorted((f.get("local_reasons") or {}).items())
+        )
+        parts.append(f"{_n(f['local_prefills'])} local prefills after the kill" + (f" ({why})" if why else ""))
     if "migrations" in res:
         parts.append(f"migrations {dict(sorted(res['migrations'].items()))}")
     if "burst_outcomes" in res:

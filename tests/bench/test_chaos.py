@@ -62,3 +62,28 @@ def test_the_stack_exports_metrics_often_enough_to_pick_a_busy_victim(stack):
     interval_s = int(chaos.stack_options()["extra_env"]["RAY_metrics_report_interval_ms"]) / 1000
     assert interval_s * 5 <= min(chaos.VICTIM_WITHIN_S, cs.BUSY_WITHIN_S)
     assert stack.config  # the stack still plans with the extra environment
+
+
+def _out(start: float, end: float) -> chaos.Outcome:
+    return chaos.Outcome(start=start, end=end, status=200, ok=True, began_streaming=True, ttfb_s=0.1, kind="ok")
+
+
+def test_the_requests_a_fault_hit_are_not_counted_as_before():
+    """A kill at t=20 (healthy again at t=60): the request open at the kill took 7 s. Counted in
+    "before" (as it was), before's max would be 7 s and the fault's tail would hide in the ratio."""
+    edge = 20 + chaos.SWITCH_S  # the first start after the switch window
+    outs = [_out(10, 11), _out(18, 19.5), _out(19, 26), _out(21, 26.5), _out(edge - 1, edge), _out(edge + 1, edge + 2)]
+    outs.append(_out(61, 62))
+    phases = chaos.by_phase(outs, fault_at=20, healthy_at=60)
+    assert {ph: st["requests"] for ph, st in phases.items()} == {
+        "before": 2,  # ended by t=20
+        "hit": 1,  # 19 -> 26, open at the kill
+        "switch": 2,  # started in [20, edge): 21 and edge - 1
+        "during": 3,  # started in [20, 60)
+        "after": 1,
+    }
+    assert phases["before"]["max_s"] == 1.5
+    assert phases["hit"]["max_s"] == 7.0
+    assert phases["switch"]["max_s"] == 5.5
+    # The switch window ends where the replica is healthy again, if that comes first.
+    assert chaos.by_phase(outs, fault_at=20, healthy_at=25)["switch"]["requests"] == 1

@@ -143,6 +143,7 @@ def test_requests_open_at_the_kill_and_local_prefills_after_it():
     after = {"remote||r1|0": 12, "local|prefill_down|r1|0": 4, "local|prefill_down|r2|0": 2}
     assert cf.path_delta(before, after) == {"remote": 2, "local": 5}
     assert cf.path_delta(before, {}) == {}  # a series Ray stopped exporting did not fall
+    assert cf.path_delta(before, after, by_reason=True) == {"remote/": 2, "local/prefill_down": 5}
 
 
 def test_latency_during_and_after_as_ratios_to_before():
