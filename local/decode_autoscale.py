@@ -4,7 +4,7 @@ What flows through here: a running local stack (dashboard URL, OpenAI URL, key, 
 streamed completions from `clients` concurrent clients, each request long (ignore_eos), until
 Serve reports a second decode replica RUNNING -> the load stops -> polling until one decode
 replica is left -> `ScalingRun`: both delays, the replica counts seen, request outcomes.
-Used by the e2e test and by `make bench`; local-only (never packaged).
+Used by `make bench` (bench/decode_autoscale.py); local-only (never packaged).
 
 Scale-out delay = from the first request to the second replica RUNNING (Serve's decision
 after upscaleDelayS, plus a vLLM engine start on CPU). Scale-in delay = from the last request

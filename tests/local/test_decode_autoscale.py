@@ -1,4 +1,4 @@
-"""The replica counting the autoscaling e2e test and `make bench` rely on (no Ray started).
+"""The replica counting `make bench`'s decode-autoscale figures rely on (no Ray started).
 
 Shape of Serve's REST status (Ray 2.60 dashboard `GET /api/serve/applications/`):
 applications -> <app> -> deployments -> <name> -> replicas[] with `state`.

@@ -33,12 +33,14 @@ MESSAGES = [{"role": "user", "content": "Name three colours of the sea."}]
 
 @pytest.fixture(scope="module")
 def models_stack():
-    from local.background import background_stack
+    # Held by a driver process, as `make bench` holds its stack: the last test ends it as a
+    # bench under `timeout` is ended, by SIGTERM to the driver.
+    from tests.local.driver import driven_stack
 
     log = BUILD_DIR / "test-logs" / "serve-models-e2e.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
-    with background_stack(
+    with driven_stack(
         mode="disaggregated", api_key=KEY, log_path=log, timeout=600, extra_args=["--models", "2"]
     ) as running:
         yield running
@@ -237,3 +239,28 @@ def test_adding_a_model_restarts_no_replica_of_the_others_and_cuts_no_stream(mod
     # (it starts on its first request), and no other replica was started.
     assert after == before
     assert not any(k.startswith(f"{MODEL_APP_PREFIX}{MODEL_C_ID}/") for k in after)
+
+
+# Last in this module: it stops the module's stack.
+def test_a_bench_stopped_by_sigterm_leaves_nothing_and_the_next_start_is_clean(models_stack):
+    """A `make bench` under `timeout` gets SIGTERM: its stack stops as on Ctrl-C. Before, Ray's
+    HAProxy outlived it holding ports 8404 and 9101, and the next two starts failed with a
+    Serve traceback."""
+    import signal
+
+    import psutil
+
+    from local import procs as local_procs
+
+    gcs = models_stack.state["gcs_address"]
+    assert local_procs.leftover_haproxy() is not None  # the stack's own HAProxy runs
+    models_stack.proc.send_signal(signal.SIGTERM)
+    models_stack.proc.wait(timeout=300)
+    deadline = time.monotonic() + 60
+    while True:
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if gcs in " ".join(p.info["cmdline"] or [])]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert not left, f"Ray processes of the stopped stack still alive: {left}"
+    assert local_procs.leftover_haproxy() is None  # what made the next start fail

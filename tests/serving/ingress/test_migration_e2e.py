@@ -1,7 +1,9 @@
-"""e2e: a decode replica killed mid-stream, then decode scaled in under streams: nothing cut.
+"""e2e: decode scales out under load; a decode replica killed mid-stream, then decode scaled in
+under streams: nothing cut.
 
-On the shared local stack (decode autoscaled 1..2, local/config.py): streamed chat
-and completion clients drive decode to two replicas; one decode replica is SIGKILLed while
+On the shared local stack (decode autoscaled 1..2, local/config.py, one replica at the start):
+streamed chat and completion clients (more than the autoscaling target) drive decode to two
+replicas, and no request fails while it scales out; one decode replica is SIGKILLed while
 every client is mid-stream (the one whose engine runs the most); then the load drops to a
 few clients and decode scales back to one replica while they stream. That each fault landed
 is asserted first (the killed replica ran streams and they were continued; the replica
@@ -26,6 +28,7 @@ import pytest
 from bench import replicas
 from bench.sse import Streamed, stream_request
 from local.config import LOCAL_DECODE_TARGET
+from local.decode_autoscale import decode_replicas
 from serving.core.metrics import STREAM_MIGRATIONS
 from tests.serving.test_resilience_e2e import _metric_total_by
 
@@ -105,8 +108,10 @@ async def _until(pred, within_s: float, what: str, seen: list, watch=None) -> No
 DASHBOARD: list[str] = []
 
 
-def test_decode_death_and_scale_in_cut_no_stream(stack):
+def test_decode_scales_out_under_load_and_a_death_and_scale_in_cut_no_stream(stack):
     DASHBOARD[:] = [stack.state["dashboard_url"]]
+    assert decode_replicas(DASHBOARD[0]) == (1, 1), "the shared stack should start with one decode replica"
+    killed_at: list[float] = []
     urls = [n["metrics_url"] for n in stack.nodes]
     before = _metric_total_by(stack, MIGRATIONS, "outcome")
     seen: list = []
@@ -137,6 +142,7 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
                 DASHBOARD[0], urls, stack.proc.pid, ":Decode:", within_s=20, want_busy=1
             )
             assert victim is not None, "no decode replica of the stack listed by Serve"
+            killed_at.append(time.monotonic())
             os.kill(victim.pid, signal.SIGKILL)
             await asyncio.sleep(10)
             # Decode whole again, so scale-in chooses between two replicas that serve streams
@@ -158,6 +164,10 @@ def test_decode_death_and_scale_in_cut_no_stream(stack):
 
     results, victim, removed = asyncio.run(scenario())
     assert results, "no stream finished"
+    # Scaling out under load failed no request: each one that ended before the kill is whole.
+    scaling_out = [r for _, r in results if r.end <= killed_at[0]]
+    assert scaling_out, "no stream ended while decode scaled out"
+    assert all(r.ok for r in scaling_out), [r.kind for r in scaling_out if not r.ok][:5]
     # The faults landed first. The kill cut streams, and each of them was continued on the
     # other replica; the replica scale-in removed ran streams shortly before Serve stopped it.
     assert victim.running, f"the killed decode replica ran no request at the kill: {victim}"
