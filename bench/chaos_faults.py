@@ -58,6 +58,11 @@ def acceptance(results: Mapping[str, Mapping[str, Any]]) -> dict[str, bool | Non
         out["kill-prefill: p99 during <= 2x before"] = (
             d["p99_s"] <= 2 * b["p99_s"] if d["p99_s"] and b["p99_s"] else None
         )
+        # The tail: the requests the kill hit or met while the stack noticed (chaos.by_phase).
+        tail = [p["max_s"] for p in (kp["phases"].get("hit") or {}, kp["phases"].get("switch") or {}) if p.get("max_s")]
+        out["kill-prefill: slowest request hit or met by the kill <= 2x before's slowest"] = (
+            max(tail) <= 2 * b["max_s"] if tail and b.get("max_s") else None
+        )
         # A stack that answers everything but stopped doing P/D fails here.
         out[f"kill-prefill: back to >= {TARGET_SHARE:.0%} remote prefill after recovery"] = (
             kp.get("back_to_remote_prefill_s") is not None

@@ -87,3 +87,11 @@ def test_the_requests_a_fault_hit_are_not_counted_as_before():
     assert phases["switch"]["max_s"] == 5.5
     # The switch window ends where the replica is healthy again, if that comes first.
     assert chaos.by_phase(outs, fault_at=20, healthy_at=25)["switch"]["requests"] == 1
+
+
+def test_the_first_seconds_of_load_are_not_the_baseline():
+    """A cold stack's first requests (all clients start at t=0) are slow: not what a fault is
+    compared with."""
+    outs = [_out(0.1, 9.0), _out(0.2, 8.0), _out(chaos.WARMUP_S, chaos.WARMUP_S + 1), _out(12, 13.5)]
+    before = chaos.by_phase(outs, fault_at=20, healthy_at=60)["before"]
+    assert before["requests"] == 2 and before["max_s"] == 1.5

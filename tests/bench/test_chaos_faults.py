@@ -162,3 +162,23 @@ def test_the_hit_line_names_the_replica_its_load_and_the_migrations():
     line = cf.fault_line("migrate-decode", LANDED["migrate-decode"])
     assert "replica r1 (pid 11)" in line and "4 requests running" in line and "continued" in line
     assert "replaced by r3" in cf.fault_line("kill-decode", LANDED["kill-decode"])
+
+
+def _tail(hit_max: float | None, switch_max: float | None) -> dict:
+    res = _kill(local=5)
+    res["phases"] = {
+        **res["phases"],
+        "hit": _phase(mx=hit_max),
+        "switch": _phase(mx=switch_max),
+    }
+    return res
+
+
+TAIL = "kill-prefill: slowest request hit or met by the kill <= 2x before's slowest"
+
+
+def test_the_tail_of_a_prefill_kill_is_bounded_by_twice_the_slowest_before():
+    # before's slowest is 2.0 s (_phase): 4.0 s passes, 6.3 s (the run the bar comes from) fails.
+    assert cf.acceptance({"kill-prefill": _tail(4.0, 1.0)})[TAIL] is True
+    assert cf.acceptance({"kill-prefill": _tail(1.0, 6.3)})[TAIL] is False
+    assert cf.acceptance({"kill-prefill": _tail(None, None)})[TAIL] is None  # no figure, no verdict
