@@ -209,7 +209,7 @@ def hop_rows(fig: Mapping[str, Any]) -> list[list[str]]:
 
 
 def verdict_rows(fig: Mapping[str, Any]) -> list[list[str]]:
-    return [["target", "measured", "met"], *([name, shown, met] for name, _, shown, met in verdicts(fig))]
+    return [["bar", "measured", "met"], *([name, shown, met] for name, _, shown, met in verdicts(fig))]
 
 
 def idle_line(fig: Mapping[str, Any]) -> str:
