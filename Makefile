@@ -163,8 +163,10 @@ serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
 chaos: venv
 	$(PY) -m bench.chaos --out build/chaos $(if $(filter 1,$(SOAK)),--soak)
 
+# BENCH_TRACED=1: a second pass of the serving bench on a stack that traces every request
+# (the hop breakdown's spans, and tracing's own CPU cost); the first traces at prod's rate.
 bench: venv
-	$(PY) -m bench.serving_bench --out build/bench/serving.json
+	$(PY) -m bench.serving_bench --out build/bench/serving.json $(if $(filter 1,$(BENCH_TRACED)),--traced-pass)
 	$(PY) -m bench.hybrid --out build/bench/hybrid.json
 	$(PY) -m bench.hybrid --provider vllm --out build/bench/hybrid-vllm.json
 	$(PY) -m bench.program --json build/bench/program.json

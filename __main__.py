@@ -31,7 +31,7 @@ from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.k8s.tracing import export_for
 from infra.paths import stack_file
 from infra.plan.planning import KvLink, cold_start_seconds, kv_link, model_view, stack_head
-from infra.plan.stack import load
+from infra.plan.stack import load, stack_replica_cpus
 from infra.sizing.head import HEAD_BASE_VCPUS
 from serving.spec import Mode
 
@@ -157,6 +157,8 @@ service = LlmService(
         # system node that cannot give it).
         head_cpus=head.head_vcpus if (head := stack_head(cfg)) else HEAD_BASE_VCPUS,
         cold_start_s=cold_start_seconds(cfg),
+        # The decode replica's API side asks for what its planned tokens need (make plan).
+        replica_cpus=stack_replica_cpus(cfg),
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )

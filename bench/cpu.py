@@ -7,7 +7,9 @@ every process under those roots with its parent, title and CPU time (user + syst
 process spent in between (a process that started in between counts from zero; one that ended
 is counted as ended, with the CPU it spent after the first snapshot lost) -> `classify()`:
 each process's hop, from the title Ray or vLLM gave it and its place in the process tree ->
-`attribute()`: CPU seconds per hop for the target whose batch ran -> `figures()`: CPU-ms per
+`attribute()`: CPU seconds per hop for the target whose batch ran, with the batch's wall time
+(and `Meter.idle`: the same over a window with no traffic, for bench/per_token.py to net off)
+-> `figures()`: CPU-ms per
 request and per 1,000 output tokens per hop, the non-engine total and its ratio to plain
 vLLM's API server process -> the bench JSON and the tables.
 
@@ -48,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -276,11 +279,13 @@ class Tally:
 
     cpu_s: dict[str, float]
     ended: int = 0
+    wall_s: float = 0.0  # the batches' wall time, snapshot to snapshot (what idle work is spread over)
 
-    def add(self, per: Mapping[str, float], ended: int) -> None:
+    def add(self, per: Mapping[str, float], ended: int, wall_s: float = 0.0) -> None:
         for k, v in per.items():
             self.cpu_s[k] = self.cpu_s.get(k, 0.0) + v
         self.ended += ended
+        self.wall_s += wall_s
 
 
 def _per(cpu_s: float, requests: int, tokens: int) -> dict[str, float | None]:
@@ -327,7 +332,7 @@ def pooled(per_level: Iterable[Tally]) -> Tally:
     """One tally over several levels (the bar is read over the whole run)."""
     out = Tally(cpu_s={})
     for t in per_level:
-        out.add(t.cpu_s, t.ended)
+        out.add(t.cpu_s, t.ended, t.wall_s)
     return out
 
 
@@ -375,12 +380,24 @@ class Meter:
     @contextlib.contextmanager
     def batch(self, target: str, level: str, app: str | None):
         """Counts the CPU the target's processes spend inside the `with` block."""
-        before = self.take()
+        before, t0 = self.take(), time.monotonic()
         try:
             yield
         finally:
-            per, gone = attribute(window(before, self.take()), self.layout, target_scopes(app))
-            self.tallies.setdefault(target, {}).setdefault(level, Tally(cpu_s={})).add(per, gone)
+            after, wall = self.take(), time.monotonic() - t0
+            per, gone = attribute(window(before, after), self.layout, target_scopes(app))
+            self.tallies.setdefault(target, {}).setdefault(level, Tally(cpu_s={})).add(per, gone, wall)
+
+    def idle(
+        self, seconds: float, scopes: Mapping[str, Iterable[str | None]], sleep: Any = time.sleep
+    ) -> tuple[dict[str, dict[str, float]], float]:
+        """With no request in flight: CPU seconds per hop class over a window of about
+        `seconds`, per name in `scopes` (name -> the scopes it counts, as `target_scopes`), and
+        the window's measured length."""
+        before, t0 = self.take(), time.monotonic()
+        sleep(seconds)
+        w, wall = window(before, self.take()), time.monotonic() - t0
+        return {name: attribute(w, self.layout, sc)[0] for name, sc in scopes.items()}, wall
 
 
 # --- text -------------------------------------------------------------------------------------

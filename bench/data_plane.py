@@ -15,8 +15,8 @@ and output tok/s per level.
 Ray reads the data plane's switches from every process's environment when it starts
 (DataPlane.ray_env), so each plane is its own Ray cluster, started and stopped in turn;
 alternating them round by round spreads the machine's drift over all three. Serve's request
-tracing stays off (`make bench` turns it on for its hop breakdown): its cost would land on
-every hop. A benchmark prints figures beside its ray-proxy baseline; it does not pass or fail.
+tracing stays off (`make bench` traces at a prod stack's rate, and every request in its
+--traced-pass): its cost would land on every hop. A benchmark prints figures beside its ray-proxy baseline; it does not pass or fail.
 """
 
 from __future__ import annotations

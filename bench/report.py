@@ -3,7 +3,8 @@
 What flows through here: build/bench/serving.json (`make bench`), build/bench/prefix.json
 (`make bench-prefix`) and build/bench/data-plane.json (`make bench-data-plane`), when present
 -> the figures' tables (targets, ratios against the issue's bars, the per-hop breakdown, CPU
-per hop and its bars, the gaps between streamed chunks, start times, prefix routing, Serve's
+per hop and its bars, CPU per output token net of idle with its ceiling and targets, the
+tracing ratio and tracing's own cost, the gaps between streamed chunks, start times, prefix routing, Serve's
 data planes against ray-proxy) between the page's
 hand-written explanations -> docs/performance.md. Figures are never typed by hand: rerun
 the benchmarks, then `python -m bench.report`.
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR, cpu, data_plane, gaps
+from bench import BENCH_DIR, cpu, data_plane, gaps, per_token
 from bench.hops import row_shown
 from bench.stats import markdown
 from infra.paths import ROOT
@@ -44,6 +45,8 @@ WARM_START_BAR_S = 45
 CPU_BARS = (("aggregated", 2.0), ("disaggregated", 3.0))
 CPU_LEVELS = ("1", "16", "all")  # the CPU tables' columns per target
 NOT_MEASURED = "(not measured in this run: the next `make bench` fills it)"
+# The idle phase, the per-token figures and the tracing ratio came later than the CPU tables.
+NOT_YET = "(a run from before the idle phase and prod-rate tracing: the next `make bench` fills it)"
 
 
 def _f(v: Any, digits: int = 1) -> str:
@@ -230,6 +233,37 @@ def cpu_section(rep: dict[str, Any]) -> str:
     )
 
 
+def per_token_section(rep: dict[str, Any]) -> str:
+    """Per output token, net of idle, with each hop's ceiling and the issue's per-token targets."""
+    fig = rep.get("per_token")
+    if not fig:
+        return NOT_YET
+    idle_s = (rep.get("idle_phase") or {}).get("seconds")
+    head = f"Idle phase: {_f(idle_s, 0)} s with no traffic, after the warm-up and before the load."
+    return head + "\n\n" + per_token.format_markdown(fig)
+
+
+def tracing_section(rep: dict[str, Any]) -> str:
+    """The sampling ratio the run traced at, where the hop breakdown's spans came from, and
+    (with --traced-pass) tracing's own CPU cost per hop."""
+    tracing = rep.get("tracing")
+    if not tracing:
+        return NOT_YET
+    parts = [
+        f"Serve's tracing sampled {tracing['sample_rate']:g} of requests ({tracing['source']}); the hop "
+        f"breakdown's spans come from {rep.get('hops_from', '-')}."
+    ]
+    cost = rep.get("tracing_cost")
+    if cost:
+        parts.append(
+            "Tracing's own cost, the pass tracing every request minus the prod-rate pass (two stacks, one "
+            "after the other: plain vLLM's row is the drift between them):\n\n" + markdown(per_token.tracing_rows(cost))
+        )
+    else:
+        parts.append("(no pass with every request traced in this run: `make bench BENCH_TRACED=1`)")
+    return "\n\n".join(parts)
+
+
 def data_plane_section(rep: dict[str, Any]) -> str:
     """`make bench-data-plane`: the run, then latency and CPU per hop per data plane, each
     beside its ratio to the ray-proxy run of the same round (bench/data_plane.py summary)."""
@@ -288,6 +322,8 @@ def render(
         "FLOOR": floor_text(serving) if serving else "(run `make bench`)",
         "CPU": cpu_section(serving) if serving else "(run `make bench`)",
         "GAPS": gaps_section(serving) if serving else "(run `make bench`)",
+        "PER_TOKEN": per_token_section(serving) if serving else "(run `make bench`)",
+        "TRACING": tracing_section(serving) if serving else "(run `make bench`)",
         "IDLE_WORKERS": _idle(serving, "stack", "VLLM::Worker"),
         "IDLE_VLLM": _idle(serving, "vllm"),
         "PREFIX_DATE": prefix["date"] if prefix else "(no run)",

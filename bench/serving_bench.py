@@ -9,11 +9,14 @@ benchmark client (`vllm.benchmarks.serve`, bench/vllm_load.py) sending streamed
   (c) vllm           `python -m vllm.entrypoints.openai.api_server`, same model, no Ray Serve
 -> per-request timings -> bench.stats figures per target and concurrency, ratios a/c and
 b/c; every chunk's arrival -> the gaps between chunks and the share held to a stream's end
-(bench/gaps.py); the CPU time of every process of each target around each batch -> CPU-ms
-per request and per 1,000 output tokens per hop (bench/cpu.py); Ray Serve's request spans
-and the engines' vLLM metrics around each level -> the per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
-request; the cold and warm start of `make serve` -> tables on screen and
-build/bench/serving.json. `main` reads as that pipeline: parse the options -> time `make
+(bench/gaps.py); the CPU time of every process of each target around each batch, and over an
+idle phase before the load -> CPU-ms per request and per 1,000 output tokens per hop, net of
+idle, and each hop's streaming ceiling (bench/cpu.py, bench/per_token.py); Ray Serve's spans
+(traced at a prod stack's ratio; --traced-pass: a second pass tracing every request, whose
+CPU difference is tracing's own cost) and the engines' vLLM metrics around each level -> the
+per-hop breakdown of the time to first token (bench/hops.py); decode's NIXL counters per
+request; the cold and warm start of `make serve` (bench/start_times.py) -> tables on screen
+and build/bench/serving.json. `main` reads as that pipeline: parse the options -> time `make
 serve` -> start the targets and run the levels (run_targets) -> the figures (analyse,
 build_report) -> the JSON, the plot and the tables. What the targets are read with beside
 the load (metrics, Serve's apps, spans, idle CPU) is bench/observe.py.
@@ -27,26 +30,31 @@ A benchmark prints figures; it does not pass or fail.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import httpx
-
-from bench import BENCH_DIR, cpu, gaps, hops, plots, vllm_load
+from bench import BENCH_DIR, cpu, gaps, hops, per_token, plots, vllm_load
 from bench.observe import KV_KEYS, idle_cpu, kv_totals, read_spans, roles, settled, stack_apps
-from bench.stats import RequestResult, format_table, kv_backends, kv_transfer_per_request, ratios, samples, summarize
-from infra.paths import ROOT as REPO_ROOT
+from bench.plain_vllm import vllm_server, wait_healthy
+from bench.start_times import save_start_times, start_times
+from bench.stats import (
+    RequestResult,
+    aligned,
+    format_table,
+    kv_backends,
+    kv_transfer_per_request,
+    ratios,
+    samples,
+    summarize,
+)
+from infra.config.observability import Tracing
 
 DEFAULT_OUT = BENCH_DIR / "serving.json"
 TARGETS = ("disaggregated", "aggregated", "vllm")
@@ -60,15 +68,27 @@ HOP_LEVELS = (1, 16)  # the breakdown's columns
 ROUNDS = 4
 WARMUP = 4
 
-# Serve's request tracing for the hop breakdown: Ray's own file exporter
-# (ray/serve/_private/constants.py DEFAULT_TRACING_EXPORTER_IMPORT_PATH), every request
-# sampled; engine metrics exported every second instead of every 10 s so that the counters
-# settle quickly between levels.
-BENCH_ENV = {
-    "RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": "ray.serve._private.tracing_utils:default_tracing_exporter",
-    "RAY_SERVE_TRACING_SAMPLING_RATIO": "1",
-    "RAY_metrics_report_interval_ms": "1000",
-}
+# Serve's request tracing: Ray's own file exporter (ray/serve/_private/constants.py
+# DEFAULT_TRACING_EXPORTER_IMPORT_PATH) at the ratio a prod stack renders (its environment's
+# default, infra/config/observability.py: one source of truth with the stacks), so the Ray
+# targets pay what they pay in prod; --traced-pass adds a pass with every request traced (the
+# hop breakdown's spans, and tracing's own CPU cost). Engine metrics exported every second
+# instead of every 10 s so that the counters settle quickly between levels.
+PROD_TRACE_SAMPLE_RATE = Tracing().rate_for("prod")
+EVERY_REQUEST = 1.0
+IDLE_S = 25.0  # the idle phase: no traffic, after the warm-up, before the load
+
+
+def bench_env(sample_rate: float) -> dict[str, str]:
+    """The Ray stack's extra environment for the bench, tracing at `sample_rate`."""
+    return {
+        "RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": "ray.serve._private.tracing_utils:default_tracing_exporter",
+        "RAY_SERVE_TRACING_SAMPLING_RATIO": repr(sample_rate),
+        "RAY_metrics_report_interval_ms": "1000",
+    }
+
+
+BENCH_ENV = bench_env(PROD_TRACE_SAMPLE_RATE)
 
 
 def length_shape(lo: int, hi: int) -> tuple[int, float]:
@@ -187,68 +207,11 @@ def cpu_counts(summaries: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict
     }
 
 
-# --- vLLM's own server (target c) --------------------------------------------------------------
-@contextlib.contextmanager
-def vllm_server(model_dir: str, model_id: str, port: int, env_extra: dict[str, str], log_path: Path):
-    from local.config import PLAIN_VLLM_ENV, plain_vllm_argv
-    from local.procs import interrupt_and_wait
-
-    env = {**os.environ, **env_extra, **PLAIN_VLLM_ENV}
-    cmd = plain_vllm_argv(model_dir, model_id, port)
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
-        try:
-            yield proc
-        finally:
-            interrupt_and_wait(proc, 60)
-
-
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        time.sleep(2)
-    raise TimeoutError(f"vLLM server at {url} not healthy after {timeout:.0f}s")
-
-
 # --- the stacks (tests/bench/test_serving_bench.py builds what they deploy, without Ray) ---------
-def stack_options() -> dict[str, Any]:
-    """background_stack's arguments for targets a and b: both apps, Serve's tracing on."""
-    return {"mode": "both", "api_key": "sk-bench", "extra_env": BENCH_ENV}
-
-
-def start_options(cache_dir: str | None) -> dict[str, Any]:
-    """background_stack's arguments for a timed `make serve`; cold: `cache_dir`, an empty model cache."""
-    return {
-        "mode": "disaggregated",
-        "api_key": "sk-bench",
-        "extra_env": {"PD_CACHE_DIR": cache_dir} if cache_dir else {},
-    }
-
-
-# --- start times ---------------------------------------------------------------------------
-_READY = re.compile(r"^READY in (\d+(?:\.\d+)?)s")
-_STEP = re.compile(r"^\[\s*(\d+(?:\.\d+)?)s\] (.*)$")
-
-
-def start_time(cold: bool, log_dir: Path) -> dict[str, Any]:
-    """`make serve` (disaggregated) once, timed by its own READY line; cold: an empty model cache."""
-    from local.background import background_stack
-
-    with contextlib.ExitStack() as stack:
-        cache = stack.enter_context(tempfile.TemporaryDirectory(prefix="pd-cold-")) if cold else None
-        log = log_dir / f"serve-{'cold' if cold else 'warm'}.log"
-        with background_stack(**start_options(cache), log_path=log) as running:
-            ready = _READY.match(running.ready_line)
-            steps = [m.groups() for line in running.output if (m := _STEP.match(line.strip()))]
-    return {
-        "ready_s": float(ready.group(1)) if ready else None,
-        "steps": [{"at_s": float(at), "step": what} for at, what in steps],
-    }
+def stack_options(sample_rate: float = PROD_TRACE_SAMPLE_RATE) -> dict[str, Any]:
+    """background_stack's arguments for targets a and b: both apps, Serve's tracing on at
+    `sample_rate` (the prod stack's by default)."""
+    return {"mode": "both", "api_key": "sk-bench", "extra_env": bench_env(sample_rate)}
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -268,33 +231,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="only time a cold and a warm `make serve`, and add the figures to an existing --out file",
     )
+    p.add_argument(
+        "--traced-pass",
+        action="store_true",
+        help="run the levels again on a stack that traces every request: the hop breakdown's spans, and "
+        "tracing's own CPU cost (that pass - the prod-rate one)",
+    )
+    p.add_argument("--idle-s", type=float, default=IDLE_S, help="the idle phase's window (default %(default)s s)")
     return p.parse_args(argv)
 
 
 def _say(t0: float, msg: str) -> None:
     print(f"[{time.monotonic() - t0:6.1f}s] {msg}", flush=True)
-
-
-def start_times(args: argparse.Namespace, logs: Path, say: Callable[[str], None]) -> dict[str, Any]:
-    """A cold and a warm `make serve` timed (none with --no-start-times)."""
-    starts: dict[str, Any] = {}
-    if not args.no_start_times:
-        for kind in ("cold", "warm"):
-            say(f"timing a {kind} `make serve` (disaggregated)")
-            starts[kind] = start_time(kind == "cold", logs)
-            say(f"{kind} start: READY in {starts[kind]['ready_s']}s")
-    return starts
-
-
-def save_start_times(out: Path, starts: dict[str, Any]) -> None:
-    """--start-times-only: the figures added to an existing --out file."""
-    report = json.loads(out.read_text()) if out.is_file() else {}
-    report["start_times"] = {
-        **starts,
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "load_average": list(os.getloadavg()),
-    }
-    out.write_text(json.dumps(report, indent=2))
 
 
 @dataclass
@@ -312,6 +260,9 @@ class Measured:
     idle: dict[str, dict[str, float]]
     tallies: dict[str, dict[str, cpu.Tally]]  # cpu.Meter.tallies: target -> level -> CPU
     backend: str  # the NIXL backend of the deployed config
+    sample_rate: float = PROD_TRACE_SAMPLE_RATE  # Serve's tracing ratio of this pass
+    # The idle phase: name (a target, or "stack": both apps) -> hop -> share of a core.
+    idle_hops: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def run_targets(
@@ -321,21 +272,30 @@ def run_targets(
     logs: Path,
     client_log: TextIO,
     say: Callable[[str], None],
+    sample_rate: float = PROD_TRACE_SAMPLE_RATE,
 ) -> Measured:
-    """Targets a and b (the local Ray stack) and c (vLLM's server) up; warm-up, idle CPU, then
-    every level in rounds, the engines' metrics settled around each; all stopped after."""
+    """Targets a and b (the local Ray stack, Serve tracing at `sample_rate`) and c (vLLM's
+    server) up; warm-up, idle CPU, the idle phase (`--idle-s` with no traffic, every process's
+    CPU per hop), then every level in rounds, the engines' metrics settled around each; all
+    stopped after."""
     from local.background import background_stack
     from local.config import HOST, MODEL_ID, local_target
     from local.procs import free_port
 
     vport = free_port()
     vroot = f"http://{HOST}:{vport}"
-    say(f"starting vLLM's OpenAI server (target c) on {vroot} and the local Ray stack (targets a, b)")
+    say(
+        f"starting vLLM's OpenAI server (target c) on {vroot} and the local Ray stack (targets a, b), "
+        f"tracing {sample_rate:g} of requests"
+    )
     spans_since = time.time()
+    tag = "" if sample_rate == PROD_TRACE_SAMPLE_RATE else f"-traced-{sample_rate:g}"
     # The Ray stack first: its nodes time out at start when vLLM's server imports alongside them.
     with (
-        background_stack(**stack_options(), log_path=logs / "serve.log") as stack,
-        vllm_server(model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / "vllm-server.log") as vproc,
+        background_stack(**stack_options(sample_rate), log_path=logs / f"serve{tag}.log") as stack,
+        vllm_server(
+            model_dir, MODEL_ID, vport, dict(local_target().engine_env), logs / f"vllm-server{tag}.log"
+        ) as vproc,
     ):
         wait_healthy(vroot, vproc)
         urls = {
@@ -370,6 +330,15 @@ def run_targets(
             idle=idle,
             tallies=meter.tallies,
             backend=backend,
+            sample_rate=sample_rate,
+        )
+        # The idle phase: what each hop spends with no traffic, subtracted from its load-phase CPU.
+        scopes = {t: cpu.target_scopes(apps.get(t)) for t in TARGETS}
+        idle_cpu_s, idle_wall = meter.idle(args.idle_s, {**scopes, "stack": (cpu.RAY_SCOPE, *apps.values())})
+        m.idle_hops = {name: per_token.idle_cores(per, idle_wall) for name, per in idle_cpu_s.items()}
+        say(
+            f"idle phase ({idle_wall:.0f} s), share of a core outside the engines: "
+            + ", ".join(f"{name} {per_token.non_engine(c):.1%}" for name, c in m.idle_hops.items())
         )
         for li, (conc, n) in enumerate(levels.items()):
             lv = run_level(
@@ -436,6 +405,33 @@ def analyse(m: Measured, levels: Mapping[int, int]) -> Figures:
     return Figures(summaries, breakdown, prefix_hits, analysis_errors)
 
 
+def per_token_report(m: Measured, traced: Measured | None, idle_s: float) -> dict[str, Any]:
+    """The JSON's tracing, idle-phase and per-token parts (bench/per_token.py): the prod-rate
+    pass's, and with --traced-pass that pass's CPU and tracing's own cost (its - the prod-rate's)."""
+
+    def figures(p: Measured) -> dict[str, Any]:
+        counts = cpu_counts(
+            {t: {c: summarize(p.results[t][c], p.durations[t][c]) for c in p.results[t]} for t in TARGETS}
+        )
+        return per_token.run(p.tallies, counts, p.idle_hops)
+
+    main_fig = figures(m)
+    out: dict[str, Any] = {
+        "tracing": {
+            "sample_rate": m.sample_rate,
+            "source": "the prod stack's default (infra/config/observability.py DEFAULT_TRACE_SAMPLE_RATES)",
+            "traced_pass_rate": None if traced is None else traced.sample_rate,
+        },
+        "idle_phase": {"seconds": idle_s, "cores": m.idle_hops},
+        "per_token": main_fig,
+    }
+    if traced is not None:
+        traced_fig = figures(traced)
+        out["traced_pass"] = {"sample_rate": traced.sample_rate, "per_token": traced_fig}
+        out["tracing_cost"] = per_token.tracing_cost(main_fig, traced_fig)
+    return out
+
+
 def build_report(
     args: argparse.Namespace,
     levels: dict[int, int],
@@ -444,6 +440,7 @@ def build_report(
     starts: dict[str, Any],
     model_dir: str,
     t0: float,
+    traced: Measured | None = None,
 ) -> dict[str, Any]:
     """The JSON: the workload, the machine, every figure per target and level, the samples."""
     from local.config import MODEL_ID
@@ -492,11 +489,15 @@ def build_report(
         # target -> level (and "all") -> CPU-ms per request and per 1,000 output tokens per hop.
         "cpu": cpu.run_figures(m.tallies, cpu_counts(summaries)),
         "cpu_classes": dict(cpu.CLASSES),
+        **per_token_report(m, traced, args.idle_s),
+        "hops_from": "the pass with every request traced"
+        if traced is not None
+        else f"the prod-rate pass ({m.sample_rate:g} of requests traced: few spans)",
         "chunk_gaps": {t: {str(c): gaps.summary(m.results[t][c]) for c in levels} for t in TARGETS},
         "analysis_errors": f.analysis_errors,
         "conditions": [
-            "Serve request tracing on for the Ray targets (every request sampled, Ray's file "
-            "exporter): a small cost the vLLM baseline does not pay.",
+            f"Serve request tracing on for the Ray targets at a prod stack's ratio ({m.sample_rate:g}, Ray's "
+            "file exporter); tracing's own cost is the traced pass's difference (--traced-pass).",
             "All three targets share this machine's cores with each other and with other jobs "
             "on the machine (load average above).",
         ],
@@ -529,6 +530,14 @@ def print_report(report: dict[str, Any], f: Figures, out: Path, png: Path) -> No
     print(cpu.format_text(cpu_figures, "cpu_ms_per_1k_tokens"))
     print()
     print(cpu.front_door_line(cpu_figures))
+    print()
+    print("Per output token, net of idle (the idle phase's rate x the batches' wall time taken off):")
+    print(aligned(per_token.hop_rows(report["per_token"])))
+    print(per_token.idle_line(report["per_token"]))
+    print(aligned(per_token.verdict_rows(report["per_token"])))
+    if "tracing_cost" in report:
+        print("Tracing's own cost (the pass with every request traced - the prod-rate pass):")
+        print(aligned(per_token.tracing_rows(report["tracing_cost"])))
     print()
     print("Client-seen gaps between streamed chunks (vLLM's client stamps each event as it parses it):")
     print(gaps.format_text(chunk_gaps))
@@ -563,8 +572,18 @@ def main(argv: list[str] | None = None) -> int:
             save_start_times(args.out, starts)
             return 0
         measured = run_targets(args, levels, model_dir, logs, client_log, say)
+        traced = (
+            run_targets(args, levels, model_dir, logs, client_log, say, sample_rate=EVERY_REQUEST)
+            if args.traced_pass
+            else None
+        )
     figures = analyse(measured, levels)
-    report = build_report(args, levels, measured, figures, starts, model_dir, t0)
+    if traced is not None:
+        # The hop breakdown reads Serve's spans: the pass that traced every request has them all.
+        hop_figures = analyse(traced, levels)
+        figures.breakdown = hop_figures.breakdown
+        figures.analysis_errors += [f"traced pass: {e}" for e in hop_figures.analysis_errors]
+    report = build_report(args, levels, measured, figures, starts, model_dir, t0, traced)
     args.out.write_text(json.dumps(report, indent=2))
     png = plots.serving_png(report, args.out.with_suffix(".png"))
     print_report(report, figures, args.out, png)

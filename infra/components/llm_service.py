@@ -98,6 +98,9 @@ class LlmServiceArgs:
     """Engine role -> the planner's first request after idle (s), for roles at minReplicas 0
     (infra/plan/planning.py cold_start_seconds): the ingress's Retry-After while decode
     starts from zero."""
+    replica_cpus: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Model id -> engine role -> the CPUs its replica actor asks Ray for, where the plan sizes
+    it above Ray's default (the decode replica's API side: infra/sizing/streaming.py)."""
 
 
 class LlmService(pulumi.ComponentResource):
@@ -318,6 +321,7 @@ def create_rayservice(
         service_name=service_name,
         head_cpus=args.head_cpus,
         cold_start_s=dict(args.cold_start_s),
+        replica_cpus={m: dict(r) for m, r in args.replica_cpus.items()},
         tracing=args.tracing,
         pool_bounds=dict(args.pool_bounds),
         **_exposure(args.exposure, args.allowed_cidrs),

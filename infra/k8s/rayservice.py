@@ -119,6 +119,9 @@ class RayServiceInputs:
     # (infra/plan/planning.py cold_start_seconds): decode's becomes the ingress's Retry-After
     # while it has no running replica (serving.spec.Target.cold_start_s).
     cold_start_s: dict[str, float] = field(default_factory=dict)
+    # Model id -> engine role -> its replica actor's CPUs where the plan sizes them above Ray's
+    # default (infra/sizing/streaming.py; serving.spec.Target.replica_cpus).
+    replica_cpus: dict[str, dict[str, int]] = field(default_factory=dict)
     # By pool name: the node group sizes (needed in the many-model form only).
     pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
 
@@ -234,6 +237,7 @@ def _target(inp: RayServiceInputs, spec: ServingSpec) -> Target:
         role_thresholds=role_thresholds(spec, insts),
         metrics_selectors={role: f'{METRICS_ROLE_LABEL}="{spec.pool_of(role)}"{model_sel}' for role in insts},
         cold_start_s=dict(inp.cold_start_s),
+        replica_cpus=dict(inp.replica_cpus.get(spec.model.id, {})),
         traces_endpoint=inp.tracing.endpoint if inp.tracing else None,
     )
 

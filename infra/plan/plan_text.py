@@ -2,7 +2,7 @@
 
 What flows through here: a `planning.Plan` -> the model and its shape, one column per engine
 role (hardware, memory, KV cache, network, decode speed, cost, autoscaling, time to serve),
-the totals, the KV link, the head's sizing and the fit verdict, then the multi-node layouts that fit. Text only:
+the totals, the KV link, the head's sizing, the decode replica's API-side CPU and the fit verdict, then the multi-node layouts that fit. Text only:
 every figure is computed in `infra.plan.planning` and `infra.sizing.fit`. `planning` re-exports
 `format_plan` and `format_layouts`.
 """
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from infra.sizing import startup
 from infra.sizing.fit import GIB, ModelFigures
 from infra.sizing.head import format_head
+from infra.sizing.streaming import format_streaming
 
 if TYPE_CHECKING:
     from infra.plan.planning import Plan, RolePlan, RoleScaling
@@ -266,6 +267,7 @@ def _footer_lines(p: Plan) -> list[str]:
             f"({k.gbps_per_gpu:g} Gbps per GPU, {where}){per_request}"
         )
     lines.extend(format_head(p.head))
+    lines.extend(format_streaming(p.streaming))
     if not p.fit_checked:
         lines.append("Fit      not checked (model shape unknown)")
     elif p.problems:

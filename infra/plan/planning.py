@@ -5,7 +5,8 @@ replica and node ranges (`infra.sizing.nodes`), GPU count and on-demand price at
 and at maxSize, and, when the model's shape is known, the model figures of `infra.sizing.fit`
 and the time from a Pending pod to a serving replica on a new and on a warm node
 (`infra.sizing.startup`); the planned request rate (the slowest role's roofline at
-maxReplicas) and what it asks of the Ray head (`infra.sizing.head`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
+maxReplicas) and what it asks of the Ray head (`infra.sizing.head`) and of the decode replica's API side
+(`infra.sizing.streaming`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
 render`. Pure arithmetic on published figures: no Pulumi, Ray or vLLM import, nothing
 downloaded.
 """
@@ -19,6 +20,7 @@ from infra import catalog
 from infra.config import LocalStorage, NodePool, NodePools, StackConfig
 from infra.plan.plan_text import format_layouts as format_layouts
 from infra.plan.plan_text import format_plan as format_plan
+from infra.plan.streaming_plan import StreamingSizing, streaming_for
 from infra.sizing import nodes as sizing
 from infra.sizing import startup
 from infra.sizing.fit import (
@@ -218,6 +220,7 @@ class Plan:
     kv_link: KvLink | None = None  # disaggregated mode only
     # What the planned rate asks of the Ray head (None: no roofline rate, shape unknown).
     head: HeadSizing | None = None
+    streaming: StreamingSizing | None = None  # the decode replica's API-side CPU (infra/sizing/streaming.py)
 
     @property
     def fit_checked(self) -> bool:
@@ -299,6 +302,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
         layout_roles=tuple(layout_roles),
         kv_link=kv_link(config, roles),
         head=head,
+        streaming=streaming_for(config, roles, (workload or Workload()).output_tokens),
     )
 
 

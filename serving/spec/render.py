@@ -157,6 +157,10 @@ def llm_config(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -> di
             ],
         },
     }
+    if role in target.replica_cpus:
+        # The replica actor's own CPUs (its API side: vLLM's front end, Serve's streaming); Ray
+        # Serve LLM adds them to the first bundle (llm_server.py get_deployment_options).
+        config["deployment_config"]["ray_actor_options"] = {"num_cpus": target.replica_cpus[role]}
     if spec.lora is not None:
         # The same path on both P/D legs (Ray's PDServingArgs refuses a mismatch).
         config["lora_config"] = spec.lora.llm_config()

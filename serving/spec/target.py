@@ -48,6 +48,11 @@ class Target:
     # (infra/plan/planning.py cold_start_seconds); decode's is the ingress's Retry-After for
     # a 503 while no decode replica runs (ResilienceSpec.coldStartRetryAfterS).
     cold_start_s: Mapping[str, float] = field(default_factory=dict)
+    # Per engine role: the CPUs its replica actor asks Ray for (`ray_actor_options.num_cpus`,
+    # which Ray Serve LLM puts in the replica's first placement bundle), where the planner
+    # sized its API side above Ray's default of 1 from its CPU per output token
+    # (infra/sizing/streaming.py); absent: Ray's default.
+    replica_cpus: Mapping[str, int] = field(default_factory=dict)
     # The OpenTelemetry collector's OTLP/gRPC address: every engine exports vLLM's request spans
     # there (engine argument `otlp_traces_endpoint`, vLLM 0.29 and 0.32); None: no engine traces.
     traces_endpoint: str | None = None

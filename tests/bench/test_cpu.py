@@ -371,3 +371,32 @@ def test_the_bench_builds_its_layout_from_serves_application_list():
         AGG: {"ingress": INGRESS_DEPLOYMENT, "replicas": {INGRESS_DEPLOYMENT: ["d"], f"EagerLLMServer:{MODEL}": ["e"]}},
     }
     assert cpu.serve_layout({app: roles(served[app]) for app in served}) == LAYOUT
+
+
+# --- the idle phase and the batches' wall time (bench/per_token.py nets the one off the other) ---
+def test_the_idle_phase_counts_each_scope_over_its_window_and_batches_keep_their_wall_time(fake_ps):
+    meter = cpu.Meter({"stack": 1, cpu.PLAIN: 20}, LAYOUT, process=fake_ps)
+    # No request in flight: the raylet polls, the P/D decode replica and plain vLLM's server tick.
+    spent = {3: 0.2, 6: 0.1, 9: 0.05, 20: 0.03}
+    scopes = {
+        "disaggregated": cpu.target_scopes(PD),
+        "vllm": cpu.target_scopes(None),
+        "stack": (cpu.RAY_SCOPE, PD, AGG),
+    }
+    per, wall = meter.idle(20.0, scopes, sleep=lambda s: _bump(fake_ps.table, spent))
+    assert wall >= 0.0
+    # Every process of a scope is in its figure; those that spent nothing read 0.
+    per = {name: {k: v for k, v in hops.items() if v} for name, hops in per.items()}
+    assert per["disaggregated"] == pytest.approx({"raylet": 0.2, "pd_orchestration": 0.1})
+    assert per["vllm"] == pytest.approx({"vllm_api_server": 0.03})
+    # The whole stack: both apps (the aggregated app's ingress, 0.05) and Ray's shared processes.
+    assert per["stack"] == pytest.approx({"raylet": 0.2, "pd_orchestration": 0.1, "ingress": 0.05})
+    with meter.batch("disaggregated", "1", PD):
+        pass
+    with meter.batch("disaggregated", "1", PD):
+        pass
+    tally = meter.tallies["disaggregated"]["1"]
+    assert tally.wall_s >= 0.0
+    # Pooling levels adds their wall times as it adds their CPU.
+    pooled = cpu.pooled([cpu.Tally(cpu_s={"ingress": 1.0}, wall_s=4.0), cpu.Tally(cpu_s={"ingress": 2.0}, wall_s=6.0)])
+    assert pooled.wall_s == 10.0 and pooled.cpu_s == {"ingress": 3.0}

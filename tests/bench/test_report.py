@@ -208,3 +208,37 @@ def test_the_switches_table_names_the_data_plane_and_why_direct_streaming_is_not
     assert "`serving.ingress.dataPlane`" in row and "`haproxy` (default)" in row and "make bench-data-plane" in row
     ds = next(line for line in page.splitlines() if line.startswith("| `RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`"))
     assert "one model per application" in ds and "ASGI middleware" in ds and "Not used" in ds
+
+
+def test_the_per_token_and_tracing_sections_from_the_run():
+    from bench import cpu, per_token
+
+    tallies = {
+        "disaggregated": {"1": cpu.Tally(cpu_s={"pd_orchestration": 0.11, "ingress": 0.03}, wall_s=1.0)},
+        "vllm": {"1": cpu.Tally(cpu_s={"vllm_api_server": 0.1}, wall_s=1.0)},
+    }
+    counts = {"disaggregated": {"1": (2, 100)}, "vllm": {"1": (2, 100)}}
+    fig = per_token.run(tallies, counts, {"disaggregated": {"pd_orchestration": 0.01}})
+    rep = {
+        **SERVING,
+        "per_token": fig,
+        "idle_phase": {"seconds": 25.0},
+        "tracing": {"sample_rate": 0.01, "source": "the prod stack's default"},
+        "hops_from": "the prod-rate pass",
+    }
+    page = report.render(rep, None, TEMPLATE)
+    assert "Idle phase: 25 s with no traffic" in page
+    # (0.11 - 0.01) CPU-s over 100 tokens = 1,000 CPU-ms per 1,000 tokens: 1,000 tokens/s per core, 1.0x vLLM's.
+    assert (
+        "| disaggregated | P/D orchestration: decode replica outside the engine | 1.0 | 1,100.0 | 1,000.0 | 1,000 | 1.00 |"
+        in page
+    )
+    assert (
+        "decode replica outside the engine, CPU per 1,000 output tokens net of idle ÷ plain vLLM API server <= 1.5 | 1.00x | yes |"
+        in page
+    )
+    assert "Serve's tracing sampled 0.01 of requests" in page and "BENCH_TRACED=1" in page
+    traced = {**rep, "tracing_cost": per_token.tracing_cost(fig, fig)}
+    assert "| disaggregated | non-engine total, CPU-ms per request | 0.0 |" in report.render(traced, None, TEMPLATE)
+    # A run from before the idle phase says so.
+    assert report.render(SERVING, None, TEMPLATE).count(report.NOT_YET) == 2

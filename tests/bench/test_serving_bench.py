@@ -82,11 +82,69 @@ def test_the_three_targets_stack_holds_both_apps_with_the_roles_the_figures_read
     assert stack_options()["extra_env"] == BENCH_ENV  # Serve's tracing, for the hop breakdown
 
 
-@pytest.mark.parametrize("cache_dir", [None, "/tmp/pd-cold-x"])
-def test_the_timed_make_serve_is_the_disaggregated_app(cache_dir):
-    from bench.serving_bench import start_options
+# --- tracing at a prod stack's rate; the traced pass ---------------------------------------------
+def test_the_bench_traces_at_the_rate_the_prod_stack_renders():
+    from bench.serving_bench import BENCH_ENV, PROD_TRACE_SAMPLE_RATE, parse_args
+    from infra import config
+    from infra.k8s.tracing import SERVE_RATIO_ENV, export_for
+    from tools import stackfile
+
+    values, secrets, _ = stackfile.read_as_deployed("prod")
+    cfg = config.load(values, secret_keys=secrets, source="stacks/Pulumi.prod.yaml")
+    export = export_for(cfg.observability.tracing, cfg.environment.value)
+    assert export is not None and export.sample_rate == PROD_TRACE_SAMPLE_RATE < 1.0
+    # The same string the prod Ray pods get for Serve's ratio.
+    assert BENCH_ENV[SERVE_RATIO_ENV] == repr(export.sample_rate)
+    args = parse_args([])
+    assert not args.traced_pass and args.idle_s > 0
+    assert parse_args(["--traced-pass", "--idle-s", "5"]).traced_pass
+
+
+def test_the_traced_pass_stack_traces_every_request_and_builds():
+    from bench.serving_bench import EVERY_REQUEST, stack_options
+    from infra.k8s.tracing import SERVE_RATIO_ENV
     from tests.bench import dry_run
 
-    options = start_options(cache_dir)
-    assert options["extra_env"] == ({"PD_CACHE_DIR": cache_dir} if cache_dir else {})
-    assert list(dry_run.build(dry_run.plan(options).config)) == ["llm"]
+    options = stack_options(EVERY_REQUEST)
+    assert options["extra_env"][SERVE_RATIO_ENV] == "1.0"
+    built = dry_run.build(dry_run.plan(options).config)
+    assert len(built) == 2  # both apps, as the prod-rate pass
+
+
+def test_the_reports_per_token_part_from_both_passes():
+    from bench import cpu
+    from bench.serving_bench import TARGETS, Measured, per_token_report
+
+    def measured(rate: float, decode_cpu_s: float) -> Measured:
+        ok = [RequestResult(ok=True, ttft_s=0.01, output_tokens=50)] * 2  # 100 tokens per target
+        tallies = {
+            "disaggregated": {"1": cpu.Tally(cpu_s={"pd_orchestration": decode_cpu_s}, wall_s=1.0)},
+            "aggregated": {"1": cpu.Tally(cpu_s={"aggregated_server": 0.05}, wall_s=1.0)},
+            "vllm": {"1": cpu.Tally(cpu_s={"vllm_api_server": 0.1}, wall_s=1.0)},
+        }
+        return Measured(
+            results={t: {1: ok} for t in TARGETS},
+            durations={t: {1: 1.0} for t in TARGETS},
+            windows={},
+            snaps=[],
+            metric_urls=[],
+            spans=[],
+            apps={},
+            served={},
+            idle={},
+            tallies=tallies,
+            backend="UCX",
+            sample_rate=rate,
+            idle_hops={"disaggregated": {"pd_orchestration": 0.01}},
+        )
+
+    out = per_token_report(measured(0.01, 0.11), measured(1.0, 0.13), idle_s=25.0)
+    assert out["tracing"]["sample_rate"] == 0.01 and out["tracing"]["traced_pass_rate"] == 1.0
+    # 0.11 CPU-s - 0.01 x 1 s idle = 0.10 over 100 tokens: 1,000 CPU-ms per 1,000 tokens; plain
+    # vLLM's server 0.1 CPU-s -> 1,000 too: 1.0x.
+    dec = out["per_token"]["disaggregated"]["hops"]["pd_orchestration"]
+    assert dec["net_ms_per_1k_tokens"] == pytest.approx(1000.0)
+    assert dec["net_vs_vllm_api_server"] == pytest.approx(1.0)
+    # The traced pass spent 0.02 CPU-s more there: +200 CPU-ms per 1,000 tokens.
+    assert out["tracing_cost"]["disaggregated"]["ms_per_1k_tokens"]["pd_orchestration"] == pytest.approx(200.0)
+    assert "tracing_cost" not in per_token_report(measured(0.01, 0.11), None, idle_s=25.0)

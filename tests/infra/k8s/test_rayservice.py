@@ -199,6 +199,7 @@ def test_secrets_reach_pods_only_by_reference(stack):
 def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
     from infra.k8s.rayservice import RayServiceInputs, serve_config_yaml
     from infra.k8s.tracing import export_for
+    from infra.plan.stack import stack_replica_cpus
 
     rs = _rayservice(stack)
     serve = yaml.safe_load(rs["spec"]["serveConfigV2"])
@@ -223,6 +224,8 @@ def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
             worker_service_account="",
             api_keys=None,
             tracing=export_for(cfg.observability.tracing, cfg.environment.value),
+            # The decode replica's API-side CPUs, from the plan (infra/sizing/streaming.py).
+            replica_cpus=stack_replica_cpus(cfg),
         )
     )
     assert yaml.safe_load(again) == serve

@@ -148,3 +148,25 @@ def test_min_replicas_zero_renders_for_serve_and_starts_one_replica():
     assert AutoscalingConfig.model_validate(cfg).min_replicas == 0
     explicit = _spec(decode={"minReplicas": 0, "initialReplicas": 0, "maxReplicas": 2})
     assert _engine(explicit)["deployment_config"]["autoscaling_config"]["initial_replicas"] == 0
+
+
+# --- the decode replica's API-side CPUs (infra/sizing/streaming.py sizes them) ----------------
+def test_the_planned_replica_cpus_reach_the_replicas_first_bundle_as_ray_serve_llm_builds_it():
+    import types
+    from unittest import mock
+
+    import ray
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+    from ray.serve.llm import LLMConfig
+
+    spec = _spec(decode={"tensorParallelSize": 2})
+    target = Target(accelerator_type="H100", replica_cpus={"decode": 4})
+    decode = _engine(spec, "decode", target)
+    assert decode["deployment_config"]["ray_actor_options"] == {"num_cpus": 4}
+    assert "ray_actor_options" not in _engine(spec, "prefill", target)["deployment_config"]
+    assert "ray_actor_options" not in _engine(spec, "decode", GPU)["deployment_config"]  # Ray's default, 1
+    with mock.patch.object(ray, "get_runtime_context", lambda: types.SimpleNamespace(runtime_env={})):
+        options = LLMServer.get_deployment_options(LLMConfig.model_validate(decode))
+    # The replica actor's 4 CPUs join the first GPU worker's bundle; GPU bundles ask for no CPU.
+    bundles = options["placement_group_bundles"]
+    assert len(bundles) == 2 and bundles[0]["CPU"] == 4 and "CPU" not in bundles[1]

@@ -1,0 +1,181 @@
+"""Sizing the streaming replica's API-side CPU from what it costs per output token.
+
+What flows through here: the tokens/s one streaming replica is planned for (decode in P/D, the
+aggregated replica otherwise: the capacity plan's decode roofline at targetOngoingRequests,
+the rate its scale-out rate rests on, `infra.plan.streaming_plan`), the serving mode, what one
+node gives the replica's pod, and `STREAMING_CPU` (the measured input: CPU-ms per 1,000
+output tokens of the streaming replica outside its engine and of the ingress replicas, with
+its date, machine and source) -> `StreamingSizing`: the CPUs the replica's actor asks Ray for
+(its API side: Ray Serve LLM's server, vLLM's front end that detokenizes and streams), its
+streaming ceiling, and the ingress's -> `format_streaming` (the plan's text),
+`streaming_errors` (the stack's refusal, one line naming the key, through
+`infra.plan.stack.load`) and `replica_cpus` (what the RayService renders).
+
+The arithmetic, for a planned T output tokens/s per replica, c CPU-ms per 1,000 output tokens
+and a target utilization U:
+  busy CPUs    T x c / 1e6 (c / 1000 CPU-ms per token, 1,000 CPU-ms per core-second)
+  CPUs         max(RAY_DEFAULT_CPUS, ceil(busy / U)), at most what the node's pod gives each
+               replica on it
+  ceiling      CPUs x 1e6 / c tokens/s: below T, the layout is refused.
+The replica's Python (vLLM's output processing, Serve's streaming) runs on one event loop,
+so more than one core helps only the part that runs outside it (Ray's and gRPC's C++
+threads): the plan prints the one-core ceiling beside the sized one. Pure arithmetic: no
+Pulumi, Ray or vLLM import.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from infra.sizing.head import TARGET_UTILIZATION
+
+
+@dataclass(frozen=True)
+class StreamingCpu:
+    """A measured input: CPU-ms per 1,000 output tokens, by serving mode, of the replica that
+    streams the tokens (outside its engine) and of the ingress replicas."""
+
+    replica_ms_per_1k: Mapping[str, float]
+    ingress_ms_per_1k: Mapping[str, float]
+    measured: str
+    machine: str
+    source: str
+    # Whether a ceiling below the plan refuses the stack (True) or reads FAILS in the plan only.
+    refuses: bool = True
+
+
+# THE figure, in one place: docs/performance.md's latest "CPU-ms per 1,000 output tokens"
+# table (make bench, bench/cpu.py), the "all" columns (levels 1, 4 and 16 pooled): "P/D
+# orchestration: decode replica outside the engine" and "aggregated replica outside the
+# engine", and "ingress replicas". Taken before the bench had an idle phase, so these are raw
+# (idle included: high, not low); replace them with the net-of-idle figures `make bench` now
+# prints (build/bench/serving.json per_token.<mode>.hops.<hop>.net_ms_per_1k_tokens).
+STREAMING_CPU = StreamingCpu(
+    replica_ms_per_1k={"disaggregated": 765.5, "aggregated": 326.2},
+    ingress_ms_per_1k={"disaggregated": 251.7, "aggregated": 250.1},
+    measured="2026-12-02 00:24 UTC",
+    machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing every request",
+    source="docs/performance.md, CPU-ms per 1,000 output tokens, all levels pooled (raw, before the idle phase)",
+    # A raw figure with every request traced overstates the cost: it sizes the CPU request
+    # (more, not less) but refuses no stack until a net-of-idle, prod-rate figure replaces it.
+    refuses=False,
+)
+# What a Serve replica's actor asks Ray for when its deployment says nothing: Ray Serve LLM
+# puts `ray_actor_options.num_cpus` (default 1) into the first placement-group bundle
+# (ray/llm/_internal/serve/core/server/llm_server.py `get_deployment_options`, Ray 2.60).
+RAY_DEFAULT_CPUS = 1
+# What each engine bundle asks besides its GPU: nothing (Ray Serve LLM's default bundle per GPU
+# worker is `{"GPU": 1, "accelerator_type:<type>": 0.001}`, core/configs/accelerators.py).
+CPUS_PER_GPU_BUNDLE = 0
+
+
+@dataclass(frozen=True)
+class StreamingSizing:
+    """What the planned tokens ask of one streaming replica's API side and of the ingress."""
+
+    mode: str
+    role: str  # the engine role that streams ("decode": the aggregated engine runs under it)
+    planned_tok_s: float  # per replica
+    ms_per_1k: float
+    cpus: int  # the replica actor's CPU request
+    cpus_needed: int  # before the node's limit
+    node_cpus: int  # what the node gives the replica beside its engine's bundles
+    max_replicas: int
+    ingress_ms_per_1k: float
+    ingress_max_replicas: int
+    figure: StreamingCpu
+
+    @property
+    def ceiling_tok_s(self) -> float:
+        return self.cpus * 1e6 / self.ms_per_1k
+
+    @property
+    def one_core_tok_s(self) -> float:
+        return 1e6 / self.ms_per_1k
+
+    @property
+    def ingress_tok_s(self) -> float:
+        """Output tokens/s through the ingress at maxReplicas of the streaming role."""
+        return self.planned_tok_s * self.max_replicas
+
+    @property
+    def ingress_ceiling_tok_s(self) -> float:
+        """What the ingress replicas carry, one core each at most (one process, one event loop)."""
+        return self.ingress_max_replicas * 1e6 / self.ingress_ms_per_1k
+
+
+def size_streaming(
+    planned_tok_s: float,
+    mode: str,
+    *,
+    pod_cpus: int,
+    replicas_per_node: int,
+    gpus_per_replica: int,
+    max_replicas: int,
+    ingress_max_replicas: int,
+    figure: StreamingCpu | None = None,
+) -> StreamingSizing:
+    """The CPUs one streaming replica's actor asks for at `planned_tok_s`, within its node
+    (`figure`: STREAMING_CPU unless given)."""
+    figure = figure or STREAMING_CPU
+    ms = figure.replica_ms_per_1k[mode]
+    needed = max(RAY_DEFAULT_CPUS, math.ceil(planned_tok_s * ms / 1e6 / TARGET_UTILIZATION))
+    node = max(0, pod_cpus // max(1, replicas_per_node) - gpus_per_replica * CPUS_PER_GPU_BUNDLE)
+    return StreamingSizing(
+        mode=mode,
+        role="decode",
+        planned_tok_s=planned_tok_s,
+        ms_per_1k=ms,
+        cpus=min(needed, node) if node >= RAY_DEFAULT_CPUS else RAY_DEFAULT_CPUS,
+        cpus_needed=needed,
+        node_cpus=node,
+        max_replicas=max_replicas,
+        ingress_ms_per_1k=figure.ingress_ms_per_1k[mode],
+        ingress_max_replicas=ingress_max_replicas,
+        figure=figure,
+    )
+
+
+def replica_cpus(s: StreamingSizing | None) -> dict[str, int]:
+    """Engine role -> the CPUs its replica actor asks for, where that differs from Ray's
+    default (what the RayService renders: serving.spec.Target.replica_cpus)."""
+    return {s.role: s.cpus} if s is not None and s.cpus != RAY_DEFAULT_CPUS else {}
+
+
+def below_plan(s: StreamingSizing) -> bool:
+    return s.ceiling_tok_s < s.planned_tok_s
+
+
+def streaming_errors(s: StreamingSizing) -> list[tuple[str, str]]:
+    """The streaming replica's ceiling must carry its planned tokens; (key, message). None
+    while the figure does not refuse (`StreamingCpu.refuses`): the plan says FAILS."""
+    if not below_plan(s) or not s.figure.refuses:
+        return []
+    return [
+        (
+            f"serving.{s.role}.targetOngoingRequests",
+            f"a {s.role} replica is planned for {s.planned_tok_s:,.0f} output tokens/s (roofline at "
+            f"targetOngoingRequests, make plan) but its API side streams at most {s.ceiling_tok_s:,.0f}: "
+            f"{s.cpus} CPUs x 1e6 / {s.ms_per_1k:g} CPU-ms per 1,000 tokens (docs/capacity.md); it needs "
+            f"{s.cpus_needed} CPUs and its node gives it {s.node_cpus}: lower targetOngoingRequests or "
+            "split the replica (tensorParallelSize)",
+        )
+    ]
+
+
+def format_streaming(s: StreamingSizing | None) -> list[str]:
+    """The plan's lines on the streaming replica's API side (none when the rate is unknown)."""
+    if s is None:
+        return ["Stream   not sized (no roofline rate: model shape unknown)"]
+    ok = "ok" if not below_plan(s) else "FAILS" + ("" if s.figure.refuses else " (not refused with this figure)")
+    return [
+        f"Stream   {s.role} replica planned for {s.planned_tok_s:,.0f} output tok/s; {s.ms_per_1k:g} CPU-ms per "
+        f"1,000 tokens outside the engine -> {s.cpus} CPUs (needs {s.cpus_needed}, node gives {s.node_cpus}); "
+        f"ceiling {s.ceiling_tok_s:,.0f} tok/s (one core: {s.one_core_tok_s:,.0f}): {ok}",
+        f"         ingress {s.ingress_ms_per_1k:g} CPU-ms per 1,000 tokens: {s.ingress_tok_s:,.0f} tok/s at "
+        f"maxReplicas over {s.ingress_max_replicas} ingress replicas, ceiling {s.ingress_ceiling_tok_s:,.0f} tok/s "
+        "(one core each)",
+        f"         CPU figure: {s.figure.measured}, {s.figure.machine}; {s.figure.source}",
+    ]
