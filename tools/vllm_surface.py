@@ -96,15 +96,19 @@ def _env_vars(envs: Path) -> set[str]:
 
 
 def _metric_names(vllm_dir: Path) -> set[str]:
-    """Prometheus metric names the engine defines: string constants "vllm:<name>" under v1/ and kv_transfer/."""
+    """Prometheus metric names the engine defines: string constants "vllm:<name>" under v1/ and
+    kv_transfer/, passed as `name=` or assigned to a name (the KV offload connector keeps its
+    names as class constants: offloading/metrics.py, kv_offload/cpu/common.py, tiering/base.py)."""
     names: set[str] = set()
     for sub in ("v1", "distributed/kv_transfer"):
         for f in sorted((vllm_dir / sub).rglob("*.py")):
             for node in ast.walk(ast.parse(f.read_text())):
-                if isinstance(node, ast.keyword) and node.arg == "name" and isinstance(node.value, ast.Constant):
-                    value = node.value.value
-                    if isinstance(value, str) and value.startswith("vllm:"):
-                        names.add(value)
+                named = isinstance(node, ast.keyword) and node.arg == "name"
+                if not (named or (isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets))):
+                    continue
+                value = node.value  # type: ignore[union-attr]
+                if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value.startswith("vllm:"):
+                    names.add(value.value)
     return names
 
 

@@ -99,7 +99,7 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
             *served.model_source_errors(self),
             *served.scale_to_zero_problems(self),
             *pools.pool_errors(self),
-            *kv_offload.kv_offload_errors(self),
+            *kv_offload.kv_offload_errors(self, pools.placements(self)),
             *served.kv_transfer_errors(self),
             *served.vllm_option_errors(self),
             *service.image_errors(self),

@@ -303,5 +303,7 @@ def format_plan(p: Plan) -> str:
     """The plan as a table, one column per engine role (what `make plan` prints)."""
     ctx = next((r.figures.context_len for r in p.roles if r.figures), p.max_model_len)
     rows = _engine_rows(ctx) + _cost_rows() + _startup_rows()
+    if not any(r.kv_offload for r in p.roles):  # no pool has a KV offload tier: no rows for it
+        rows = [(label, cell) for label, cell in rows if cell not in (_offload_size, _offload_tokens)]
     lines = [*_header_lines(p), "", *_table(p, rows), "", *_footer_lines(p), *format_layouts(p)]
     return "\n".join(lines)

@@ -194,7 +194,10 @@ def _drop_nixl_backends(inputs: dict[str, Any]) -> None:
     doc = yaml.safe_load(inputs["spec"]["serveConfigV2"])
     for app in doc["applications"]:
         for side in ("prefill_config", "decode_config"):
-            app["args"][side]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"].pop("backends")
+            kv = app["args"][side]["engine_kwargs"]["kv_transfer_config"]
+            # staging's prefill pool has a KV offload tier: its NIXL config is MultiConnector's first child.
+            nixl = kv["kv_connector_extra_config"]["connectors"][0] if kv["kv_connector"] == "MultiConnector" else kv
+            nixl["kv_connector_extra_config"].pop("backends")
     inputs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
 
 
