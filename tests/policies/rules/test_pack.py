@@ -201,6 +201,14 @@ def _drop_nixl_backends(inputs: dict[str, Any]) -> None:
     inputs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
 
 
+def _drop_nested_nixl_backends(inputs: dict[str, Any]) -> None:
+    """Only the NIXL config that staging's KV offload tier nests under MultiConnector (prefill)."""
+    doc = yaml.safe_load(inputs["spec"]["serveConfigV2"])
+    kv = doc["applications"][0]["args"]["prefill_config"]["engine_kwargs"]["kv_transfer_config"]
+    kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"].pop("backends")
+    inputs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
+
+
 Mutate = Callable[[dict[str, Any]], Any]
 # (case id, rule, stack, resource type, resource name or None, mutation of a copy of its inputs, what the message must say)
 CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
@@ -221,6 +229,15 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         None,
         _drop_nixl_backends,
         "['UCX']",
+    ),
+    (
+        "nixl-nested-default-backend-on-efa",
+        "nixl-backend-matches-fabric",
+        "staging",
+        RAYSERVICE,
+        None,
+        _drop_nested_nixl_backends,
+        "connectors[0] NIXL backends ['UCX']",
     ),
     (
         "nixl-libfabric-without-efa",
