@@ -25,6 +25,7 @@ from infra.components.observability import ObservabilityArgs, ObservabilityStack
 from infra.components.worker_image import WorkerImage, WorkerImageArgs
 from infra.config import PROJECT, SECRET_KEYS, ConfigError, Environment, GcsFaultTolerance
 from infra.k8s.kv_alerts import kv_rule_groups
+from infra.k8s.kv_offload import offload_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
 from infra.k8s.rayservice import PoolBounds, used_pools
@@ -141,6 +142,7 @@ service = LlmService(
         # In nodePools order: a pool added at the end becomes an appended worker group.
         instances={name: pools[name].instance for name in pools if name in used_pools(cfg.serving)},
         pool_bounds={name: PoolBounds(p.min_size, p.desired_size, p.max_size) for name, p in cfg.node_pools},
+        kv_offload={name: p.kv_offload for name, p in cfg.node_pools if p.kv_offload is not None},
         image=worker_image.ref if worker_image else cfg.ray_image,
         exposure=cfg.service_exposure,
         allowed_cidrs=cfg.service_allowed_cidrs,
@@ -164,6 +166,9 @@ service = LlmService(
 )
 
 
+_offload = any(p.kv_offload is not None for _, p in cfg.node_pools)
+
+
 def _kv_link() -> KvLink | None:
     """The prefill -> decode link of the first disaggregated model, planned on its own pools."""
     pd = next((m for m in cfg.serving.served if m.mode is Mode.DISAGGREGATED), None)
@@ -182,7 +187,10 @@ observability = ObservabilityStack(
         targets=[kuberay_operator_target(KUBERAY_NAMESPACE), node_autoscaler.scrape_target],
         # P/D only: KV bytes at zero while requests succeed, transfers slower than the plan's link.
         # (With several models: the first P/D model's link, on its own pools.)
-        extra_rule_groups=kv_rule_groups(link) if (link := _kv_link()) else [],
+        extra_rule_groups=(kv_rule_groups(link) if (link := _kv_link()) else [])
+        + (offload_rule_groups() if _offload else []),
+        # A pool with a KV offload tier: its dashboard row and alerts (infra/k8s/kv_offload.py).
+        kv_offload=_offload,
     ),
     # The LLM namespace (its NetworkPolicy) comes from the operator component.
     opts=pulumi.ResourceOptions(depends_on=[operator]),

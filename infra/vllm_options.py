@@ -87,18 +87,30 @@ def problems(serve_config: dict[str, Any], version: str) -> list[str]:
             if ek.get(arg) is not None and ek[arg] not in s[f"{kind}_parsers"]:
                 out.append(f"{where}: {arg} {ek[arg]!r} is not registered in vLLM {version}")
         kv = ek.get("kv_transfer_config") or {}
-        for k in sorted(kv):
-            if k not in s["kv_transfer_config"]:
-                out.append(f"{where}: kv_transfer_config.{k} does not exist in vLLM {version}")
+        out += _kv_config_problems(where, kv, s, version)
         policy = kv.get("kv_load_failure_policy")
         if policy is not None and policy not in s["kv_load_failure_policy"]:
             out.append(f"{where}: kv_load_failure_policy {policy!r} is not one of vLLM {version}'s")
-        if kv.get("kv_connector") in CONNECTORS_WITH_EXTRA_KEYS:
-            for k in sorted(kv.get("kv_connector_extra_config") or {}):
-                if k not in s["nixl_extra_config"]:
-                    out.append(f"{where}: kv_connector_extra_config.{k} is not read by vLLM {version}'s NixlConnector")
         env = ((cfg.get("runtime_env") or {}).get("env_vars")) or {}
         for k in sorted(env):
             if k.startswith("VLLM_") and k not in s["env_vars"]:
                 out.append(f"{where}: environment variable {k} does not exist in vLLM {version}")
+    return out
+
+
+def _kv_config_problems(where: str, kv: dict[str, Any], s: dict[str, Any], version: str) -> list[str]:
+    """A kv_transfer_config's fields and NIXL keys against vLLM `version`; a MultiConnector's
+    children (a KV offload tier, serving/spec/offload.py) are KVTransferConfigs of their own."""
+    out = [
+        f"{where}: kv_transfer_config.{k} does not exist in vLLM {version}"
+        for k in sorted(kv)
+        if k not in s["kv_transfer_config"]
+    ]
+    if kv.get("kv_connector") in CONNECTORS_WITH_EXTRA_KEYS:
+        for k in sorted(kv.get("kv_connector_extra_config") or {}):
+            if k not in s["nixl_extra_config"]:
+                out.append(f"{where}: kv_connector_extra_config.{k} is not read by vLLM {version}'s NixlConnector")
+    if kv.get("kv_connector") == "MultiConnector":
+        for i, child in enumerate((kv.get("kv_connector_extra_config") or {}).get("connectors") or []):
+            out += _kv_config_problems(f"{where} connectors[{i}]", child, s, version)
     return out

@@ -149,11 +149,11 @@ def _validated(cls: type[_Args], args: Mapping[str, Any], where: str) -> Any:
 def _kv_connectors(args: Mapping[str, Any]) -> set[str]:
     """The KV connectors the rendered args' engines use."""
     configs = [args.get("prefill_config"), args.get("decode_config"), *(args.get("llm_configs") or [])]
-    return {
-        ((c.get("engine_kwargs") or {}).get("kv_transfer_config") or {}).get("kv_connector", "")
-        for c in configs
-        if isinstance(c, Mapping)
-    }
+    kvs = [(c.get("engine_kwargs") or {}).get("kv_transfer_config") or {} for c in configs if isinstance(c, Mapping)]
+    # A KV offload tier nests the NIXL connector under MultiConnector (serving/spec/offload.py);
+    # Ray 2.60's MultiConnectorBackend looks up each child's backend by its own name.
+    children = [c for kv in kvs for c in (kv.get("kv_connector_extra_config") or {}).get("connectors") or []]
+    return {kv.get("kv_connector", "") for kv in kvs + children if isinstance(kv, Mapping)}
 
 
 def register_push_connector_backend() -> None:

@@ -95,16 +95,26 @@ def _env_vars(envs: Path) -> set[str]:
     return set()
 
 
+def _named_value(node: ast.AST) -> ast.expr | None:
+    """The value of a `name=` keyword or of an assignment to plain names; None for other nodes."""
+    if isinstance(node, ast.keyword):
+        return node.value if node.arg == "name" else None
+    if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+        return node.value
+    return None
+
+
 def _metric_names(vllm_dir: Path) -> set[str]:
-    """Prometheus metric names the engine defines: string constants "vllm:<name>" under v1/ and kv_transfer/."""
+    """Prometheus metric names the engine defines: string constants "vllm:<name>" under v1/ and
+    kv_transfer/, passed as `name=` or assigned to a name (the KV offload connector keeps its
+    names as class constants: offloading/metrics.py, kv_offload/cpu/common.py, tiering/base.py)."""
     names: set[str] = set()
     for sub in ("v1", "distributed/kv_transfer"):
         for f in sorted((vllm_dir / sub).rglob("*.py")):
             for node in ast.walk(ast.parse(f.read_text())):
-                if isinstance(node, ast.keyword) and node.arg == "name" and isinstance(node.value, ast.Constant):
-                    value = node.value.value
-                    if isinstance(value, str) and value.startswith("vllm:"):
-                        names.add(value)
+                value = _named_value(node)
+                if isinstance(value, ast.Constant) and isinstance(value.value, str) and value.value.startswith("vllm:"):
+                    names.add(value.value)
     return names
 
 

@@ -35,6 +35,7 @@ from infra.components.buckets import private_bucket
 from infra.components.cluster import ClusterCore
 from infra.components.iam import trusted_by
 from infra.config import ServiceExposure
+from infra.config.kv_offload import KvOffload
 from infra.k8s.api_access import namespace_ingress_policy
 from infra.k8s.egress import fallback_egress_policy
 from infra.k8s.rayservice import PoolBounds, RayServiceInputs, SecretRef, rayservice_manifest, serve_config_yaml
@@ -90,6 +91,8 @@ class LlmServiceArgs:
     """Request tracing (observability.tracing): the collector's address and the sampling
     ratio the Ray pods and engines export with; None: no tracing."""
     pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
+    # By pool name: the pools' KV offload tiers (nodePools.<name>.kvOffload).
+    kv_offload: dict[str, KvOffload] = field(default_factory=dict)
     """Node pool name -> its node group sizes: the worker groups' bounds with several models."""
     head_cpus: int = HEAD_BASE_VCPUS
     """CPU request of the Ray head pod: the head sizing's vCPUs at the planned rate
@@ -324,6 +327,7 @@ def create_rayservice(
         replica_cpus={m: dict(r) for m, r in args.replica_cpus.items()},
         tracing=args.tracing,
         pool_bounds=dict(args.pool_bounds),
+        kv_offload=dict(args.kv_offload),
         **_exposure(args.exposure, args.allowed_cidrs),
     )
     # Everything but serveConfigV2 is known at preview, so policies see the pods even

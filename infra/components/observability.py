@@ -60,6 +60,8 @@ class ObservabilityArgs:
     """Services to scrape besides the Ray pods (KubeRay operator, node autoscaler, ...)."""
     extra_rule_groups: list[dict[str, Any]] = field(default_factory=list)
     """More PrometheusRule groups (the KV-transfer alerts)."""
+    kv_offload: bool = False
+    """A pool has a KV offload tier: the dashboard gets its row (the alerts come as extra groups)."""
 
 
 class ObservabilityStack(pulumi.ComponentResource):
@@ -281,7 +283,7 @@ def create_monitors(
             spec=obj["spec"],
             opts=after_crds,
         )
-    for cm in dashboards.dashboard_configmaps(trace_links=obs.tracing.enabled):
+    for cm in dashboards.dashboard_configmaps(trace_links=obs.tracing.enabled, kv_offload=args.kv_offload):
         k8s.core.v1.ConfigMap(
             f"{name}-{cm['metadata']['name']}",
             metadata=cm["metadata"],

@@ -19,6 +19,7 @@ from pydantic import ConfigDict, Field, RootModel, field_validator, model_valida
 
 from infra import catalog
 from infra.config.formats import instance_type_format
+from infra.config.kv_offload import KvOffload
 from infra.sizing import nodes as sizing
 from serving.spec import Mode, RoleSpec, ServingSpec, SpecModel, check_order
 from serving.spec.models import pool_name_problem
@@ -76,6 +77,8 @@ class NodePool(SpecModel):
     max_size: int = Field(default=2, ge=1)
     root_volume_gib: int = Field(default=200, ge=50, le=16384, alias="rootVolumeGiB")
     local_storage: LocalStorage = LocalStorage.RAID0
+    # A KV offload tier per node (host memory, NVMe) behind NIXL; None: none (kv_offload.py).
+    kv_offload: KvOffload | None = None
 
     @field_validator("instance_type")
     @classmethod

@@ -23,7 +23,7 @@ from typing import Any
 
 from pydantic import ValidationError, ValidationInfo, model_validator
 
-from infra.config import cluster, gcs, network, pools, secrets, service
+from infra.config import cluster, gcs, kv_offload, network, pools, secrets, service
 from infra.config import serving as served
 from infra.config.ami_check import ami_driver_errors
 from infra.config.cluster import AccessKeys, ClusterKeys, EndpointAccess, Environment
@@ -99,6 +99,7 @@ class StackConfig(ObservabilityKeys, ServingKeys, GcsKeys, ServiceKeys, PoolKeys
             *served.model_source_errors(self),
             *served.scale_to_zero_problems(self),
             *pools.pool_errors(self),
+            *kv_offload.kv_offload_errors(self, pools.placements(self)),
             *served.kv_transfer_errors(self),
             *served.vllm_option_errors(self),
             *service.image_errors(self),

@@ -23,6 +23,7 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models.dashboard import DataSourceRef
 
 from infra.k8s.dashboard_panels import ROWS, PanelSpec
+from infra.k8s.kv_offload import OFFLOAD_ROW
 from infra.k8s.monitoring import DASHBOARD_LABEL, MONITORING_NAMESPACE, RAY_CLUSTER, ROLE
 from infra.k8s.serving_metrics import REQUESTS
 from infra.k8s.tracing import GRAFANA_TEMPO_UID
@@ -69,8 +70,9 @@ def _panel(spec: PanelSpec, ds: DataSourceRef, trace_links: bool) -> TimeSeries:
     return panel
 
 
-def pd_service_dashboard(trace_links: bool = False) -> dict[str, Any]:
-    """The dashboard; `trace_links`: the latency panels link to Tempo (tracing on)."""
+def pd_service_dashboard(trace_links: bool = False, kv_offload: bool = False) -> dict[str, Any]:
+    """The dashboard; `trace_links`: the latency panels link to Tempo (tracing on); `kv_offload`:
+    a pool has a KV offload tier, whose row comes last (infra/k8s/kv_offload.py)."""
     ds = DataSourceRef(type_val="prometheus", uid=f"${{{DATASOURCE}}}")
     board = (
         Dashboard("P/D service")
@@ -106,15 +108,16 @@ def pd_service_dashboard(trace_links: bool = False) -> dict[str, Any]:
             .multi(True)
         )
     )
-    for title, panels in ROWS:
+    rows = (*ROWS, OFFLOAD_ROW) if kv_offload else ROWS
+    for title, panels in rows:
         board = board.with_row(Row(title))
         for spec in panels:
             board = board.with_panel(_panel(spec, ds, trace_links))
     return json.loads(json.dumps(board.build(), cls=JSONEncoder))
 
 
-def dashboard_configmaps(trace_links: bool = False) -> list[dict[str, Any]]:
-    board = pd_service_dashboard(trace_links)
+def dashboard_configmaps(trace_links: bool = False, kv_offload: bool = False) -> list[dict[str, Any]]:
+    board = pd_service_dashboard(trace_links, kv_offload)
     return [
         {
             "apiVersion": "v1",

@@ -28,6 +28,8 @@ from typing import Any
 import yaml
 
 from infra import catalog
+from infra.config.kv_offload import KvOffload, engine_tier
+from infra.k8s.kv_offload import pod_parts
 from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
 from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
@@ -48,6 +50,7 @@ from infra.sizing.head import HEAD_BASE_VCPUS
 from infra.sizing.signals import role_thresholds
 from infra.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
+from serving.spec.offload import OffloadTier
 
 GPU_RESOURCE = "nvidia.com/gpu"
 EFA_RESOURCE = "vpc.amazonaws.com/efa"
@@ -124,6 +127,8 @@ class RayServiceInputs:
     replica_cpus: dict[str, dict[str, int]] = field(default_factory=dict)
     # By pool name: the node group sizes (needed in the many-model form only).
     pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
+    # By pool name: the pool's KV offload tier (nodePools.<name>.kvOffload); absent: none.
+    kv_offload: dict[str, KvOffload] = field(default_factory=dict)
 
 
 def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
@@ -239,7 +244,19 @@ def _target(inp: RayServiceInputs, spec: ServingSpec) -> Target:
         cold_start_s=dict(inp.cold_start_s),
         replica_cpus=dict(inp.replica_cpus.get(spec.model.id, {})),
         traces_endpoint=inp.tracing.endpoint if inp.tracing else None,
+        role_kv_offload=_role_tiers(inp, spec),
     )
+
+
+def _role_tiers(inp: RayServiceInputs, spec: ServingSpec) -> dict[str, OffloadTier]:
+    """Each engine role's share of its pool's KV offload tier (roles on pools without one: none)."""
+    tiers = {}
+    for role, rs in spec.engine_roles().items():
+        pool = spec.pool_of(role)
+        tier = engine_tier(inp.kv_offload.get(pool), inp.instances[pool], rs.gpus_per_rank)
+        if tier is not None:
+            tiers[role] = tier
+    return tiers
 
 
 def serve_config_yaml(inp: RayServiceInputs) -> str:
@@ -366,14 +383,10 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
     env.append(node_drain_env(inp.serving))
     env.extend(data_plane_env(inp.serving))
     env.extend(region_env(inp.region))
-    volumes: list[dict[str, Any]] = [
-        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}},
-        {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}},
-    ]
-    mounts: list[dict[str, Any]] = [
-        {"name": "dshm", "mountPath": "/dev/shm"},
-        {"name": "ray-tmp", "mountPath": "/tmp/ray"},
-    ]
+    # /dev/shm (grown by a KV offload tier's CPU share, which vLLM keeps there) and its disk tier.
+    volumes, mounts, start_params = pod_parts(inst, inp.kv_offload.get(pool))
+    volumes.insert(1, {"name": "ray-tmp", "emptyDir": {"sizeLimit": "100Gi"}})
+    mounts.insert(1, {"name": "ray-tmp", "mountPath": "/tmp/ray"})
     _add_tracing(inp, role, env, volumes, mounts)
     container: dict[str, Any] = {
         "name": f"ray-{role}",
@@ -402,7 +415,7 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
         # autoscaler/_private/kuberay/autoscaling_config.py reads this field; KubeRay 1.7
         # passes it to `ray start --resources`). Ray sets the same value on GPU nodes itself.
         "resources": {accelerator_resource(inst): "1"},
-        "rayStartParams": {},
+        "rayStartParams": start_params,
         "template": {
             "metadata": {
                 "labels": {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": f"ray-{role}"},

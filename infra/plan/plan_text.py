@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from infra import catalog
 from infra.sizing import startup
 from infra.sizing.fit import GIB, ModelFigures
 from infra.sizing.head import format_head
@@ -173,6 +174,8 @@ def _engine_rows(ctx: int) -> list[tuple[str, Cell]]:
         ("KV per token, per GPU", _fig(lambda f: f"{f.kv_bytes_per_token:,} B, {f.kv_bytes_per_token_per_gpu:,} B")),
         ("KV tokens per replica", _fig(lambda f: f"{f.kv_tokens_per_replica:,}")),
         ("maxModelLen seqs/replica", _fig(lambda f: f"{f.max_length_sequences:,}")),
+        ("KV offload tier per node", _offload_size),
+        ("  extra KV tokens/engine", _offload_tokens),
         ("Network per replica", lambda r: f"{r.network} {r.network_gbps:g} Gbps"),
         ("Prompt KV at maxModelLen", _fig(lambda f: f"{f.prompt_kv_bytes / GIB:.2f} GiB")),
         ("  transfer at line rate", _fig(lambda f: _duration(f.prompt_kv_seconds))),
@@ -184,6 +187,27 @@ def _engine_rows(ctx: int) -> list[tuple[str, Cell]]:
         ("  max batch (KV-bound)", _decoding(lambda f: f"{f.max_batch:,}")),
         ("  at max batch", _decoding(lambda f: _rate(f.decode_tokens_per_s_max_batch))),
     ]
+
+
+def _offload_size(r: RolePlan) -> str:
+    """What the pool's KV offload tier takes of each node (kvOffload): host memory, NVMe."""
+    if r.kv_offload is None:
+        return "-"
+    cpu, disk = r.kv_offload
+    inst = catalog.lookup(r.instance_type)
+    return f"{cpu} of {inst.memory_gib} GiB RAM" + (f", {disk} of {inst.nvme_gib} GiB NVMe" if disk else "")
+
+
+def _offload_tokens(r: RolePlan) -> str:
+    """Tokens of KV the tier holds for one engine beyond its GPU cache: the engine's share of
+    the node's tier (by its GPUs) over the KV bytes of a token on all its GPUs."""
+    if r.kv_offload is None or r.figures is None:
+        return "-"
+    inst = catalog.lookup(r.instance_type)
+    gpus = r.tensor_parallel_size * r.pipeline_parallel_size
+    per_token = r.figures.kv_bytes_per_token_per_gpu * gpus
+    cpu, disk = (gib * GIB * gpus // inst.gpus // per_token for gib in r.kv_offload)
+    return f"{cpu:,} host" + (f" + {disk:,} disk" if disk else "")
 
 
 def _cost_rows() -> list[tuple[str, Cell]]:
@@ -281,5 +305,7 @@ def format_plan(p: Plan) -> str:
     """The plan as a table, one column per engine role (what `make plan` prints)."""
     ctx = next((r.figures.context_len for r in p.roles if r.figures), p.max_model_len)
     rows = _engine_rows(ctx) + _cost_rows() + _startup_rows()
+    if not any(r.kv_offload for r in p.roles):  # no pool has a KV offload tier: no rows for it
+        rows = [(label, cell) for label, cell in rows if cell not in (_offload_size, _offload_tokens)]
     lines = [*_header_lines(p), "", *_table(p, rows), "", *_footer_lines(p), *format_layouts(p)]
     return "\n".join(lines)

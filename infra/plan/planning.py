@@ -110,6 +110,7 @@ class RolePlan:
     scaling: RoleScaling | None = None
     startup: startup.TimeToServe | None = None
     pool_min_size: int = 1  # the node pool's minSize: 0 lets its last node go when idle
+    kv_offload: tuple[int, int] | None = None  # the pool's KV offload tier per node: (cpuGiB, diskGiB)
 
     @property
     def cold_start_node(self) -> str:
@@ -383,6 +384,7 @@ def _role_plan(
         nodes_desired=sized.desired_size,
         nodes_max=sized.max_size,
         pool_min_size=pool.min_size,
+        kv_offload=(pool.kv_offload.cpu_gib, pool.kv_offload.disk_gib) if pool.kv_offload else None,
         gpus_desired=sized.gpus_desired,
         gpus_max=sized.gpus_max,
         usd_per_hour_desired=sized.usd_per_hour_desired,

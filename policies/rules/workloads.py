@@ -142,10 +142,22 @@ def _nixl_configs(serve_config: Any) -> Iterator[tuple[str, list[Any]]]:
     """(path, backends) of every NIXL kv_transfer_config in a serveConfigV2 document."""
     for path, node in mappings(serve_doc(serve_config)):
         kv = node.get("kv_transfer_config")
-        if isinstance(kv, Mapping) and kv.get("kv_connector") in NIXL_CONNECTORS:
-            extra = kv.get("kv_connector_extra_config")
-            backends = extra.get("backends") if isinstance(extra, Mapping) else None
-            yield f"{path}.kv_transfer_config", list(backends) if backends else list(NIXL_DEFAULT_BACKENDS)
+        if not isinstance(kv, Mapping):
+            continue
+        # A KV offload tier nests NIXL under vLLM's MultiConnector (`connectors` children).
+        nested = (
+            dig(kv, "kv_connector_extra_config", "connectors") if kv.get("kv_connector") == "MultiConnector" else None
+        )
+        candidates = [(f"{path}.kv_transfer_config", kv)] + [
+            (f"{path}.kv_transfer_config.kv_connector_extra_config.connectors[{i}]", c)
+            for i, c in enumerate(as_list(nested))
+            if isinstance(c, Mapping)
+        ]
+        for where, conf in candidates:
+            if conf.get("kv_connector") in NIXL_CONNECTORS:
+                extra = conf.get("kv_connector_extra_config")
+                backends = extra.get("backends") if isinstance(extra, Mapping) else None
+                yield where, list(backends) if backends else list(NIXL_DEFAULT_BACKENDS)
 
 
 def check_nixl_backend(type_: str, props: dict[str, Any], ctx: Context) -> Iterator[str]:

@@ -34,6 +34,7 @@ from serving.spec.base import (
     Router,
 )
 from serving.spec.hybrid import FALLBACK_API_KEY_ENV, INGRESS_DEPLOYMENT, KeyLimitSpec, RateLimitSpec
+from serving.spec.offload import compose
 from serving.spec.roles import RoleSpec
 from serving.spec.scaling import policy_config, slo_thresholds
 from serving.spec.target import Target
@@ -73,7 +74,8 @@ def _kv_transfer_config(spec: ServingSpec, role: str, target: Target) -> dict[st
     # Always explicit: vLLM's NixlConnector defaults to UCX, which on EFA silently
     # falls back to TCP (ai-dynamo/nixl#909); the policy pack reads this key.
     kv["kv_connector_extra_config"] = {**extra, "backends": [KvBackend(backend).value]}
-    return kv
+    # A pool with a KV offload tier: NIXL and vLLM's OffloadingConnector under MultiConnector.
+    return compose(kv, target.role_kv_offload.get(role))
 
 
 def _engine_kwargs(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -> dict[str, Any]:

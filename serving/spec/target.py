@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from serving.spec.base import KvBackend
+from serving.spec.offload import OffloadTier
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,9 @@ class Target:
     # The OpenTelemetry collector's OTLP/gRPC address: every engine exports vLLM's request spans
     # there (engine argument `otlp_traces_endpoint`, vLLM 0.29 and 0.32); None: no engine traces.
     traces_endpoint: str | None = None
+    # Per engine role: its share of the pool's KV offload tier (kvOffload); a role not listed
+    # has none and renders NIXL alone (serving/spec/offload.py).
+    role_kv_offload: Mapping[str, OffloadTier] = field(default_factory=dict)
 
     @property
     def cpu(self) -> bool:

@@ -122,6 +122,21 @@ def test_an_unknown_extra_config_key_or_policy_is_caught(rendered_stacks) -> Non
         assert any("abort_request_timeout" in p for p in found) and any("retry" in p for p in found)
 
 
+def test_an_unknown_key_in_a_nested_nixl_config_is_caught(rendered_stacks) -> None:
+    # staging's prefill pool has a KV offload tier: NIXL is MultiConnector's first child.
+    cfg = _serve_configs(rendered_stacks)["stack staging"]
+    kv = cfg["applications"][0]["args"]["prefill_config"]["engine_kwargs"]["kv_transfer_config"]
+    assert kv["kv_connector"] == "MultiConnector"
+    for v in BOTH:
+        assert problems(cfg, v) == []
+    kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]["abort_request_timeout"] = 5
+    kv["kv_connector_extra_config"]["connectors"][1]["kv_ip"] = "x"  # a field only older vLLMs had
+    for v in BOTH:
+        found = problems(cfg, v)
+        assert any("connectors[0]" in p and "abort_request_timeout" in p for p in found)
+    assert any("connectors[1]" in p and "kv_ip" in p for p in problems(cfg, LOCAL_VLLM_VERSION))
+
+
 def test_config_refuses_engine_kwargs_the_image_vllm_lacks() -> None:
     only_local = _one_sided("engine_args", LOCAL_VLLM_VERSION, IMAGE_VLLM_VERSION)
     values, secrets, others = stackfile.read("prod")

@@ -526,6 +526,7 @@ def test_ray_registers_its_nixl_backend_for_the_pull_connector_only():
 def test_push_connector_is_found_in_rendered_args():
     from serving.app import PUSH_CONNECTOR, _kv_connectors
     from serving.spec import ServingSpec, Target
+    from serving.spec.offload import OffloadTier
 
     spec = ServingSpec.model_validate(
         {
@@ -537,6 +538,9 @@ def test_push_connector_is_found_in_rendered_args():
     assert _kv_connectors(spec.app_args(Target(accelerator_type="H100"))) == {PUSH_CONNECTOR}
     pull = ServingSpec.model_validate({"model": {"id": "m", "source": "a/b"}})
     assert PUSH_CONNECTOR not in _kv_connectors(pull.app_args(Target(accelerator_type="H100")))
+    # A KV offload tier nests it under MultiConnector: Ray 2.60 still needs its backend.
+    tiered = Target(accelerator_type="H100", role_kv_offload={"prefill": OffloadTier(cpu_bytes=1 << 30)})
+    assert PUSH_CONNECTOR in _kv_connectors(spec.app_args(tiered))
 
 
 # --- unit: fields a client may send (serving/ingress/fields.py) -----------------------------------

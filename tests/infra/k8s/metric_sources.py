@@ -13,6 +13,8 @@ the metric names of every vector selector -> each checked against its exporter:
   idle stack's scrape cannot show them. Those are checked statically instead:
   `event_counter_names()` reads every counter the serving code records (its source, each
   resolved in the registry serving/core/metrics.py) and maps each as Ray exports a counter.
+  Except the KV offload tier's series (`infra.k8s.kv_offload.METRICS`): the local stack
+  cannot run the tier, so they are checked against both vLLMs' recorded metric names.
 - `DCGM_*`: the DCGM exporter's counter list that the stack deploys (vendored).
 - `kube_*`: kube-state-metrics' published pod-metrics list (vendored).
 - `cluster_autoscaler_*`: the names the Cluster Autoscaler registers, read from its source at
@@ -35,7 +37,8 @@ from pathlib import Path
 
 import promql_parser
 
-from infra.k8s import monitoring
+from infra.k8s import kv_offload, monitoring
+from infra.vllm_options import IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION, surface
 
 HERE = Path(__file__).resolve().parent
 LIVE_SNAPSHOT = HERE / "data" / "ray-live-metric-names.txt"
@@ -160,6 +163,14 @@ def kube_state_metrics_names() -> set[str]:
     return set(re.findall(r"^\|\s*(kube_[a-z0-9_]+)\s*\|", KSM_POD_METRICS.read_text(), flags=re.M))
 
 
+def offload_name_in_both_vllms(name: str) -> bool:
+    """A KV offload tier series (infra/k8s/kv_offload.py), which no local scrape can show: vLLM's
+    CPU build cannot run the tier's worker. Checked against both vLLMs' own metric names
+    (tools.vllm_surface), mapped as Ray exports them (`vllm:x` -> `ray_vllm_x`, counters `_total`)."""
+    base = "vllm:" + re.sub(r"_(total|sum|count|bucket)$", "", name.removeprefix("ray_vllm_"))
+    return all(base in surface(v)["metrics"] for v in (IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION))
+
+
 def unknown_names(exprs: dict[str, str], ray_names: set[str]) -> list[str]:
     """'where: name (why)' for every name no exporter provides."""
     dcgm, ksm, ca = monitoring.dcgm_metric_names(), kube_state_metrics_names(), cluster_autoscaler_names()
@@ -169,6 +180,8 @@ def unknown_names(exprs: dict[str, str], ray_names: set[str]) -> list[str]:
         for name in sorted(metric_names(expr)):
             if name.startswith("ray_") and name in events:
                 ok, source = True, "the serving code's event counters"
+            elif name in kv_offload.METRICS:
+                ok, source = offload_name_in_both_vllms(name), "both vLLMs' recorded metric names"
             elif name.startswith("ray_"):
                 ok, source = name in ray_names, "the live scrape of the local stack (nor a serving event counter)"
             elif name.startswith("DCGM_"):

@@ -30,11 +30,19 @@ def _rayservice(rendered) -> dict:
     return next(o for o in rendered.manifests().values() if o.get("kind") == "RayService")
 
 
+def _nixl(kv: dict) -> dict:
+    """The NIXL config itself: a pool with a KV offload tier nests it first under
+    MultiConnector (serving/spec/offload.py)."""
+    if kv["kv_connector"] == "MultiConnector":
+        return kv["kv_connector_extra_config"]["connectors"][0]
+    return kv
+
+
 def _kv_configs(serve: dict) -> dict[str, dict]:
-    """Every P/D side's KV transfer config, by "<application> <side>" (one application per
+    """Every P/D side's NIXL config, by "<application> <side>" (one application per
     model with serving.models)."""
     return {
-        f"{app['name']} {side}": app["args"][side]["engine_kwargs"]["kv_transfer_config"]
+        f"{app['name']} {side}": _nixl(app["args"][side]["engine_kwargs"]["kv_transfer_config"])
         for app in serve["applications"]
         for side in ("prefill_config", "decode_config")
         if side in app["args"]

@@ -141,7 +141,11 @@ def test_worker_groups_ask_for_every_gpu_and_efa_interface_of_their_pool(stack):
                 for t in pod["tolerations"]
             )
         shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
-        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{inst.shm_gib}Gi"}
+        # A KV offload tier's CPU share lives in /dev/shm too (vLLM's mmap file there).
+        off = cfg.node_pools[role].kv_offload
+        tier = off.cpu_gib if off is not None else 0
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": f"{inst.shm_gib + tier}Gi"}
+        assert inst.shm_gib + tier <= inst.pod_memory_gib
         assert group["labels"] == {cfg.serving.placement.label_key: pool_label(cfg.serving.placement, role)}
 
 
@@ -226,6 +230,7 @@ def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
             tracing=export_for(cfg.observability.tracing, cfg.environment.value),
             # The decode replica's API-side CPUs, from the plan (infra/sizing/streaming.py).
             replica_cpus=stack_replica_cpus(cfg),
+            kv_offload={name: p.kv_offload for name, p in cfg.node_pools if p.kv_offload is not None},
         )
     )
     assert yaml.safe_load(again) == serve

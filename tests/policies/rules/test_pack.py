@@ -194,7 +194,18 @@ def _drop_nixl_backends(inputs: dict[str, Any]) -> None:
     doc = yaml.safe_load(inputs["spec"]["serveConfigV2"])
     for app in doc["applications"]:
         for side in ("prefill_config", "decode_config"):
-            app["args"][side]["engine_kwargs"]["kv_transfer_config"]["kv_connector_extra_config"].pop("backends")
+            kv = app["args"][side]["engine_kwargs"]["kv_transfer_config"]
+            # staging's prefill pool has a KV offload tier: its NIXL config is MultiConnector's first child.
+            nixl = kv["kv_connector_extra_config"]["connectors"][0] if kv["kv_connector"] == "MultiConnector" else kv
+            nixl["kv_connector_extra_config"].pop("backends")
+    inputs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
+
+
+def _drop_nested_nixl_backends(inputs: dict[str, Any]) -> None:
+    """Only the NIXL config that staging's KV offload tier nests under MultiConnector (prefill)."""
+    doc = yaml.safe_load(inputs["spec"]["serveConfigV2"])
+    kv = doc["applications"][0]["args"]["prefill_config"]["engine_kwargs"]["kv_transfer_config"]
+    kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"].pop("backends")
     inputs["spec"]["serveConfigV2"] = yaml.safe_dump(doc, sort_keys=False)
 
 
@@ -218,6 +229,15 @@ CRAFTED: list[tuple[str, str, str, str, str | None, Mutate, str]] = [
         None,
         _drop_nixl_backends,
         "['UCX']",
+    ),
+    (
+        "nixl-nested-default-backend-on-efa",
+        "nixl-backend-matches-fabric",
+        "staging",
+        RAYSERVICE,
+        None,
+        _drop_nested_nixl_backends,
+        "connectors[0] NIXL backends ['UCX']",
     ),
     (
         "nixl-libfabric-without-efa",
