@@ -5,10 +5,9 @@ replica and node ranges (`infra.sizing.nodes`), GPU count and on-demand price at
 and at maxSize, and, when the model's shape is known, the model figures of `infra.sizing.fit`
 and the time from a Pending pod to a serving replica on a new and on a warm node
 (`infra.sizing.startup`); the planned request rate (the slowest role's roofline at
-maxReplicas) and what it asks of the Ray head (`infra.sizing.head`) and of the decode replica's API side
-(`infra.sizing.streaming`) -> a `Plan`, printed by `format_plan()` for `make plan` and `make
-render`. Pure arithmetic on published figures: no Pulumi, Ray or vLLM import, nothing
-downloaded.
+maxReplicas) and what it asks of the Ray head (`infra.sizing.head`) and of the decode replica's
+API side (`infra.sizing.streaming`) -> a `Plan`, printed by `format_plan()` for `make plan` and
+`make render`. Pure arithmetic on published figures: no Pulumi, Ray or vLLM import.
 """
 
 from __future__ import annotations
@@ -453,8 +452,7 @@ def _time_to_serve(
         # The same rule as the node pool's NodeConfig (infra/components/gpu_node_pool.py).
         raid0=pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0,
         model_source=model.source,
-        # A new VPC gets an S3 gateway endpoint on its private route tables
-        # (infra/components/network.py); an existing VPC's routes are not known here.
+        # A new VPC's private routes have an S3 endpoint (network.py); an existing VPC's: unknown.
         s3_gateway_endpoint=config.existing_vpc is None,
         checkpoint_gib=None if shape is None else weights_gib(shape, model),
         weights_gib_per_gpu=None if figures is None else figures.weights_gib_per_gpu,
