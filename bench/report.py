@@ -294,12 +294,34 @@ def gaps_section(rep: dict[str, Any]) -> str:
     return gaps.format_markdown(by) if by else NOT_MEASURED
 
 
+def kept(previous: str | None, template: str, name: str) -> str | None:
+    """What the placeholder {{name}} held in the page `previous` rendered from `template`: the
+    text between the template's literal lines around it (None when they are not found). A
+    benchmark that was not rerun keeps its last figures, with their run's date, instead of
+    losing them to "(run ...)"."""
+    if not previous:
+        return None
+    head, _, tail = template.partition("{{" + name + "}}")
+    # The nearest lines around it, each literal (one with a placeholder of its own is no anchor).
+    before = next((ln for ln in reversed(head.splitlines()) if ln.strip()), "{{")
+    after = next((ln for ln in tail.splitlines() if ln.strip()), "{{")
+    if "{{" in before or "{{" in after or before not in previous:
+        return None
+    rest = previous.split(before, 1)[1]
+    if after not in rest:
+        return None
+    return rest.split(after, 1)[0].strip("\n")
+
+
 def render(
     serving: dict[str, Any] | None,
     prefix: dict[str, Any] | None,
     template: str,
     data_planes: dict[str, Any] | None = None,
+    previous: str | None = None,
 ) -> str:
+    """The page; a section whose benchmark has no JSON here keeps what `previous` (the page as
+    it was) showed for it, if anything."""
     parts = {
         "SERVING_DATE": serving["date"] if serving else "(no run)",
         "SERVING_CONDITIONS": (
@@ -329,9 +351,11 @@ def render(
         "PREFIX_DATE": prefix["date"] if prefix else "(no run)",
         "PREFIX": (prefix_table(prefix) + "\n\n" + prefix_verdict(prefix)).rstrip()
         if prefix
-        else "(run `make bench-prefix`)",
+        else kept(previous, template, "PREFIX") or "(run `make bench-prefix`)",
         "PREFIX_WORKLOAD": json.dumps(prefix["workload"]) if prefix else "",
-        "DATA_PLANE": data_plane_section(data_planes) if data_planes else "(run `make bench-data-plane`)",
+        "DATA_PLANE": data_plane_section(data_planes)
+        if data_planes
+        else kept(previous, template, "DATA_PLANE") or "(run `make bench-data-plane`)",
     }
     out = template
     for k, v in parts.items():
@@ -367,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     template = (Path(__file__).parent / "performance.md.in").read_text()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     serving = load("serving.json")
-    args.out.write_text(render(serving, load("prefix.json"), template, load(data_plane.DEFAULT_OUT.name)))
+    previous = DOC.read_text() if DOC.is_file() else None
+    args.out.write_text(render(serving, load("prefix.json"), template, load(data_plane.DEFAULT_OUT.name), previous))
     print(f"wrote {args.out}")
     if args.readme.is_file() and BEGIN in args.readme.read_text():
         args.readme.write_text(replace_block(args.readme.read_text(), headline(serving)))

@@ -202,6 +202,16 @@ def test_the_page_renders_the_data_plane_section_from_the_json():
     assert "(run `make bench-data-plane`)" in report.render(None, None, TEMPLATE)
 
 
+def test_a_section_whose_benchmark_was_not_rerun_keeps_its_last_run():
+    """`make bench` rewrites the page; the data-plane figures of an earlier `make
+    bench-data-plane` (its JSON not here) stay, with their own run's date."""
+    earlier = report.render(None, None, TEMPLATE, json.loads(json.dumps(REP)))
+    page = report.render(None, None, TEMPLATE, None, previous=earlier)
+    assert "Run of 2026-12-02 01:00 UTC: data planes ray-proxy, grpc, haproxy, 2 rounds" in page
+    assert page == earlier
+    assert "(run `make bench-data-plane`)" in report.render(None, None, TEMPLATE, None, previous="another page")
+
+
 def test_the_switches_table_names_the_data_plane_and_why_direct_streaming_is_not_used():
     page = report.render(None, None, TEMPLATE)
     row = next(line for line in page.splitlines() if line.startswith("| `RAY_SERVE_ENABLE_HA_PROXY`"))
