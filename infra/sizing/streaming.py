@@ -46,21 +46,19 @@ class StreamingCpu:
     refuses: bool = True
 
 
-# THE figure, in one place: docs/performance.md's latest "CPU-ms per 1,000 output tokens"
-# table (make bench, bench/cpu.py), the "all" columns (levels 1, 4 and 16 pooled): "P/D
-# orchestration: decode replica outside the engine" and "aggregated replica outside the
-# engine", and "ingress replicas". Taken before the bench had an idle phase, so these are raw
-# (idle included: high, not low); replace them with the net-of-idle figures `make bench` now
-# prints (build/bench/serving.json per_token.<mode>.hops.<hop>.net_ms_per_1k_tokens).
+# THE figure, in one place: docs/performance.md's latest "CPU per output token, net of idle"
+# table (make bench: bench/per_token.py, build/bench/serving.json
+# per_token.<mode>.hops.<hop>.net_ms_per_1k_tokens), levels 1, 4 and 16 pooled: "P/D
+# orchestration: decode replica outside the engine", "aggregated replica outside the engine"
+# and "ingress replicas", with the bench's idle rate times the load's wall time taken off and
+# Serve tracing at the prod stack's ratio. Measured on a 2-core CPU machine with a tiny model:
+# a p5 host's cores are faster, so it sizes on the safe side.
 STREAMING_CPU = StreamingCpu(
-    replica_ms_per_1k={"disaggregated": 765.5, "aggregated": 326.2},
-    ingress_ms_per_1k={"disaggregated": 251.7, "aggregated": 250.1},
-    measured="2026-12-02 00:24 UTC",
-    machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing every request",
-    source="docs/performance.md, CPU-ms per 1,000 output tokens, all levels pooled (raw, before the idle phase)",
-    # A raw figure with every request traced overstates the cost: it sizes the CPU request
-    # (more, not less) but refuses no stack until a net-of-idle, prod-rate figure replaces it.
-    refuses=False,
+    replica_ms_per_1k={"disaggregated": 465.8, "aggregated": 278.1},
+    ingress_ms_per_1k={"disaggregated": 193.7, "aggregated": 185.0},
+    measured="2026-12-05 01:23 UTC",
+    machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing at prod's ratio (0.01)",
+    source="docs/performance.md, CPU per output token net of idle, all levels pooled",
 )
 # What a Serve replica's actor asks Ray for when its deployment says nothing: Ray Serve LLM
 # puts `ray_actor_options.num_cpus` (default 1) into the first placement-group bundle
