@@ -59,6 +59,11 @@ STREAMING_CPU = StreamingCpu(
     measured="2026-12-05 01:23 UTC",
     machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing at prod's ratio (0.01)",
     source="docs/performance.md, CPU per output token net of idle, all levels pooled",
+    # Measured on a 2-core CPU host, not on a pool's: as a refusal it would stop the
+    # self-service default (`make stack MODEL=Qwen/Qwen2.5-0.5B-Instruct` on g5: 7,794 tok/s
+    # planned per decode replica against 4,294). The plan prints FAILS; it refuses once the
+    # figure is measured on the pool's host.
+    refuses=False,
 )
 # What a Serve replica's actor asks Ray for when its deployment says nothing: Ray Serve LLM
 # puts `ray_actor_options.num_cpus` (default 1) into the first placement-group bundle

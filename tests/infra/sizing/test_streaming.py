@@ -98,9 +98,10 @@ def test_a_layout_whose_ceiling_is_below_its_plan_is_refused_naming_the_key(monk
     # 2 x 1e6 / 765.5 = 2,613 tok/s, 5 short: the stack is refused, naming the key.
     cfg = _cfg("dev")
     [s] = streaming(cfg).values()
-    assert s is not None and not st.below_plan(s) and st.STREAMING_CPU.refuses
+    assert s is not None and not st.below_plan(s)
     raw = {"disaggregated": 765.5, "aggregated": 326.2}
-    monkeypatch.setattr(st, "STREAMING_CPU", dataclasses.replace(st.STREAMING_CPU, replica_ms_per_1k=raw))
+    refusing = dataclasses.replace(st.STREAMING_CPU, replica_ms_per_1k=raw, refuses=True)
+    monkeypatch.setattr(st, "STREAMING_CPU", refusing)
     with pytest.raises(config.ConfigError) as e:
         _cfg("dev")
     assert "stacks/Pulumi.dev.yaml: serving.decode.targetOngoingRequests:" in str(e.value)
