@@ -144,15 +144,18 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
+# The tests that start no Ray stack on both cores (pytest-xdist), then the e2e ones in one
+# process: the machine runs one Ray stack at a time (tests/conftest.py orders them).
 test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not e2e" -n 2
+	$(PY) -m pytest -m e2e
 
 # The live metric-name cross-check alone (it starts its own local stack).
 test-live-metrics: venv
 	$(PY) -m pytest -m live_metrics
 
 test-fast: venv light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
-	$(PY) -m pytest -m "not e2e"
+	$(PY) -m pytest -m "not e2e" -n 2
 
 # SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus.
 serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
