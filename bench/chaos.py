@@ -284,7 +284,9 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
     # What the kill hit: the victim's engine load, the requests open at the kill, its
     # replacement (a replica id Serve did not list before), local prefills counted after it.
     base = [c for t, c in modes.samples if t <= fault_at][-1:] or [{}]
-    paths = cf.path_delta(base[0], modes.samples[-1][1]) if modes.samples else {}
+    last = modes.samples[-1][1] if modes.samples else base[0]
+    paths = cf.path_delta(base[0], last)
+    local = f"{PrefillPath.LOCAL.value}/"
     known = {r["replica_id"] for r in reps}
     fault = {
         "replica_id": victim.replica_id,
@@ -295,9 +297,7 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         "local_prefills": paths.get(PrefillPath.LOCAL.value, 0.0),
         # Why they prefilled locally (no_replica, circuit_open, overloaded: the queue bound...).
         "local_reasons": {
-            k: v
-            for k, v in (cf.path_delta(base[0], modes.samples[-1][1], by_reason=True) if modes.samples else {}).items()
-            if k.startswith(f"{PrefillPath.LOCAL.value}/") and v
+            k: v for k, v in cf.path_delta(base[0], last, by_reason=True).items() if k.startswith(local) and v
         },
     }
     return {

@@ -288,10 +288,19 @@ class Tally:
         self.wall_s += wall_s
 
 
+def ms_per_1k_tokens(cpu_s: float, tokens: int) -> float | None:
+    return cpu_s * 1e6 / tokens if tokens else None
+
+
+def non_engine(cpu_s: Mapping[str, float]) -> float:
+    """The sum over the hops that are not an engine (core and workers)."""
+    return sum(v for k, v in cpu_s.items() if k not in ENGINE_CLASSES)
+
+
 def _per(cpu_s: float, requests: int, tokens: int) -> dict[str, float | None]:
     return {
         "cpu_ms_per_request": cpu_s * 1000 / requests if requests else None,
-        "cpu_ms_per_1k_tokens": cpu_s * 1e6 / tokens if tokens else None,
+        "cpu_ms_per_1k_tokens": ms_per_1k_tokens(cpu_s, tokens),
     }
 
 
@@ -300,13 +309,12 @@ def figures(tally: Tally, requests: int, output_tokens: int) -> dict[str, Any]:
     totals and the front door (proxy actor, HAProxy, ingress), for `requests` completed requests."""
     cpu = tally.cpu_s
     engine = sum(v for k, v in cpu.items() if k in ENGINE_CLASSES)
-    non_engine = sum(v for k, v in cpu.items() if k not in ENGINE_CLASSES)
     return {
         "requests": requests,
         "output_tokens": output_tokens,
         "processes_ended": tally.ended,
         "classes": {k: _per(cpu[k], requests, output_tokens) for k in CLASSES if k in cpu},
-        "non_engine": _per(non_engine, requests, output_tokens),
+        "non_engine": _per(non_engine(cpu), requests, output_tokens),
         "engine": _per(engine, requests, output_tokens),
         # Plain vLLM has no proxy or ingress: "-" rather than 0 there.
         "front_door": _per(sum(cpu.get(k, 0.0) for k in FRONT_DOOR), requests, output_tokens)

@@ -49,18 +49,9 @@ def idle_cores(cpu_s: Mapping[str, float], seconds: float) -> dict[str, float]:
     return {k: v / seconds for k, v in cpu_s.items()} if seconds > 0 else {}
 
 
-def non_engine(per: Mapping[str, float]) -> float:
-    """The sum over the hops that are not an engine (core and workers)."""
-    return sum(v for k, v in per.items() if k not in cpu.ENGINE_CLASSES)
-
-
 def net_of_idle(cpu_s: Mapping[str, float], idle: Mapping[str, float], wall_s: float) -> dict[str, float]:
     """Each hop's CPU seconds minus what it spends idle over `wall_s` (never below zero)."""
     return {k: max(0.0, v - idle.get(k, 0.0) * wall_s) for k, v in cpu_s.items()}
-
-
-def ms_per_1k_tokens(cpu_s: float, tokens: int) -> float | None:
-    return cpu_s * 1e6 / tokens if tokens else None
 
 
 def ceiling_tok_s_per_core(ms_per_1k: float | None) -> float | None:
@@ -81,10 +72,10 @@ def target_figures(tally: cpu.Tally, requests: int, tokens: int, idle: Mapping[s
     for k in cpu.CLASSES:
         if k not in tally.cpu_s:
             continue
-        net_ms = ms_per_1k_tokens(net[k], tokens)
+        net_ms = cpu.ms_per_1k_tokens(net[k], tokens)
         hops[k] = {
             "idle_cores": idle.get(k, 0.0),
-            "raw_ms_per_1k_tokens": ms_per_1k_tokens(tally.cpu_s[k], tokens),
+            "raw_ms_per_1k_tokens": cpu.ms_per_1k_tokens(tally.cpu_s[k], tokens),
             "net_ms_per_1k_tokens": net_ms,
             "ceiling_tok_s_per_core": ceiling_tok_s_per_core(net_ms),
         }
@@ -94,8 +85,8 @@ def target_figures(tally: cpu.Tally, requests: int, tokens: int, idle: Mapping[s
         "output_tokens": tokens,
         "wall_s": tally.wall_s,
         "hops": hops,
-        "non_engine_ms_per_request": {"raw": per_req(non_engine(tally.cpu_s)), "net": per_req(non_engine(net))},
-        "idle_non_engine_cores": non_engine(idle),
+        "non_engine_ms_per_request": {"raw": per_req(cpu.non_engine(tally.cpu_s)), "net": per_req(cpu.non_engine(net))},
+        "idle_non_engine_cores": cpu.non_engine(idle),
     }
 
 
@@ -120,7 +111,7 @@ def run(
             h["net_vs_vllm_api_server"] = ratio(h["net_ms_per_1k_tokens"], base_hop.get("net_ms_per_1k_tokens"))
         base_req = ((base or {}).get("non_engine_ms_per_request") or {}).get("net")
         fig["non_engine_net_vs_vllm_api_server"] = ratio(fig["non_engine_ms_per_request"]["net"], base_req)
-    out["stack_idle_cores"] = non_engine(idle["stack"]) if "stack" in idle else None
+    out["stack_idle_cores"] = cpu.non_engine(idle["stack"]) if "stack" in idle else None
     return out
 
 

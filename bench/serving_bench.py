@@ -338,7 +338,7 @@ def run_targets(
         m.idle_hops = {name: per_token.idle_cores(per, idle_wall) for name, per in idle_cpu_s.items()}
         say(
             f"idle phase ({idle_wall:.0f} s), share of a core outside the engines: "
-            + ", ".join(f"{name} {per_token.non_engine(c):.1%}" for name, c in m.idle_hops.items())
+            + ", ".join(f"{name} {cpu.non_engine(c):.1%}" for name, c in m.idle_hops.items())
         )
         for li, (conc, n) in enumerate(levels.items()):
             lv = run_level(

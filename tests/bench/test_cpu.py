@@ -400,3 +400,9 @@ def test_the_idle_phase_counts_each_scope_over_its_window_and_batches_keep_their
     # Pooling levels adds their wall times as it adds their CPU.
     pooled = cpu.pooled([cpu.Tally(cpu_s={"ingress": 1.0}, wall_s=4.0), cpu.Tally(cpu_s={"ingress": 2.0}, wall_s=6.0)])
     assert pooled.wall_s == 10.0 and pooled.cpu_s == {"ingress": 3.0}
+
+
+def test_cpu_ms_per_1000_output_tokens_by_hand():
+    # 2.5 CPU-s over 5,000 tokens: 2,500 CPU-ms / 5 = 500 CPU-ms per 1,000 tokens.
+    assert cpu.ms_per_1k_tokens(2.5, 5000) == pytest.approx(500.0)
+    assert cpu.ms_per_1k_tokens(2.5, 0) is None

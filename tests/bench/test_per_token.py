@@ -22,9 +22,6 @@ def test_idle_shares_and_the_net_of_idle():
     # 3 CPU-s over 10 s of batches, 0.05 of a core idle: 3 - 0.5 = 2.5; never below zero.
     net = per_token.net_of_idle({"raylet": 3.0, "gcs": 0.1}, {"raylet": 0.05, "gcs": 0.5}, 10.0)
     assert net == pytest.approx({"raylet": 2.5, "gcs": 0.0})
-    # 2.5 CPU-s over 5,000 tokens: 2,500 CPU-ms / 5 = 500 CPU-ms per 1,000 tokens.
-    assert per_token.ms_per_1k_tokens(2.5, 5000) == pytest.approx(500.0)
-    assert per_token.ms_per_1k_tokens(2.5, 0) is None
 
 
 def _tallies() -> dict[str, dict[str, cpu.Tally]]:
