@@ -18,10 +18,12 @@ arguments the image's vLLM does not know.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from functools import cache
 from pathlib import Path
 from typing import Any
+
+from serving.spec import offload
 
 DATA = Path(__file__).with_name("vllm")
 # The vLLM that Ray 2.60's image carries (ray[llm]==2.60.0 pins vllm==0.29.0) and the one
@@ -98,7 +100,7 @@ def problems(serve_config: dict[str, Any], version: str) -> list[str]:
     return out
 
 
-def _kv_config_problems(where: str, kv: dict[str, Any], s: dict[str, Any], version: str) -> list[str]:
+def _kv_config_problems(where: str, kv: Mapping[str, Any], s: dict[str, Any], version: str) -> list[str]:
     """A kv_transfer_config's fields and NIXL keys against vLLM `version`; a MultiConnector's
     children (a KV offload tier, serving/spec/offload.py) are KVTransferConfigs of their own."""
     out = [
@@ -110,7 +112,6 @@ def _kv_config_problems(where: str, kv: dict[str, Any], s: dict[str, Any], versi
         for k in sorted(kv.get("kv_connector_extra_config") or {}):
             if k not in s["nixl_extra_config"]:
                 out.append(f"{where}: kv_connector_extra_config.{k} is not read by vLLM {version}'s NixlConnector")
-    if kv.get("kv_connector") == "MultiConnector":
-        for i, child in enumerate((kv.get("kv_connector_extra_config") or {}).get("connectors") or []):
-            out += _kv_config_problems(f"{where} connectors[{i}]", child, s, version)
+    for i, child in enumerate(offload.children(kv)):
+        out += _kv_config_problems(f"{where} connectors[{i}]", child, s, version)
     return out

@@ -25,7 +25,7 @@ from serving.engines.pd_server import build_pd_engines, pd_args
 from serving.ingress.auth import auth_mode
 from serving.ingress.pipeline import DEFAULT_MAX_BODY_BYTES
 from serving.ingress.server import AuthenticatedIngress, endpoint_map
-from serving.spec import API_KEYS_ENV, MODELS_MODE, AuthMode, ResilienceSpec
+from serving.spec import API_KEYS_ENV, MODELS_MODE, AuthMode, ResilienceSpec, offload
 
 # Ray 2.60 registers its NIXL connector backend (per-replica side-channel port, a unique engine id,
 # VLLM_NIXL_SIDE_CHANNEL_HOST) under the name "NixlConnector" only
@@ -152,8 +152,7 @@ def _kv_connectors(args: Mapping[str, Any]) -> set[str]:
     kvs = [(c.get("engine_kwargs") or {}).get("kv_transfer_config") or {} for c in configs if isinstance(c, Mapping)]
     # A KV offload tier nests the NIXL connector under MultiConnector (serving/spec/offload.py);
     # Ray 2.60's MultiConnectorBackend looks up each child's backend by its own name.
-    children = [c for kv in kvs for c in (kv.get("kv_connector_extra_config") or {}).get("connectors") or []]
-    return {kv.get("kv_connector", "") for kv in kvs + children if isinstance(kv, Mapping)}
+    return {c.get("kv_connector", "") for kv in kvs if isinstance(kv, Mapping) for c in (kv, *offload.children(kv))}
 
 
 def register_push_connector_backend() -> None:

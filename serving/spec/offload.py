@@ -29,6 +29,7 @@ Standard library only, like render.py.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,15 @@ def compose(nixl: dict[str, Any], tier: OffloadTier | None) -> dict[str, Any]:
         **{k: nixl[k] for k in outer_keys if k in nixl},
         "kv_connector_extra_config": {"connectors": [child, offloading_connector(tier)]},
     }
+
+
+def children(kv: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The connectors a MultiConnector kv_transfer_config composes (`compose`'s NIXL and
+    offloading children); [] for any other connector."""
+    if kv.get("kv_connector") != MULTI_CONNECTOR:
+        return []
+    extra = kv.get("kv_connector_extra_config") or {}
+    return [c for c in extra.get("connectors") or [] if isinstance(c, Mapping)]
 
 
 def engine_share(node_gib: float, engines_per_node: int) -> int:
