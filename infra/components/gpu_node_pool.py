@@ -35,7 +35,7 @@ from infra import catalog
 from infra.components.cluster import ClusterCore
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
 from infra.components.node_autoscaler import gpu_node_labels, scale_from_zero_tags
-from infra.config import CapacityType, LocalStorage, NodePool
+from infra.config import CapacityType, NodePool
 from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
 
 # The EKS API spells the effect NO_SCHEDULE (Kubernetes: NoSchedule).
@@ -151,7 +151,7 @@ class GpuNodePool(pulumi.ComponentResource):
         # needs to wait for the device plugin instead of adding another node.
         self.labels = {ROLE_LABEL: args.role, **gpu_node_labels(inst)}
         group_name = node_group_name(cluster.name, args.role)
-        raid = pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0
+        raid = pool.raid0
         common: dict[str, Any] = dict(
             cluster=cluster.eks,
             node_role=cluster.node_role,

@@ -38,6 +38,7 @@ from serving.spec.offload import DISK_MOUNT, OffloadTier, engine_share
 
 if TYPE_CHECKING:
     from infra.config import StackConfig
+    from infra.config.pools import NodePool
 
 # The share of the pod's memory outside /dev/shm the tier may take; the rest stays with the
 # engine processes.
@@ -77,7 +78,8 @@ def shm_gib(inst: catalog.InstanceType, offload: KvOffload | None) -> int:
     return inst.shm_gib + (offload.cpu_gib if offload else 0)
 
 
-def _pool_errors(name: str, off: KvOffload | None, inst: catalog.InstanceType, raid0: bool) -> list[tuple[str, str]]:
+def _pool_errors(name: str, pool: NodePool) -> list[tuple[str, str]]:
+    off, inst = pool.kv_offload, pool.instance
     if off is None:
         return []
     key = f"nodePools.{name}.kvOffload"
@@ -92,12 +94,12 @@ def _pool_errors(name: str, off: KvOffload | None, inst: catalog.InstanceType, r
             )
         )
     if off.disk_gib:
-        if not (raid0 and inst.nvme_disks > 0):
+        if not pool.raid0:
             errors.append(
                 (
                     f"{key}.diskGiB",
                     f"the disk tier lives on the instance-store NVMe RAID0: pool {name} has "
-                    f"localStorage {'raid0' if raid0 else 'none'} on {inst.name} ({inst.nvme_disks} NVMe drives)",
+                    f"localStorage {pool.local_storage.value} on {inst.name} ({inst.nvme_disks} NVMe drives)",
                 )
             )
         elif off.disk_gib > max_disk_gib(inst):
@@ -114,11 +116,7 @@ def _pool_errors(name: str, off: KvOffload | None, inst: catalog.InstanceType, r
 def kv_offload_errors(cfg: StackConfig, placements: Iterable[Any]) -> list[tuple[str, str]]:
     """Each pool's tier against its instance, and against the engine roles placed on it
     (`placements`: infra.config.pools.placements, every model's role on its pool)."""
-    errors = [
-        e
-        for name, pool in cfg.node_pools
-        for e in _pool_errors(name, pool.kv_offload, pool.instance, pool.local_storage.value == "raid0")
-    ]
+    errors = [e for name, pool in cfg.node_pools for e in _pool_errors(name, pool)]
     for p in placements:
         pool = cfg.node_pools[p.pool]
         if pool.kv_offload is None:

@@ -108,6 +108,12 @@ class NodePool(SpecModel):
     def instance(self) -> catalog.InstanceType:
         return catalog.lookup(self.instance_type)
 
+    @property
+    def raid0(self) -> bool:
+        """Whether its nodes assemble the instance-store NVMe into a RAID0 for kubelet storage
+        (the node template, the planner and the KV offload tier's disk read this one rule)."""
+        return self.local_storage is LocalStorage.RAID0 and self.instance.nvme_disks > 0
+
 
 class NodePools(RootModel[dict[str, NodePool]]):
     """The GPU pools by name (`nodePools.<name>`): one EKS managed node group and one Ray

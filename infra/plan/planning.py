@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from infra import catalog
-from infra.config import LocalStorage, NodePool, NodePools, StackConfig
+from infra.config import NodePool, NodePools, StackConfig
 from infra.plan.plan_text import format_layouts as format_layouts
 from infra.plan.plan_text import format_plan as format_plan
 from infra.plan.streaming_plan import StreamingSizing, streaming_for
@@ -449,8 +449,7 @@ def _time_to_serve(
     return startup.time_to_serve(
         role,
         inst,
-        # The same rule as the node pool's NodeConfig (infra/components/gpu_node_pool.py).
-        raid0=pool.local_storage is LocalStorage.RAID0 and inst.nvme_disks > 0,
+        raid0=pool.raid0,
         model_source=model.source,
         # A new VPC's private routes have an S3 endpoint (network.py); an existing VPC's: unknown.
         s3_gateway_endpoint=config.existing_vpc is None,
