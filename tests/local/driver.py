@@ -18,6 +18,7 @@ from typing import Any
 
 from infra.paths import ROOT
 from local.background import RunningStack
+from local.procs import interrupt_and_wait
 
 _DRIVER = """\
 import json, sys, time
@@ -48,7 +49,4 @@ def driven_stack(**kwargs: Any) -> Iterator[RunningStack]:
         up = json.loads(line[3:])
         yield RunningStack(proc=driver, port=up["port"], state=up["state"], ready_line=up["ready_line"], output=[])
     finally:
-        if driver.poll() is None:
-            RunningStack(proc=driver, port=0, state={}, ready_line="", output=[]).stop(timeout=180)
-        if driver.poll() is None:
-            driver.kill()
+        interrupt_and_wait(driver, 180)  # SIGINT as Ctrl-C, SIGKILL after 180 s; nothing if it ended
