@@ -34,9 +34,9 @@ import pulumi_eks as eks
 from infra import catalog
 from infra.components.cluster import ClusterCore
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
-from infra.components.node_autoscaler import gpu_node_labels, scale_from_zero_tags
 from infra.config import CapacityType, NodePool
 from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
+from infra.k8s.node_template import gpu_node_labels, scale_from_zero_tags
 
 # The EKS API spells the effect NO_SCHEDULE (Kubernetes: NoSchedule).
 GPU_TAINT = {"key": GPU_TAINT_KEY, "value": GPU_TAINT_VALUE, "effect": "NO_SCHEDULE"}

@@ -15,8 +15,8 @@ Its metrics (/metrics on the chart's Service, port `http`) are scraped through
 
 Why Cluster Autoscaler and not Karpenter: docs/scaling.md. Scale from zero: the autoscaler
 builds a template node from the instance type and, for EKS managed node groups, from the
-group's labels, taints and tags (eks:DescribeNodegroup); `scale_from_zero_tags` adds what
-it cannot infer (the EFA interfaces). Ray pods carry `safe-to-evict: "false"`, so this never
+group's labels, taints and tags (eks:DescribeNodegroup); the pools carry what it cannot infer
+(infra/k8s/node_template.py: the GPU label, the EFA interfaces). Ray pods carry `safe-to-evict: "false"`, so this never
 drains a node that still runs Ray work: the KubeRay autoscaler decides what goes.
 """
 
@@ -30,14 +30,14 @@ from typing import TYPE_CHECKING
 import pulumi
 import pulumi_aws as aws
 
-from infra import catalog, versions
+from infra import versions
 from infra.components.cluster import ClusterCore
 from infra.components.helm import release
 from infra.components.iam import trusted_by
-from infra.k8s.labels import GPU_TAINT_KEY, ROLE_LABEL, SYSTEM_ROLE
+from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
 from infra.k8s.monitoring import ScrapeTarget, node_autoscaler_target
 
-if TYPE_CHECKING:  # the pools' module reads this one's node labels and tags
+if TYPE_CHECKING:
     from infra.components.gpu_node_pool import GpuNodePool
 
 NAMESPACE = "kube-system"
@@ -47,30 +47,6 @@ SERVICE_ACCOUNT = "cluster-autoscaler"
 # objects (`<cloudProvider>-cluster-autoscaler`).
 RELEASE_NAME = "cluster-autoscaler"
 CLOUD_PROVIDER = "aws"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
-# kubernetes/autoscaler cluster-autoscaler/cloudprovider/aws/aws_manager.go: tags with this
-# prefix on the Auto Scaling group, or on the EKS node group (read through DescribeNodegroup),
-# set the capacity of the template node of an empty group.
-NODE_TEMPLATE_RESOURCES = "k8s.io/cluster-autoscaler/node-template/resources/"
-# kubernetes/autoscaler cluster-autoscaler/cloudprovider/aws/aws_cloud_provider.go `GPULabel`
-# (CA 1.35): a node with this label but no allocatable GPU yet is counted as not ready
-# (processors/customresources/gpu_processor.go FilterOutNodesWithUnreadyResources), i.e. as
-# capacity still coming; without it a new GPU node whose device plugin has not registered is
-# a ready node without GPUs, and the autoscaler adds another one (its AWS README, "Special
-# note on GPU instances"). EKS applies a managed node group's labels at registration, and
-# for an empty group CA reads them through DescribeNodegroup (aws_manager.go
-# buildNodeFromTemplate), so the group's labels carry it both ways.
-GPU_LABEL = "k8s.amazonaws.com/accelerator"
-# Values per GPU model: the names CA's AWS provider lists (availableGPUTypes: nvidia-tesla-a100,
-# nvidia-a10g, nvidia-l40s) where it has one, else the same form. The value only names the
-# type in CA's metrics; presence is what counts.
-GPU_LABEL_VALUES = {
-    "A100": "nvidia-tesla-a100",
-    "A10G": "nvidia-a10g",
-    "L40S": "nvidia-l40s",
-    "H100": "nvidia-h100",
-    "H200": "nvidia-h200",
-}
 # The tags EKS puts on every managed node group's Auto Scaling group.
 ASG_NODEGROUP_TAG = "eks:nodegroup-name"
 ASG_CLUSTER_TAG = "eks:cluster-name"
@@ -88,25 +64,6 @@ DESCRIBE_ACTIONS = (
     "ec2:GetInstanceTypesFromInstanceRequirements",
 )
 SCALE_ACTIONS = ("autoscaling:SetDesiredCapacity", "autoscaling:TerminateInstanceInAutoScalingGroup")
-
-
-def scale_from_zero_tags(instance: catalog.InstanceType) -> dict[str, str]:
-    """Node-group tags that tell the autoscaler what a node of an empty pool offers.
-
-    CPU, memory and GPUs come from the instance type (EC2 DescribeInstanceTypes); the EFA
-    interfaces, which the engine pods ask for, do not, so an empty EFA pool would look unable
-    to run them. The GPU count is stated too (types newer than the autoscaler's built-in
-    list are looked up at run time; the tag makes the figure certain).
-    """
-    tags = {f"{NODE_TEMPLATE_RESOURCES}{GPU_TAINT_KEY}": str(instance.gpus)}
-    if instance.efa:
-        tags[f"{NODE_TEMPLATE_RESOURCES}{EFA_RESOURCE}"] = str(instance.efa_interfaces)
-    return tags
-
-
-def gpu_node_labels(instance: catalog.InstanceType) -> dict[str, str]:
-    """Node labels a GPU pool carries for the autoscaler (see GPU_LABEL)."""
-    return {GPU_LABEL: GPU_LABEL_VALUES[instance.ray_accelerator]}
 
 
 def autoscaler_policy(cluster_name: str, node_group_names: list[str]) -> dict:

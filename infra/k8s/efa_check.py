@@ -29,11 +29,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from infra import catalog
-from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
+from infra.k8s.labels import EFA_RESOURCE, GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL
 from infra.k8s.ray_env import efa_engine_env
 
 NAME = "efa-check"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
 # fi_pingpong's control (out-of-band TCP) port; one per EFA device pair, counting up.
 BASE_PORT = 47592
 # 4 MiB: large enough that one ping-pong is bandwidth-bound, under fi_pingpong's 6 MiB cap

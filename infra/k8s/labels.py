@@ -16,8 +16,12 @@ ENVIRONMENT_TAG = "pd-inference/environment"
 # Set by the kubelet on every node; device plugins and engine pods pin instance types with it.
 INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
 
+# Extended resources the device plugins advertise and engine pods ask for.
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+
 # GPU nodes are tainted so that only pods that tolerate it (and ask for GPUs) land there.
-GPU_TAINT_KEY = "nvidia.com/gpu"
+GPU_TAINT_KEY = GPU_RESOURCE
 GPU_TAINT_VALUE = "true"
 GPU_TOLERATION = {"key": GPU_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}
 

@@ -30,7 +30,15 @@ import yaml
 from infra import catalog
 from infra.config.kv_offload import KvOffload, engine_tier
 from infra.k8s.kv_offload import pod_parts
-from infra.k8s.labels import GPU_TOLERATION, INSTANCE_TYPE_LABEL, ROLE_LABEL, SAFE_TO_EVICT, SYSTEM_ROLE
+from infra.k8s.labels import (
+    EFA_RESOURCE,
+    GPU_RESOURCE,
+    GPU_TOLERATION,
+    INSTANCE_TYPE_LABEL,
+    ROLE_LABEL,
+    SAFE_TO_EVICT,
+    SYSTEM_ROLE,
+)
 from infra.k8s.monitoring import PROMETHEUS_URL
 from infra.k8s.monitoring import ROLE as METRICS_ROLE_LABEL
 from infra.k8s.ray_env import (
@@ -52,8 +60,6 @@ from infra.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
 from serving.spec.offload import OffloadTier
 
-GPU_RESOURCE = "nvidia.com/gpu"
-EFA_RESOURCE = "vpc.amazonaws.com/efa"
 RAY_UID = 1000  # the `ray` user of Ray's images
 HF_TOKEN_ENV = "HF_TOKEN"
 # Ray's dashboard agent port and unified node health path (KubeRay v1.7.0 utils

@@ -30,11 +30,11 @@ from infra.components.node_autoscaler import (
     ASG_CLUSTER_TAG,
     ASG_NODEGROUP_TAG,
     NAMESPACE,
-    NODE_TEMPLATE_RESOURCES,
     SCALE_ACTIONS,
     SERVICE_ACCOUNT,
 )
 from infra.k8s.labels import INSTANCE_TYPE_LABEL, ROLE_LABEL, SYSTEM_ROLE
+from infra.k8s.node_template import NODE_TEMPLATE_RESOURCES
 from tests.conftest import STACKS
 from tests.upstream import CA_AWS_GPU_LABEL, ca_counts_node_ready
 
