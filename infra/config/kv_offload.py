@@ -38,7 +38,6 @@ from serving.spec.offload import DISK_MOUNT, OffloadTier, engine_share
 
 if TYPE_CHECKING:
     from infra.config import StackConfig
-    from infra.config.pools import NodePool
 
 # The share of the pod's memory outside /dev/shm the tier may take; the rest stays with the
 # engine processes.
@@ -78,7 +77,8 @@ def shm_gib(inst: catalog.InstanceType, offload: KvOffload | None) -> int:
     return inst.shm_gib + (offload.cpu_gib if offload else 0)
 
 
-def _pool_errors(name: str, pool: NodePool) -> list[tuple[str, str]]:
+def _pool_errors(cfg: StackConfig, name: str) -> list[tuple[str, str]]:
+    pool = cfg.node_pools[name]
     off, inst = pool.kv_offload, pool.instance
     if off is None:
         return []
@@ -116,7 +116,7 @@ def _pool_errors(name: str, pool: NodePool) -> list[tuple[str, str]]:
 def kv_offload_errors(cfg: StackConfig, placements: Iterable[Any]) -> list[tuple[str, str]]:
     """Each pool's tier against its instance, and against the engine roles placed on it
     (`placements`: infra.config.pools.placements, every model's role on its pool)."""
-    errors = [e for name, pool in cfg.node_pools for e in _pool_errors(name, pool)]
+    errors = [e for name, _ in cfg.node_pools for e in _pool_errors(cfg, name)]
     for p in placements:
         pool = cfg.node_pools[p.pool]
         if pool.kv_offload is None:
