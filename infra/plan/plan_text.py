@@ -1,6 +1,6 @@
 """The capacity plan as text: the table `make plan` and `make render` print.
 
-What flows through here: a `planning.Plan` -> the model and its shape, one column per engine
+What flows through here: a `Plan` (infra/plan/plans.py) -> the model and its shape, one column per engine
 role (hardware, memory, KV cache, network, decode speed, cost, autoscaling, time to serve),
 the totals, the KV link, the head's sizing, the decode replica's API-side CPU and the fit verdict, then the multi-node layouts that fit. Text only:
 every figure is computed in `infra.plan.planning` and `infra.sizing.fit`. `planning` re-exports
@@ -19,7 +19,7 @@ from infra.sizing.head import format_head
 from infra.sizing.streaming import format_streaming
 
 if TYPE_CHECKING:
-    from infra.plan.planning import Plan, RolePlan, RoleScaling
+    from infra.plan.plans import Plan, RolePlan, RoleScaling
 
 
 def _duration(seconds: float) -> str:

@@ -18,7 +18,7 @@ from infra.config import StackConfig
 from infra.sizing.streaming import StreamingSizing, size_streaming
 
 if TYPE_CHECKING:
-    from infra.plan.planning import RolePlan
+    from infra.plan.plans import RolePlan
 
 
 def streaming_for(config: StackConfig, roles: Sequence[RolePlan], output_tokens: int) -> StreamingSizing | None:
