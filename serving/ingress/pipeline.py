@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -34,6 +33,7 @@ from serving.core.calls import cancel_call
 from serving.core.failures import EngineRefused
 from serving.ingress.auth import ApiKeyAuth
 from serving.ingress.catalog import ModelNotFound, ModelRoute, Models, redact_storage
+from serving.ingress.context import RequestContext
 from serving.ingress.dispatch import dispatch_call
 from serving.ingress.errors import SERVED_BY, answer_for, error_response, model_not_found, validation_error
 from serving.ingress.fields import refused_field
@@ -45,26 +45,6 @@ from serving.ingress.routing import Router
 # A request body larger than this is refused with 413 before it is read whole (the default of
 # serving.ingress.maxBodyMiB).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
-
-
-@dataclass
-class RequestContext:
-    """One admitted chat or completion request, as the pipeline worked it out."""
-
-    request: Any  # the client's request (its headers: session affinity, trace context)
-    endpoint: str  # "chat" or "completions"
-    key_id: str
-    route: ModelRoute
-    # The client's fields (allow-listed JSON), with stream_options.include_usage added to a
-    # stream: what the external fallback is sent (OpenAI's fields of it).
-    body: dict[str, Any]
-    asked_usage: bool  # the client asked for the usage event itself
-    reservation: Reservation
-    started: float
-
-    @property
-    def stream(self) -> bool:
-        return bool(self.body.get("stream"))
 
 
 class BodyError(Exception):

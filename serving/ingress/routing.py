@@ -1,7 +1,7 @@
 """Routing an admitted request: the cluster or the external fallback, then its usage.
 
 What flows through here, per chat or completion request the front door has admitted (its
-key id, model route and token reservation: serving/ingress/pipeline.py `RequestContext`):
+key id, model route and token reservation: serving/ingress/context.py `RequestContext`):
   1. the routing rules pick a destination before the cluster is asked:
        unavailable  the deployment that serves the model's tokens (decode, or the aggregated
                     engine) has no running replica (Serve's status); prefill down is not
@@ -49,7 +49,7 @@ from serving.spec import FallbackWhen
 
 if TYPE_CHECKING:
     from serving.ingress.catalog import ModelRoute
-    from serving.ingress.pipeline import RequestContext
+    from serving.ingress.context import RequestContext
 
 logger = logging.getLogger("ray.serve")
 
