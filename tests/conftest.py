@@ -8,6 +8,9 @@ the end. Its log goes to build/test-logs/serve-e2e.log.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+
 import pytest
 
 from infra.paths import BUILD_DIR
@@ -70,20 +73,39 @@ def stack():
         extra_keys=(E2E_KEY_2, E2E_RPM_KEY, E2E_TPM_KEY),
         extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
     ) as running:
-        _SHARED.append(running)
+        _SHARED.append(lambda: running.stop() if running.proc.poll() is None else None)
         yield running
 
 
-# The shared stack, once started: a test with a stack of its own stops it first (the machine runs
-# one Ray stack at a time, and the shared stack's HAProxy holds the ports the next one needs).
-# In a full run the last shared-stack test has stopped it already; in a selection it may not have.
-_SHARED: list = []
+@pytest.fixture(scope="session")
+def provider(stack):
+    """The stand-in external provider (local.provider: plain vLLM serving the tiny model behind a
+    proxy that records what it gets), one for the session: the hybrid-routing and the
+    tool-calling e2e tests both send to it (each clears its records first)."""
+    from local.config import local_target
+    from local.provider import running_provider
+    from local.tiny_model import ensure_tiny_model
+
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as held:
+        running = held.enter_context(
+            running_provider(str(ensure_tiny_model()), LOG_DIR / "provider.log", dict(local_target().engine_env))
+        )
+        _SHARED.append(held.close)
+        yield running
+
+
+# What the shared-stack tests hold running (the shared stack, the provider beside it), as stops:
+# a test with a stack of its own calls them first (the machine runs one Ray stack at a time, and
+# the shared stack's HAProxy holds the ports the next one needs). In a full run the last
+# shared-stack test has stopped the stack already; in a selection it may not have. Each stop
+# does nothing the second time.
+_SHARED: list[Callable[[], None]] = []
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     # Before any fixture of the item: a module-scoped stack fixture is set up before autouse ones.
     if item.get_closest_marker("own_stack"):
-        for running in _SHARED:
-            if running.proc.poll() is None:
-                running.stop()
+        for stop in _SHARED:
+            stop()

@@ -22,7 +22,6 @@ from local.provider import EXTERNAL_MODEL
 from tests.conftest import E2E_KEY
 from tests.serving.ingress.test_routing_e2e import (  # noqa: F401 - fixtures
     base_user_config,
-    provider,
     restore,
     set_user_config,
     with_fallback,
@@ -156,7 +155,7 @@ def test_auto_and_none_are_answered(stack, route):
     assert not any(d.delta.tool_calls for c in chunks for d in c.choices)
 
 
-def test_pd_gives_the_calls_a_plain_vllm_server_gives(stack, provider):  # noqa: F811
+def test_pd_gives_the_calls_a_plain_vllm_server_gives(stack, provider):
     """The same model on vLLM's own OpenAI server with the same flags (the stand-in
     provider's vLLM, asked directly): the same calls, streamed and not."""
     pd, plain = _client(stack.urls["disaggregated"]), _client(provider.vllm_url, "none")

@@ -21,25 +21,13 @@ import pytest
 
 from bench import hops
 from bench.sse import Streamed, stream_request
-from local.provider import EXTERNAL_MODEL, PROVIDER_KEY, running_provider
+from local.provider import EXTERNAL_MODEL, PROVIDER_KEY
 from serving.spec import INGRESS_DEPLOYMENT, key_id
-from tests.conftest import E2E_KEY, E2E_KEY_2, E2E_RPM_KEY, LOG_DIR
+from tests.conftest import E2E_KEY, E2E_KEY_2, E2E_RPM_KEY
 
 pytestmark = pytest.mark.e2e
 APP = "llm"
 KILL_WINDOW_S = float(os.environ.get("PD_HYBRID_KILL_WINDOW_S", "60"))
-
-
-@pytest.fixture(scope="module")
-def provider(stack):
-    from local.config import local_target
-    from local.tiny_model import ensure_tiny_model
-
-    LOG_DIR.mkdir(parents=True, exist_ok=True)
-    with running_provider(
-        str(ensure_tiny_model()), LOG_DIR / "provider.log", dict(local_target().engine_env)
-    ) as provider:
-        yield provider
 
 
 def _apps(stack) -> dict:
