@@ -34,6 +34,8 @@ from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_
 
 from serving.spec import render
 from serving.spec.base import (
+    CONTROL_LOOP_ENV,
+    CONTROL_LOOP_INTERVAL_S,
     HAPROXY_HARD_STOP_ENV,
     PROXY_TIMEOUT_MARGIN_S,
     RESERVED_ENGINE_KWARGS,
@@ -301,7 +303,7 @@ class ServingSpec(SpecModel):
         `_graceful_reload`, haproxy_templates.py `hard-stop-after`), which would cut a stream
         that the deadlines allow to run longer. The node drain is that bound, rounded up
         (serving/spec/drain.py), so tuning totalTimeoutS within a step leaves the pods as they are."""
-        env = self.ingress.data_plane.ray_env
+        env = {**self.ingress.data_plane.ray_env, CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S)}
         if self.ingress.data_plane is DataPlane.HAPROXY:
             env[HAPROXY_HARD_STOP_ENV] = str(self.drain().node_drain_s)
         return env

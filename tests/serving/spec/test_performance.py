@@ -10,6 +10,9 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +137,28 @@ def test_rays_default_batch_interval_is_50_ms():
     """The figure the docs quote (constants.py MODEL_RESPONSE_BATCH_TIMEOUT_MS, env unset)."""
     constants = importlib.import_module("ray.llm._internal.serve.constants")
     assert constants.MODEL_RESPONSE_BATCH_TIMEOUT_MS == 50
+
+
+@pytest.mark.parametrize("plane", ["haproxy", "grpc", "ray-proxy"])
+def test_every_ray_process_gets_serves_control_loop_interval(plane):
+    from serving.spec import CONTROL_LOOP_ENV, CONTROL_LOOP_INTERVAL_S
+
+    env = spec(ingress={"dataPlane": plane}).ray_env()
+    assert float(env[CONTROL_LOOP_ENV]) == CONTROL_LOOP_INTERVAL_S
+
+
+def test_ray_reads_the_control_loop_interval_by_that_name():
+    """In a fresh process, as a Ray process started with ray_env reads it; Ray's default would
+    loop five times as often."""
+    from serving.spec import CONTROL_LOOP_ENV, CONTROL_LOOP_INTERVAL_S
+
+    read = "from ray.serve._private import constants; print(constants.CONTROL_LOOP_INTERVAL_S)"
+    env = {k: v for k, v in os.environ.items() if k != CONTROL_LOOP_ENV}
+    default = float(
+        subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True).stdout
+    )
+    env[CONTROL_LOOP_ENV] = str(CONTROL_LOOP_INTERVAL_S)
+    ours = float(
+        subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True).stdout
+    )
+    assert (default, ours) == (0.1, CONTROL_LOOP_INTERVAL_S)
