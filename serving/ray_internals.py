@@ -18,11 +18,14 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py (PDServingArgs)
   python/ray/serve/_private/http_util.py                    (session_id_from_headers)
   python/ray/llm/_internal/serve/utils/batcher.py           (Batcher)
+  python/ray/llm/_internal/common/patches/vllm/tokenize_once.py (reuse_prompt_token_ids: decode
+                                                            renders with prefill's prompt token ids)
 Methods and attributes of public classes that the resilience layer relies on, also checked
 by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the routing
 tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
 _lora_paths: the many-model front door fills them, serving/ingress/catalog.py),
-PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once, the
+PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once /
+_request_prefill_token_ids / _decode_reuse_ids, the
 connector backend's prepare_prefill_request / prepare_decode_request /
 requires_peer_binding / concurrent_handoff, and Serve's
 DeploymentResponseGenerator._fetch_future_result_async (python/ray/serve/handle.py: resolves
@@ -34,6 +37,7 @@ from __future__ import annotations
 from ray.llm._internal.common.dict_utils import (
     maybe_apply_llm_deployment_config_defaults,
 )
+from ray.llm._internal.common.patches.vllm.tokenize_once import reuse_prompt_token_ids
 from ray.llm._internal.serve.core.configs.openai_api_models import (
     ErrorResponse,
     ModelCard,
@@ -65,6 +69,8 @@ HOOKS = (
     ("ray.serve.llm.deployment:LLMServer", "_get_batch_interval_ms"),
     ("ray.serve.handle:DeploymentResponseGenerator", "_fetch_future_result_async"),
     ("ray.serve.llm.deployment:PDDecodeServer", "_get_connector_backend"),
+    ("ray.serve.llm.deployment:PDDecodeServer", "_request_prefill_token_ids"),
+    ("ray.serve.llm.deployment:PDDecodeServer", "_decode_reuse_ids"),
     ("ray.serve.llm.ingress:OpenAiIngress", "_get_model_id"),
     ("ray.serve.llm.ingress:OpenAiIngress", "_get_configured_serve_handle"),
 )
@@ -98,6 +104,7 @@ __all__ = [
     "check_hooks",
     "maybe_apply_llm_deployment_config_defaults",
     "openai_sse_packet",
+    "reuse_prompt_token_ids",
     "sanitize_chat_request",
     "session_id_from_headers",
     "to_model_metadata",

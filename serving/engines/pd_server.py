@@ -17,7 +17,7 @@ to Ray's own builder) and RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 from ray import serve
@@ -26,7 +26,7 @@ from ray.serve.llm.deployment import LLMServer, PDDecodeServer, PDPrefillServer
 
 from serving import ray_internals as ri
 from serving.core import metrics
-from serving.core.calls import is_client_error, is_server_error
+from serving.core.calls import aclose_quietly, is_client_error, is_server_error
 from serving.core.cluster_watch import ClusterWatch
 from serving.core.failures import Reason
 from serving.core.prompts import prompt_count
@@ -48,9 +48,12 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
 
     chat/completions: remote prefill under a deadline, retried, circuit-broken; local
     prefill on this decode engine when the remote path fails (see serving.engines.prefill_hop).
-    Connectors that bind a peer or hand off concurrently (MoRIIO, WRITE mode) and the
-    tokenize-once experiment keep Ray's own path. The first streamed chunk leaves at once
-    (serving.engines.streaming; the mixin comes first so its `_batch_output_stream` wins).
+    Connectors that bind a peer or hand off concurrently (MoRIIO, WRITE mode) keep Ray's own
+    path. With `pd_tokenize_once` (Ray's experimental config, which the spec sets from
+    kvTransfer.reusePromptTokenIds) prefill returns the prompt's token ids and decode renders
+    with them instead of tokenizing the prompt a second time, as Ray's own path does. The first
+    streamed chunk leaves at once (serving.engines.streaming; the mixin comes first so its
+    `_batch_output_stream` wins).
     """
 
     async def __init__(  # type: ignore[misc]  # Serve awaits async constructors, as Ray's own
@@ -86,7 +89,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
 
     def _upstream_path(self) -> bool:
         backend = self._get_connector_backend()
-        return bool(backend.requires_peer_binding or backend.concurrent_handoff or self._pd_tokenize_once)
+        return bool(backend.requires_peer_binding or backend.concurrent_handoff)
 
     async def chat(self, request: Any, raw_request_info: Any = None) -> Any:
         if self._upstream_path():
@@ -118,6 +121,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
 
         def call_prefill() -> Any:
             prefill_request = backend.prepare_prefill_request(request=request, peer=None)
+            self._request_prefill_token_ids(prefill_request)  # tokenize-once: prefill returns them
             return prefill_method.remote(prefill_request, raw_request_info)
 
         async def prefill() -> PrefillOutcome:
@@ -133,7 +137,10 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
 
         async def decode_with(prefill_chunk: Any) -> AsyncIterator[Any]:
             decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=prefill_chunk)
-            return await local(self, decode_request, raw_request_info)
+            ids = self._decode_reuse_ids(prefill_chunk)
+            if not ids:
+                return await local(self, decode_request, raw_request_info)
+            return reusing_prompt_ids(ids, lambda: local(self, decode_request, raw_request_info))
 
         async def decode_local() -> AsyncIterator[Any]:
             # The untouched request: no kv_transfer_params, so the decode engine prefills.
@@ -181,6 +188,20 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 yield item
         finally:
             self._open_requests -= 1
+
+
+async def reusing_prompt_ids(ids: list[int], start: Callable[[], Awaitable[AsyncIterator[Any]]]) -> AsyncIterator[Any]:
+    """The decode engine's stream, started and read with prefill's prompt token ids published
+    (Ray's `reuse_prompt_token_ids`): vLLM renders the prompt when the stream is first read,
+    in this task or one it starts, and takes the ids instead of tokenizing. The engine's
+    stream is closed with this one, so an abort (a KV-ready timeout) reaches the engine."""
+    with ri.reuse_prompt_token_ids(ids):
+        gen = await start()
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            await aclose_quietly(gen)
 
 
 def _prefill_watch() -> ClusterWatch | None:

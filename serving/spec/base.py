@@ -42,6 +42,9 @@ PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
 EAGER_SERVER_CLS = "serving.engines.streaming:EagerLLMServer"
 # The LLMConfig.experimental_configs key that carries streaming.firstChunk to the engines.
 FIRST_CHUNK_KEY = "pd_first_chunk"
+# Ray 2.60's experimental_configs key for decode's reuse of prefill's prompt token ids
+# (serving_patterns/prefill_decode/pd_server.py, PDDecodeServer.__init__).
+TOKENIZE_ONCE_KEY = "pd_tokenize_once"
 # Environment of every Serve replica the spec renders (engines and ingress).
 SERVING_ENV = {
     # Ray Serve LLM 2.60 defines this switch (constants.py, default on) and reads it nowhere;

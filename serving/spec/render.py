@@ -27,6 +27,7 @@ from serving.spec.base import (
     PREFIX_ROUTER_CLS,
     SERVE_PORT,
     SERVING_ENV,
+    TOKENIZE_ONCE_KEY,
     FirstChunk,
     KvBackend,
     Mode,
@@ -173,6 +174,8 @@ def llm_config(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -> di
         # Read by serving.engines.streaming's mixin, wherever a server class carries it.
         FIRST_CHUNK_KEY: spec.streaming.first_chunk.value,
     }
+    if role == "decode" and spec.mode is Mode.DISAGGREGATED and spec.kv_transfer.reuse_prompt_token_ids:
+        config["experimental_configs"][TOKENIZE_ONCE_KEY] = True
     if spec.streaming.first_chunk is FirstChunk.EAGER and spec.mode is Mode.AGGREGATED:
         # Ray's P/D builder fixes the decode class (PDDecodeServer): server_cls counts for
         # the aggregated engine only.

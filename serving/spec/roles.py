@@ -211,6 +211,11 @@ class KvTransferSpec(SpecModel):
     # Passed through as kv_connector_extra_config (e.g. {"kv_lease_duration": 60}); its
     # `backends` is rendered from `backend` (a `backends` here must agree with it).
     extra_config: dict[str, Any] = Field(default_factory=dict)
+    # Decode renders the prompt with the token ids prefill returns, instead of tokenizing it a
+    # second time (Ray 2.60's LLMConfig.experimental_configs.pd_tokenize_once, which the
+    # resilient decode server honours too: serving/engines/pd_server.py). A prompt that
+    # prefills on decode (prefill down, n > 1, a batch) is tokenized there, as before.
+    reuse_prompt_token_ids: bool = True
 
     @model_validator(mode="after")
     def _backends(self) -> KvTransferSpec:

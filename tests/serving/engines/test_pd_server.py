@@ -15,6 +15,7 @@ would fail the test instead of starting Ray.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import types
 from pathlib import Path
@@ -228,3 +229,96 @@ def test_serve_response_generator_members_used_by_the_ingress():
 
     assert inspect.iscoroutinefunction(DeploymentResponseGenerator._fetch_future_result_async)
     assert callable(DeploymentResponseGenerator.cancel)
+
+
+# --- tokenize once: decode renders with prefill's prompt token ids ----------------------------
+def test_rays_tokenize_once_patch_applies_to_this_vllm():
+    """Ray 2.60 common/patches/vllm/tokenize_once.py wraps vLLM's renderer; on a vLLM whose
+    renderer it cannot find, install() says False and Ray's decode server keeps it off. vLLM's
+    chat request takes `return_token_ids` and its response carries `prompt_token_ids`
+    (vllm/entrypoints/openai/chat_completion/protocol.py), the two ends the reuse needs."""
+    from ray.llm._internal.common.patches.vllm import tokenize_once
+    from ray.serve.llm.deployment import PDDecodeServer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest, ChatCompletionResponse
+
+    assert tokenize_once.install() is True
+    assert "return_token_ids" in ChatCompletionRequest.model_fields
+    assert "prompt_token_ids" in ChatCompletionResponse.model_fields
+    # Decode reads them off prefill's first chunk (chat: top level).
+    assert "prompt_token_ids" in inspect.getsource(PDDecodeServer._decode_reuse_ids)
+    assert "return_token_ids = True" in inspect.getsource(PDDecodeServer._request_prefill_token_ids)
+
+
+def _engine_stream(seen: list, hang: bool = False):
+    """A stand-in for the decode engine's stream: like vLLM it renders (reads the published
+    ids) when it is first read, then streams."""
+    from ray.llm._internal.common.patches.vllm.tokenize_once import _reused_token_ids
+
+    async def gen():
+        try:
+            seen.append(("rendered with", _reused_token_ids.get()))
+            if hang:
+                await asyncio.sleep(3600)
+            yield "token-1"
+            yield "token-2"
+        finally:
+            seen.append("engine stream closed")
+
+    return gen()
+
+
+def _orchestrate(seen, ids, *, hang=False, kv_ready_timeout_s=5.0):
+    from serving.engines.pd_server import reusing_prompt_ids
+    from serving.engines.prefill_hop import PrefillOutcome, orchestrate
+
+    async def prefill():
+        return PrefillOutcome(chunk="prefill chunk")
+
+    async def decode_with(chunk):
+        async def start():
+            return _engine_stream(seen, hang=hang)
+
+        return reusing_prompt_ids(ids, start)
+
+    async def decode_local():
+        return _engine_stream(seen)
+
+    async def run():
+        out = [
+            x
+            async for x in orchestrate(
+                prefill=prefill,
+                decode_with=decode_with,
+                decode_local=decode_local,
+                is_server_error=lambda _: False,
+                kv_ready_timeout_s=lambda: kv_ready_timeout_s,
+                on_path=lambda path, reason: seen.append(("path", path.value, reason.value if reason else None)),
+            )
+        ]
+        from ray.llm._internal.common.patches.vllm.tokenize_once import _reused_token_ids
+
+        return out, _reused_token_ids.get()
+
+    return asyncio.run(run())
+
+
+def test_decode_renders_with_prefills_ids_under_the_kv_ready_deadline():
+    """The first read runs under the KV-ready deadline (asyncio.wait_for: another task), and
+    the ids still reach the render; nothing is left published once the stream is done."""
+    seen: list = []
+    out, left = _orchestrate(seen, [101, 102, 103])
+    assert out == ["token-1", "token-2"]
+    assert seen[0] == ("rendered with", [101, 102, 103])
+    assert left is None and "engine stream closed" in seen
+
+
+def test_a_kv_ready_timeout_closes_the_engine_stream_and_prefills_locally_without_the_ids():
+    seen: list = []
+    out, _ = _orchestrate(seen, [7, 8], hang=True, kv_ready_timeout_s=0.05)
+    assert out == ["token-1", "token-2"]
+    renders = [s for s in seen if isinstance(s, tuple) and s[0] == "rendered with"]
+    # The remote path's stream rendered with the ids and was closed (the engine's abort);
+    # the local prefill tokenizes the prompt itself.
+    assert renders == [("rendered with", [7, 8]), ("rendered with", None)]
+    assert seen.index("engine stream closed") < seen.index(("rendered with", None))
+    assert ("path", "local", "kv_timeout") in seen

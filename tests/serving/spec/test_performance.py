@@ -162,3 +162,20 @@ def test_ray_reads_the_control_loop_interval_by_that_name():
         subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True).stdout
     )
     assert (default, ours) == (0.1, CONTROL_LOOP_INTERVAL_S)
+
+
+def test_decode_reuses_prefills_prompt_token_ids_unless_turned_off():
+    """Ray 2.60 PDDecodeServer.__init__ reads experimental_configs["pd_tokenize_once"] (decode
+    only); the aggregated engine and prefill have nothing to reuse."""
+    from ray.llm._internal.serve.serving_patterns.prefill_decode import pd_server
+
+    from serving.spec import TOKENIZE_ONCE_KEY
+
+    assert f'experimental_configs.get("{TOKENIZE_ONCE_KEY}")' in inspect.getsource(pd_server)
+    on = engines(spec().app_args(GPU))
+    assert on["decode"]["experimental_configs"][TOKENIZE_ONCE_KEY] is True
+    assert TOKENIZE_ONCE_KEY not in on["prefill"]["experimental_configs"]
+    off = engines(spec(kvTransfer={"reusePromptTokenIds": False}).app_args(GPU))
+    assert TOKENIZE_ONCE_KEY not in off["decode"]["experimental_configs"]
+    agg = engines(spec(mode="aggregated").app_args(GPU))
+    assert TOKENIZE_ONCE_KEY not in agg["decode"]["experimental_configs"]
