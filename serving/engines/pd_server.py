@@ -86,6 +86,8 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         # Serve's own word on the prefill deployment: with no running replica (a restart
         # takes minutes in the cloud), requests prefill here at once instead of queueing.
         self._watch = _prefill_watch()
+        if self._pd_tokenize_once:
+            logger.info("decode renders prompts with the token ids prefill returns (pd_tokenize_once)")
 
     def _upstream_path(self) -> bool:
         backend = self._get_connector_backend()
