@@ -17,6 +17,8 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/llm/_internal/common/dict_utils.py             (maybe_apply_llm_deployment_config_defaults)
   python/ray/llm/_internal/serve/serving_patterns/prefill_decode/builder.py (PDServingArgs)
   python/ray/serve/_private/http_util.py                    (session_id_from_headers)
+  python/ray/serve/context.py, _private/client.py          (serve_details: the controller's
+                                                            details dict that serve.status() validates)
   python/ray/llm/_internal/serve/utils/batcher.py           (Batcher)
   python/ray/llm/_internal/common/patches/vllm/tokenize_once.py (reuse_prompt_token_ids: decode
                                                             renders with prefill's prompt token ids)
@@ -33,6 +35,8 @@ once the router has given the call to a replica).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from ray.llm._internal.common.dict_utils import (
     maybe_apply_llm_deployment_config_defaults,
@@ -76,6 +80,15 @@ HOOKS = (
 )
 
 
+def serve_details() -> dict[str, Any]:
+    """The Serve controller's details of every application (ServeInstanceDetails as a dict),
+    without the validation `serve.status()` runs on them; {} before Serve has started."""
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return client.get_serve_details() if client is not None else {}
+
+
 def check_hooks() -> None:
     """Raise RuntimeError naming every private hook of HOOKS that this Ray lacks."""
     import importlib
@@ -106,6 +119,7 @@ __all__ = [
     "openai_sse_packet",
     "reuse_prompt_token_ids",
     "sanitize_chat_request",
+    "serve_details",
     "session_id_from_headers",
     "to_model_metadata",
 ]

@@ -1,17 +1,25 @@
 """What Serve says about the applications: running replicas per deployment, kept fresh while read.
 
-What flows through here: `serve.status()` (Serve's controller; it blocks, so it is read in a
-thread every `period_s`) -> running replicas per deployment of this application (and of
+What flows through here: Serve's controller's details of every application (what
+`serve.status()` summarises; it blocks, so it is read in a thread every `period_s`) -> running
+replicas per deployment of this application (and of
 every other one, by "<app>/<deployment>": a many-model front door watches the models'
 applications) -> the routing rules (serving/ingress/routing.py: is the deployment that serves
 a model's tokens down, how many decode replicas share the load) and the decode server's
 prefill hop (serving/engines/pd_server.py: no running prefill replica -> prefill locally).
 
-Read on demand: each `serve.status()` is a full round trip to the controller (it reads its
-checkpoint and every application's config), so the watch polls only while someone reads it,
-and stops after `idle_s` without a read. An idle stack asks the controller nothing; the first
-read after a pause finds no fresh answer (`replicas` is None: the callers then do not guess)
-and wakes the poll.
+Read on demand: each read is a full round trip to the controller (it builds every
+application's details), so the watch polls only while someone reads it, and stops after
+`idle_s` without a read. An idle stack asks the controller nothing; the first read after a
+pause finds no fresh answer (`replicas` is None: the callers then do not guess) and wakes the
+poll.
+
+Why the controller's dict and not `serve.status()`: Ray 2.60's `serve.status()` validates that
+dict into pydantic models in the caller, and each deployment's RequestRouterConfig
+cloudpickles its router class on the way; under load that was 15% of a decode replica's CPU
+(py-spy, 16 streams on the local stack). Counting the replicas in the dict gives the same
+figure (Ray's own `ServeInstanceDetails._get_status` counts `replicas[*].state`; an e2e test
+holds the two equal on the live stack).
 """
 
 from __future__ import annotations
@@ -32,13 +40,17 @@ class ClusterState:
     error: str | None = None
 
 
-def running_replicas(applications: Mapping[str, Any], own_app: str) -> dict[str, int]:
-    """Running replicas by deployment: this application's by their name, every application's
-    (the many-model form's model applications included) as "<app>/<deployment>"."""
+RUNNING = "RUNNING"  # ray.serve._private.common.ReplicaState.RUNNING (a str enum)
+
+
+def running_replicas(details: Mapping[str, Any], own_app: str) -> dict[str, int]:
+    """Running replicas by deployment, from the controller's details (the dict Ray's
+    ServeInstanceDetails schema describes): this application's by their name, every
+    application's (the many-model form's model applications included) as "<app>/<deployment>"."""
     running: dict[str, int] = {}
-    for app_name, app in applications.items():
-        for name, d in app.deployments.items():
-            n = sum(k for state, k in d.replica_states.items() if state == "RUNNING")
+    for app_name, app in (details.get("applications") or {}).items():
+        for name, d in (app.get("deployments") or {}).items():
+            n = sum(1 for r in d.get("replicas") or () if r.get("state") == RUNNING)
             running[f"{app_name}/{name}"] = n
             if app_name == own_app:
                 running[name] = n
@@ -46,7 +58,7 @@ def running_replicas(applications: Mapping[str, Any], own_app: str) -> dict[str,
 
 
 class ClusterWatch:
-    """Polls `serve.status()` every `period_s` in a thread (it blocks on the controller), while
+    """Polls the controller's details every `period_s` in a thread (it blocks on the controller), while
     it is read; `idle_s` after the last read it stops until the next."""
 
     def __init__(
@@ -82,9 +94,9 @@ class ClusterWatch:
 
     def poll(self) -> dict[str, int]:
         """Serve's running replicas now (blocks on the controller: call it in a thread)."""
-        from ray import serve
+        from serving import ray_internals as ri
 
-        return running_replicas(serve.status().applications, self.app_name)
+        return running_replicas(ri.serve_details(), self.app_name)
 
     async def _run(self) -> None:
         assert self._wake is not None

@@ -679,3 +679,24 @@ def test_every_route_takes_the_request_fastapi_hands_it(monkeypatch):
     assert client.get("/version").status_code == 200
     assert client.get("/health").status_code in (200, 503)
     assert client.post("/v1/chat/completions", json=CHAT).status_code == 401
+
+
+@pytest.mark.e2e
+def test_the_replica_count_the_watches_read_is_the_one_serve_status_gives(stack):
+    """serving.core.cluster_watch counts RUNNING replicas in the controller's details instead of
+    validating them as serve.status() does; on the live stack's details (the dashboard serves
+    the same controller call) both give the same counts, for every deployment of both apps."""
+    from ray.serve.schema import ServeInstanceDetails
+
+    from serving.core.cluster_watch import running_replicas
+
+    details = httpx.get(f"{stack.state['dashboard_url']}/api/serve/applications/", timeout=30).json()
+    ours = running_replicas(details, "llm")
+    status = ServeInstanceDetails(**details)._get_status()
+    theirs = {
+        f"{app_name}/{name}": d.replica_states.get("RUNNING", 0)
+        for app_name, app in status.applications.items()
+        for name, d in app.deployments.items()
+    }
+    assert {k: v for k, v in ours.items() if "/" in k} == theirs
+    assert any(k.startswith("llm/Decode") and v >= 1 for k, v in theirs.items()), theirs
