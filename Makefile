@@ -144,15 +144,14 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# What the tests need besides .venv, each its own virtualenv or download: built side by side
-# with .venv (-j), which on a fresh machine is mostly waiting on pip and the network.
-TEST_NEEDS := venv light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
-
 # The tests that start no Ray stack on both cores (pytest-xdist), then the e2e ones in one
-# process: the machine runs one Ray stack at a time (tests/conftest.py orders them).
-test:
-	$(MAKE) --no-print-directory -j4 $(TEST_NEEDS)
-	$(MAKE) --no-print-directory lint
+# process: the machine runs one Ray stack at a time (tests/conftest.py orders them). The
+# prerequisites, each its own virtualenv or download, are built side by side (a fresh
+# machine mostly waits on pip and the network there); the recipe's lines still run in order.
+ifneq ($(filter test test-fast,$(MAKECMDGOALS)),)
+MAKEFLAGS += --jobs=4 --output-sync=target
+endif
+test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e" -n 2
 	$(PY) -m pytest -m e2e
 
@@ -160,8 +159,7 @@ test:
 test-live-metrics: venv
 	$(PY) -m pytest -m live_metrics
 
-test-fast:
-	$(MAKE) --no-print-directory -j4 $(TEST_NEEDS)
+test-fast: venv light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e" -n 2
 
 # SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus.
