@@ -149,7 +149,7 @@ lint: venv
 # prerequisites, each its own virtualenv or download, are built side by side (a fresh
 # machine mostly waits on pip and the network there); the recipe's lines still run in order.
 ifneq ($(filter test test-fast,$(MAKECMDGOALS)),)
-MAKEFLAGS += --jobs=4 --output-sync=target
+MAKEFLAGS += --jobs=4
 endif
 test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e" -n 2
