@@ -85,7 +85,7 @@ class StackPlan:
 
     argv: list[str]
     config: dict[str, Any]  # the Serve config PUT to the dashboard
-    ray_env: dict[str, str]  # the data plane's switches the Ray nodes start with
+    ray_env: dict[str, str]  # what the Ray nodes start with (ServingSpec.ray_env)
 
 
 def plan_stack(

@@ -387,8 +387,9 @@ def local_target(signals: bool = False) -> Target:
 
 def data_plane_env(data_plane: str | None) -> dict[str, str]:
     """Ray's environment from the local spec with `data_plane` (the spec's default when None):
-    the data plane's switches, which Ray reads in every process, not from the Serve config,
-    and HAProxy's hard stop from the local deadlines (ServingSpec.ray_env)."""
+    the data plane's switches and Serve's control-loop interval, which Ray reads in every
+    process, not from the Serve config, and HAProxy's hard stop from the local deadlines
+    (ServingSpec.ray_env)."""
     return local_spec(Mode.DISAGGREGATED, Path("/models/check"), data_plane=data_plane).ray_env()
 
 

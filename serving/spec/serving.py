@@ -296,7 +296,8 @@ class ServingSpec(SpecModel):
 
     def ray_env(self) -> dict[str, str]:
         """The environment every Ray process of the cluster gets from the spec: the data
-        plane's switches (spec_base.DataPlane), and in HAProxy mode how long an HAProxy
+        plane's switches (spec_base.DataPlane), Serve's control-loop interval
+        (base.CONTROL_LOOP_INTERVAL_S), and in HAProxy mode how long an HAProxy
         process replaced by a reload (Serve reloads it whenever the ingress replicas change)
         may finish its open streams before it is stopped: Ray 2.60 stops it after
         RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S, 120 s by default (ray/serve/_private/haproxy.py

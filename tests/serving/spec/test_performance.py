@@ -152,15 +152,15 @@ def test_ray_reads_the_control_loop_interval_by_that_name():
     loop five times as often."""
     from serving.spec import CONTROL_LOOP_ENV, CONTROL_LOOP_INTERVAL_S
 
-    read = "from ray.serve._private import constants; print(constants.CONTROL_LOOP_INTERVAL_S)"
-    env = {k: v for k, v in os.environ.items() if k != CONTROL_LOOP_ENV}
-    default = float(
-        subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True).stdout
-    )
-    env[CONTROL_LOOP_ENV] = str(CONTROL_LOOP_INTERVAL_S)
-    ours = float(
-        subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, check=True).stdout
-    )
+    def interval_read(**env: str) -> float:
+        read = "from ray.serve._private import constants; print(constants.CONTROL_LOOP_INTERVAL_S)"
+        base = {k: v for k, v in os.environ.items() if k != CONTROL_LOOP_ENV}
+        run = subprocess.run(
+            [sys.executable, "-c", read], env={**base, **env}, capture_output=True, text=True, check=True
+        )
+        return float(run.stdout)
+
+    default, ours = interval_read(), interval_read(**{CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S)})
     assert (default, ours) == (0.1, CONTROL_LOOP_INTERVAL_S)
 
 
