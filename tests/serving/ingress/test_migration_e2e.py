@@ -41,6 +41,10 @@ SCALE_OUT_WITHIN_S = 300
 SCALE_IN_WITHIN_S = 240
 # The replica scale-in removed must have run streams within this long before Serve stopped it.
 BUSY_WINDOW_S = 20
+BOTH_BUSY_WITHIN_S = 60
+# Clients left while decode scales in: under one replica's target, so Serve keeps one replica,
+# and enough that Serve's power-of-two router leaves neither of the two without a stream.
+KEEP_CLIENTS = LOCAL_DECODE_TARGET * 3 // 4
 
 
 class Clients:
@@ -127,6 +131,10 @@ def test_decode_scales_out_under_load_and_a_death_and_scale_in_cut_no_stream(sta
             if r["state"] == "RUNNING" and r["replica_id"] in running:
                 readings.setdefault(r["replica_id"], []).append((time.monotonic(), running[r["replica_id"]]))
 
+    def busy_replicas() -> int:
+        running = {r["replica_id"] for r in listed if r["state"] == "RUNNING"}
+        return sum(1 for rid, got in readings.items() if rid in running and got[-1][1] > 0)
+
     def ran_streams_before_it_stopped(replica_id: str | None) -> bool:
         got = readings.get(replica_id or "") or []
         return any(v > 0 for t, v in got if t >= got[-1][0] - BUSY_WINDOW_S)
@@ -148,8 +156,11 @@ def test_decode_scales_out_under_load_and_a_death_and_scale_in_cut_no_stream(sta
             # Decode whole again, so scale-in chooses between two replicas that serve streams
             # (not the replacement still starting, which Serve would stop first).
             await replicas.wait_healthy(DASHBOARD[0], ":Decode:", 2, SCALE_OUT_WITHIN_S, dead_pid=victim.pid)
+            # The replacement takes new requests only as streams end: wait until both engines
+            # run streams before the load drops, or scale-in may remove one that ran none.
+            await _until(lambda *_: busy_replicas() >= 2, BOTH_BUSY_WITHIN_S, "both decode engines busy", seen, watch)
             # A few clients stay: decode scales in to one replica while they stream.
-            load.stop(keep=4)
+            load.stop(keep=KEEP_CLIENTS)
             await watch()
             ids = [r["replica_id"] for r in listed if r["state"] == "RUNNING"]
             await _until(
