@@ -233,17 +233,20 @@ def bind_ingress(
 ) -> Any:
     """The OpenAI front door deployment bound to its engines, as Ray's builders bind it (the
     class's default options for `llm_configs` under the rendered `deployment_config`), with
-    our route table."""
+    our route table on Ray's middleware stack less its BaseHTTPMiddleware (ingress/asgi.py)."""
     from ray import serve
     from ray.serve.llm.ingress import make_fastapi_ingress
 
     from serving import ray_internals as ri
+    from serving.ingress.asgi import ingress_app
 
     options = ri.maybe_apply_llm_deployment_config_defaults(
         ingress_cls.get_deployment_options(llm_configs), dict(deployment_config or {})
     )
     deployment: Any = serve.deployment
-    return deployment(make_fastapi_ingress(ingress_cls, endpoint_map=endpoint_map()), **options).bind(
+    return deployment(
+        make_fastapi_ingress(ingress_cls, endpoint_map=endpoint_map(), app=ingress_app()), **options
+    ).bind(
         llm_deployments=dict(llm_deployments),
         model_cards=dict(model_cards),
         lora_paths=dict(lora_paths),
