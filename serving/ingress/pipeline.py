@@ -245,6 +245,7 @@ def _json_object(raw: bytes) -> dict[str, Any] | Response:
     return body
 
 
+@cache
 def _request_type(endpoint: str) -> Any:
     """vLLM's request model for `endpoint`, as Ray's ingress declares it for `body` (read from
     its signature: the vLLM-specific endpoints parse exactly as Ray's would)."""

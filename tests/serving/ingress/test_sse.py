@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from serving.ingress.sse import SseRewriter, estimated_usage
 
 
@@ -29,3 +32,44 @@ def test_a_stream_without_usage_is_counted_from_its_text():
     r.feed('data: {"choices":[{"delta":{"content":"abcdefgh"}}]}\n\ndata: {"choices":[{"delta":{"content":"ij"}}]}\n\n')
     # 10 characters at 4 a token, rounded up (the estimate serving.ingress.limits reserves by).
     assert estimated_usage(r).completion_tokens == 3 and not r.usage.seen
+
+
+# --- the one decoder and encoder ----------------------------------------------------------------
+_JSON = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(_JSON)
+def test_an_event_is_written_as_the_standard_library_writes_it_in_utf8(doc):
+    """The stream's encoder (msgspec's) writes what json.dumps writes, compact and in UTF-8
+    (vLLM's own server writes UTF-8), but for a float's exponent sign (1e16, not 1e+16: the
+    same number); and reads back what it wrote."""
+    import json
+
+    from serving.ingress.sse import encode, parse_event
+
+    text = encode(doc)
+    assert json.loads(text) == doc
+    assert parse_event(f"data: {text}").doc == doc
+    std = json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+    assert text == std or "e+" in std
+
+
+def test_what_msgspec_refuses_reads_and_writes_as_before():
+    """An integer past 64 bits, a NaN literal: the standard library's decoder and encoder, so
+    no event reads differently than it did."""
+    import math
+
+    from serving.ingress.sse import NOT_JSON, encode, parse_event
+
+    assert parse_event('data: {"n":123456789012345678901234567890}').doc == {"n": 123456789012345678901234567890}
+    assert math.isnan(parse_event('data: {"x":NaN}').doc["x"])
+    assert parse_event("data: {not json").doc is NOT_JSON
+    assert encode({"n": 2**70}) == '{"n":1180591620717411303424}'
