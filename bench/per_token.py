@@ -40,6 +40,8 @@ REQUEST_BARS = (("disaggregated", 3.0), ("aggregated", 2.0))
 # processes (what a one-model stack runs).
 IDLE_BAR = 0.10
 BASELINE_CLASS = "vllm_api_server"
+# The idle figures' key for Ray's own floor (bench/idle_floor.py: the bare local cluster).
+RAY_FLOOR = "ray floor"
 ALL = "all"
 
 
@@ -112,6 +114,7 @@ def run(
         base_req = ((base or {}).get("non_engine_ms_per_request") or {}).get("net")
         fig["non_engine_net_vs_vllm_api_server"] = ratio(fig["non_engine_ms_per_request"]["net"], base_req)
     out["stack_idle_cores"] = cpu.non_engine(idle["stack"]) if "stack" in idle else None
+    out["ray_floor_idle_cores"] = cpu.non_engine(idle[RAY_FLOOR]) if RAY_FLOOR in idle else None
     return out
 
 
@@ -213,6 +216,9 @@ def idle_line(fig: Mapping[str, Any]) -> str:
     whole = fig.get("stack_idle_cores")
     if whole is not None:
         parts.append(f"the whole local stack (both apps and Ray's shared processes) {whole:.1%}")
+    floor = fig.get("ray_floor_idle_cores")
+    if floor is not None:
+        parts.append(f"Ray's own floor (the same three nodes, no Serve app, before the stack) {floor:.1%}")
     return "Idle CPU outside the engines, share of one core: " + ("; ".join(parts) or "-")
 
 

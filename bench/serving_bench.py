@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from bench import BENCH_DIR, cpu, gaps, hops, per_token, plots, vllm_load
+from bench import BENCH_DIR, cpu, gaps, hops, idle_floor, per_token, plots, vllm_load
 from bench.observe import KV_KEYS, idle_cpu, kv_totals, read_spans, roles, settled, stack_apps
 from bench.plain_vllm import vllm_server, wait_healthy
 from bench.start_times import save_start_times, start_times
@@ -571,7 +571,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.start_times_only:
             save_start_times(args.out, starts)
             return 0
+        # Ray's own floor first, on a quiet machine: the same three nodes, no Serve app.
+        say(f"Ray's idle floor: the local cluster's three nodes, no Serve app, {args.idle_s:.0f} s")
+        floor = idle_floor.measure(args.idle_s)
+        say(f"Ray's idle floor, share of a core: {cpu.non_engine(floor):.1%}")
         measured = run_targets(args, levels, model_dir, logs, client_log, say)
+        measured.idle_hops[idle_floor.NAME] = floor
         traced = (
             run_targets(args, levels, model_dir, logs, client_log, say, sample_rate=EVERY_REQUEST)
             if args.traced_pass

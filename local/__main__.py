@@ -45,13 +45,12 @@ from local.config import (
     SIGNALS_ENV,
     LocalConfigError,
     app_urls,
-    cluster_env,
-    data_plane_env,
     hybrid_from_env,
     local_data_plane,
     local_spec,
     models_problem,
     render_local_config,
+    stack_ray_env,
 )
 from local.procs import STOP_SIGNALS, AlreadyRunning, free_port, instance_lock, leftover_haproxy, port_in_use
 from local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
@@ -341,7 +340,7 @@ def _serve(
 
 def _start_cluster(args: argparse.Namespace, run: _Run, extras: dict[str, Any], keys: list[str], say: Any) -> None:
     say("starting a local Ray cluster: nodes labelled head, prefill, decode")
-    env = {**cluster_env(), **data_plane_env(args.data_plane), **extras.get("s3_env", {})}
+    env = {**stack_ray_env(args.data_plane), **extras.get("s3_env", {})}
     if not args.no_auth:
         env[API_KEYS_ENV] = ",".join(keys)
     extra_prefill = args.prefill_replicas - 1

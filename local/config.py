@@ -393,6 +393,12 @@ def data_plane_env(data_plane: str | None) -> dict[str, str]:
     return local_spec(Mode.DISAGGREGATED, Path("/models/check"), data_plane=data_plane).ray_env()
 
 
+def stack_ray_env(data_plane: str | None) -> dict[str, str]:
+    """The environment a local stack's Ray cluster starts with, before its API keys, S3 and
+    Prometheus settings (local/__main__.py; bench/idle_floor.py starts the bare cluster so)."""
+    return {**cluster_env(), **data_plane_env(data_plane)}
+
+
 def local_data_plane(data_plane: str | None) -> DataPlane:
     """The data plane a local run uses (`data_plane`, else the spec's default)."""
     return local_spec(Mode.DISAGGREGATED, Path("/models/check"), data_plane=data_plane).ingress.data_plane

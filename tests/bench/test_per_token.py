@@ -117,3 +117,16 @@ def test_tables_show_non_engine_hops_and_the_idle_line():
     assert "disaggregated 8.0%" in per_token.idle_line(fig) and "whole local stack" in per_token.idle_line(fig)
     rows = per_token.tracing_rows(per_token.tracing_cost(fig, fig))
     assert ["disaggregated", "non-engine total, CPU-ms per request", "0.0"] in rows
+
+
+def test_rays_own_floor_is_reported_beside_the_stack_and_is_no_target():
+    """bench/idle_floor.py's figures (the bare cluster, no Serve app) under RAY_FLOOR: one number
+    in the idle line, outside the engines like the rest, and not a target of the verdicts."""
+    idle = {**IDLE, per_token.RAY_FLOOR: {"raylet": 0.03, "gcs": 0.01, "other_ray": 0.025, "engine_decode": 0.5}}
+    fig = per_token.run(_tallies(), COUNTS, idle)
+    assert fig["ray_floor_idle_cores"] == pytest.approx(0.065)
+    assert per_token.RAY_FLOOR not in fig
+    line = per_token.idle_line(fig)
+    assert "Ray's own floor" in line and "6.5%" in line and "disaggregated 8.0%" in line
+    assert per_token.verdicts(fig) == per_token.verdicts(per_token.run(_tallies(), COUNTS, IDLE))
+    assert "Ray's own floor" not in per_token.idle_line(per_token.run(_tallies(), COUNTS, IDLE))
