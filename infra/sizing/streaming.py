@@ -46,13 +46,17 @@ class StreamingCpu:
     refuses: bool = True
 
 
-# THE figure, in one place: docs/performance.md's latest "CPU per output token, net of idle"
-# table (make bench: bench/per_token.py, build/bench/serving.json
+# THE figure, in one place: a "CPU per output token, net of idle" table of docs/performance.md
+# (make bench: bench/per_token.py, build/bench/serving.json
 # per_token.<mode>.hops.<hop>.net_ms_per_1k_tokens), levels 1, 4 and 16 pooled: "P/D
 # orchestration: decode replica outside the engine", "aggregated replica outside the engine"
 # and "ingress replicas", with the bench's idle rate times the load's wall time taken off and
-# Serve tracing at the prod stack's ratio. Measured on a 2-core CPU machine with a tiny model:
-# a p5 host's cores are faster, so it sizes on the safe side.
+# Serve tracing at the prod stack's ratio. Not the latest run's but the 01:23 run's, kept on
+# purpose: the decode figure moves between runs of the same code (247-463 in the six runs of
+# 2026-12-05 after the replica-count watch was cut, 04:49-06:56 UTC), and this one is at the
+# top of that spread, as the ingress figures (193.7 / 185.0 against 104-136 since) are above
+# theirs. Measured on a 2-core CPU machine with a tiny model: a p5 host's cores are faster, so
+# it sizes on the safe side; lowering it changes every stack's rendered replica CPUs.
 STREAMING_CPU = StreamingCpu(
     replica_ms_per_1k={"disaggregated": 465.8, "aggregated": 278.1},
     ingress_ms_per_1k={"disaggregated": 193.7, "aggregated": 185.0},
