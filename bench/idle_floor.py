@@ -53,6 +53,14 @@ def measure(seconds: float, *, settle_s: float = SETTLE_S, sleep: Any = time.sle
             child.wait()
 
 
+def measured(seconds: float, say: Any) -> dict[str, float]:
+    """`measure`, with a progress line before and the floor after (make bench's)."""
+    say(f"Ray's idle floor: the local cluster's three nodes, no Serve app, {seconds:.0f} s")
+    floor = measure(seconds)
+    say(f"Ray's idle floor, share of a core: {cpu.non_engine(floor):.1%}")
+    return floor
+
+
 def _wait_ready(child: subprocess.Popen) -> None:
     assert child.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S

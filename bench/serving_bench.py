@@ -571,10 +571,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.start_times_only:
             save_start_times(args.out, starts)
             return 0
-        # Ray's own floor first, on a quiet machine: the same three nodes, no Serve app.
-        say(f"Ray's idle floor: the local cluster's three nodes, no Serve app, {args.idle_s:.0f} s")
-        floor = idle_floor.measure(args.idle_s)
-        say(f"Ray's idle floor, share of a core: {cpu.non_engine(floor):.1%}")
+        floor = idle_floor.measured(args.idle_s, say)  # first, on a quiet machine
         measured = run_targets(args, levels, model_dir, logs, client_log, say)
         measured.idle_hops[idle_floor.NAME] = floor
         traced = (
