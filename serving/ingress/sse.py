@@ -32,9 +32,10 @@ DONE = "[DONE]"
 DONE_PACKET = "data: [DONE]\n\n"
 # The one decoder and encoder of the streamed events, built once: msgspec's (vLLM's own
 # dependency, in every image that runs an engine), about 3x faster than the standard
-# library's to decode and 8x to encode one chunk; it writes UTF-8, not \u escapes, and a NaN
-# as null, as vLLM's server (pydantic) does. The standard library's stay for what msgspec refuses (an integer past 64 bits, a
-# NaN literal, a value that is not plain JSON), so no event reads differently than it did.
+# library's to decode and 8x to encode one chunk. It writes UTF-8 rather than \u escapes and a
+# NaN as null, as vLLM's server (pydantic) does. The standard library's stay for what msgspec
+# refuses (an integer past 64 bits, a NaN literal, a value that is not plain JSON), so every
+# event still reads as it did.
 _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 _STD_DECODER = json.JSONDecoder()
