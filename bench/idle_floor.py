@@ -16,6 +16,7 @@ figure no setting of this project can remove on a three-node cluster.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +38,7 @@ def measure(seconds: float, *, settle_s: float = SETTLE_S, sleep: Any = time.sle
         stdin=subprocess.PIPE,
         text=True,
         cwd=os.getcwd(),
+        start_new_session=True,  # its own process group: the cluster's processes with it
     )
     try:
         _wait_ready(child)
@@ -49,7 +51,7 @@ def measure(seconds: float, *, settle_s: float = SETTLE_S, sleep: Any = time.sle
         try:
             child.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            child.kill()
+            os.killpg(child.pid, signal.SIGKILL)
             child.wait()
 
 
@@ -62,14 +64,21 @@ def measured(seconds: float, say: Any) -> dict[str, float]:
 
 
 def _wait_ready(child: subprocess.Popen) -> None:
+    """Until the child prints READY; RuntimeError if it exits or START_TIMEOUT_S passes first."""
+    import selectors
+
     assert child.stdout is not None
     deadline = time.monotonic() + START_TIMEOUT_S
-    for line in child.stdout:
-        if line.strip() == READY:
-            return
-        if time.monotonic() > deadline:
-            break
-    raise RuntimeError(f"the bare Ray cluster did not start (exit code {child.poll()})")
+    with selectors.DefaultSelector() as sel:
+        sel.register(child.stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if sel.select(timeout=left):
+                line = child.stdout.readline()
+                if line.strip() == READY:
+                    return
+                if not line:  # the child ended
+                    break
+    raise RuntimeError(f"the bare Ray cluster did not start within {START_TIMEOUT_S:.0f} s (exit code {child.poll()})")
 
 
 def main() -> None:
