@@ -142,7 +142,11 @@ def test_decode_scales_out_under_load_and_a_death_and_scale_in_cut_no_stream(sta
     async def scenario() -> tuple[list[tuple[str, Streamed]], Any, str | None]:
         async with Clients(stack, 3 * LOCAL_DECODE_TARGET) as load:
             await _until(lambda running, _all: running >= 2, SCALE_OUT_WITHIN_S, "2 running decode replicas", seen)
-            await asyncio.sleep(3)  # every client mid-stream
+            # Both engines streaming for a while, so the replica killed has streams past their
+            # first byte to continue (a fresh replica's first requests may all be before it,
+            # and a stream cut there is retried, not migrated).
+            await _until(lambda *_: busy_replicas() >= 2, BOTH_BUSY_WITHIN_S, "both engines busy", seen, watch)
+            await asyncio.sleep(5)
             victims = replicas.replica_processes(stack.proc.pid, ":Decode:")
             assert len(victims) >= 2, f"expected two decode replica processes, found {len(victims)}"
             # The decode replica whose engine runs the most streams (as last exported).
