@@ -4,8 +4,9 @@ Serve application, their CPU with nothing to do, as a share of one core.
 What flows through here: `make bench` (bench/serving_bench.py), before it starts the stack ->
 a child process (`python -m bench.idle_floor`) that starts the same local cluster the stack
 starts (local/cluster.py: head, prefill and decode nodes, `stack_ray_env`: the data plane's
-switches and Serve's control-loop interval included) and waits -> once it is up and settled, every process under it metered over the idle
-window with the bench's own sampler and classes (bench/cpu.py `Meter.idle`) -> hop class ->
+switches and Serve's control-loop interval included) and waits -> once it is up and settled,
+every process under it metered over the idle window with the bench's own sampler and classes
+(bench/cpu.py `Meter.idle`) -> hop class ->
 share of a core -> the idle line of the report, beside the stack's own idle figure. The stack's
 idle CPU outside the engines is that floor (raylets, GCS, dashboard and its agents, log
 monitors: processes a Ray cluster runs per node, whatever it serves) plus what Serve and the
