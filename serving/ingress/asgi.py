@@ -11,8 +11,8 @@ passes every body chunk through an in-memory stream to a second task, a task swi
 stream hop per chunk: py-spy put about a fifth of a streaming ingress replica's samples under
 it. `AppErrors` keeps its behaviour (an exception before the response starts becomes Ray's
 OpenAI-shaped error; a validation error the 400 Ray gives; after the start, the exception goes
-on as before) without the hop. The rest of the stack is Ray's own, in Ray's order
-(tests/serving/ingress/test_asgi.py holds it against `init()`).
+on as before) without the hop. The app is Ray's own `init()` app, the rest of its stack and
+its exception handlers untouched (tests/serving/ingress/test_asgi.py holds it against `init()`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.middleware.cors import CORSMiddleware
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.responses import JSONResponse, Response
 
 Scope = dict[str, Any]
@@ -73,25 +74,10 @@ async def error_response_for(request: Request, exc: Exception) -> Response:
 
 
 def ingress_app() -> FastAPI:
-    """A FastAPI app for `make_fastapi_ingress(app=...)`: Ray's `init()` with `AppErrors` where
-    Ray adds its BaseHTTPMiddleware (middleware added last runs first)."""
-    from ray.llm._internal.serve.core.ingress import middleware as ray_middleware
-    from ray.llm._internal.serve.observability.metrics.fast_api_metrics import (
-        add_http_metrics_middleware,
-        metrics_lifespan,
-    )
+    """A FastAPI app for `make_fastapi_ingress(app=...)`: Ray's own `init()` app, its middleware
+    list (read when the app first serves) with `AppErrors` where Ray put its BaseHTTPMiddleware."""
+    from ray.llm._internal.serve.core.ingress.ingress import init
 
-    app = FastAPI(lifespan=metrics_lifespan)
-    app.add_exception_handler(Exception, ray_middleware._uncaught_exception_handler)
-    app.add_exception_handler(RequestValidationError, ray_middleware._handle_validation_error)
-    app.add_middleware(AppErrors)
-    app.add_middleware(
-        CORSMiddleware,
-        allow_origins=["*"],
-        allow_credentials=True,
-        allow_methods=["*"],
-        allow_headers=["*"],
-    )
-    add_http_metrics_middleware(app)
-    app.add_middleware(ray_middleware.SetRequestIdMiddleware)
+    app = init()
+    app.user_middleware = [Middleware(AppErrors) if m.cls is BaseHTTPMiddleware else m for m in app.user_middleware]
     return app
