@@ -6,8 +6,8 @@ a child process (`python -m bench.idle_floor`) that starts the same local cluste
 starts (local/cluster.py: head, prefill and decode nodes, `stack_ray_env`: the data plane's
 switches and Serve's control-loop interval included) and waits -> once it is up and settled,
 every process under it metered over the idle window with the bench's own sampler and classes
-(bench/cpu.py `Meter.idle`) -> hop class ->
-share of a core -> the idle line of the report, beside the stack's own idle figure. The stack's
+(bench/cpu.py `Meter.idle`) -> hop class -> share of a core, under `per_token.RAY_FLOOR` ->
+the idle line of the report, beside the stack's own idle figure. The stack's
 idle CPU outside the engines is that floor (raylets, GCS, dashboard and its agents, log
 monitors: processes a Ray cluster runs per node, whatever it serves) plus what Serve and the
 apps add (controller, proxy, replicas, idle workers); the floor says how much of the idle
@@ -25,13 +25,12 @@ from typing import Any
 
 from bench import cpu, per_token
 
-NAME = per_token.RAY_FLOOR  # its key among the idle phase's figures
 READY = "FLOOR READY"
 SETTLE_S = 20.0  # after the nodes are up: their start-up work (dashboard modules, agents) done
 START_TIMEOUT_S = 180.0
 
 
-def measure(seconds: float, *, settle_s: float = SETTLE_S, sleep: Any = time.sleep) -> dict[str, float]:
+def measure(seconds: float) -> dict[str, float]:
     """Hop class -> share of a core of the bare local cluster over about `seconds` of idle."""
     child = subprocess.Popen(
         [sys.executable, "-m", "bench.idle_floor"],
@@ -43,8 +42,8 @@ def measure(seconds: float, *, settle_s: float = SETTLE_S, sleep: Any = time.sle
     )
     try:
         _wait_ready(child)
-        sleep(settle_s)
-        spent, wall = cpu.Meter({"stack": child.pid}, {}).idle(seconds, {"floor": (cpu.RAY_SCOPE,)}, sleep=sleep)
+        time.sleep(SETTLE_S)
+        spent, wall = cpu.Meter({"stack": child.pid}, {}).idle(seconds, {"floor": (cpu.RAY_SCOPE,)})
         return per_token.idle_cores(spent["floor"], wall)
     finally:
         if child.stdin is not None:

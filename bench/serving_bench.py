@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         floor = idle_floor.measured(args.idle_s, say)  # first, on a quiet machine
         measured = run_targets(args, levels, model_dir, logs, client_log, say)
-        measured.idle_hops[idle_floor.NAME] = floor
+        measured.idle_hops[per_token.RAY_FLOOR] = floor
         traced = (
             run_targets(args, levels, model_dir, logs, client_log, say, sample_rate=EVERY_REQUEST)
             if args.traced_pass
