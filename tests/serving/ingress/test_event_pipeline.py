@@ -85,8 +85,8 @@ def counted(monkeypatch: pytest.MonkeyPatch):
         return encode(self, *a, **kw)
 
     class Counting:
-        def __init__(self, inner, kind):
-            self.inner, self.kind = inner, kind
+        def __init__(self, inner):
+            self.inner = inner
 
         def decode(self, *a):
             calls["decode"] += 1
@@ -99,8 +99,8 @@ def counted(monkeypatch: pytest.MonkeyPatch):
     with monkeypatch.context() as m:
         m.setattr(json.JSONDecoder, "raw_decode", counting_decode)
         m.setattr(json.JSONEncoder, "encode", counting_encode)
-        m.setattr(sse, "_DECODER", Counting(sse._DECODER, "decode"))
-        m.setattr(sse, "_ENCODER", Counting(sse._ENCODER, "encode"))
+        m.setattr(sse, "_DECODER", Counting(sse._DECODER))
+        m.setattr(sse, "_ENCODER", Counting(sse._ENCODER))
         yield calls
 
 
