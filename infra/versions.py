@@ -68,6 +68,10 @@ RAY_IMAGE_CUDA = "13.0"
 # `runai` extra, which ray[llm]==2.60.0 does not ask for (it pins vllm[audio]==0.29.0).
 # PyPI runai-model-streamer 0.17.0 (2026-10); vLLM 0.32's extra needs >= 0.15.7.
 RUNAI_STREAMER_VERSION = "0.17.0"
+# Dynamo's runtime-free KV selection core, which Ray Serve LLM 2.60's KV-aware routing imports
+# (a prefill tier with `router: kv-aware`, serving/engines/kv_router.py) and no ray extra installs.
+# The same pin as requirements-serving.txt (the local stack); it allows pydantic <= 2.13.5.
+DYNAMO_RUNTIME_VERSION = "1.6.1"
 RAY_IMAGE_NIXL = "1.3.2"
 # CUDA 13.x needs an NVIDIA driver of the 580 branch or later (NVIDIA, "CUDA Compatibility",
 # minor-version compatibility table: CUDA 13.x >= 580; 13.0 GA shipped 580.65.06).

@@ -12,7 +12,7 @@ from infra import versions
 from infra.config.formats import allow_list
 from infra.config.pools import engine_pools
 from infra.k8s import labels
-from serving.spec import SpecModel
+from serving.spec import Mode, Router, SpecModel
 
 if TYPE_CHECKING:
     from infra.config import StackConfig
@@ -96,21 +96,35 @@ def streamed_models(cfg: StackConfig) -> list[str]:
     return [m.model.id for m in cfg.serving.served if m.model.loading.streamed(m.model.source)]
 
 
+def kv_routed_models(cfg: StackConfig) -> list[str]:
+    """The ids of the models whose prefill tier routes by KV state (prefill.router kv-aware:
+    its scorer imports Dynamo's selection core, ai-dynamo-runtime)."""
+    return [
+        m.model.id for m in cfg.serving.served if m.mode is Mode.DISAGGREGATED and m.prefill.router is Router.KV_AWARE
+    ]
+
+
 def builds_worker_image(cfg: StackConfig) -> bool:
     """Whether the stack builds the worker image (images/ray-llm-efa) FROM rayImage.
 
     AUTO builds it whenever the stock image would lack something the stack uses: the EFA
-    userspace (EFA pools) or the Run:ai model streamer (streamed weights). For streamed weights
+    userspace (EFA pools), the Run:ai model streamer (streamed weights) or Dynamo's selection
+    core (KV-aware prefill routing). For streamed weights
     the stack builds rather than refuses: the stack file asked for S3 weights and the stack
     already knows how to build that image, so the unsurprising outcome is that they load."""
     if cfg.image_build is ImageBuild.AUTO:
-        return any(pool.instance.efa for pool in engine_pools(cfg).values()) or bool(streamed_models(cfg))
+        return (
+            any(pool.instance.efa for pool in engine_pools(cfg).values())
+            or bool(streamed_models(cfg))
+            or bool(kv_routed_models(cfg))
+        )
     return cfg.image_build is ImageBuild.EFA_USERSPACE
 
 
 def image_errors(cfg: StackConfig) -> list[tuple[str, str]]:
-    """The stock image run as is (imageBuild none) lacks the EFA userspace that EFA pools need
-    and the Run:ai model streamer that streamed weights need."""
+    """The stock image run as is (imageBuild none) lacks the EFA userspace that EFA pools need,
+    the Run:ai model streamer that streamed weights need and the Dynamo selection core that
+    KV-aware prefill routing needs."""
     stock = cfg.ray_image.split("@")[0].rsplit(":", 1)[0] == versions.RAY_IMAGE.rsplit(":", 1)[0]
     if cfg.image_build is not ImageBuild.NONE or not stock:
         return []
@@ -134,6 +148,18 @@ def image_errors(cfg: StackConfig) -> list[tuple[str, str]]:
                 "it): leave imageBuild auto (the stack builds images/ray-llm-efa, which installs it), set "
                 "the model's loading.weights: download, or set rayImage to an image that carries "
                 "runai-model-streamer[s3]",
+            )
+        )
+    routed = kv_routed_models(cfg)
+    if routed:
+        errors.append(
+            (
+                "imageBuild",
+                f"none runs {cfg.ray_image} as is, which has no ai-dynamo-runtime, but the prefill tier of "
+                f"{', '.join(routed)} routes by KV state (prefill.router kv-aware: its scorer cannot score "
+                "without it): leave imageBuild auto (the stack builds images/ray-llm-efa, which installs it), "
+                "set prefill.router to prefix-cache-affinity, or set rayImage to an image that carries "
+                f"ai-dynamo-runtime=={versions.DYNAMO_RUNTIME_VERSION}",
             )
         )
     return errors

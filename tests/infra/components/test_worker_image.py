@@ -132,6 +132,29 @@ def test_imagebuild_none_with_the_stock_image_and_streamed_weights_is_refused() 
     )
 
 
+def _dev_kv_routed(**extra: str):
+    values, secrets, others = stackfile.read_as_deployed("dev")
+    values = copy.deepcopy(values)
+    values["serving"]["mode"] = "disaggregated"
+    values["serving"]["prefill"] = {**values["serving"].get("prefill", {}), "router": "kv-aware"}
+    values.update(extra)
+    return values, secrets, others
+
+
+def test_kv_aware_prefill_routing_on_a_non_efa_stack_builds_the_image_with_dynamo() -> None:
+    """The KV scorer imports ai-dynamo-runtime, which the stock image lacks: auto builds it."""
+    values, secrets, others = _dev_kv_routed()
+    assert mock_runtime.run("dev", values, secrets, others).of_type(IMAGE)
+    plain = stackfile.read_as_deployed("dev")
+    assert mock_runtime.run("dev", *plain).of_type(IMAGE) == []
+
+
+def test_imagebuild_none_with_the_stock_image_and_kv_aware_routing_is_refused() -> None:
+    values, secrets, others = _dev_kv_routed(imageBuild="none")
+    with pytest.raises(pulumi.RunError, match=r"imageBuild: none runs .* no ai-dynamo-runtime, but the prefill tier"):
+        mock_runtime.run("dev", values, secrets, others)
+
+
 def test_content_tag_follows_the_build_context(tmp_path: Path) -> None:
     ctx = tmp_path / "ctx"
     shutil.copytree(IMAGE_DIR, ctx)

@@ -1,0 +1,207 @@
+"""KV-aware routing of the prefill tier: the prefill replica whose KV cache holds most of a prompt.
+
+What flows through here: a P/D request on a decode replica, before its prefill call ->
+`KvRoutes.choose` sends the request's prompt fields to the `KvScorer` deployment -> the scorer
+tokenizes the prompt as the engine does (Ray's vLLM renderer) and asks Ray's `KVTokenTracker`
+(Dynamo's selection core, fed by every prefill engine's vLLM KV-cache events over ZMQ) for the
+worker with the best overlap and load, and books that load -> the worker id comes back and
+rides on the prefill call as the `kv_route` keyword -> `KvPrefillRouter`, the prefill tier's
+request router in the decode replica's process, sends the call to that replica -> the prefill
+engine reports the request's lifecycle (prefill done, finished) to the scorer, which frees the
+booked load. Whatever goes wrong on the way (no scorer answer in time, a prompt the renderer
+cannot read, no worker registered yet, the chosen replica gone) leaves the call to the
+router's power-of-two choice: routing degrades to load-based, never to an error.
+
+Why this module and not Ray's own wiring: Ray 2.60 scores KV overlap only for the deployment
+behind its `LLMRouter` ingress (direct streaming), which in its P/D builder is decode, never
+prefill; a `KVAwareRouter` set on our prefill tier would find no tracker in the decode process
+and pick at random (docs/kv-aware-routing.md). The parts are Ray's: the router class (so Ray's
+builder turns on the engines' KV events and lifecycle reports), the tracker, the tokenizer and
+the lifecycle contract; the scorer is deployed under the name Ray's engines report to
+(`LLMRouter`), one per application, so each P/D model has its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+from ray import serve
+from ray.serve.llm.deployment import PDPrefillServer
+from ray.serve.llm.request_router import KVAwareRouter
+
+from serving import ray_internals as ri
+from serving.core import metrics
+from serving.spec.base import KV_SCORER_DEPLOYMENT
+
+logger = logging.getLogger("ray.serve")
+
+# The keyword the chosen worker id rides on, from decode's prefill call to the prefill router.
+KV_ROUTE_KWARG = "kv_route"
+# The request fields the engine's renderer reads to build the prompt (vLLM's ChatCompletionRequest
+# and CompletionRequest): the scorer gets these, not the whole request.
+PROMPT_FIELDS = (
+    "messages",
+    "prompt",
+    "tools",
+    "tool_choice",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "documents",
+    "add_special_tokens",
+    "max_tokens",
+    "max_completion_tokens",
+)
+
+
+class KvPrefillRouter(KVAwareRouter):
+    """The prefill tier's request router: the replica the scorer chose, else power of two.
+
+    A subclass of Ray's `KVAwareRouter` so that Ray's builder configures the prefill engines
+    for KV routing (KV events on, lifecycle reports to `LLMRouter`, `is_kv_aware`); it runs in
+    each decode replica's process, where no tracker lives, so it only maps the scorer's worker
+    id (the call's `kv_route` keyword) to a candidate replica. A call without one, or whose
+    replica is no longer a candidate, gets two random candidates: Serve probes both and takes
+    the shorter queue (the power-of-two choice; Ray's own mixin would hand a chosen replica to
+    another request queued first, so it is not used)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        pass  # nothing to bind: the tracker lives in the scorer
+
+    async def choose_replicas(self, candidate_replicas: list[Any], pending_request: Any = None) -> list[list[Any]]:
+        if not candidate_replicas:
+            return []
+        worker = None if pending_request is None else pending_request.kwargs.get(KV_ROUTE_KWARG)
+        if worker is not None:
+            for replica in candidate_replicas:
+                if ri.kv_worker_id(replica.replica_id.unique_id) == worker:
+                    return [[replica]]
+        return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
+
+
+class KvPrefillServer(PDPrefillServer):
+    """Ray's prefill server, taking (and dropping) the `kv_route` keyword its router read."""
+
+    async def chat(self, request: Any, raw_request_info: Any = None, kv_route: int | None = None) -> Any:
+        return await super().chat(request, raw_request_info)
+
+    async def completions(self, request: Any, raw_request_info: Any = None, kv_route: int | None = None) -> Any:
+        return await super().completions(request, raw_request_info)
+
+
+class KvScorer:
+    """The prefill tier's KV index and scorer (deployed as `LLMRouter`: see the module doc).
+
+    `select` tokenizes the prompt fields with the prefill engines' own renderer and chat
+    template and asks Ray's tracker for the best registered worker, booking its load; the
+    engines' lifecycle reports (`on_lifecycle_events`) free it. Returns None when there is
+    nothing to score by (no text prompt, no worker registered yet): the caller routes by load.
+    """
+
+    async def __init__(self, prefill_server: Any, llm_config: Any) -> None:  # type: ignore[misc]
+        # Lazy: the tokenizer pulls in vLLM's renderer, the tracker Dynamo's extension.
+        from ray.llm._internal.serve.routing_policies.kv_aware.vllm.tokenizer import Tokenizer
+
+        self._tracker = ri.build_kv_token_tracker(llm_config, prefill_server.deployment_id)
+        self._tokenizer = await asyncio.to_thread(Tokenizer, llm_config)
+
+    async def select(self, request_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        workers = list(self._tracker._replica_id_by_worker)
+        if not workers:
+            return None
+        ids = await self._tokenizer.tokenize(fields)
+        if not ids:
+            return None
+        # Ray frees a request id's load when its engine reports it finished; a request scored
+        # again under the same id releases its earlier booking first, not counted twice.
+        await self.release(request_id)
+        expected = fields.get("max_completion_tokens") or fields.get("max_tokens")
+        chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+        return {"worker_id": chosen["worker_id"], "overlap_tokens": chosen["overlap_tokens"], "prompt_tokens": len(ids)}
+
+    async def release(self, request_id: str) -> None:
+        """Free a booking no engine will report finished (the call never reached one)."""
+        if request_id in self._tracker._requests:
+            await self._tracker.on_request_completed(request_id)
+
+    async def on_lifecycle_events(self, batch: Any) -> Any:
+        return await self._tracker.on_lifecycle_events(batch)
+
+    async def on_reservations_created(self, batch: Any) -> Any:
+        return await self._tracker.on_reservations_created(batch)
+
+    def check_health(self) -> None:
+        if self._tracker._svc is None:
+            raise RuntimeError("ai-dynamo-runtime is not installed: KV-aware routing cannot score")
+
+
+def scorer_deployment(prefill: Any, llm_config: Any) -> Any:
+    """The bound scorer of one P/D model's prefill tier (`llm_config`: prefill's LLMConfig),
+    named as Ray's engines dial it. One replica on no CPU, like Ray's LLMRouter (core/ingress/
+    builder.py): it holds the one index, and every decode replica asks it. It runs on the
+    prefill pool's nodes with the engines' environment: its tokenizer reads the model's
+    tokenizer files from where the engines read them (an s3:// source included)."""
+    actor: dict[str, Any] = {"num_cpus": 0}
+    bundles = llm_config.deployment_config.get("placement_group_bundle_label_selector") or []
+    if bundles:
+        actor["label_selector"] = dict(bundles[0])
+    if llm_config.runtime_env:
+        actor["runtime_env"] = dict(llm_config.runtime_env)
+    return (
+        serve.deployment(KvScorer)
+        .options(
+            name=KV_SCORER_DEPLOYMENT,
+            num_replicas=1,
+            max_ongoing_requests=1000,
+            ray_actor_options=actor,
+        )
+        .bind(prefill_server=prefill, llm_config=llm_config)
+    )
+
+
+class KvRoutes:
+    """Decode's side: ask the scorer for a prefill worker within `timeout_s`, and count how each
+    request was routed (`pd_kv_routes`: scored, unscored, timeout, error) and, for a scored one,
+    its prompt tokens and how many the chosen replica held cached (`pd_kv_route_tokens`)."""
+
+    def __init__(self, scorer: Any, model: str, timeout_s: float) -> None:
+        self._scorer = scorer
+        self._model = model
+        self._timeout_s = timeout_s
+        self._counter = metrics.counter(metrics.KV_ROUTES)
+        self._tokens = metrics.counter(metrics.KV_ROUTE_TOKENS)
+
+    async def choose(self, request: Any) -> int | None:
+        """The prefill worker id the scorer chose for `request`, or None: route by load."""
+        fields = {f: v for f in PROMPT_FIELDS if (v := getattr(request, f, None)) is not None}
+        call = self._scorer.select.remote(ri.serve_request_id(), fields)
+        worker = None
+        try:
+            chosen = await asyncio.wait_for(call, self._timeout_s)
+        except TimeoutError:
+            call.cancel()
+            outcome = metrics.KvRoute.TIMEOUT
+        except Exception as exc:  # the scorer is advice: any failure routes by load
+            logger.warning("KV route not scored: %r", exc)
+            outcome = metrics.KvRoute.ERROR
+        else:
+            outcome = metrics.KvRoute.UNSCORED if chosen is None else metrics.KvRoute.SCORED
+            if chosen is not None:
+                worker = int(chosen["worker_id"])
+                self._tokens.inc(chosen["prompt_tokens"], tags={"model": self._model, "kind": "prompt"})
+                self._tokens.inc(chosen["overlap_tokens"], tags={"model": self._model, "kind": "cached"})
+        self._counter.inc(tags={"model": self._model, "outcome": outcome.value})
+        return worker
+
+    def release(self) -> None:
+        """Free this request's booking: its prefill call ended without the engine's answer
+        (failed, timed out, or never sent), so no lifecycle report may free it. Fire and forget:
+        a lost release only leaves the load booked until Ray's tracker sweeps it."""
+        try:
+            self._scorer.release.remote(ri.serve_request_id())
+        except Exception as exc:
+            logger.warning("KV route booking not released: %r", exc)
