@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.stats import aligned, markdown
+from serving.spec.base import KV_SCORER_DEPLOYMENT
 
 # The hops, in the order the tables show them: key -> what it is.
 CLASSES: dict[str, str] = {
@@ -64,6 +65,7 @@ CLASSES: dict[str, str] = {
     "ingress": "ingress replicas",
     "pd_orchestration": "P/D orchestration: decode replica outside the engine",
     "prefill_server": "prefill replica outside the engine",
+    "kv_scorer": "KV scorer of the prefill tier (prefill.router kv-aware: tokenizer and KV index)",
     "aggregated_server": "aggregated replica outside the engine",
     "raylet": "raylets",
     "gcs": "GCS",
@@ -247,6 +249,7 @@ def serve_layout(apps: Mapping[str, tuple[str, str, str | None]]) -> dict[str, t
         out[f"{REPLICA_CLASS}:{app}:{engine}"] = ("pd_orchestration" if prefill else "aggregated_server", app)
         if prefill:
             out[f"{REPLICA_CLASS}:{app}:{prefill}"] = ("prefill_server", app)
+            out[f"{REPLICA_CLASS}:{app}:{KV_SCORER_DEPLOYMENT}"] = ("kv_scorer", app)
     return out
 
 

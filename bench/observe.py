@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from bench import cpu, hops
+from serving.spec.base import KV_SCORER_DEPLOYMENT
 
 if TYPE_CHECKING:
     from local.background import RunningStack
@@ -80,7 +81,7 @@ def roles(app: dict[str, Any]) -> tuple[str, str, str | None]:
     """(ingress, streaming engine, prefill or None) deployment names of one application."""
     ingress, deployments = app["ingress"], app["replicas"]
     prefill = next((d for d in deployments if d.startswith("Prefill")), None)
-    engine = next(d for d in deployments if d not in (ingress, prefill))
+    engine = next(d for d in deployments if d not in (ingress, prefill, KV_SCORER_DEPLOYMENT))
     return ingress, engine, prefill
 
 

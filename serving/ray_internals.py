@@ -22,6 +22,14 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/llm/_internal/serve/utils/batcher.py           (Batcher)
   python/ray/llm/_internal/common/patches/vllm/tokenize_once.py (reuse_prompt_token_ids: decode
                                                             renders with prefill's prompt token ids)
+  python/ray/llm/_internal/serve/routing_policies/kv_aware/kv_token_tracker.py
+                                                           (build_kv_token_tracker, get_worker_id as
+                                                            kv_worker_id, LLM_ROUTER_DEPLOYMENT_NAME:
+                                                            serving/engines/kv_router.py)
+  python/ray/llm/_internal/serve/routing_policies/kv_aware/kv_aware_router.py (is_kv_aware)
+  python/ray/llm/_internal/serve/routing_policies/kv_aware/vllm/tokenizer.py (kv_tokenizer)
+  python/ray/serve/context.py                               (serve_request_id: the request id a
+                                                            handle call carries to its replica)
 Methods and attributes of public classes that the resilience layer relies on, also checked
 by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the routing
 tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
@@ -58,6 +66,14 @@ from ray.llm._internal.serve.core.ingress.utils import (
     _sanitize_chat_completion_request as sanitize_chat_request,
 )
 from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.llm._internal.serve.routing_policies.kv_aware.kv_aware_router import is_kv_aware
+from ray.llm._internal.serve.routing_policies.kv_aware.kv_token_tracker import (
+    LLM_ROUTER_DEPLOYMENT_NAME,
+    build_kv_token_tracker,
+)
+from ray.llm._internal.serve.routing_policies.kv_aware.kv_token_tracker import (
+    get_worker_id as kv_worker_id,
+)
 from ray.llm._internal.serve.serving_patterns.prefill_decode.builder import (
     PDServingArgs,
 )
@@ -89,6 +105,33 @@ def serve_details() -> dict[str, Any]:
     return client.get_serve_details() if client is not None else {}
 
 
+def kv_tokenizer(llm_config: Any) -> Any:
+    """Ray 2.60's pre-routing tokenizer for `llm_config`'s engines (routing_policies/kv_aware/
+    vllm/tokenizer.py `Tokenizer`: vLLM's own renderer and chat template, so its token ids are
+    the engine's). It imports `load_chat_template` from `vllm.entrypoints.chat_utils`, vLLM
+    0.29's module (the worker image's); vLLM 0.32 (the local stack's) moved that module to
+    `vllm.renderers.chat_utils` and left the tokenizer's other imports where they were, so the
+    old name is bound to the moved module where it is missing. Blocking: call it off the loop."""
+    import importlib
+    import sys
+
+    try:
+        importlib.import_module("vllm.entrypoints.chat_utils")
+    except ModuleNotFoundError:
+        sys.modules["vllm.entrypoints.chat_utils"] = importlib.import_module("vllm.renderers.chat_utils")
+    from ray.llm._internal.serve.routing_policies.kv_aware.vllm.tokenizer import Tokenizer
+
+    return Tokenizer(llm_config)
+
+
+def serve_request_id() -> str:
+    """The Serve request id of the request this task serves: the id every handle call it
+    makes carries, and the one Ray's KV-routed engines report lifecycle events under."""
+    from ray.serve.context import _get_serve_request_context
+
+    return _get_serve_request_context().request_id
+
+
 def check_hooks() -> None:
     """Raise RuntimeError naming every private hook of HOOKS that this Ray lacks."""
     import importlib
@@ -107,6 +150,7 @@ def check_hooks() -> None:
 
 __all__ = [
     "HOOKS",
+    "LLM_ROUTER_DEPLOYMENT_NAME",
     "NON_STREAMING_RESPONSE_TYPES",
     "Batcher",
     "ErrorResponse",
@@ -114,12 +158,17 @@ __all__ = [
     "ModelList",
     "PDServingArgs",
     "RawRequestInfo",
+    "build_kv_token_tracker",
     "check_hooks",
+    "is_kv_aware",
+    "kv_tokenizer",
+    "kv_worker_id",
     "maybe_apply_llm_deployment_config_defaults",
     "openai_sse_packet",
     "reuse_prompt_token_ids",
     "sanitize_chat_request",
     "serve_details",
+    "serve_request_id",
     "session_id_from_headers",
     "to_model_metadata",
 ]

@@ -27,6 +27,8 @@ from infra.k8s.serving_metrics import (
     FALLBACKS,
     INGRESS_REFUSALS,
     INGRESS_RETRIES,
+    KV_ROUTE_TOKENS,
+    KV_ROUTES,
     LIMITER_ERRORS,
     LOCAL_PREFILLS,
     PREFILL_RETRIES,
@@ -352,6 +354,34 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 ),
                 "Decode re-sent the prefill call, or prefilled on its own engine (prefill failed, slow, its "
                 "circuit open, or the KV never arrived): served, but without disaggregation.",
+            ),
+            PanelSpec(
+                "KV-aware prefill routing (decode)",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (model, outcome) (rate({KV_ROUTES}{{{MODEL_SEL}}}[{RATE}]))",
+                        "{{model}} {{outcome}}",
+                    ),
+                ),
+                "How a prefill replica was chosen where prefill.router is kv-aware: scored (by where the prompt's "
+                "KV cache is, and load: the designed mode), or by load because nothing could be scored "
+                "(unscored: no text prompt or no replica registered yet), the scorer was late (timeout) or "
+                "failed (error). The prefix cache hit rate per role shows what scoring buys.",
+            ),
+            PanelSpec(
+                "KV-routed prompt tokens cached where they were sent",
+                "percentunit",
+                (
+                    Query(
+                        f'sum by (model) (rate({KV_ROUTE_TOKENS}{{{MODEL_SEL}, kind="cached"}}[{RATE}])) / '
+                        f'sum by (model) (rate({KV_ROUTE_TOKENS}{{{MODEL_SEL}, kind="prompt"}}[{RATE}]))',
+                        "{{model}}",
+                    ),
+                ),
+                "Of the prompt tokens of KV-scored requests, the share the chosen prefill replica already held "
+                "in its KV cache (by the index built from the engines' KV events): the prefill compute routing "
+                "saved. It falls when prompts stop sharing prefixes or the caches evict them.",
             ),
         ),
     ),

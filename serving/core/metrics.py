@@ -51,6 +51,15 @@ class PrefillPath(str, enum.Enum):
     LOCAL = "local"  # on the decode engine (aggregated); the reason label says why
 
 
+class KvRoute(str, enum.Enum):
+    """How a P/D request's prefill replica was chosen under KV-aware routing (KV_ROUTES' `outcome`)."""
+
+    SCORED = "scored"  # the scorer chose by KV overlap and load: the designed mode
+    UNSCORED = "unscored"  # nothing to score by (no text prompt, no worker registered): by load
+    TIMEOUT = "timeout"  # the scorer did not answer in time: by load
+    ERROR = "error"  # the scorer failed: by load
+
+
 class MigrationOutcome(str, enum.Enum):
     """What became of a stream cut after its first byte (STREAM_MIGRATIONS' `outcome` label)."""
 
@@ -142,6 +151,19 @@ LOCAL_PREFILLS = Metric(
     "Requests prefilled on the decode engine instead of remotely, by reason.",
     DECODE,
 )
+KV_ROUTES = Metric(
+    "pd_kv_routes",
+    ("model", "outcome"),
+    "P/D requests by how KV-aware routing chose their prefill replica (scored, or by load and why).",
+    DECODE,
+)
+KV_ROUTE_TOKENS = Metric(
+    "pd_kv_route_tokens",
+    ("model", "kind"),
+    "Prompt tokens of KV-scored P/D requests (kind prompt), and how many of them the chosen prefill "
+    "replica held in its KV cache by the index (kind cached).",
+    DECODE,
+)
 
 ALL = (
     USAGE_REQUESTS,
@@ -156,6 +178,8 @@ ALL = (
     PREFILL_PATH,
     PREFILL_RETRIES,
     LOCAL_PREFILLS,
+    KV_ROUTES,
+    KV_ROUTE_TOKENS,
 )
 
 

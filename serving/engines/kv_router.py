@@ -103,11 +103,8 @@ class KvScorer:
     """
 
     async def __init__(self, prefill_server: Any, llm_config: Any) -> None:  # type: ignore[misc]
-        # Lazy: the tokenizer pulls in vLLM's renderer, the tracker Dynamo's extension.
-        from ray.llm._internal.serve.routing_policies.kv_aware.vllm.tokenizer import Tokenizer
-
         self._tracker = ri.build_kv_token_tracker(llm_config, prefill_server.deployment_id)
-        self._tokenizer = await asyncio.to_thread(Tokenizer, llm_config)
+        self._tokenizer = await asyncio.to_thread(ri.kv_tokenizer, llm_config)
 
     async def select(self, request_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         workers = list(self._tracker._replica_id_by_worker)
@@ -192,8 +189,9 @@ class KvRoutes:
             outcome = metrics.KvRoute.UNSCORED if chosen is None else metrics.KvRoute.SCORED
             if chosen is not None:
                 worker = int(chosen["worker_id"])
-                self._tokens.inc(chosen["prompt_tokens"], tags={"model": self._model, "kind": "prompt"})
-                self._tokens.inc(chosen["overlap_tokens"], tags={"model": self._model, "kind": "cached"})
+                for kind, n in (("prompt", chosen["prompt_tokens"]), ("cached", chosen["overlap_tokens"])):
+                    if n > 0:  # Ray's Counter.inc refuses 0 (ValueError), which would fail the request
+                        self._tokens.inc(n, tags={"model": self._model, "kind": kind})
         self._counter.inc(tags={"model": self._model, "outcome": outcome.value})
         return worker
 

@@ -31,9 +31,11 @@ from serving.core.cluster_watch import ClusterWatch
 from serving.core.failures import Reason
 from serving.core.prompts import prompt_count
 from serving.engines.circuit import Circuit
+from serving.engines.kv_router import KV_ROUTE_KWARG, KvPrefillServer, KvRoutes, scorer_deployment
 from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
 from serving.engines.streaming import EagerFirstChunkMixin
 from serving.spec import ResilienceSpec
+from serving.spec.base import KV_SCORER_TIMEOUT_S
 
 logger = logging.getLogger("ray.serve")
 
@@ -64,6 +66,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         resilience: Mapping[str, Any] | None = None,
         engine_cls: Any = None,
         model_downloader: Any = None,
+        kv_scorer: Any = None,
     ) -> None:
         if resilience is None:
             raise ValueError("ResilientPDDecodeServer needs the resilience values")
@@ -77,6 +80,8 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         self._path_counter = metrics.counter(metrics.PREFILL_PATH)
         self._prefill_retry_counter = metrics.counter(metrics.PREFILL_RETRIES)
         self._local_prefill_counter = metrics.counter(metrics.LOCAL_PREFILLS)
+        # The prefill tier's KV scorer (serving/engines/kv_router.py) when it routes by KV state.
+        self._kv_routes = None if kv_scorer is None else KvRoutes(kv_scorer, llm_config.model_id, KV_SCORER_TIMEOUT_S)
         await super().__init__(
             llm_config,
             prefill_server=prefill_server,
@@ -121,13 +126,21 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         # Ray's LLMServer runs a request on this replica's own engine (no remote prefill).
         local = getattr(LLMServer, method)
 
+        route: list[int] = []  # the KV-chosen prefill worker, for the first call only
+
         def call_prefill() -> Any:
             prefill_request = backend.prepare_prefill_request(request=request, peer=None)
             self._request_prefill_token_ids(prefill_request)  # tokenize-once: prefill returns them
+            if route:
+                return prefill_method.remote(prefill_request, raw_request_info, **{KV_ROUTE_KWARG: route.pop()})
             return prefill_method.remote(prefill_request, raw_request_info)
 
         async def prefill() -> PrefillOutcome:
-            return await remote_prefill(
+            if self._kv_routes is not None and not self._prefill_circuit.is_open:
+                worker = await self._kv_routes.choose(request)
+                if worker is not None:
+                    route.append(worker)
+            outcome = await remote_prefill(
                 call_prefill,
                 is_error=lambda c: isinstance(c, ri.ErrorResponse),
                 is_refusal=is_client_error,
@@ -136,6 +149,9 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 on_retry=lambda r: self._prefill_retry_counter.inc(tags={"reason": r.value}),
                 no_replica=self._prefill_down,
             )
+            if self._kv_routes is not None and outcome.chunk is None:
+                self._kv_routes.release()  # no engine may report this request finished
+            return outcome
 
         async def decode_with(prefill_chunk: Any) -> AsyncIterator[Any]:
             decode_request = backend.prepare_decode_request(request=request, peer=None, prefill_response=prefill_chunk)
@@ -222,18 +238,19 @@ def build_pd_engines(pd: Any, resilience: Mapping[str, Any]) -> Any:
     from Ray's validated PDServingArgs `pd`: the engines of one P/D model, without an ingress."""
     ResilienceSpec.from_args(resilience)  # refuse bad values before anything is built
     # Ray's builder types deployment classes as its LLMServer; ours are subclasses of it.
-    prefill_cls: Any = PDPrefillServer
+    kv_aware = ri.is_kv_aware(pd.prefill_config)
+    prefill_cls: Any = KvPrefillServer if kv_aware else PDPrefillServer
     decode_cls: Any = ResilientPDDecodeServer
     for role, config in (("prefill", pd.prefill_config), ("decode", pd.decode_config)):
         if config.engine_kwargs.get("data_parallel_size", 1) > 1:
             raise ValueError(f"{role}: data_parallel_size > 1 is not supported by the resilient P/D graph")
+    if ri.is_kv_aware(pd.decode_config):
+        raise ValueError("decode: KV-aware routing is for the prefill tier only (serving/engines/kv_router.py)")
     prefill = build_llm_deployment(pd.prefill_config, name_prefix="Prefill:", deployment_cls=prefill_cls)
-    return build_llm_deployment(
-        pd.decode_config,
-        name_prefix="Decode:",
-        bind_kwargs={"prefill_server": prefill, "resilience": dict(resilience)},
-        deployment_cls=decode_cls,
-    )
+    bind: dict[str, Any] = {"prefill_server": prefill, "resilience": dict(resilience)}
+    if kv_aware:
+        bind["kv_scorer"] = scorer_deployment(prefill, pd.prefill_config)
+    return build_llm_deployment(pd.decode_config, name_prefix="Decode:", bind_kwargs=bind, deployment_cls=decode_cls)
 
 
 def pd_args(builder_args: Mapping[str, Any]) -> Any:

@@ -38,6 +38,25 @@ DEFAULT_LABEL_KEY = "pd-inference/node-group"
 RAY_RESERVED_LABEL_PREFIX = "ray.io/"
 # Ray Serve LLM's prefix-cache affinity router (public API: ray.serve.llm.request_router).
 PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+# KV-aware routing of the prefill tier (serving/engines/kv_router.py): the router class the prefill
+# deployment names (a subclass of Ray's KVAwareRouter, so Ray's builder turns the engines' KV events
+# on), how often Serve asks each replica for its routing stats (Ray's default is 10 s: a new prefill
+# replica is scored only once its KV-event endpoint has been reported), and how long decode waits
+# for the scorer before it routes by load.
+KV_ROUTER_CLS = "serving.engines.kv_router:KvPrefillRouter"
+# The scorer's deployment name: the one Ray's KV-routed engines send lifecycle reports to
+# (kv_token_tracker.py LLM_ROUTER_DEPLOYMENT_NAME; serving/ray_internals.py re-exports Ray's).
+KV_SCORER_DEPLOYMENT = "LLMRouter"
+KV_ROUTING_STATS_PERIOD_S = 2.0
+KV_SCORER_TIMEOUT_S = 0.25
+# Ray Serve LLM 2.60's per-node port bases of a KV-routed engine (routing_policies/kv_aware/
+# constants.py: the KV-event PUB socket at base + the replica's node-local rank, its replay socket
+# 1000 above, the prompt-token PULL socket at its own base). Each model of the many-model form
+# gets its own slice of KV_PORT_STRIDE ports, so two models' replicas on one node never bind the
+# same port.
+KV_EVENTS_PORT_BASE = 5557
+KV_TOKEN_PORT_BASE = 7557
+KV_PORT_STRIDE = 64
 # The engine server class that sends the first streamed chunk at once (serving/engines/streaming.py).
 EAGER_SERVER_CLS = "serving.engines.streaming:EagerLLMServer"
 # The LLMConfig.experimental_configs key that carries streaming.firstChunk to the engines.
@@ -202,10 +221,14 @@ class Router(str, Enum):
     prefix-cache-affinity: Ray Serve LLM's PrefixCacheAffinityRouter (public API,
     `ray.serve.llm.request_router`): the replica that served the same prompt prefix, so
     vLLM's prefix cache hits; power-of-two when the load is uneven.
+    kv-aware: the prefill tier only: the replica whose KV cache holds most of the prompt, from
+    the engines' own KV-cache events, weighed against its load (Ray's KV tracker and Dynamo's
+    selection core; serving/engines/kv_router.py).
     """
 
     POWER_OF_TWO = "power-of-two"
     PREFIX_CACHE_AFFINITY = "prefix-cache-affinity"
+    KV_AWARE = "kv-aware"
 
 
 class FirstChunk(str, Enum):

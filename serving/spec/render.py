@@ -21,6 +21,11 @@ from serving.spec.base import (
     APP_NAME,
     EAGER_SERVER_CLS,
     FIRST_CHUNK_KEY,
+    KV_EVENTS_PORT_BASE,
+    KV_PORT_STRIDE,
+    KV_ROUTER_CLS,
+    KV_ROUTING_STATS_PERIOD_S,
+    KV_TOKEN_PORT_BASE,
     MODEL_APP_IMPORT_PATH,
     MODEL_APP_PREFIX,
     MODELS_MODE,
@@ -174,6 +179,14 @@ def llm_config(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -> di
         # Read by serving.engines.streaming's mixin, wherever a server class carries it.
         FIRST_CHUNK_KEY: spec.streaming.first_chunk.value,
     }
+    if rs.router is Router.KV_AWARE:
+        # Ray's builder sees a KVAwareRouter subclass and configures the engines' KV events
+        # itself (routing_policies/kv_aware/utils.py); the ports come from kv_ports().
+        config["deployment_config"]["request_router_config"] = {
+            "request_router_class": KV_ROUTER_CLS,
+            "request_routing_stats_period_s": KV_ROUTING_STATS_PERIOD_S,
+        }
+        config["experimental_configs"].update(kv_ports(0))
     if role == "decode" and spec.mode is Mode.DISAGGREGATED and spec.kv_transfer.reuse_prompt_token_ids:
         config["experimental_configs"][TOKENIZE_ONCE_KEY] = True
     if spec.streaming.first_chunk is FirstChunk.EAGER and spec.mode is Mode.AGGREGATED:
@@ -186,6 +199,14 @@ def llm_config(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -> di
         config["accelerator_type"] = target.role_accelerator_types.get(role, target.accelerator_type)
     config["runtime_env"] = {"env_vars": {**dict(target.engine_env), **SERVING_ENV}}
     return config
+
+
+def kv_ports(slot: int) -> dict[str, int]:
+    """The KV-routed engines' port bases of the `slot`-th model (Ray's experimental_configs keys)."""
+    return {
+        "KV_EVENTS_PORT_BASE": KV_EVENTS_PORT_BASE + slot * KV_PORT_STRIDE,
+        "KV_TOKEN_PORT_BASE": KV_TOKEN_PORT_BASE + slot * KV_PORT_STRIDE,
+    }
 
 
 # --- one model, the front door, the applications -----------------------------------------------
@@ -339,14 +360,17 @@ def serve_config(
     apps = [app]
     if spec.many:
         targets = model_targets or {}
-        for m in spec.served:
+        for slot, m in enumerate(spec.served):
+            args = model_app_args(m, targets.get(m.model.id, target))
+            if m.mode is Mode.DISAGGREGATED and m.prefill.router is Router.KV_AWARE:
+                args["prefill_config"]["experimental_configs"].update(kv_ports(slot))
             apps.append(
                 {
                     "name": MODEL_APP_PREFIX + m.model.id,
                     # Not over HTTP: the front door calls it through deployment handles.
                     "route_prefix": None,
                     "import_path": MODEL_APP_IMPORT_PATH,
-                    "args": model_app_args(m, targets.get(m.model.id, target)),
+                    "args": args,
                 }
             )
     if target.working_dir:

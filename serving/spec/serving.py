@@ -45,6 +45,7 @@ from serving.spec.base import (
     DataPlane,
     KvConnector,
     Mode,
+    Router,
     SpecModel,
 )
 from serving.spec.drain import DrainPlan
@@ -186,10 +187,27 @@ class ServingSpec(SpecModel):
             problem = spec.signals.role_problem("decode" if self.mode is Mode.AGGREGATED else role)
             if problem:
                 raise ValueError(f"{role}.signals: {problem}")
+            if spec.router is Router.KV_AWARE:
+                problem = self._kv_aware_problem(role, spec)
+                if problem:
+                    raise ValueError(f"{role}.router: {problem}")
         labels = [self.placement.head, self.placement.prefill, self.placement.decode]
         if len(set(labels)) != 3:
             raise ValueError("placement.head, placement.prefill and placement.decode must differ")
         return self
+
+    def _kv_aware_problem(self, role: str, spec: RoleSpec) -> str | None:
+        """Why `router: kv-aware` cannot serve this role, or None (serving/engines/kv_router.py)."""
+        if self.mode is not Mode.DISAGGREGATED or role != "prefill":
+            return (
+                "kv-aware routes the prefill tier of a P/D model (it scores where a prompt's KV "
+                "cache already is, before prefill); use prefix-cache-affinity here"
+            )
+        if spec.data_parallel_size > 1:
+            return "kv-aware routing does not cover data-parallel engines (Ray 2.60 tracks one rank per replica)"
+        if self.engine_kwargs.get("enable_prefix_caching") is False:
+            return "kv-aware routing needs vLLM's prefix cache (engineKwargs.enable_prefix_caching is false)"
+        return None
 
     def _check_models(self) -> ServingSpec:
         """Each entry of the many-model form as a complete spec; the first problem, naming the

@@ -104,14 +104,27 @@ def test_same_graph_as_rays_builder_but_the_decode_class(no_ray, which):
     ray_args["ingress_cls_config"] = AppArgs.model_validate(args).ingress_cls_config()
     theirs = _graph(build_pd_openai_app(ray_args))
 
-    assert ours.keys() == theirs.keys()
     decode = next(n for n in ours if n.startswith("Decode:"))
+    prefill = next(n for n in ours if n.startswith("Prefill:"))
+    kv_aware = args["prefill_config"]["deployment_config"].get("request_router_config") is not None
+    assert kv_aware == (which == "cpu")  # the local stack's prefill tier routes by KV state
+    if kv_aware:
+        # The one addition: the prefill tier's KV scorer, under the name Ray's engines report to.
+        assert ours.keys() == theirs.keys() | {"LLMRouter"}
+        scorer = ours.pop("LLMRouter")
+        assert scorer["cls"].__name__ == "KvScorer" and scorer["kwargs"]["prefill_server"] == ("deployment", prefill)
+        label = args["prefill_config"]["deployment_config"]["placement_group_bundle_label_selector"][0]
+        assert scorer["actor"]["num_cpus"] == 0 and scorer["actor"]["label_selector"] == label
+        assert ours[decode]["kwargs"].pop("kv_scorer") == ("deployment", "LLMRouter")
+        assert ours[prefill]["cls"].__name__ == "KvPrefillServer"
+        assert issubclass(ours[prefill]["cls"], theirs[prefill]["cls"])
+    assert ours.keys() == theirs.keys()
     assert ours[decode]["cls"] is ResilientPDDecodeServer
     assert issubclass(ResilientPDDecodeServer, PDDecodeServer)
     assert ours[decode]["kwargs"].pop("resilience") == args["resilience"]
     for name in ours:
         o, t = ours[name], theirs[name]
-        if name != decode:
+        if name != decode and (name != prefill or not kv_aware):
             assert o["cls"].__name__ == t["cls"].__name__, name
         assert o["config"] == t["config"], name
         assert o["actor"] == t["actor"], name

@@ -96,6 +96,69 @@ def test_prefix_router_is_rendered_per_role_and_loads_rays_public_class():
     LLMConfig.model_validate(copy.deepcopy(decode))
 
 
+def test_kv_aware_prefill_renders_a_kv_aware_router_for_rays_builder_and_its_ports():
+    """Ray 2.60 routing_policies/kv_aware: the router is KV-aware to Ray (`is_kv_aware`: a
+    KVAwareRouter subclass), Serve asks for routing stats every KV_ROUTING_STATS_PERIOD_S, and
+    the port bases are Ray's experimental_configs keys (constants.py KV_EVENTS_PORT_BASE_KEY,
+    KV_TOKEN_PORT_BASE_KEY). Decode and the other stacks render as before."""
+    from ray.llm._internal.serve.routing_policies.kv_aware import constants
+    from ray.serve.config import RequestRouterConfig
+    from ray.serve.llm import LLMConfig
+
+    from serving import ray_internals as ri
+    from serving.engines.kv_router import KvPrefillRouter
+
+    args = spec(prefill={"router": "kv-aware", "maxReplicas": 2}).app_args(GPU)
+    prefill, decode = args["prefill_config"], args["decode_config"]
+    rendered = prefill["deployment_config"]["request_router_config"]
+    assert RequestRouterConfig(**rendered).get_request_router_class() is KvPrefillRouter
+    assert rendered["request_routing_stats_period_s"] < 10  # Ray's default: new replicas scored sooner
+    llm = LLMConfig.model_validate(copy.deepcopy(prefill))
+    assert ri.is_kv_aware(llm)
+    assert llm.experimental_configs[constants.KV_EVENTS_PORT_BASE_KEY] == constants.DEFAULT_KV_EVENTS_PORT_BASE
+    assert llm.experimental_configs[constants.KV_TOKEN_PORT_BASE_KEY] == constants.DEFAULT_KV_TOKEN_PORT_BASE
+    assert "request_router_config" not in decode["deployment_config"]
+    assert not ri.is_kv_aware(LLMConfig.model_validate(copy.deepcopy(decode)))
+    assert "KV_EVENTS_PORT_BASE" not in str(spec().app_args(GPU))
+
+
+@pytest.mark.parametrize(
+    ("data", "where"),
+    [
+        ({"decode": {"router": "kv-aware"}}, "decode.router"),
+        ({"mode": "aggregated", "decode": {"router": "kv-aware"}}, "decode.router"),
+        ({"prefill": {"router": "kv-aware", "dataParallelSize": 2}}, "data-parallel"),
+        ({"prefill": {"router": "kv-aware"}, "engineKwargs": {"enable_prefix_caching": False}}, "prefix cache"),
+    ],
+)
+def test_kv_aware_routing_where_it_cannot_work_is_refused_naming_the_key(data, where):
+    with pytest.raises(ValidationError, match=where):
+        spec(**data)
+
+
+def test_two_kv_routed_models_get_ports_apart():
+    """Two models' prefill replicas may share a node: each model's engines bind their own
+    slice of ports (Ray binds base + the replica's node-local rank)."""
+    from serving.spec.base import KV_PORT_STRIDE
+
+    entry = {"mode": "disaggregated", "prefill": {"router": "kv-aware", "maxReplicas": 8}}
+    s = ServingSpec.model_validate(
+        {
+            "models": [
+                {"model": {"id": "a", "source": "org/a"}, **entry},
+                {"model": {"id": "b", "source": "org/b"}, **entry},
+            ]
+        }
+    )
+    apps = s.serve_config(GPU)["applications"][1:]
+    bases = [a["args"]["prefill_config"]["experimental_configs"] for a in apps]
+    events = [b["KV_EVENTS_PORT_BASE"] for b in bases]
+    tokens = [b["KV_TOKEN_PORT_BASE"] for b in bases]
+    assert events[1] - events[0] >= 8 and tokens[1] - tokens[0] >= 8 and KV_PORT_STRIDE >= 8
+    # Each model's PUB range stays below every model's replay range (PUB + 1000) and token range.
+    assert max(events) + KV_PORT_STRIDE <= min(events) + 1000 <= min(tokens)
+
+
 def test_unknown_router_is_refused_with_the_choices():
     with pytest.raises(ValidationError, match="power-of-two"):
         spec(decode={"router": "round-robin"})
