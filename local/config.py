@@ -300,6 +300,10 @@ def _local_spec(
     prefill = role(prefill_replicas)
     if signals and mode is Mode.DISAGGREGATED and prefill_replicas == 1:
         prefill = {**LOCAL_PREFILL_AUTOSCALING, **LOCAL_ROLE_LIMITS}
+    if mode is Mode.DISAGGREGATED:
+        # The prefill tier routed by where a prompt's KV cache already is (the engines' own
+        # KV events; serving/engines/kv_router.py), as a stack opts in with prefill.router.
+        prefill = {**prefill, "router": "kv-aware"}
     return {
         **hybrid,
         "model": {

@@ -18,7 +18,7 @@ import pytest
 from bench import chaos, hops, prefill_mode, replicas
 from bench import chaos_faults as cf
 from serving.core.failures import Reason
-from serving.core.metrics import LOCAL_PREFILLS
+from serving.core.metrics import KV_ROUTES, LOCAL_PREFILLS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
 
@@ -124,8 +124,36 @@ def test_prefill_killed_under_streamed_load_costs_no_request_and_pd_comes_back(s
     finally:
         # Leave the shared stack as we found it: the prefill replica running again.
         asyncio.run(replicas.wait_healthy(dashboard, ":Prefill:", 1, timeout=600, dead_pid=dead))
-    # The designed state, not only answers: requests are prefilled remotely again.
+    # The designed state, not only answers: requests are prefilled remotely again, and routed
+    # by KV state again (the replacement's KV events indexed by the prefill tier's scorer).
     _back_to_remote_prefill(stack, url)
+    _scored_again(stack, url)
+
+
+def _scored_again(stack, url: str) -> None:
+    """A batch of requests all scored by the KV-aware prefill router (pd_kv_routes), within
+    BACK_TO_PD_WITHIN_S: the scorer dropped the killed replica and registered its replacement
+    (Ray reports a replica's KV-event endpoint with its routing stats, every 2 s here)."""
+    headers = {"Authorization": f"Bearer {stack.api_key}"}
+    urls = [n["metrics_url"] for n in stack.nodes]
+    body = {"model": stack.model, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 4}
+    t = time.monotonic()
+    seen = []
+    while time.monotonic() - t < BACK_TO_PD_WITHIN_S:
+        before = hops.scrape_by_label(urls, KV_ROUTES.prometheus, "outcome")
+        for _ in range(BATCH):
+            assert httpx.post(url, json=body, headers=headers, timeout=60).status_code == 200
+        settle = time.monotonic() + 30
+        while True:
+            after = hops.scrape_by_label(urls, KV_ROUTES.prometheus, "outcome")
+            delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v != before.get(k, 0.0)}
+            if sum(delta.values()) >= BATCH or time.monotonic() > settle:
+                break
+            time.sleep(1)
+        seen.append((round(time.monotonic() - t), delta))
+        if delta == {"scored": BATCH}:
+            return
+    raise AssertionError(f"KV-aware routing did not come back: (seconds, outcomes) per batch: {seen}")
 
 
 def test_overload_burst_is_refused_with_retry_after_and_nothing_hangs(stack):

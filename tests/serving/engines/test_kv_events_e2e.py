@@ -11,10 +11,15 @@ endpoint and a replay endpoint). The contract, from vLLM 0.32's source
   - frames are (topic, 8-byte big-endian sequence number, msgpack `KVEventBatch`);
   - the same prompt again stores no block: its blocks are found in the prefix cache;
   - the replay socket sends every buffered batch from a sequence number on, then END_SEQ.
+And what the KV-aware prefill router (serving/engines/kv_router.py) builds on: Dynamo's
+selection core (ai-dynamo-runtime's `SelectionService`, which Ray's KVTokenTracker owns),
+registered with that server's endpoints after the prompt was cached, catches up through the
+replay socket and scores the prompt's full blocks on that worker and none on another.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
@@ -42,7 +47,7 @@ def _batches(sub, kv_batch, until_s: float) -> list[tuple[int, object]]:
     return got
 
 
-def test_a_prompts_full_blocks_are_published_and_replayed(tmp_path):
+def test_a_prompts_full_blocks_are_published_replayed_and_indexed(tmp_path):
     import msgspec
     import zmq
     from vllm.distributed.kv_events import BlockStored, KVEventBatch, ZmqEventPublisher
@@ -116,5 +121,69 @@ def test_a_prompts_full_blocks_are_published_and_replayed(tmp_path):
                 raise AssertionError("the replay socket sent no END_SEQ")
             assert [(s, b.events) for s, b in replayed[: len(first)]] == [(s, b.events) for s, b in first]
             dealer.close(0)
+
+            other = [11 + (13 * i) % 397 for i in range(PROMPT_TOKENS)]
+            scores = asyncio.run(_dynamo_scores(root, pub_port, replay_port, size, prompt, other))
+            full = PROMPT_TOKENS // size
+            assert scores["cached"] == {1: full, 2: 0}, scores
+            assert scores["other"] == {1: full, 2: 0}, scores  # sent after registering: live events
+            assert scores["unseen"] == {1: 0, 2: 0}, scores
+            assert scores["chosen"] == 1, scores
     finally:
         sub.close(0)
+
+
+async def _dynamo_scores(root: str, pub_port: int, replay_port: int, block_size: int, cached, other) -> dict:
+    """Dynamo's overlap scores (full blocks per worker) for the cached prompt, a prompt sent after
+    registering, and one never sent; worker 1 is the server, worker 2 an endpoint nobody serves.
+    The fields are the ones Ray's KVTokenTracker registers (kv_token_tracker.py `_upsert_worker`)."""
+    from dynamo.llm import SelectionService
+
+    from local.config import HOST, MODEL_ID
+    from local.procs import free_port
+
+    svc = SelectionService(indexer_threads=1)
+    for worker, pub, replay in ((1, pub_port, replay_port), (2, free_port(), free_port())):
+        await svc.upsert_worker(
+            {
+                "worker_id": worker,
+                "model_name": MODEL_ID,
+                "tenant_id": "default",
+                "endpoint": f"ray://worker-{worker}",
+                "block_size": block_size,
+                "max_num_batched_tokens": 4096,
+                "data_parallel_start_rank": 0,
+                "data_parallel_size": 1,
+                "kv_events_endpoints": {0: f"tcp://{HOST}:{pub}"},
+                "replay_endpoint": f"tcp://{HOST}:{replay}",
+            }
+        )
+
+    async def overlap(tokens) -> dict[int, int]:
+        got = await svc.overlap_scores({"model_name": MODEL_ID, "tenant_id": "default", "token_ids": tokens})
+        return {w["worker_id"]: w["device_blocks"] for w in got["workers"]}
+
+    # A new prompt's events reach the listener with a sequence number past the one it expects:
+    # it asks the replay socket for what it missed (the cached prompt's blocks).
+    body = {"model": MODEL_ID, "prompt": other, "max_tokens": 1, "temperature": 0}
+    async with httpx.AsyncClient(timeout=120) as client:
+        assert (await client.post(f"{root}/v1/completions", json=body)).status_code == 200
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        scores = {"cached": await overlap(cached), "other": await overlap(other)}
+        if scores["cached"].get(1) and scores["other"].get(1):
+            break
+        await asyncio.sleep(0.2)
+    scores["unseen"] = await overlap([3 + (5 * i) % 389 for i in range(len(cached))])
+    chosen = await svc.select(
+        {
+            "model_name": MODEL_ID,
+            "tenant_id": "default",
+            "selection_id": "t",
+            "token_ids": cached,
+            "allowed_worker_ids": [1, 2],
+        }
+    )
+    scores["chosen"] = chosen["worker_id"]
+    svc.shutdown()
+    return scores
