@@ -25,7 +25,7 @@ help:
 	@echo "make efa-check STACK=prod   EFA fabric check between each P/D model's prefill and decode pools (DRY_RUN=1: offline)"
 	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.lock only)"
 	@echo "make bench              benchmark the local serving path against its baselines"
-	@echo "make bench-prefix       prefix-cache affinity routing vs the default router, 2 replicas each"
+	@echo "make bench-prefix       the prefill tier's routers side by side (default, prefix affinity, KV-aware), 2 replicas each"
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
 	@echo "make bench-ingress      CPU per streamed event on the ingress's stream path vs a bare passthrough (no Ray)"
 	@echo "make bench-data-plane   Serve's data planes (ray-proxy, grpc, haproxy), a local stack each: latency, CPU per hop"

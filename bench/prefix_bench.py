@@ -1,13 +1,17 @@
-"""`make bench-prefix`: prefix-cache affinity routing vs Serve's default router, two replicas each.
+"""`make bench-prefix`: the prefill tier's three routers side by side, two prefill replicas each.
 
-What flows through here: two aggregated applications rendered by the spec, identical but
-for `decode.router` (`power-of-two`, Serve's default, vs `prefix-cache-affinity`, Ray Serve
-LLM's PrefixCacheAffinityRouter), each with two engine replicas, on one local Ray cluster ->
-vLLM's benchmark client sending its `prefix_repetition` workload (many requests sharing a
-few long "system prompt" prefixes) to both, interleaved round by round with the same seeds
--> TTFT p50/p99 per application, vLLM's prefix-cache hit rate and the requests each replica
-served (Ray's re-export of the engines' metrics, by ReplicaId) -> a table and
-build/bench/prefix.json.
+What flows through here: three P/D applications rendered by the spec, identical but for
+`prefill.router` (`power-of-two`, Serve's default; `prefix-cache-affinity`, Ray Serve LLM's
+PrefixCacheAffinityRouter, which routes by request text; `kv-aware`, serving/engines/
+kv_router.py, which routes by the engines' own KV-cache events), each with two prefill
+replicas and one decode replica, on one local Ray cluster -> vLLM's benchmark client sending
+its `prefix_repetition` workload (many requests sharing a few long "system prompt" prefixes)
+to each, one application after another (three side by side exhaust this machine's memory)
+with the same seeds -> per application: TTFT p50/p99, the
+prefill engines' prefix-cache hit rate and the prompt tokens they computed (vLLM's
+prefix-cache counters, by ReplicaId), the requests each prefill replica served, and for
+kv-aware how each request was routed (pd_kv_routes) -> a table with each figure as a ratio to
+power-of-two in the same run, and build/bench/prefix.json.
 
 A benchmark prints figures; it does not pass or fail.
 """
@@ -27,10 +31,12 @@ from typing import Any
 from bench import BENCH_DIR, hops, vllm_load
 from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
+from serving.core.metrics import KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
-ROUTERS = {"p2c": "power-of-two", "affinity": "prefix-cache-affinity"}
-REPLICAS = 2
+ROUTERS = {"p2c": "power-of-two", "affinity": "prefix-cache-affinity", "kv": "kv-aware"}
+BASELINE = "p2c"
+REPLICAS = 2  # prefill replicas per application (one decode replica each)
 # The shared-prefix workload (vLLM's prefix_repetition dataset).
 PREFIX_LEN = 512
 SUFFIX_LEN = 32
@@ -42,17 +48,24 @@ PER_ROUND = 48
 
 
 def render(model_dir: Path, port: int) -> dict[str, Any]:
-    """Both applications in one Serve config, from the spec (only the router differs)."""
-    from local.config import HOST, local_spec, local_target
+    """The three applications in one Serve config, from the spec (only prefill's router differs)."""
+    from local.config import HOST, LOCAL_ROLE_LIMITS, local_spec, local_target
     from serving.spec import Mode, RoleSpec
 
     apps = []
     config: dict[str, Any] = {}
     for name, router in ROUTERS.items():
-        base = local_spec(Mode.AGGREGATED, model_dir, auth=False)
-        decode = RoleSpec.model_validate({"minReplicas": REPLICAS, "maxReplicas": REPLICAS, "router": router})
+        base = local_spec(Mode.DISAGGREGATED, model_dir, auth=False)
+        prefill = RoleSpec.model_validate(
+            {"minReplicas": REPLICAS, "maxReplicas": REPLICAS, "router": router, **LOCAL_ROLE_LIMITS}
+        )
+        decode = RoleSpec.model_validate({"minReplicas": 1, "maxReplicas": 1, **LOCAL_ROLE_LIMITS})
         spec = base.model_validate(
-            {**base.model_dump(by_alias=True, exclude={"models"}), "decode": decode.model_dump(by_alias=True)}
+            {
+                **base.model_dump(by_alias=True, exclude={"models"}),
+                "prefill": prefill.model_dump(by_alias=True),
+                "decode": decode.model_dump(by_alias=True),
+            }
         )
         config = spec.serve_config(local_target(), port=port)
         app = config["applications"][0]
@@ -73,12 +86,54 @@ def _served_by(before: list[hops.Sample], after: list[hops.Sample], replica_id: 
     return hops.metric_total(after, name, mine) - hops.metric_total(before, name, mine)
 
 
+def _counts(metrics_urls: list[str]) -> dict[str, dict[str, float]]:
+    """Decode's counters so far: how prefill calls were routed (pd_kv_routes by outcome, kv-aware
+    only), how requests were prefilled (pd_prefill_path by path) and why locally (by reason)."""
+    return {
+        "routed": hops.scrape_by_label(metrics_urls, KV_ROUTES.prometheus, "outcome"),
+        "prefill_path": hops.scrape_by_label(metrics_urls, PREFILL_PATH.prometheus, "path"),
+        "local_prefill_reasons": hops.scrape_by_label(metrics_urls, LOCAL_PREFILLS.prometheus, "reason"),
+    }
+
+
+def _ratio(value: float | None, base: float | None) -> str:
+    return "-" if value is None or not base else f"{value / base:.2f}x"
+
+
+def table(apps: dict[str, dict[str, Any]]) -> str:
+    """One line per router: each figure, and its ratio to power-of-two's in the same run."""
+    base = apps.get(BASELINE) or next(iter(apps.values()))
+    lines = [
+        f"{'router':<24}{'reqs':>6}{'err':>5}{'TTFT p50':>18}{'TTFT p99':>18}{'hit rate':>10}"
+        f"{'prefill tokens computed':>30}  requests per prefill replica"
+    ]
+    for app in apps.values():
+        hit = app["prefix_cache_hit_rate"]
+        computed = app["prefill_tokens_computed"]
+        p50, p99 = app["ttft_p50_ms"], app["ttft_p99_ms"]
+        lines.append(
+            f"{app['router']:<24}{app['requests']:>6}{app['errors']:>5}"
+            f"{p50 or 0:>9.1f} ({_ratio(p50, base['ttft_p50_ms'])})"
+            f"{p99 or 0:>9.1f} ({_ratio(p99, base['ttft_p99_ms'])})"
+            f"{'-' if hit is None else f'{hit:.1%}':>10}"
+            f"{computed:>20,.0f} ({_ratio(computed, base['prefill_tokens_computed'])})"
+            f"  {sorted(int(v) for v in app['requests_per_prefill_replica'].values())}"
+        )
+    for app in apps.values():
+        lines.append(
+            f"{app['router']}: prefilled {app.get('prefill_path') or {}}, locally because "
+            f"{app.get('local_prefill_reasons') or {}}, routed {app.get('routed') or {}}"
+        )
+    return "\n".join(lines)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.prefix_bench", description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=20261130)
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--per-round", type=int, default=PER_ROUND, help="requests per application per round")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--only", choices=list(ROUTERS), action="append", help="run these applications only")
     return p.parse_args(argv)
 
 
@@ -89,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     def say(m: str) -> None:
         print(f"[{time.monotonic() - t0:6.1f}s] {m}", flush=True)
 
-    from local.cluster import LocalCluster, deploy, smoke_request, wait_dashboard, wait_running
-    from local.config import HOST, MODEL_ID, cluster_env
+    from local.cluster import LocalCluster, deploy, wait_dashboard
+    from local.config import cluster_env
     from local.procs import free_port
     from local.tiny_model import ensure_tiny_model
 
@@ -98,52 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     config = render(model_dir, port)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    client_log = open(args.out.parent / "prefix-client.log", "w")  # noqa: SIM115 - closed below
-    # Two engines per application, two logical CPUs each.
-    cluster = LocalCluster(decode_cpus=2 * REPLICAS * len(ROUTERS))
+    # Two logical CPUs per engine: REPLICAS prefill engines and one decode engine.
+    cluster = LocalCluster(decode_cpus=2)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    results: dict[str, list[RequestResult]] = {n: [] for n in ROUTERS}
-    durations = dict.fromkeys(ROUTERS, 0.0)
-    try:
-        say(f"starting a local Ray cluster; two applications x {REPLICAS} engine replicas")
-        cluster.start(cluster_env())
-        wait_dashboard(cluster.dashboard_url)
-        deploy(cluster.dashboard_url, config)
-        wait_running(cluster.dashboard_url, list(ROUTERS), timeout=900, progress=say)
-        urls = {n: f"http://{HOST}:{port}/{n}" for n in ROUTERS}
-        for url in urls.values():
-            smoke_request(f"{url}/v1", None, MODEL_ID)
-        decode_url = next(n["metrics_url"] for n in cluster.nodes() if n["label"] == "decode")
-        served = serve_apps(cluster.dashboard_url)
-        before = settled([decode_url])[decode_url]
-        for r in range(args.rounds):
-            order = list(ROUTERS)[r % 2 :] + list(ROUTERS)[: r % 2]
-            for name in order:
-                load = vllm_load.Load(
-                    base_url=urls[name],
-                    model=MODEL_ID,
-                    tokenizer=str(model_dir),
-                    num_prompts=args.per_round,
-                    concurrency=CONCURRENCY,
-                    # Same seed for both applications in a round: the same prompts.
-                    seed=args.seed + r,
-                    dataset="prefix_repetition",
-                    prefix_len=PREFIX_LEN,
-                    suffix_len=SUFFIX_LEN,
-                    num_prefixes=NUM_PREFIXES,
-                    output_len=OUTPUT_LEN,
-                )
-                res, dur = vllm_load.run(load, log=client_log)
-                results[name].extend(res)
-                durations[name] += dur
-            say(f"round {r + 1}/{args.rounds} done ({' -> '.join(order)})")
-        after = settled([decode_url])[decode_url]
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 1
-    finally:
-        client_log.close()
-        cluster.shutdown()
+    apps: dict[str, dict[str, Any]] = {}
+    with open(args.out.parent / "prefix-client.log", "w") as client_log:
+        try:
+            say(f"starting a local Ray cluster; {len(ROUTERS)} P/D applications, one at a time")
+            cluster.start(cluster_env(), extra_prefill=REPLICAS - 1)
+            wait_dashboard(cluster.dashboard_url)
+            for name in args.only or ROUTERS:
+                # One application at a time: three side by side (nine engines) run this
+                # machine out of memory (Ray's memory monitor kills replicas).
+                deploy(cluster.dashboard_url, {**config, "applications": []})
+                _wait_gone(cluster.dashboard_url)
+                deploy(cluster.dashboard_url, {**config, "applications": [_app(config, name)]})
+                apps[name] = _measure(name, cluster, model_dir, port, args, client_log, say)
+        except KeyboardInterrupt:
+            say("interrupted")
+            return 1
+        finally:
+            cluster.shutdown()
 
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -156,37 +186,94 @@ def main(argv: list[str] | None = None) -> int:
             "concurrency": CONCURRENCY,
             "rounds": args.rounds,
             "requests_per_app": args.rounds * args.per_round,
-            "replicas_per_app": REPLICAS,
+            "prefill_replicas_per_app": REPLICAS,
+            "decode_replicas_per_app": 1,
+            "order": "one application after another, the same seeds",
         },
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "load_average_at_end": list(os.getloadavg()),
         },
-        "apps": {},
+        "apps": apps,
     }
-    print(f"{'router':<24}{'reqs':>6}{'err':>5}{'TTFT p50':>10}{'TTFT p99':>10}{'hit rate':>10}  requests per replica")
-    for name, router in ROUTERS.items():
-        s = summarize(results[name], durations[name])
-        _, engine, _ = roles(served[name])
-        engine_ids = served[name]["replicas"][engine]
-        delta = hops.engine_delta(before, after, via_ray=True, replica_ids=engine_ids)
-        per_replica = {rid: _served_by(before, after, rid) for rid in engine_ids}
-        report["apps"][name] = {
-            "router": router,
-            **s,
-            "prefix_cache_hit_rate": delta.prefix_hit_rate,
-            "requests_per_replica": per_replica,
-        }
-        hit = "-" if delta.prefix_hit_rate is None else f"{delta.prefix_hit_rate:.1%}"
-        print(
-            f"{router:<24}{s['requests']:>6}{s['errors']:>5}{s['ttft_p50_ms'] or 0:>10.1f}{s['ttft_p99_ms'] or 0:>10.1f}"
-            f"{hit:>10}  {sorted(int(v) for v in per_replica.values())}"
-        )
+    print(table(apps))
     report["wall_s"] = time.monotonic() - t0
     args.out.write_text(json.dumps(report, indent=2))
     print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
     return 0
+
+
+def _app(config: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(a for a in config["applications"] if a["name"] == name)
+
+
+def _wait_gone(dashboard_url: str, timeout: float = 300) -> None:
+    """Until Serve reports no application (the last one's engines stopped, their memory freed)."""
+    deadline = time.monotonic() + timeout
+    while serve_apps(dashboard_url):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Serve still runs {list(serve_apps(dashboard_url))} after {timeout:.0f}s")
+        time.sleep(2)
+
+
+def _measure(
+    name: str, cluster: Any, model_dir: Path, port: int, args: argparse.Namespace, client_log: Any, say: Any
+) -> dict[str, Any]:
+    """One deployed application: the rounds, then its figures (read while its replicas live:
+    an engine's series leave the scrape with it)."""
+    from local.cluster import smoke_request, wait_running
+    from local.config import HOST, MODEL_ID
+
+    wait_running(cluster.dashboard_url, [name], timeout=900, progress=say)
+    url = f"http://{HOST}:{port}/{name}"
+    smoke_request(f"{url}/v1", None, MODEL_ID)
+    metrics_urls = [n["metrics_url"] for n in cluster.nodes()]
+    prefill_url = next(n["metrics_url"] for n in cluster.nodes() if n["label"] == "prefill")
+    served = serve_apps(cluster.dashboard_url)[name]
+    # Every node's series quiet (decode's counters live on the decode node): Ray exports them
+    # every 10 s, so a reading quiet for less than that can miss the last requests.
+    before = settled(metrics_urls, quiet_s=12)[prefill_url]
+    counts_before = _counts(metrics_urls)
+    results: list[RequestResult] = []
+    duration = 0.0
+    for r in range(args.rounds):
+        load = vllm_load.Load(
+            base_url=url,
+            model=MODEL_ID,
+            tokenizer=str(model_dir),
+            num_prompts=args.per_round,
+            concurrency=CONCURRENCY,
+            # The same seed per round for every application: the same prompts.
+            seed=args.seed + r,
+            dataset="prefix_repetition",
+            prefix_len=PREFIX_LEN,
+            suffix_len=SUFFIX_LEN,
+            num_prefixes=NUM_PREFIXES,
+            output_len=OUTPUT_LEN,
+        )
+        res, dur = vllm_load.run(load, log=client_log)
+        results.extend(res)
+        duration += dur
+        say(f"{name}: round {r + 1}/{args.rounds} done")
+    after = settled(metrics_urls, quiet_s=12)[prefill_url]
+    counts_after = _counts(metrics_urls)
+    _, _, prefill = roles(served)
+    assert prefill is not None
+    prefill_ids = served["replicas"][prefill]
+    delta = hops.engine_delta(before, after, via_ray=True, replica_ids=prefill_ids)
+    out = {
+        "router": ROUTERS[name],
+        **summarize(results, duration),
+        "prefix_cache_hit_rate": delta.prefix_hit_rate,
+        # Prompt tokens the prefill engines computed (queried, less those found cached).
+        "prefill_tokens_computed": delta.prefix_queries - delta.prefix_hits,
+        "requests_per_prefill_replica": {rid: _served_by(before, after, rid) for rid in prefill_ids},
+    }
+    for key, after_counts in counts_after.items():
+        was = counts_before[key]
+        out[key] = {k: v - was.get(k, 0.0) for k, v in after_counts.items() if v != was.get(k, 0.0)}
+    return out
 
 
 if __name__ == "__main__":

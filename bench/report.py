@@ -124,39 +124,64 @@ def starts_table(rep: dict[str, Any]) -> str:
 
 
 def prefix_table(pre: dict[str, Any]) -> str:
+    """One row per prefill router; TTFT and computed prefill tokens also as ratios to power-of-two."""
+    by = {a["router"]: a for a in pre["apps"].values()}
+    base = by.get("power-of-two", {})
+
+    def ratio(a: dict[str, Any], key: str) -> str:
+        v, b = a.get(key), base.get(key)
+        return "" if v is None or not b else f" ({v / b:.2f}x)"
+
     rows = [
-        "| router | requests | errors | TTFT p50 | TTFT p99 | prefix-cache hit rate | requests per replica |",
-        "|---|---|---|---|---|---|---|",
+        "| prefill router | requests | errors | TTFT p50 | TTFT p99 | prefix-cache hit rate (prefill) "
+        "| prefill tokens computed | requests per prefill replica |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for _, a in pre["apps"].items():
+    for a in pre["apps"].values():
         hit = a.get("prefix_cache_hit_rate")
-        per = sorted(int(v) for v in (a.get("requests_per_replica") or {}).values())
+        per = sorted(int(v) for v in (a.get("requests_per_prefill_replica") or {}).values())
+        computed = a.get("prefill_tokens_computed")
         rows.append(
-            f"| {a['router']} | {a['requests']} | {a['errors']} | {_f(a['ttft_p50_ms'])} | {_f(a['ttft_p99_ms'])} | "
-            f"{'-' if hit is None else f'{hit:.1%}'} | {per} |"
+            f"| {a['router']} | {a['requests']} | {a['errors']} | {_f(a['ttft_p50_ms'])}{ratio(a, 'ttft_p50_ms')} | "
+            f"{_f(a['ttft_p99_ms'])}{ratio(a, 'ttft_p99_ms')} | {'-' if hit is None else f'{hit:.1%}'} | "
+            f"{'-' if computed is None else f'{computed:,.0f}'}{ratio(a, 'prefill_tokens_computed')} | {per} |"
         )
     return "\n".join(rows)
 
 
 def prefix_verdict(pre: dict[str, Any]) -> str:
-    """What the affinity router bought in this run: hit rate and TTFT p50, against power-of-two."""
+    """What each router bought in this run against power-of-two: hit rate and TTFT p50, and
+    whether KV-aware routing did at least as well as prefix affinity (issue 39's bar)."""
     by = {a["router"]: a for a in pre["apps"].values()}
-    p2c, aff = by.get("power-of-two"), by.get("prefix-cache-affinity")
-    if not p2c or not aff or p2c.get("prefix_cache_hit_rate") is None or aff.get("prefix_cache_hit_rate") is None:
+    p2c = by.get("power-of-two")
+    if not p2c or p2c.get("prefix_cache_hit_rate") is None:
         return ""
-    hits = f"{p2c['prefix_cache_hit_rate']:.1%} to {aff['prefix_cache_hit_rate']:.1%}"
-    t0, t1 = p2c["ttft_p50_ms"], aff["ttft_p50_ms"]
-    if t1 < t0:
-        return f"The affinity router raised the prefix-cache hit rate from {hits} and cut TTFT p50 from {t0:.1f} to {t1:.1f} ms."
-    return (
-        f"The affinity router raised the prefix-cache hit rate from {hits}, so it routes as designed, but TTFT "
-        f"p50 did not fall ({t0:.1f} ms with power-of-two, {t1:.1f} ms with affinity). What a hit saves is the "
-        "prefill of the cached tokens, and for this tiny random-weight model on two CPU cores that prefill is "
-        "a small part of the time to first token (plain vLLM's whole TTFT at concurrency 1 is in the table "
-        "above), below the Serve hops in front of every request and the spread between rounds on a shared "
-        "machine (compare the p99s). The saving grows with the prefill's cost: "
-        "long shared system prompts on a large model, where a 512-token prefill is real GPU time."
-    )
+    out = []
+    for router, label in (("prefix-cache-affinity", "The affinity router"), ("kv-aware", "KV-aware routing")):
+        a = by.get(router)
+        if not a or a.get("prefix_cache_hit_rate") is None:
+            continue
+        hits = f"{p2c['prefix_cache_hit_rate']:.1%} to {a['prefix_cache_hit_rate']:.1%}"
+        t0, t1 = p2c["ttft_p50_ms"], a["ttft_p50_ms"]
+        moved = "raised" if a["prefix_cache_hit_rate"] > p2c["prefix_cache_hit_rate"] else "did not raise"
+        ttft = (
+            f"cut TTFT p50 from {t0:.1f} to {t1:.1f} ms"
+            if t1 < t0
+            else f"TTFT p50 did not fall ({t0:.1f} -> {t1:.1f} ms)"
+        )
+        out.append(f"{label} {moved} the prefill tier's prefix-cache hit rate from {hits}; {ttft}.")
+    aff, kv = by.get("prefix-cache-affinity"), by.get("kv-aware")
+    if aff and kv and aff.get("prefix_cache_hit_rate") is not None and kv.get("prefix_cache_hit_rate") is not None:
+        verdict = "at least as high as" if kv["prefix_cache_hit_rate"] >= aff["prefix_cache_hit_rate"] else "below"
+        out.append(f"KV-aware routing's hit rate is {verdict} prefix affinity's in this run.")
+    if any("did not fall" in line for line in out):
+        out.append(
+            "What a hit saves is the prefill of the cached tokens, and for this tiny random-weight model on "
+            "two CPU cores that prefill is a small part of the time to first token, below the Serve hops in "
+            "front of every request and the spread between rounds on a shared machine (compare the p99s). "
+            "The saving grows with the prefill's cost: long shared system prompts on a large model."
+        )
+    return " ".join(out)
 
 
 def _idle(serving: dict[str, Any] | None, target: str, process: str | None = None) -> str:

@@ -27,6 +27,7 @@ from infra.k8s.serving_metrics import (
     FALLBACKS,
     INGRESS_REFUSALS,
     INGRESS_RETRIES,
+    KV_BOOKINGS,
     KV_ROUTE_TOKENS,
     KV_ROUTES,
     LIMITER_ERRORS,
@@ -382,6 +383,21 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "Of the prompt tokens of KV-scored requests, the share the chosen prefill replica already held "
                 "in its KV cache (by the index built from the engines' KV events): the prefill compute routing "
                 "saved. It falls when prompts stop sharing prefixes or the caches evict them.",
+            ),
+            PanelSpec(
+                "KV scorer: prefill bookings outstanding",
+                "none",
+                (
+                    Query(
+                        f'sum by (model) ({KV_BOOKINGS}{{{MODEL_SEL}, event="booked"}}) - '
+                        f'sum by (model) ({KV_BOOKINGS}{{{MODEL_SEL}, event="freed"}})',
+                        "{{model}}",
+                    ),
+                ),
+                "Prefill load the scorer booked on the replicas it chose and has not yet seen freed (the engine "
+                "reports a request finished; decode releases a call that never reached one). It follows the "
+                "prefill tier's in-flight requests; a count that only grows means lifecycle reports are lost and "
+                "the scorer sees those replicas busier than they are (Ray sweeps a booking after an hour).",
             ),
         ),
     ),

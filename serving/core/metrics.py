@@ -26,6 +26,7 @@ from typing import Any
 
 INGRESS = "ingress"  # the OpenAI front door's replicas (the Ray head's pods)
 DECODE = "decode"  # the P/D decode server's replicas (decode pods)
+KV_SCORER = "kv_scorer"  # the prefill tier's KV scorer (serving/engines/kv_router.py; prefill pods)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Metric:
     name: str  # as declared to Ray
     labels: tuple[str, ...]
     description: str
-    recorded_by: str  # INGRESS or DECODE
+    recorded_by: str  # INGRESS, DECODE or KV_SCORER
 
     @property
     def prometheus(self) -> str:
@@ -164,6 +165,14 @@ KV_ROUTE_TOKENS = Metric(
     "replica held in its KV cache by the index (kind cached).",
     DECODE,
 )
+KV_BOOKINGS = Metric(
+    "pd_kv_bookings",
+    ("model", "event"),
+    "Prefill load the KV scorer booked on the replica it chose (event booked) and freed when the engine "
+    "reported the request finished or decode released it (event freed); booked less freed is what is "
+    "still outstanding (and what died with a replica).",
+    KV_SCORER,
+)
 
 ALL = (
     USAGE_REQUESTS,
@@ -180,6 +189,7 @@ ALL = (
     LOCAL_PREFILLS,
     KV_ROUTES,
     KV_ROUTE_TOKENS,
+    KV_BOOKINGS,
 )
 
 

@@ -103,6 +103,8 @@ class KvScorer:
     """
 
     async def __init__(self, prefill_server: Any, llm_config: Any) -> None:  # type: ignore[misc]
+        self._model = llm_config.model_id
+        self._bookings = metrics.counter(metrics.KV_BOOKINGS)
         self._tracker = ri.build_kv_token_tracker(llm_config, prefill_server.deployment_id)
         self._tokenizer = await asyncio.to_thread(ri.kv_tokenizer, llm_config)
 
@@ -118,15 +120,23 @@ class KvScorer:
         await self.release(request_id)
         expected = fields.get("max_completion_tokens") or fields.get("max_tokens")
         chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+        self._count(1, "booked")
         return {"worker_id": chosen["worker_id"], "overlap_tokens": chosen["overlap_tokens"], "prompt_tokens": len(ids)}
 
     async def release(self, request_id: str) -> None:
         """Free a booking no engine will report finished (the call never reached one)."""
         if request_id in self._tracker._requests:
             await self._tracker.on_request_completed(request_id)
+            self._count(1, "freed")
 
-    async def on_lifecycle_events(self, batch: Any) -> Any:
-        return await self._tracker.on_lifecycle_events(batch)
+    async def on_lifecycle_events(self, batch: Any) -> None:
+        booked = set(self._tracker._requests)
+        await self._tracker.on_lifecycle_events(batch)
+        self._count(len(booked - set(self._tracker._requests)), "freed")
+
+    def _count(self, n: int, event: str) -> None:
+        if n > 0:  # Ray's Counter.inc refuses 0
+            self._bookings.inc(n, tags={"model": self._model, "event": event})
 
     async def on_reservations_created(self, batch: Any) -> Any:
         return await self._tracker.on_reservations_created(batch)

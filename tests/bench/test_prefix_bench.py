@@ -1,6 +1,7 @@
 """`make bench-prefix` dry (bench/prefix_bench.py): the Serve config it deploys, built without
-Ray (tests/bench/dry_run.py): two aggregated applications, two engine replicas each, that
-differ only in decode's request router. (This render once failed on a ServingSpec validation
+Ray (tests/bench/dry_run.py): three P/D applications, two prefill replicas and one decode
+replica each, that differ only in prefill's request router (and, for kv-aware, the scorer it
+brings and the engines' KV-event ports). (This render once failed on a ServingSpec validation
 error, unnoticed until the bench ran.)"""
 
 from __future__ import annotations
@@ -8,19 +9,53 @@ from __future__ import annotations
 from pathlib import Path
 
 from bench import prefix_bench
+from serving.spec.base import KV_SCORER_DEPLOYMENT
 from tests.bench import dry_run
 
 
-def test_two_apps_two_replicas_each_only_the_router_differs():
+def test_three_apps_that_differ_only_in_prefills_router():
     config = prefix_bench.render(Path("/models/tiny"), port=8123)
     built = dry_run.build(config)
     assert list(built) == list(prefix_bench.ROUTERS)
-    for deps in built.values():
-        engines = {d: r for d, r in deps.items() if "Ingress" not in d}
-        assert list(engines.values()) == [dry_run.Replicas(prefix_bench.REPLICAS, prefix_bench.REPLICAS)]
-    p2c, affinity = (a["args"]["llm_configs"][0] for a in config["applications"])
-    assert p2c != affinity
-    differ = {k for k in p2c if p2c[k] != affinity[k]}
-    assert differ == {"deployment_config"}
-    p2c_dep, aff_dep = p2c["deployment_config"], affinity["deployment_config"]
-    assert {k for k in p2c_dep.keys() | aff_dep.keys() if p2c_dep.get(k) != aff_dep.get(k)} == {"request_router_config"}
+    for name, deps in built.items():
+        prefill = next(r for d, r in deps.items() if d.startswith("Prefill"))
+        decode = next(r for d, r in deps.items() if d.startswith("Decode"))
+        assert prefill == dry_run.Replicas(prefix_bench.REPLICAS, prefix_bench.REPLICAS)
+        assert decode == dry_run.Replicas(1, 1)
+        assert (KV_SCORER_DEPLOYMENT in deps) == (prefix_bench.ROUTERS[name] == "kv-aware")
+    args = [a["args"] for a in config["applications"]]
+    assert all(a["decode_config"] == args[0]["decode_config"] for a in args)
+    prefills = [a["prefill_config"] for a in args]
+    routers = [p["deployment_config"].get("request_router_config", {}).get("request_router_class") for p in prefills]
+    assert len(set(routers)) == 3
+    for p in prefills[1:]:
+        assert {k for k in p if p[k] != prefills[0][k]} <= {"deployment_config", "experimental_configs"}
+        dep, dep0 = p["deployment_config"], prefills[0]["deployment_config"]
+        assert {k for k in dep.keys() | dep0.keys() if dep.get(k) != dep0.get(k)} == {"request_router_config"}
+        extra = {
+            k
+            for k in p["experimental_configs"]
+            if p["experimental_configs"][k] != prefills[0]["experimental_configs"].get(k)
+        }
+        assert extra <= {"KV_EVENTS_PORT_BASE", "KV_TOKEN_PORT_BASE"}
+
+
+def test_the_table_shows_each_figure_against_power_of_two():
+    apps = {
+        name: {
+            "router": router,
+            "requests": 10,
+            "errors": 0,
+            "ttft_p50_ms": 100.0 / (i + 1),
+            "ttft_p99_ms": 200.0,
+            "prefix_cache_hit_rate": 0.3 * (i + 1),
+            "prefill_tokens_computed": 1000.0 / (i + 1),
+            "requests_per_prefill_replica": {"a": 5, "b": 5},
+        }
+        for i, (name, router) in enumerate(prefix_bench.ROUTERS.items())
+    }
+    apps["kv"]["routed"] = {"scored": 10.0}
+    apps["kv"]["prefill_path"] = {"remote": 9.0, "local": 1.0}
+    text = prefix_bench.table(apps)
+    assert "(0.33x)" in text and "(1.00x)" in text
+    assert "kv-aware: prefilled {'remote': 9.0, 'local': 1.0}, locally because {}, routed {'scored': 10.0}" in text

@@ -83,12 +83,13 @@ def test_prefix_section():
                 "ttft_p50_ms": 20.0,
                 "ttft_p99_ms": 40.0,
                 "prefix_cache_hit_rate": 0.5,
-                "requests_per_replica": {"a": 4, "b": 6},
+                "prefill_tokens_computed": 1200.0,
+                "requests_per_prefill_replica": {"a": 4, "b": 6},
             }
         },
     }
     page = report.render(None, prefix, TEMPLATE)
-    assert "| power-of-two | 10 | 0 | 20.0 | 40.0 | 50.0% | [4, 6] |" in page
+    assert "| power-of-two | 10 | 0 | 20.0 (1.00x) | 40.0 (1.00x) | 50.0% | 1,200 (1.00x) | [4, 6] |" in page
 
 
 def test_readme_block_is_replaced_between_the_markers_only():
@@ -121,19 +122,37 @@ def test_floor_adds_the_serve_hops_to_plain_vllms_ttft_p50():
     assert "no concurrency-1 breakdown" in floor_text({"hops_ms": {}})
 
 
-def test_prefix_verdict_says_whether_affinity_cut_ttft():
-    from bench.report import prefix_verdict
+def test_prefix_verdict_says_what_each_router_bought_against_power_of_two():
+    from bench.report import prefix_table, prefix_verdict
 
-    def pre(aff_ttft):
+    def pre(aff_ttft, kv_hit):
         return {
             "apps": {
                 "p2c": {"router": "power-of-two", "prefix_cache_hit_rate": 0.4, "ttft_p50_ms": 100.0},
                 "affinity": {"router": "prefix-cache-affinity", "prefix_cache_hit_rate": 0.6, "ttft_p50_ms": aff_ttft},
+                "kv": {"router": "kv-aware", "prefix_cache_hit_rate": kv_hit, "ttft_p50_ms": 90.0},
             }
         }
 
-    assert "cut TTFT p50 from 100.0 to 80.0 ms" in prefix_verdict(pre(80.0))
-    assert "did not fall" in prefix_verdict(pre(110.0))
+    text = prefix_verdict(pre(80.0, 0.7))
+    assert "The affinity router raised the prefill tier's prefix-cache hit rate from 40.0% to 60.0%" in text
+    assert "cut TTFT p50 from 100.0 to 80.0 ms" in text
+    assert "at least as high as prefix affinity's" in text
+    text = prefix_verdict(pre(110.0, 0.5))
+    assert "did not fall" in text and "below prefix affinity's" in text
+    both = pre(80.0, 0.7)
+    for a, (computed, per) in zip(
+        both["apps"].values(), [(1000.0, [30, 30]), (500.0, [40, 20]), (250.0, [35, 25])], strict=False
+    ):
+        a.update(
+            requests=60,
+            errors=0,
+            ttft_p99_ms=200.0,
+            prefill_tokens_computed=computed,
+            requests_per_prefill_replica=dict(enumerate(per)),
+        )
+    table = prefix_table(both)
+    assert "| kv-aware | 60 | 0 | 90.0 (0.90x) |" in table and "250 (0.25x)" in table
 
 
 def test_cpu_and_gap_sections_from_the_run():

@@ -198,6 +198,7 @@ def _scorer(workers, ids) -> tuple[KvScorer, _Tracker]:
     scorer = object.__new__(KvScorer)
     tracker = _Tracker(workers)
     scorer._tracker, scorer._tokenizer = tracker, _Tokenizer(ids)
+    scorer._model, scorer._bookings = "tiny", _Counter()
     return scorer, tracker
 
 
@@ -211,6 +212,25 @@ def test_the_scorer_books_the_chosen_worker_and_frees_a_request_scored_twice():
     asyncio.run(scorer.release("r"))
     asyncio.run(scorer.release("r"))  # a second release (or one for a request never booked) is a no-op
     assert tracker.log[3:] == [("free", "r")]
+    # Booked twice, freed twice: nothing outstanding (pd_kv_bookings).
+    events = [tags["event"] for _, tags in scorer._bookings.seen]
+    assert events == ["booked", "freed", "booked", "freed"]
+
+
+def test_engine_lifecycle_reports_that_free_bookings_are_counted():
+    scorer, tracker = _scorer([7], [1, 2])
+    for rid in ("a", "b"):
+        asyncio.run(scorer.select(rid, {"prompt": "x"}))
+
+    async def on_lifecycle_events(batch):
+        for hook, (rid,) in batch:
+            if hook == "on_request_completed":
+                tracker._requests.pop(rid, None)
+
+    tracker.on_lifecycle_events = on_lifecycle_events
+    asyncio.run(scorer.on_lifecycle_events([("on_prefill_complete", ("a",)), ("on_request_completed", ("a",))]))
+    asyncio.run(scorer.on_lifecycle_events([("on_request_completed", ("zz",))]))  # not ours: nothing freed
+    assert [(n, tags["event"]) for n, tags in scorer._bookings.seen] == [(1, "booked"), (1, "booked"), (1, "freed")]
 
 
 @pytest.mark.parametrize(("workers", "ids"), [([], [1, 2]), ([7], None), ([7], [])])

@@ -5,7 +5,9 @@ What it shows, from outside the stack: each P/D request is scored by the prefill
 (`pd_kv_routes{outcome="scored"}`, decode's counter), and the scorer's index, built from the
 prefill engine's own vLLM KV-cache events through Dynamo's selection core, knows that a prompt
 repeating an earlier prompt's prefix is already cached on the replica it chose
-(`pd_kv_route_tokens{kind="cached"}`), while a first prompt is not. The fault side (a prefill
+(`pd_kv_route_tokens{kind="cached"}`), while a first prompt is not; and once the requests are
+done, every load the scorer booked has been freed by the engine's lifecycle reports
+(`pd_kv_bookings`: the state the scorer must return to). The fault side (a prefill
 replica killed: routing by load meanwhile, scored again once it is back) is in
 tests/serving/test_resilience_e2e.py.
 """
@@ -18,7 +20,7 @@ import httpx
 import pytest
 
 from bench import hops
-from serving.core.metrics import KV_ROUTE_TOKENS, KV_ROUTES
+from serving.core.metrics import KV_BOOKINGS, KV_ROUTE_TOKENS, KV_ROUTES
 
 pytestmark = pytest.mark.e2e
 
@@ -86,3 +88,15 @@ def test_prefill_is_routed_by_where_the_prompts_kv_cache_is(stack):
     # At least two whole 128-token blocks of the shared prefix per request.
     assert tokens.get("cached", 0) >= 3 * 256, f"the index did not see the cached prefix: {tokens}"
     assert tokens["cached"] < tokens["prompt"], tokens
+
+    # Every booking freed: the prefill engine's lifecycle reports reached the scorer under the
+    # request ids it booked them by (else those replicas would look ever busier).
+    urls = [n["metrics_url"] for n in stack.nodes]
+    deadline = time.monotonic() + 45
+    while True:
+        bookings = hops.scrape_by_label(urls, KV_BOOKINGS.prometheus, "event")
+        done = bookings.get("booked", 0) >= 4 and bookings.get("freed", 0) == bookings.get("booked")
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert bookings.get("booked", 0) >= 4 and bookings.get("freed") == bookings["booked"], bookings
