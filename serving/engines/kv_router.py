@@ -112,7 +112,14 @@ class KvScorer:
         workers = list(self._tracker._replica_id_by_worker)
         if not workers:
             return None
-        ids = await self._tokenizer.tokenize(fields)
+        try:
+            ids = await self._tokenizer.tokenize(fields)
+        except Exception as exc:
+            # The renderer refused the request (Ray's TokenizeError: a bad template input): the
+            # engine gives the client its own answer; routing by load is all that is lost. Only
+            # the error's type is logged: a renderer's message may quote the prompt.
+            logger.info("KV scorer could not tokenize a request (%s): routed by load", type(exc).__name__)
+            return None
         if not ids:
             return None
         # Ray frees a request id's load when its engine reports it finished; a request scored

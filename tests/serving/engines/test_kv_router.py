@@ -191,6 +191,8 @@ class _Tokenizer:
         self.ids = ids
 
     async def tokenize(self, fields):
+        if isinstance(self.ids, Exception):
+            raise self.ids
         return self.ids
 
 
@@ -233,7 +235,10 @@ def test_engine_lifecycle_reports_that_free_bookings_are_counted():
     assert [(n, tags["event"]) for n, tags in scorer._bookings.seen] == [(1, "booked"), (1, "booked"), (1, "freed")]
 
 
-@pytest.mark.parametrize(("workers", "ids"), [([], [1, 2]), ([7], None), ([7], [])])
+@pytest.mark.parametrize(
+    ("workers", "ids"),
+    [([], [1, 2]), ([7], None), ([7], []), ([7], RuntimeError("template error quoting the prompt"))],
+)
 def test_nothing_to_score_by_books_nothing(workers, ids):
     scorer, tracker = _scorer(workers, ids)
     assert asyncio.run(scorer.select("r", {"prompt": "x"})) is None
