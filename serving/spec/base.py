@@ -55,6 +55,7 @@ KV_SCORER_TIMEOUT_S = 0.25
 # gets its own slice of KV_PORT_STRIDE ports, so two models' replicas on one node never bind the
 # same port.
 KV_EVENTS_PORT_BASE = 5557
+KV_REPLAY_PORT_OFFSET = 1000  # kv_aware/constants.py DEFAULT_KV_EVENTS_REPLAY_PORT_OFFSET
 KV_TOKEN_PORT_BASE = 7557
 KV_PORT_STRIDE = 64
 # The engine server class that sends the first streamed chunk at once (serving/engines/streaming.py).

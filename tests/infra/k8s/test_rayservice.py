@@ -589,3 +589,30 @@ def test_the_haproxy_folder_check_catches_a_read_only_root(rendered_stacks):
     assert _haproxy_dir_problems(bad) == ["/tmp/haproxy-serve"]
     fixed = {**bad, "volumeMounts": [*bad["volumeMounts"], {"name": "haproxy", "mountPath": "/tmp/haproxy-serve"}]}
     assert _haproxy_dir_problems(fixed) == []
+
+
+def test_a_kv_routed_prefill_pool_declares_the_ports_its_engines_bind_and_others_do_not():
+    """Ray 2.60 binds each KV-routed engine's KV-event PUB socket at the base + its node-local
+    rank and its replay socket 1000 above (routing_policies/kv_aware/vllm/kv_events.py); the
+    prefill pool's pods declare exactly those for the replicas a pod holds (prod: TP 8 on
+    p5.48xlarge, one replica a pod), the decode pool and a plain prefill pool none."""
+    from ray.llm._internal.serve.routing_policies.kv_aware import constants
+
+    values, secrets, others = copy.deepcopy(stackfile.read(SWITCH_STACK))
+    values["serving"]["prefill"] = {**values["serving"]["prefill"], "router": "kv-aware"}
+    groups = _groups(_rayservice(render.render_parsed(SWITCH_STACK, (values, secrets, others), stand_in_secrets=True)))
+
+    def kv(group: str) -> list[tuple[str, int]]:
+        ports = groups[group]["template"]["spec"]["containers"][0].get("ports", [])
+        return [(p["name"], p["containerPort"]) for p in ports if p["name"].startswith("kv")]
+
+    base = constants.DEFAULT_KV_EVENTS_PORT_BASE
+    assert kv("prefill") == [("kv0-ev0", base), ("kv0-rp0", base + constants.DEFAULT_KV_EVENTS_REPLAY_PORT_OFFSET)]
+    assert kv("decode") == []
+    plain = _groups(_rendered_with(DataPlane.HAPROXY))
+    assert not [
+        p
+        for g in plain.values()
+        for p in g["template"]["spec"]["containers"][0].get("ports", [])
+        if p["name"].startswith("kv")
+    ]
