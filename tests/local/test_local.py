@@ -278,6 +278,8 @@ def test_nodes_carry_the_cloud_labels_and_each_part_runs_on_its_group(stack):
             placed[(app_name, dep_name.split(":")[0])] = {node_label[r["node_id"]] for r in dep["replicas"]}
     assert placed == {
         ("llm", "Prefill"): {"prefill"},
+        # The prefill tier's KV scorer (serving/engines/kv_router.py) beside the engines it indexes.
+        ("llm", "LLMRouter"): {"prefill"},
         ("llm", "Decode"): {"decode"},
         ("llm", "AuthenticatedIngress"): {"head"},
         # The aggregated engine runs the spec's eager-first-chunk server class (serving/engines/streaming.py).
