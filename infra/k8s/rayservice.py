@@ -58,9 +58,9 @@ from infra.sizing.head import HEAD_BASE_VCPUS
 from infra.sizing.signals import role_thresholds
 from infra.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
-from serving.spec.base import KV_REPLAY_PORT_OFFSET, Mode, Router
+from serving.spec.base import Mode, Router
 from serving.spec.offload import OffloadTier
-from serving.spec.render import kv_ports
+from serving.spec.render import kv_bound_ports
 
 RAY_UID = 1000  # the `ray` user of Ray's images
 HF_TOKEN_ENV = "HF_TOKEN"
@@ -354,20 +354,14 @@ def _pool_roles(serving: ServingSpec, pool: str) -> list[RoleSpec]:
 
 
 def _kv_routing_ports(serving: ServingSpec, pool: str, inst: catalog.InstanceType) -> list[dict[str, Any]]:
-    """The container ports a KV-routed prefill tier's engines bind on `pool` (declared: the
-    scorer connects to them): per replica a pod can hold, Ray's KV-event PUB and replay ports
-    at the model's base plus the replica's node-local rank (serving/spec/render.py kv_ports)."""
-    ports: list[dict[str, Any]] = []
-    for slot, m in enumerate(serving.served):
-        if m.mode is not Mode.DISAGGREGATED or m.prefill.router is not Router.KV_AWARE or m.pool_of("prefill") != pool:
-            continue
-        base = kv_ports(slot)["KV_EVENTS_PORT_BASE"]
-        for rank in range(max(1, inst.gpus // m.prefill.gpus_per_rank)):
-            ports.append({"containerPort": base + rank, "name": f"kv{slot}-ev{rank}", "protocol": "TCP"})
-            ports.append(
-                {"containerPort": base + KV_REPLAY_PORT_OFFSET + rank, "name": f"kv{slot}-rp{rank}", "protocol": "TCP"}
-            )
-    return ports
+    """The ports a KV-routed prefill tier's engines bind on `pool`, for each replica a pod can
+    hold (declared: the scorer connects to them; serving/spec/render.py kv_bound_ports)."""
+    return [
+        {"containerPort": port, "name": name, "protocol": "TCP"}
+        for slot, m in enumerate(serving.served)
+        if m.mode is Mode.DISAGGREGATED and m.prefill.router is Router.KV_AWARE and m.pool_of("prefill") == pool
+        for name, port in kv_bound_ports(slot, max(1, inst.gpus // m.prefill.gpus_per_rank))
+    ]
 
 
 def _group_sizes(inp: RayServiceInputs, pool: str, roles: list[RoleSpec]) -> dict[str, int]:

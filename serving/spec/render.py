@@ -23,6 +23,7 @@ from serving.spec.base import (
     FIRST_CHUNK_KEY,
     KV_EVENTS_PORT_BASE,
     KV_PORT_STRIDE,
+    KV_REPLAY_PORT_OFFSET,
     KV_ROUTER_CLS,
     KV_ROUTING_STATS_PERIOD_S,
     KV_TOKEN_PORT_BASE,
@@ -207,6 +208,17 @@ def kv_ports(slot: int) -> dict[str, int]:
         "KV_EVENTS_PORT_BASE": KV_EVENTS_PORT_BASE + slot * KV_PORT_STRIDE,
         "KV_TOKEN_PORT_BASE": KV_TOKEN_PORT_BASE + slot * KV_PORT_STRIDE,
     }
+
+
+def kv_bound_ports(slot: int, replicas: int) -> list[tuple[str, int]]:
+    """(name, port) of the sockets the `slot`-th model's KV-routed engines bind for node-local
+    ranks 0..replicas-1: Ray's KV-event PUB socket at the base + rank, its replay socket 1000 above."""
+    base = kv_ports(slot)["KV_EVENTS_PORT_BASE"]
+    return [
+        port
+        for rank in range(replicas)
+        for port in ((f"kv{slot}-ev{rank}", base + rank), (f"kv{slot}-rp{rank}", base + KV_REPLAY_PORT_OFFSET + rank))
+    ]
 
 
 # --- one model, the front door, the applications -----------------------------------------------
