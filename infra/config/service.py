@@ -12,7 +12,7 @@ from infra import versions
 from infra.config.formats import allow_list
 from infra.config.pools import engine_pools
 from infra.k8s import labels
-from serving.spec import Mode, Router, SpecModel
+from serving.spec import SpecModel
 
 if TYPE_CHECKING:
     from infra.config import StackConfig
@@ -99,9 +99,7 @@ def streamed_models(cfg: StackConfig) -> list[str]:
 def kv_routed_models(cfg: StackConfig) -> list[str]:
     """The ids of the models whose prefill tier routes by KV state (prefill.router kv-aware:
     its scorer imports Dynamo's selection core, ai-dynamo-runtime)."""
-    return [
-        m.model.id for m in cfg.serving.served if m.mode is Mode.DISAGGREGATED and m.prefill.router is Router.KV_AWARE
-    ]
+    return [m.model.id for m in cfg.serving.served if m.kv_routed]
 
 
 def builds_worker_image(cfg: StackConfig) -> bool:

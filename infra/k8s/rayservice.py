@@ -58,7 +58,6 @@ from infra.sizing.head import HEAD_BASE_VCPUS
 from infra.sizing.signals import role_thresholds
 from infra.versions import RAY_VERSION
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, SERVE_PORT, RoleSpec, ServingSpec, Target, pool_label
-from serving.spec.base import Mode, Router
 from serving.spec.offload import OffloadTier
 from serving.spec.render import kv_bound_ports
 
@@ -359,7 +358,7 @@ def _kv_routing_ports(serving: ServingSpec, pool: str, inst: catalog.InstanceTyp
     return [
         {"containerPort": port, "name": name, "protocol": "TCP"}
         for slot, m in enumerate(serving.served)
-        if m.mode is Mode.DISAGGREGATED and m.prefill.router is Router.KV_AWARE and m.pool_of("prefill") == pool
+        if m.kv_routed and m.pool_of("prefill") == pool
         for name, port in kv_bound_ports(slot, max(1, inst.gpus // m.prefill.gpus_per_rank))
     ]
 

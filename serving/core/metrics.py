@@ -193,6 +193,13 @@ ALL = (
 )
 
 
+def add(counter: Any, n: float, tags: dict[str, str]) -> None:
+    """`counter.inc(n, tags)` for an amount that may be 0: Ray's Counter.inc refuses anything
+    but a positive value (ValueError), and nothing happened to count."""
+    if n > 0:
+        counter.inc(n, tags)
+
+
 def counter(metric: Metric) -> Any:
     """The Ray counter of `metric` (inside a Serve replica or a Ray worker)."""
     from ray.serve.metrics import Counter

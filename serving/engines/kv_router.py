@@ -137,13 +137,13 @@ class KvScorer:
             self._count(1, "freed")
 
     async def on_lifecycle_events(self, batch: Any) -> None:
-        booked = set(self._tracker._requests)
+        # Only the batch's own requests can be freed by it: no copy of every booking per batch.
+        booked = {args[0] for _, args in batch if args} & self._tracker._requests.keys()
         await self._tracker.on_lifecycle_events(batch)
-        self._count(len(booked - set(self._tracker._requests)), "freed")
+        self._count(len(booked - self._tracker._requests.keys()), "freed")
 
     def _count(self, n: int, event: str) -> None:
-        if n > 0:  # Ray's Counter.inc refuses 0
-            self._bookings.inc(n, tags={"model": self._model, "event": event})
+        metrics.add(self._bookings, n, {"model": self._model, "event": event})
 
     async def on_reservations_created(self, batch: Any) -> Any:
         return await self._tracker.on_reservations_created(batch)
@@ -206,9 +206,8 @@ class KvRoutes:
             outcome = metrics.KvRoute.UNSCORED if chosen is None else metrics.KvRoute.SCORED
             if chosen is not None:
                 worker = int(chosen["worker_id"])
-                for kind, n in (("prompt", chosen["prompt_tokens"]), ("cached", chosen["overlap_tokens"])):
-                    if n > 0:  # Ray's Counter.inc refuses 0 (ValueError), which would fail the request
-                        self._tokens.inc(n, tags={"model": self._model, "kind": kind})
+                metrics.add(self._tokens, chosen["prompt_tokens"], {"model": self._model, "kind": "prompt"})
+                metrics.add(self._tokens, chosen["overlap_tokens"], {"model": self._model, "kind": "cached"})
         self._counter.inc(tags={"model": self._model, "outcome": outcome.value})
         return worker
 

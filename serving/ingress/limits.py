@@ -454,10 +454,8 @@ class UsageMeter:
     def served(self, kid: str, model: str, destination: str, prompt: int, completion: int) -> None:
         tags = {"key": kid, "model": model, "destination": destination}
         self._requests.inc(1, tags)
-        if prompt:
-            self._prompt.inc(prompt, tags)
-        if completion:
-            self._completion.inc(completion, tags)
+        metrics.add(self._prompt, prompt, tags)
+        metrics.add(self._completion, completion, tags)
 
     def rate_limited(self, kid: str, model: str, limit: str) -> None:
         self._limited.inc(1, {"key": kid, "model": model, "limit": limit})

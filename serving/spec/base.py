@@ -44,11 +44,11 @@ PREFIX_ROUTER_CLS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
 # replica is scored only once its KV-event endpoint has been reported), and how long decode waits
 # for the scorer before it routes by load.
 KV_ROUTER_CLS = "serving.engines.kv_router:KvPrefillRouter"
+KV_ROUTING_STATS_PERIOD_S = 2.0
+KV_SCORER_TIMEOUT_S = 0.25
 # The scorer's deployment name: the one Ray's KV-routed engines send lifecycle reports to
 # (kv_token_tracker.py LLM_ROUTER_DEPLOYMENT_NAME; serving/ray_internals.py re-exports Ray's).
 KV_SCORER_DEPLOYMENT = "LLMRouter"
-KV_ROUTING_STATS_PERIOD_S = 2.0
-KV_SCORER_TIMEOUT_S = 0.25
 # Ray Serve LLM 2.60's per-node port bases of a KV-routed engine (routing_policies/kv_aware/
 # constants.py: the KV-event PUB socket at base + the replica's node-local rank, its replay socket
 # 1000 above, the prompt-token PULL socket at its own base). Each model of the many-model form

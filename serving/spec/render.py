@@ -374,7 +374,7 @@ def serve_config(
         targets = model_targets or {}
         for slot, m in enumerate(spec.served):
             args = model_app_args(m, targets.get(m.model.id, target))
-            if m.mode is Mode.DISAGGREGATED and m.prefill.router is Router.KV_AWARE:
+            if m.kv_routed:
                 args["prefill_config"]["experimental_configs"].update(kv_ports(slot))
             apps.append(
                 {

@@ -270,6 +270,11 @@ class ServingSpec(SpecModel):
         """Whether this is the many-model form (`serving.models`)."""
         return bool(self.models)
 
+    @property
+    def kv_routed(self) -> bool:
+        """Whether this model's prefill tier routes by KV state (prefill.router kv-aware, P/D)."""
+        return self.mode is Mode.DISAGGREGATED and self.prefill.router is Router.KV_AWARE
+
     def pool_of(self, role: str) -> str:
         """The node pool (a nodePools name) the engine role runs on."""
         return self.pools.pool(role)
