@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra.paths import ROOT
-from serving.spec import APP_NAME, DataPlane, Mode, ServingSpec, Target
+from serving.spec import APP_NAME, TELEMETRY_OFF_ENV, DataPlane, Mode, ServingSpec, Target
 from serving.spec.models import PER_MODEL_KEYS
 
 MODEL_ID = "tiny-llama"
@@ -114,9 +114,7 @@ def cluster_env() -> dict[str, str]:
         # Nothing may be downloaded: the model is on disk.
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        "DO_NOT_TRACK": "1",
+        **TELEMETRY_OFF_ENV,  # as every stack's Ray processes (ServingSpec.ray_env)
         **LOCAL_SERVE_ENV,
     }
 

@@ -83,6 +83,19 @@ HAPROXY_HARD_STOP_ENV = "RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S"
 # `_apply_delay_logic`), so they keep their seconds.
 CONTROL_LOOP_ENV = "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"
 CONTROL_LOOP_INTERVAL_S = 0.5
+# How often every Serve replica and every handle's router hands the request counters and
+# gauges it caches to Ray's metrics (Ray 2.60 ray/serve/_private/constants.py, default 100 ms;
+# replica.py and router.py `_report_cached_metrics_forever`, a loop on each process's event
+# loop). Not in Serve's docs, hence the contract test that Ray reads it by this name. Ray's
+# metrics agent exports what it was handed every 10 s and Prometheus scrapes slower still, so
+# 1 s shows nowhere; idle, the local stack's six Serve replica processes went from 0.7-1.1% to
+# 0.6-0.8% of a core each (docs/performance.md, "Idle CPU").
+METRICS_EXPORT_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
+METRICS_EXPORT_INTERVAL_MS = 1000
+# No usage reports leave the cluster: Ray's usage stats (docs.ray.io "Usage Stats Collection",
+# on unless RAY_USAGE_STATS_ENABLED=0) and vLLM's (docs.vllm.ai "Usage Stats Collection":
+# VLLM_NO_USAGE_STATS=1 or DO_NOT_TRACK=1), in every Ray process of every stack.
+TELEMETRY_OFF_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
 # vLLM NixlConnector's kv_lease_duration default (nixl/base_scheduler.py, 0.29 and 0.32).
 VLLM_DEFAULT_KV_LEASE_S = 30
 PROXY_TIMEOUT_MARGIN_S = 5.0

@@ -37,9 +37,12 @@ from serving.spec.base import (
     CONTROL_LOOP_ENV,
     CONTROL_LOOP_INTERVAL_S,
     HAPROXY_HARD_STOP_ENV,
+    METRICS_EXPORT_ENV,
+    METRICS_EXPORT_INTERVAL_MS,
     PROXY_TIMEOUT_MARGIN_S,
     RESERVED_ENGINE_KWARGS,
     SERVE_PORT,
+    TELEMETRY_OFF_ENV,
     VLLM_DEFAULT_KV_LEASE_S,
     AuthMode,
     DataPlane,
@@ -319,15 +322,21 @@ class ServingSpec(SpecModel):
 
     def ray_env(self) -> dict[str, str]:
         """The environment every Ray process of the cluster gets from the spec: the data
-        plane's switches (spec_base.DataPlane), Serve's control-loop interval
-        (base.CONTROL_LOOP_INTERVAL_S), and in HAProxy mode how long an HAProxy
+        plane's switches (spec_base.DataPlane), Serve's control-loop and cached-metrics
+        intervals (base.CONTROL_LOOP_INTERVAL_S, METRICS_EXPORT_INTERVAL_MS), usage reports off
+        (base.TELEMETRY_OFF_ENV), and in HAProxy mode how long an HAProxy
         process replaced by a reload (Serve reloads it whenever the ingress replicas change)
         may finish its open streams before it is stopped: Ray 2.60 stops it after
         RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S, 120 s by default (ray/serve/_private/haproxy.py
         `_graceful_reload`, haproxy_templates.py `hard-stop-after`), which would cut a stream
         that the deadlines allow to run longer. The node drain is that bound, rounded up
         (serving/spec/drain.py), so tuning totalTimeoutS within a step leaves the pods as they are."""
-        env = {**self.ingress.data_plane.ray_env, CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S)}
+        env = {
+            **self.ingress.data_plane.ray_env,
+            CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S),
+            METRICS_EXPORT_ENV: str(METRICS_EXPORT_INTERVAL_MS),
+            **TELEMETRY_OFF_ENV,
+        }
         if self.ingress.data_plane is DataPlane.HAPROXY:
             env[HAPROXY_HARD_STOP_ENV] = str(self.drain().node_drain_s)
         return env

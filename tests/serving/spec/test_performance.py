@@ -227,6 +227,40 @@ def test_ray_reads_the_control_loop_interval_by_that_name():
     assert (default, ours) == (0.1, CONTROL_LOOP_INTERVAL_S)
 
 
+def _read_in_fresh_process(code: str, **env: str) -> list[str]:
+    """What `code` prints in a new Python process with `env` over this one's (the names
+    below removed first), as a Ray or vLLM process started with ray_env reads it."""
+    from serving.spec import METRICS_EXPORT_ENV, TELEMETRY_OFF_ENV
+
+    ours = {METRICS_EXPORT_ENV, *TELEMETRY_OFF_ENV, "VLLM_DO_NOT_TRACK"}
+    base = {k: v for k, v in os.environ.items() if k not in ours}
+    run = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    return run.stdout.split()
+
+
+def test_ray_reads_the_cached_metrics_interval_by_that_name():
+    """Serve's replicas and routers hand their cached counters to Ray's metrics every
+    RAY_SERVE_METRICS_EXPORT_INTERVAL_MS (not in Serve's docs: this holds the name)."""
+    from serving.spec import METRICS_EXPORT_ENV, METRICS_EXPORT_INTERVAL_MS
+
+    read = "from ray.serve._private import constants; print(constants.RAY_SERVE_METRICS_EXPORT_INTERVAL_MS)"
+    env = spec().ray_env()
+    default, ours = _read_in_fresh_process(read), _read_in_fresh_process(read, **env)
+    assert (int(default[0]), int(ours[0])) == (100, METRICS_EXPORT_INTERVAL_MS)
+    assert env[METRICS_EXPORT_ENV] == str(METRICS_EXPORT_INTERVAL_MS)
+
+
+def test_no_usage_report_leaves_a_stacks_ray_processes():
+    """Ray's and vLLM's own checks, in a process with the environment every Ray pod and the
+    local cluster get: both report by default (so the check can fail), neither with it."""
+    read = (
+        "from ray._common.usage import usage_lib; print(usage_lib.usage_stats_enabled()); "
+        "from vllm.usage.usage_lib import is_usage_stats_enabled; print(is_usage_stats_enabled())"
+    )
+    assert _read_in_fresh_process(read, HOME="/nonexistent") == ["True", "True"]
+    assert _read_in_fresh_process(read, HOME="/nonexistent", **spec().ray_env()) == ["False", "False"]
+
+
 def test_decode_reuses_prefills_prompt_token_ids_unless_turned_off():
     """Ray 2.60 PDDecodeServer.__init__ reads experimental_configs["pd_tokenize_once"] (decode
     only); the aggregated engine and prefill have nothing to reuse."""
