@@ -31,6 +31,7 @@ help:
 	@echo "make bench-data-plane   Serve's data planes (ray-proxy, grpc, haproxy), a local stack each: latency, CPU per hop"
 	@echo "make serve SIGNALS=1    per-role autoscaling on the engines' signals (local Prometheus)"
 	@echo "make serve SCALE_TO_ZERO=1   decode idles to zero (needs PD_FALLBACK_BASE_URL)"
+	@echo "make serve PD_PREFILL_ROUTER=kv-aware   P/D prefill routed by where the prompt's KV cache is"
 	@echo "make serve PD_MODELS=2  a second model (aggregated, with a LoRA adapter) behind the same front door"
 	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
@@ -164,7 +165,7 @@ test-fast: venv light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 
 # SIGNALS=1: each role autoscales on its engines' own signals from a local Prometheus.
 serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
-	$(PY) -m local --port $(PORT) $(if $(PD_MODELS),--models $(PD_MODELS)) $(if $(PD_DATA_PLANE),--data-plane $(PD_DATA_PLANE)) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
+	$(PY) -m local --port $(PORT) $(if $(PD_MODELS),--models $(PD_MODELS)) $(if $(PD_DATA_PLANE),--data-plane $(PD_DATA_PLANE)) $(if $(PD_PREFILL_ROUTER),--prefill-router $(PD_PREFILL_ROUTER)) $(if $(REPLICAS),--prefill-replicas $(REPLICAS) --decode-replicas $(REPLICAS)) $(if $(filter 1,$(SIGNALS)),--signals) $(if $(filter 1,$(SCALE_TO_ZERO)),--scale-to-zero)
 
 # Faults and overload under streamed load (bench/chaos.py): about 10 minutes; SOAK=1 adds
 # a 10-minute soak at concurrency 16.

@@ -40,6 +40,7 @@ from local.config import (
     MODEL_ID,
     MODELS_ENV,
     MODES,
+    PREFILL_ROUTER_ENV,
     REPLICAS_ENV,
     SCALE_TO_ZERO_ENV,
     SIGNALS_ENV,
@@ -55,7 +56,7 @@ from local.config import (
 from local.procs import STOP_SIGNALS, AlreadyRunning, free_port, instance_lock, leftover_haproxy, port_in_use
 from local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
 from local.prometheus import binary as prometheus_binary
-from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, DataPlane, Mode, key_id, parse_api_keys
+from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, DataPlane, Mode, Router, key_id, parse_api_keys
 
 
 # --- the command ---------------------------------------------------------------------------
@@ -132,6 +133,14 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         f"${DATA_PLANE_ENV} or the spec's",
     )
     p.add_argument(
+        "--prefill-router",
+        choices=[r.value for r in Router],
+        default=env.get(PREFILL_ROUTER_ENV) or None,
+        help="how the disaggregated app's prefill tier picks a replica: power-of-two (the "
+        "stacks' default), prefix-cache-affinity, or kv-aware (by where the prompt's KV cache "
+        f"is); default ${PREFILL_ROUTER_ENV} or the spec's",
+    )
+    p.add_argument(
         "--state-file",
         type=Path,
         default=None,
@@ -179,7 +188,13 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
     # Hybrid routing from the environment.
     try:
         hybrid = hybrid_from_env(dict(os.environ))
-        local_spec(Mode.DISAGGREGATED, Path("/models/check"), hybrid=hybrid, scale_to_zero=args.scale_to_zero)
+        local_spec(
+            Mode.DISAGGREGATED,
+            Path("/models/check"),
+            hybrid=hybrid,
+            scale_to_zero=args.scale_to_zero,
+            prefill_router=args.prefill_router,
+        )
     except LocalConfigError as exc:
         stack.close()
         return str(exc)
@@ -280,6 +295,7 @@ def render_config(
         lora_path=extras.get("lora_path"),
         key_models=extras.get("key_models"),
         data_plane=args.data_plane,
+        prefill_router=args.prefill_router,
     )
 
 

@@ -92,6 +92,11 @@ SIGNALS_ENV = "PD_SIGNALS"
 # one); the spec then wants a fallback for `unavailable` (PD_FALLBACK_BASE_URL) to answer
 # while it starts again.
 SCALE_TO_ZERO_ENV = "PD_SCALE_TO_ZERO"
+# `make serve PD_PREFILL_ROUTER=kv-aware`: the P/D prefill tier routed by where a prompt's KV
+# cache already is (serving/engines/kv_router.py), as a stack opts in with prefill.router.
+# Unset, the stacks' default (power-of-two): `make bench` measures what a stack runs unless it
+# opts in. The e2e session's shared stack sets it, so the P/D e2e tests run through the scorer.
+PREFILL_ROUTER_ENV = "PD_PREFILL_ROUTER"
 # Serve's replicas and handles push their load every 10 s by default; locally every second,
 # so decisions follow the load within seconds (ray/serve/_private/constants.py).
 LOCAL_SERVE_ENV = {
@@ -247,6 +252,7 @@ def local_spec(
     lora_path: str | None = None,
     key_models: dict[str, list[str]] | None = None,
     data_plane: str | None = None,
+    prefill_router: str | None = None,
 ) -> ServingSpec:
     """The spec a stack file would hold, with CPU-friendly values (plus `hybrid_from_env`);
     with `models=2` the many-model form (the second model's adapters at `lora_path`, and
@@ -264,6 +270,8 @@ def local_spec(
         )
         if data_plane is not None:
             data["ingress"] = {**data["ingress"], "dataPlane": data_plane}
+        if prefill_router is not None and mode is Mode.DISAGGREGATED:
+            data["prefill"] = {**data["prefill"], "router": prefill_router}
         if models > 1:
             data = _many_models(data, models, lora_path, key_models or {})
         return ServingSpec.model_validate(data)
@@ -298,10 +306,6 @@ def _local_spec(
     prefill = role(prefill_replicas)
     if signals and mode is Mode.DISAGGREGATED and prefill_replicas == 1:
         prefill = {**LOCAL_PREFILL_AUTOSCALING, **LOCAL_ROLE_LIMITS}
-    if mode is Mode.DISAGGREGATED:
-        # The prefill tier routed by where a prompt's KV cache already is (the engines' own
-        # KV events; serving/engines/kv_router.py), as a stack opts in with prefill.router.
-        prefill = {**prefill, "router": "kv-aware"}
     return {
         **hybrid,
         "model": {
@@ -430,6 +434,7 @@ def render_local_config(
     lora_path: str | None = None,
     key_models: dict[str, list[str]] | None = None,
     data_plane: str | None = None,
+    prefill_router: str | None = None,
 ) -> dict[str, Any]:
     """The Serve config to deploy locally: serve_config() plus the local overrides."""
     target = target or local_target(signals)
@@ -451,6 +456,7 @@ def render_local_config(
             lora_path=lora_path,
             key_models=key_models,
             data_plane=data_plane,
+            prefill_router=prefill_router,
         ).serve_config(target, port=port)
         for m in modes
     ]

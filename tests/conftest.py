@@ -62,6 +62,7 @@ def stack():
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / "serve-e2e.log"
     log.write_text("")
+    from local.config import PREFILL_ROUTER_ENV
     from local.provider import PROVIDER_KEY
     from serving.spec import FALLBACK_API_KEY_ENV
 
@@ -71,7 +72,9 @@ def stack():
         log_path=log,
         timeout=480,
         extra_keys=(E2E_KEY_2, E2E_RPM_KEY, E2E_TPM_KEY),
-        extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY},
+        # The P/D prefill tier routed by KV state, so every P/D e2e test runs through the
+        # scorer (a stack's opt-in; `make serve` keeps the stacks' default router).
+        extra_env={FALLBACK_API_KEY_ENV: PROVIDER_KEY, PREFILL_ROUTER_ENV: "kv-aware"},
     ) as running:
         _SHARED.append(lambda: running.stop() if running.proc.poll() is None else None)
         yield running

@@ -14,7 +14,7 @@ from infra.paths import ROOT
 from local import __main__ as local_main
 from local import config as local_config
 from local import procs as local_procs
-from serving.spec import APP_IMPORT_PATH, SERVING_ENV, Mode
+from serving.spec import APP_IMPORT_PATH, SERVING_ENV, Mode, Router
 
 MODEL_DIR = Path("/models/tiny")
 
@@ -122,6 +122,26 @@ def test_the_data_plane_comes_from_the_flag_or_env_and_sets_rays_switches(monkey
     grpc = local_config.data_plane_env("grpc")
     assert (grpc["RAY_SERVE_THROUGHPUT_OPTIMIZED"], grpc["RAY_SERVE_ENABLE_HA_PROXY"]) == ("1", "0")
     assert grpc["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+
+
+def test_the_prefill_router_is_the_stacks_default_unless_asked_for(monkeypatch):
+    """make serve runs what a stack runs unless told (power-of-two: make bench measures it);
+    `PD_PREFILL_ROUTER` / `--prefill-router` opt the P/D prefill tier into another router, as
+    `serving.prefill.router` does in a stack file, and the aggregated app has no prefill."""
+    monkeypatch.delenv(local_config.PREFILL_ROUTER_ENV, raising=False)
+    assert local_main.parse_args([]).prefill_router is None
+    monkeypatch.setenv(local_config.PREFILL_ROUTER_ENV, "kv-aware")
+    assert local_main.parse_args([]).prefill_router == "kv-aware"
+    assert local_main.parse_args(["--prefill-router", "power-of-two"]).prefill_router == "power-of-two"
+    with pytest.raises(SystemExit):
+        local_main.parse_args(["--prefill-router", "round-robin"])
+    default = local_config.local_spec(Mode.DISAGGREGATED, MODEL_DIR)
+    kv = local_config.local_spec(Mode.DISAGGREGATED, MODEL_DIR, prefill_router="kv-aware")
+    assert (default.prefill.router, default.kv_routed) == (Router.POWER_OF_TWO, False)
+    assert (kv.prefill.router, kv.kv_routed) == (Router.KV_AWARE, True)
+    assert local_config.local_spec(Mode.AGGREGATED, MODEL_DIR, prefill_router="kv-aware").kv_routed is False
+    with pytest.raises(local_config.LocalConfigError, match="router"):
+        local_config.local_spec(Mode.DISAGGREGATED, MODEL_DIR, prefill_router="round-robin")
 
 
 def test_replicas_per_role_from_flags_or_env(monkeypatch, capsys):
