@@ -85,12 +85,14 @@ def _args(mode_target):
     from local.config import local_spec
     from tests.serving.spec.test_serving import make_spec
 
-    if mode_target == "cpu":
-        return local_spec(Mode.DISAGGREGATED, Path("/models/tiny")).app_args(Target())
+    if mode_target.startswith("cpu"):
+        # "cpu-kv-aware": the local stack as the e2e session runs it (PD_PREFILL_ROUTER=kv-aware).
+        router = "kv-aware" if mode_target == "cpu-kv-aware" else None
+        return local_spec(Mode.DISAGGREGATED, Path("/models/tiny"), prefill_router=router).app_args(Target())
     return make_spec().app_args(GPU)
 
 
-@pytest.mark.parametrize("which", ["cpu", "gpu"])
+@pytest.mark.parametrize("which", ["cpu", "cpu-kv-aware", "gpu"])
 def test_same_graph_as_rays_builder_but_the_decode_class(no_ray, which):
     from ray.serve.llm import build_pd_openai_app
     from ray.serve.llm.deployment import PDDecodeServer
@@ -107,7 +109,7 @@ def test_same_graph_as_rays_builder_but_the_decode_class(no_ray, which):
     decode = next(n for n in ours if n.startswith("Decode:"))
     prefill = next(n for n in ours if n.startswith("Prefill:"))
     kv_aware = args["prefill_config"]["deployment_config"].get("request_router_config") is not None
-    assert kv_aware == (which == "cpu")  # the local stack's prefill tier routes by KV state
+    assert kv_aware == (which == "cpu-kv-aware")
     if kv_aware:
         # The one addition: the prefill tier's KV scorer, under the name Ray's engines report to.
         assert ours.keys() == theirs.keys() | {"LLMRouter"}
