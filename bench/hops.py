@@ -74,7 +74,14 @@ def scrape_by_label(metrics_urls: Iterable[str], name: str, label: str) -> dict[
 T = TypeVar("T")
 
 
-def settled(snapshot: Callable[[], T], quiet_s: float = 12.0, poll_s: float = 3.0) -> T:
+# Ray's processes export what they recorded every 10 s (Ray 2.60's
+# `ray._raylet.Config.metrics_report_interval_ms()`, 10,000 by default): a reading unchanged
+# for less than that can still miss the last
+# requests' (a 4 s window read 154 and 170 of 224 KV transfers in two `make bench` runs).
+SETTLED_QUIET_S = 12.0
+
+
+def settled(snapshot: Callable[[], T], quiet_s: float = SETTLED_QUIET_S, poll_s: float = 3.0) -> T:
     """A reading of metrics that no longer moves: `snapshot()` unchanged for `quiet_s` (more
     than one of Ray's export intervals), so what earlier requests left is no longer arriving."""
     import time

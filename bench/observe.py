@@ -30,8 +30,11 @@ def scrape(url: str) -> list[hops.Sample]:
     return hops.parse_prometheus(httpx.get(url, timeout=10).text)
 
 
-def settled(urls: list[str], quiet_s: float = 4, limit_s: float = 60) -> dict[str, list[hops.Sample]]:
-    """A scrape of every URL once the engines' counters stop moving (Ray exports them periodically)."""
+def settled(
+    urls: list[str], quiet_s: float = hops.SETTLED_QUIET_S, limit_s: float = 60
+) -> dict[str, list[hops.Sample]]:
+    """A scrape of every URL once the engines' counters stop moving for longer than one of
+    Ray's export intervals (hops.SETTLED_QUIET_S)."""
 
     def counts(scrapes: dict[str, list[hops.Sample]]) -> list[float]:
         return [v for ss in scrapes.values() for n, _, v in ss if n.endswith("_count") and "vllm" in n]

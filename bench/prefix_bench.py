@@ -231,9 +231,8 @@ def _measure(
     metrics_urls = [n["metrics_url"] for n in cluster.nodes()]
     prefill_url = next(n["metrics_url"] for n in cluster.nodes() if n["label"] == "prefill")
     served = serve_apps(cluster.dashboard_url)[name]
-    # Every node's series quiet (decode's counters live on the decode node): Ray exports them
-    # every 10 s, so a reading quiet for less than that can miss the last requests.
-    before = settled(metrics_urls, quiet_s=12)[prefill_url]
+    # Every node's series quiet (decode's counters live on the decode node).
+    before = settled(metrics_urls)[prefill_url]
     counts_before = _counts(metrics_urls)
     results: list[RequestResult] = []
     duration = 0.0
@@ -256,7 +255,7 @@ def _measure(
         results.extend(res)
         duration += dur
         say(f"{name}: round {r + 1}/{args.rounds} done")
-    after = settled(metrics_urls, quiet_s=12)[prefill_url]
+    after = settled(metrics_urls)[prefill_url]
     counts_after = _counts(metrics_urls)
     _, _, prefill = roles(served)
     assert prefill is not None
