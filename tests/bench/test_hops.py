@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench.hops import (
+    SETTLED_QUIET_S,
     EngineDelta,
     breakdown,
     engine_delta,
@@ -222,3 +223,20 @@ def test_scrape_by_label_sums_a_series_over_the_endpoints_that_answer(monkeypatc
     monkeypatch.setattr(httpx, "get", get)
     got = hops.scrape_by_label([*texts, "http://c/metrics"], "ray_x_total", "outcome")
     assert got == {"continued": 5.0, "failed": 1.0}
+
+
+def test_a_settled_reading_outlasts_one_of_rays_metric_exports():
+    """Ray's processes hand their metrics over every metrics_report_interval_ms (Ray 2.60's
+    config, read here): a quiet window shorter than that can end before the last requests'
+    counters arrive, and the bench's per-level deltas lose them."""
+    import ray._raylet
+
+    assert ray._raylet.Config.metrics_report_interval_ms() / 1000 < SETTLED_QUIET_S
+
+
+def test_the_stacks_metric_readings_wait_as_long_as_settled_does():
+    import inspect
+
+    from bench import observe
+
+    assert inspect.signature(observe.settled).parameters["quiet_s"].default == SETTLED_QUIET_S
