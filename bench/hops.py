@@ -76,8 +76,8 @@ T = TypeVar("T")
 
 # Ray's processes export what they recorded every 10 s (Ray 2.60's
 # `ray._raylet.Config.metrics_report_interval_ms()`, 10,000 by default): a reading unchanged
-# for less than that can still miss the last
-# requests' (a 4 s window read 154 and 170 of 224 KV transfers in two `make bench` runs).
+# for less than that can still miss the last requests' (a 4 s window read 154 and 170 of 224
+# KV transfers in two `make bench` runs).
 SETTLED_QUIET_S = 12.0
 
 

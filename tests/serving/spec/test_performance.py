@@ -210,32 +210,25 @@ def test_every_ray_process_gets_serves_control_loop_interval(plane):
     assert float(env[CONTROL_LOOP_ENV]) == CONTROL_LOOP_INTERVAL_S
 
 
+def _read_in_fresh_process(code: str, **env: str) -> list[str]:
+    """What `code` prints in a new Python process with `env` over this one's, as a Ray or vLLM
+    process started with ray_env reads it (every name ray_env sets removed first, and vLLM's
+    other do-not-track name, so a default is Ray's or vLLM's own)."""
+    ours = {*spec().ray_env(), "VLLM_DO_NOT_TRACK"}
+    base = {k: v for k, v in os.environ.items() if k not in ours}
+    run = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
+    return run.stdout.split()
+
+
 def test_ray_reads_the_control_loop_interval_by_that_name():
     """In a fresh process, as a Ray process started with ray_env reads it; Ray's default would
     loop five times as often."""
     from serving.spec import CONTROL_LOOP_ENV, CONTROL_LOOP_INTERVAL_S
 
-    def interval_read(**env: str) -> float:
-        read = "from ray.serve._private import constants; print(constants.CONTROL_LOOP_INTERVAL_S)"
-        base = {k: v for k, v in os.environ.items() if k != CONTROL_LOOP_ENV}
-        run = subprocess.run(
-            [sys.executable, "-c", read], env={**base, **env}, capture_output=True, text=True, check=True
-        )
-        return float(run.stdout)
-
-    default, ours = interval_read(), interval_read(**{CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S)})
-    assert (default, ours) == (0.1, CONTROL_LOOP_INTERVAL_S)
-
-
-def _read_in_fresh_process(code: str, **env: str) -> list[str]:
-    """What `code` prints in a new Python process with `env` over this one's (the names
-    below removed first), as a Ray or vLLM process started with ray_env reads it."""
-    from serving.spec import METRICS_EXPORT_ENV, TELEMETRY_OFF_ENV
-
-    ours = {METRICS_EXPORT_ENV, *TELEMETRY_OFF_ENV, "VLLM_DO_NOT_TRACK"}
-    base = {k: v for k, v in os.environ.items() if k not in ours}
-    run = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True)
-    return run.stdout.split()
+    read = "from ray.serve._private import constants; print(constants.CONTROL_LOOP_INTERVAL_S)"
+    default = _read_in_fresh_process(read)
+    ours = _read_in_fresh_process(read, **{CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S)})
+    assert (float(default[0]), float(ours[0])) == (0.1, CONTROL_LOOP_INTERVAL_S)
 
 
 def test_ray_reads_the_cached_metrics_interval_by_that_name():
