@@ -2,7 +2,9 @@
 
 What flows through here: a stack NAME and a few choices (model, region, environment) ->
 `templates/new-stack.yaml` filled in -> parsed as Pulumi would hand it to the program
-(`tools.stackfile.parse`) -> validated (`infra.config.load`) -> written to
+(`tools.stackfile.parse`) -> the decode replica's targetOngoingRequests lowered to what its API
+side can stream where the default plans more (`infra.sizing.streaming`, make plan's Stream
+line) -> validated (`infra.plan.stack.load`: the config and the plan's checks) -> written to
 `stacks/Pulumi.<NAME>.yaml` (never over an existing file) -> rendered under mocks
 (`tools.render.render`) -> the render summary (GPU pools and their cost) on stdout.
 
@@ -24,12 +26,18 @@ from typing import Any
 from infra import versions
 from infra.config import ConfigError, Environment
 from infra.paths import ROOT, stack_file
+from infra.plan.stack import streaming
+from infra.sizing.streaming import below_plan
+from serving.spec import RoleSpec
 from tools import render, stackfile
 
 TEMPLATE = ROOT / "templates" / "new-stack.yaml"
 DEFAULT_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 DEFAULT_MAX_MODEL_LEN = 8192
 DEFAULT_REGION = "us-east-2"
+# The decode replica's targetOngoingRequests unless its API side cannot stream that (the
+# serving spec's default, one copy).
+DEFAULT_DECODE_TARGET = int(RoleSpec.model_fields["target_ongoing_requests"].default)
 # The platform team's admin role, as in the shipped stacks.
 DEFAULT_ADMIN_ROLE = "arn:aws:iam::123456789012:role/platform-admin"
 # Lowercase letters, digits and single hyphens, 3 to 24 characters: the stack name becomes
@@ -60,8 +68,11 @@ def text_for(
     environment: str = Environment.DEV.value,
     owner: str = "its owning team",
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    decode_target: int | None = None,
 ) -> str:
-    """The new stack file's text: the template with these choices filled in."""
+    """The new stack file's text: the template with these choices filled in (`decode_target`:
+    the decode replica's targetOngoingRequests as `decode_target_for` lowered it; None: the
+    default)."""
     check_name(name)
     if not _REGION.match(region):
         raise NewStackError(f"--region {region!r} is not an AWS region name (e.g. us-east-2)")
@@ -79,7 +90,22 @@ def text_for(
         model_id=model.rstrip("/").rsplit("/", 1)[-1].lower(),
         model_source=model,
         max_model_len=max_model_len,
+        decode_target=decode_target or DEFAULT_DECODE_TARGET,
+        decode_target_why=(
+            "the serving spec's default"
+            if decode_target is None
+            else "the most its API side streams on this instance type: make plan's Stream line"
+        ),
     )
+
+
+def decode_target_for(text: str, source: str) -> int | None:
+    """The largest decode targetOngoingRequests whose planned tokens the decode replica's API
+    side streams, where the file's own plans more (None: it fits, or its roofline is unknown,
+    or nothing fits and the load names why)."""
+    cfg = stackfile.load_offline(*stackfile.parse(text, source), source, plan_checks=False).config
+    s = next(iter(streaming(cfg).values()))
+    return s.fitting_target if s is not None and below_plan(s) else None
 
 
 def create(name: str, **choices: Any) -> tuple[Path, render.Rendered]:
@@ -91,6 +117,8 @@ def create(name: str, **choices: Any) -> tuple[Path, render.Rendered]:
         raise NewStackError(f"{source} already exists; edit it, or choose another NAME")
     text = text_for(name, **choices)
     try:
+        if (target := decode_target_for(text, source)) is not None:
+            text = text_for(name, decode_target=target, **choices)
         # A new stack holds no secret yet (its owner sets them with `pulumi config set --secret`).
         stackfile.load_offline(*stackfile.parse(text, source), source)
     except ConfigError as e:
@@ -140,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     rel = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
     print(f"wrote {rel}: valid, and renders {len(rendered.result.resources)} resources")
     print(render.summary(rendered))
+    if (target := rendered.config.serving.decode.target_ongoing_requests) < DEFAULT_DECODE_TARGET:
+        print(
+            f"decode targetOngoingRequests {target:g} (default {DEFAULT_DECODE_TARGET}): the most its replica's "
+            "API side streams on this instance type (make plan's Stream line)"
+        )
     print(
         f"next: pulumi stack init <org>/{args.name}; pulumi config set --secret apiKeys <key1,key2> "
         f"--stack {args.name} (replaces the placeholder); commit {rel} and open a pull request: "

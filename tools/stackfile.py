@@ -17,6 +17,7 @@ import yaml
 
 from infra import paths
 from infra.config import PROJECT, SECRET_KEYS, ConfigError, StackConfig
+from infra.config import load as config_load
 from infra.plan.stack import load
 
 # PD_STACKS_DIR points the offline tools at another folder of stack files (the hostile-config
@@ -114,14 +115,18 @@ class Offline:
     stand_ins: tuple[str, ...]
 
 
-def load_offline(values: dict[str, Any], secrets: set[str], others: dict[str, Any], source: str) -> Offline:
+def load_offline(
+    values: dict[str, Any], secrets: set[str], others: dict[str, Any], source: str, *, plan_checks: bool = True
+) -> Offline:
     """`load()`; for each secret the config needs and the file lacks, retry with a stand-in
     (what `pulumi up` sees after `pulumi config set --secret`). Any other error is raised as
-    `load()` raised it."""
+    `load()` raised it. `plan_checks=False`: the config's own checks only (`infra.config.load`),
+    for a tool that reads the plan to fix what its checks would refuse."""
     values, secrets, stand_ins = dict(values), set(secrets), []
+    loader = load if plan_checks else config_load
     for _ in range(len(SECRET_KEYS) + 1):
         try:
-            cfg = load(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
+            cfg = loader(values, secret_keys=secrets, source=source, region=others.get("aws:region"))
         except ConfigError as e:
             todo = [k for k in e.missing_secrets if k not in stand_ins]
             if not todo:
@@ -143,7 +148,8 @@ def stand_in_note(stand_ins: tuple[str, ...], stack: str) -> str:
 
 def read_as_deployed(stack: str) -> tuple[dict[str, Any], set[str], dict[str, Any]]:
     """`read(stack)` after its owner set the secrets its config needs (stand-ins for them):
-    the config `pulumi up` hands the program once the stack is ready to deploy."""
+    the config `pulumi up` hands the program once the stack is ready to deploy (the config's
+    own checks only: a caller that changes values loads them whole)."""
     values, secrets, others = read(stack)
-    loaded = load_offline(values, secrets, others, paths.stack_file(stack))
+    loaded = load_offline(values, secrets, others, paths.stack_file(stack), plan_checks=False)
     return loaded.values, loaded.secrets, others

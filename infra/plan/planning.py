@@ -41,6 +41,7 @@ from infra.sizing.fit import (
     weights_gib,
 )
 from infra.sizing.head import HeadSizing, front_door_cpu, size_head, size_head_many
+from infra.sizing.streaming import STREAMING_CPU
 from serving.spec import Mode, RoleSpec, ServingSpec
 from serving.spec.models import RolePools
 
@@ -103,13 +104,32 @@ def _replica_rps(
     """
     target = spec.target_ongoing_requests
     if role == "decode":
-        figs = figures_fn(context_len=workload.prompt_tokens + workload.output_tokens, max_num_seqs=max(1, int(target)))
-        if figs.decode_tokens_per_s_max_batch is None:
-            return None
-        return figs.decode_tokens_per_s_max_batch / workload.output_tokens
+        tok_s = decode_tok_s(figures_fn, workload, target)
+        return None if tok_s is None else tok_s / workload.output_tokens
     flops = spec.tensor_parallel_size * catalog.DENSE_BF16_TFLOPS[inst.ray_accelerator] * 1e12
     mu = flops / (2 * shape.parameters_billions * 1e9 * workload.prompt_tokens)
     return mu * target / (target + 1)
+
+
+def decode_tok_s(figures_fn: Callable[..., ModelFigures], workload: Workload, target: float) -> float | None:
+    """Output tokens/s of one decode replica holding `target` sequences at once: the HBM
+    roofline at the workload's context (None: unknown)."""
+    figs = figures_fn(context_len=workload.prompt_tokens + workload.output_tokens, max_num_seqs=max(1, int(target)))
+    return figs.decode_tokens_per_s_max_batch
+
+
+def _decode_rate_at(config: StackConfig, shape: ModelShape | None, workload: Workload) -> Callable[[int], float | None]:
+    """targetOngoingRequests -> the decode replica's roofline tokens/s (what the streaming
+    sizing searches for the largest target its ceiling carries)."""
+    spec = config.serving.engine_roles().get("decode")
+    if shape is None or spec is None:
+        return lambda target: None
+    model, inst = config.serving.model, config.node_pools.decode.instance
+
+    def figures_fn(**kw: int | None) -> ModelFigures:
+        return model_figures(shape, model, "decode", spec, inst, **kw)
+
+    return lambda target: decode_tok_s(figures_fn, workload, target)
 
 
 def model_view(cfg: StackConfig, spec: ServingSpec) -> StackConfig:
@@ -133,9 +153,9 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
     config = model_view(config, config.serving.served[0])
     model = config.serving.model
     shape, origin = resolve(model)
+    wl = workload or Workload()
     roles = [
-        _role_plan(config, role, spec, shape, context_len, workload or Workload())
-        for role, spec in config.serving.engine_roles().items()
+        _role_plan(config, role, spec, shape, context_len, wl) for role, spec in config.serving.engine_roles().items()
     ]
     rate = planned_rate(roles)
     head = (
@@ -148,6 +168,8 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
             config.system_nodes.instance_type,
             config.serving.ingress.max_replicas,
             front_door_cpu(config.serving.ingress.data_plane.value),
+            output_tokens=wl.output_tokens,
+            stream_ms_per_1k=STREAMING_CPU.ingress_ms_per_1k,
         )
     )
     layout_roles, layouts = _layouts(config, shape, context_len)
@@ -167,7 +189,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
         layout_roles=tuple(layout_roles),
         kv_link=kv_link(config, roles),
         head=head,
-        streaming=streaming_for(config, roles, (workload or Workload()).output_tokens),
+        streaming=streaming_for(config, roles, wl.output_tokens, _decode_rate_at(config, shape, wl)),
     )
 
 
@@ -209,6 +231,8 @@ def stack_head(config: StackConfig) -> HeadSizing | None:
         config.system_nodes.instance_type,
         config.serving.ingress.max_replicas,
         front_door_cpu(config.serving.ingress.data_plane.value),
+        output_tokens=Workload().output_tokens,
+        stream_ms_per_1k=STREAMING_CPU.ingress_ms_per_1k,
     )
 
 

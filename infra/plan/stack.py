@@ -18,6 +18,7 @@ from typing import Any
 
 from infra import config
 from infra.config.errors import cross_line
+from infra.config.pools import rekey
 from infra.plan.planning import model_view, plan, stack_head
 from infra.sizing.head import head_errors
 from infra.sizing.streaming import StreamingSizing, replica_cpus, streaming_errors
@@ -40,8 +41,8 @@ def plan_errors(cfg: config.StackConfig) -> list[tuple[str, str]]:
     unknown)."""
     h = stack_head(cfg)
     errors = [] if h is None else head_errors(h)
-    for s in streaming(cfg).values():
-        errors += [] if s is None else streaming_errors(s)
+    for i, s in enumerate(streaming(cfg).values()):
+        errors += [] if s is None else rekey(cfg, i, streaming_errors(s))
     return errors
 
 

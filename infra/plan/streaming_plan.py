@@ -11,31 +11,46 @@ rests on) -> `infra.sizing.streaming.size_streaming` -> a `StreamingSizing` per 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from infra.config import StackConfig
-from infra.sizing.streaming import StreamingSizing, size_streaming
+from infra.sizing.streaming import StreamingSizing, below_plan, size_streaming
 
 if TYPE_CHECKING:
     from infra.plan.plans import RolePlan
 
 
-def streaming_for(config: StackConfig, roles: Sequence[RolePlan], output_tokens: int) -> StreamingSizing | None:
+def streaming_for(
+    config: StackConfig,
+    roles: Sequence[RolePlan],
+    output_tokens: int,
+    rate_at: Callable[[int], float | None],
+) -> StreamingSizing | None:
     """One model's streaming replica (`config`: the planner's one-model view; `output_tokens`:
-    the plan's workload), or None while the decode roofline is unknown."""
+    the plan's workload; `rate_at`: targetOngoingRequests -> the decode roofline's tokens/s),
+    or None while the decode roofline is unknown."""
     dec = next((r for r in roles if r.role == "decode"), None)
     if dec is None or dec.scaling is None or not dec.scaling.max_rps or dec.max_replicas < 1:
         return None
+    inst = config.node_pools.decode.instance
+
+    def sized(tok_s: float) -> StreamingSizing:
+        return size_streaming(
+            tok_s,
+            config.serving.mode.value,
+            pod_cpus=inst.pod_cpus,
+            replicas_per_node=max(1, inst.gpus // dec.gpus_per_replica),
+            gpus_per_replica=dec.gpus_per_replica,
+        )
+
     # max_rps = maxReplicas x roofline tokens/s at targetOngoingRequests / output tokens
     # (planning._replica_rps): per replica, back in tokens/s.
-    inst = config.node_pools.decode.instance
-    return size_streaming(
-        dec.scaling.max_rps / dec.max_replicas * output_tokens,
-        config.serving.mode.value,
-        pod_cpus=inst.pod_cpus,
-        replicas_per_node=max(1, inst.gpus // dec.gpus_per_replica),
-        gpus_per_replica=dec.gpus_per_replica,
-        max_replicas=dec.max_replicas,
-        ingress_max_replicas=config.serving.ingress.max_replicas,
-    )
+    s = sized(dec.scaling.max_rps / dec.max_replicas * output_tokens)
+    if not below_plan(s):
+        return s
+    # The roofline grows with the batch: the first lower target whose rate fits is the largest.
+    target = int(config.serving.engine_roles()["decode"].target_ongoing_requests)
+    fits = (t for t in range(target - 1, 0, -1) if (r := rate_at(t)) is not None and not below_plan(sized(r)))
+    return dataclasses.replace(s, fitting_target=next(fits, None))

@@ -9,8 +9,11 @@ busy, vCPUs the head pod needs, ingress replicas needed, and what one system nod
 the head pod -> `format_head` (the plan's text) and `head_errors` (the stack's refusal,
 one line naming the key, through `infra.plan.stack.load`).
 
-The arithmetic, for a planned rate R (requests/s), proxy and ingress CPU-ms per request p
-and i, and a target utilization U:
+The arithmetic, for a planned rate R (requests/s) of n output tokens each, proxy and
+ingress CPU-ms per request p and m (measured with requests of n0 = FIGURE_OUTPUT_TOKENS
+output tokens), the ingress's CPU-ms per 1,000 output tokens t (the streaming figure, which
+the caller passes in) and a target utilization U:
+  ingress per request  i = m + max(0, n - n0) x t / 1000: the ingress relays every token.
   busy vCPUs        R x (p + i) / 1000. The ingress replicas are pinned to the head
                     (serving/spec/serving.py: the ingress's label_selector); Serve runs a proxy on
                     every node that holds a replica (proxy_location EveryNode), so counting
@@ -141,10 +144,18 @@ class HeadSizing:
     system_instance: str
     head_pod_vcpus: int | None  # what one system node can give the head pod; None: unknown size
     figure: FrontDoorCpu
+    measured_ingress_ms: float = 0.0  # the figure's, at FIGURE_OUTPUT_TOKENS
+    streamed_tokens: int = 0  # output tokens per planned request past the figure's
+    stream_ms_per_1k: float = 0.0  # the ingress's CPU-ms per 1,000 of them
 
 
 # The serving mode of a head sized for several models (their figures weighted by rate).
 MIXED = "mixed"
+# The mean output tokens of the requests the per-request figures were measured with
+# (bench/serving_bench.py OUTPUT_LEN: uniform 16..96). The ingress relays every token of a
+# stream, so a planned request with more of them costs the ingress the per-token figure
+# (infra/sizing/streaming.py STREAMING_CPU.ingress_ms_per_1k) for each token past these.
+FIGURE_OUTPUT_TOKENS = 56
 
 
 def size_head(
@@ -154,9 +165,18 @@ def size_head(
     system_instance: str,
     ingress_max_replicas: int,
     figure: FrontDoorCpu,
+    *,
+    output_tokens: int = FIGURE_OUTPUT_TOKENS,
+    stream_ms_per_1k: Mapping[str, float] | None = None,
 ) -> HeadSizing:
-    """The head's vCPUs and the ingress replicas for `planned_rps` requests/s."""
-    proxy, ingress = figure.per_request_ms(mode)
+    """The head's vCPUs and the ingress replicas for `planned_rps` requests/s of
+    `output_tokens` each (`stream_ms_per_1k`: the ingress's CPU per output token, by mode;
+    None: the per-request figure alone)."""
+    proxy, measured = figure.per_request_ms(mode)
+    streamed = max(0, output_tokens - FIGURE_OUTPUT_TOKENS) if stream_ms_per_1k else 0
+    stream_ms = stream_ms_per_1k[mode] if stream_ms_per_1k else 0.0
+    # Fewer tokens than the figure's take nothing off: the figure stays the floor.
+    ingress = measured + streamed * stream_ms / 1000
     busy = planned_rps * (proxy + ingress) / 1000
     node = vcpus_of(system_instance)
     return HeadSizing(
@@ -172,6 +192,9 @@ def size_head(
         # The same head-room rule as the GPU workers' pods (kubelet, CNI, DaemonSets).
         head_pod_vcpus=None if node is None else catalog.pod_cpus(node),
         figure=figure,
+        measured_ingress_ms=measured,
+        streamed_tokens=streamed,
+        stream_ms_per_1k=stream_ms,
     )
 
 
@@ -180,21 +203,31 @@ def size_head_many(
     system_instance: str,
     ingress_max_replicas: int,
     figure: FrontDoorCpu,
+    *,
+    output_tokens: int = FIGURE_OUTPUT_TOKENS,
+    stream_ms_per_1k: Mapping[str, float] | None = None,
 ) -> HeadSizing:
     """The head for several models behind one front door: `parts` are (planned req/s, what
-    bounds it, serving mode) per model; the rates add up, and the CPU per request is each
-    model's mode's, weighted by its rate."""
+    bounds it, serving mode) per model; the rates add up, and the CPU per request (and per
+    streamed token) is each model's mode's, weighted by its rate."""
     total = sum(rps for rps, _, _ in parts)
-    ms = [(rps, figure.per_request_ms(mode)) for rps, _, mode in parts]
-    proxy = round(sum(rps * m[0] for rps, m in ms) / total, 2) if total else 0.0
-    ingress = round(sum(rps * m[1] for rps, m in ms) / total, 2) if total else 0.0
-    weighted = dataclasses.replace(
-        figure,
-        proxy_ms={**figure.proxy_ms, MIXED: proxy},
-        ingress_ms={**figure.ingress_ms, MIXED: ingress},
-    )
+
+    def weighted(by_mode: Mapping[str, float]) -> dict[str, float]:
+        mixed = round(sum(rps * by_mode[mode] for rps, _, mode in parts) / total, 2) if total else 0.0
+        return {**by_mode, MIXED: mixed}
+
+    mixed = dataclasses.replace(figure, proxy_ms=weighted(figure.proxy_ms), ingress_ms=weighted(figure.ingress_ms))
     bounded_by = " + ".join(b for _, b, _ in parts)
-    return size_head(total, bounded_by, MIXED, system_instance, ingress_max_replicas, weighted)
+    return size_head(
+        total,
+        bounded_by,
+        MIXED,
+        system_instance,
+        ingress_max_replicas,
+        mixed,
+        output_tokens=output_tokens,
+        stream_ms_per_1k=None if stream_ms_per_1k is None else weighted(stream_ms_per_1k),
+    )
 
 
 def head_errors(h: HeadSizing) -> list[tuple[str, str]]:
@@ -214,7 +247,7 @@ def head_errors(h: HeadSizing) -> list[tuple[str, str]]:
             (
                 "systemNodes.instanceType",
                 f"{h.system_instance} gives the Ray head pod {h.head_pod_vcpus} vCPUs; {rate} needs "
-                f"{h.head_vcpus} ({h.proxy_ms + h.ingress_ms:g} front-door CPU-ms per request, docs/capacity.md)",
+                f"{h.head_vcpus} ({h.proxy_ms + h.ingress_ms:.2f} front-door CPU-ms per request, docs/capacity.md)",
             )
         )
     if h.ingress_replicas > h.ingress_max_replicas:
@@ -222,7 +255,7 @@ def head_errors(h: HeadSizing) -> list[tuple[str, str]]:
             (
                 "serving.ingress.maxReplicas",
                 f"{h.ingress_max_replicas} ingress replicas cannot carry {rate}: it needs {h.ingress_replicas} "
-                f"({h.ingress_ms:g} CPU-ms per request each, one core per replica at "
+                f"({h.ingress_ms:.2f} CPU-ms per request each, one core per replica at "
                 f"{TARGET_UTILIZATION:.0%})",
             )
         )
@@ -235,9 +268,16 @@ def format_head(h: HeadSizing | None) -> list[str]:
         return ["Head     not sized (no roofline rate: model shape unknown)"]
     pod = "an unknown size" if h.head_pod_vcpus is None else f"{h.head_pod_vcpus} vCPUs"
     ok = "ok" if not head_errors(h) else "FAILS"
+    streamed = (
+        f" ({h.measured_ingress_ms:g} measured + {h.streamed_tokens} more output tokens x {h.stream_ms_per_1k:g} "
+        "CPU-ms per 1,000)"
+        if h.streamed_tokens
+        else ""
+    )
     return [
         f"Head     planned rate {h.planned_rps:,.1f} req/s ({h.bounded_by} roofline at maxReplicas); front door "
-        f"{h.proxy_ms:g} + {h.ingress_ms:g} CPU-ms per request (proxy + ingress) -> {h.busy_vcpus:,.2f} busy vCPUs",
+        f"{h.proxy_ms:g} + {h.ingress_ms:.2f} CPU-ms per request (proxy + ingress{streamed}) -> "
+        f"{h.busy_vcpus:,.2f} busy vCPUs",
         f"         head pod needs {h.head_vcpus} vCPUs ({HEAD_BASE_VCPUS} for Ray's own + busy at "
         f"{TARGET_UTILIZATION:.0%}); {h.system_instance} gives it {pod}; ingress replicas needed "
         f"{h.ingress_replicas} (maxReplicas {h.ingress_max_replicas}): {ok}",

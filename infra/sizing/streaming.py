@@ -6,17 +6,21 @@ the rate its scale-out rate rests on, `infra.plan.streaming_plan`), the serving 
 node gives the replica's pod, and `STREAMING_CPU` (the measured input: CPU-ms per 1,000
 output tokens of the streaming replica outside its engine and of the ingress replicas, with
 its date, machine and source) -> `StreamingSizing`: the CPUs the replica's actor asks Ray for
-(its API side: Ray Serve LLM's server, vLLM's front end that detokenizes and streams), its
-streaming ceiling, and the ingress's -> `format_streaming` (the plan's text),
-`streaming_errors` (the stack's refusal, one line naming the key, through
-`infra.plan.stack.load`) and `replica_cpus` (what the RayService renders).
+(its API side: Ray Serve LLM's server, vLLM's front end that detokenizes and streams) and its
+streaming ceiling -> `format_streaming` (the plan's text),
+`streaming_errors` (the stack's refusal, one line naming the key and the largest
+targetOngoingRequests that fits, through `infra.plan.stack.load`) and `replica_cpus` (what the
+RayService renders). The ingress's figure goes to the head sizing (`infra.sizing.head`: the
+ingress replicas relay every token of the planned requests).
 
 The arithmetic, for a planned T output tokens/s per replica, c CPU-ms per 1,000 output tokens
 and a target utilization U:
   busy CPUs    T x c / 1e6 (c / 1000 CPU-ms per token, 1,000 CPU-ms per core-second)
   CPUs         max(RAY_DEFAULT_CPUS, ceil(busy / U)), at most what the node's pod gives each
                replica on it
-  ceiling      CPUs x 1e6 / c tokens/s: below T, the layout is refused.
+  ceiling      CPUs x 1e6 / c tokens/s: below T, the layout is refused. The figure comes from
+               a slower host than a GPU node's (a 2-core CPU machine), so the refusal errs on
+               the safe side: the replica sized here streams at least what the plan says.
 The replica's Python (vLLM's output processing, Serve's streaming) runs on one event loop,
 so more than one core helps only the part that runs outside it (Ray's and gRPC's C++
 threads): the plan prints the one-core ceiling beside the sized one. Pure arithmetic: no
@@ -42,8 +46,6 @@ class StreamingCpu:
     measured: str
     machine: str
     source: str
-    # Whether a ceiling below the plan refuses the stack (True) or reads FAILS in the plan only.
-    refuses: bool = True
 
 
 # THE figure, in one place: a "CPU per output token, net of idle" table of docs/performance.md
@@ -56,18 +58,14 @@ class StreamingCpu:
 # 2026-12-05 after the replica-count watch was cut, 04:49-06:56 UTC), and this one is at the
 # top of that spread, as the ingress figures (193.7 / 185.0 against 104-136 since) are above
 # theirs. Measured on a 2-core CPU machine with a tiny model: a p5 host's cores are faster, so
-# it sizes on the safe side; lowering it changes every stack's rendered replica CPUs.
+# it sizes on the safe side; lowering it changes every stack's rendered replica CPUs and
+# what the stacks are refused for.
 STREAMING_CPU = StreamingCpu(
     replica_ms_per_1k={"disaggregated": 465.8, "aggregated": 278.1},
     ingress_ms_per_1k={"disaggregated": 193.7, "aggregated": 185.0},
     measured="2026-12-05 01:23 UTC",
     machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing at prod's ratio (0.01)",
     source="docs/performance.md, CPU per output token net of idle, all levels pooled",
-    # Measured on a 2-core CPU host, not on a pool's: as a refusal it would stop the
-    # self-service default (`make stack MODEL=Qwen/Qwen2.5-0.5B-Instruct` on g5: 7,794 tok/s
-    # planned per decode replica against 4,294). The plan prints FAILS; it refuses once the
-    # figure is measured on the pool's host.
-    refuses=False,
 )
 # What a Serve replica's actor asks Ray for when its deployment says nothing: Ray Serve LLM
 # puts `ray_actor_options.num_cpus` (default 1) into the first placement-group bundle
@@ -89,10 +87,10 @@ class StreamingSizing:
     cpus: int  # the replica actor's CPU request
     cpus_needed: int  # before the node's limit
     node_cpus: int  # what the node gives the replica beside its engine's bundles
-    max_replicas: int
-    ingress_ms_per_1k: float
-    ingress_max_replicas: int
     figure: StreamingCpu
+    # Below the plan: the largest targetOngoingRequests whose roofline the ceiling carries
+    # (None: not even 1, or not searched).
+    fitting_target: int | None = None
 
     @property
     def ceiling_tok_s(self) -> float:
@@ -102,16 +100,6 @@ class StreamingSizing:
     def one_core_tok_s(self) -> float:
         return 1e6 / self.ms_per_1k
 
-    @property
-    def ingress_tok_s(self) -> float:
-        """Output tokens/s through the ingress at maxReplicas of the streaming role."""
-        return self.planned_tok_s * self.max_replicas
-
-    @property
-    def ingress_ceiling_tok_s(self) -> float:
-        """What the ingress replicas carry, one core each at most (one process, one event loop)."""
-        return self.ingress_max_replicas * 1e6 / self.ingress_ms_per_1k
-
 
 def size_streaming(
     planned_tok_s: float,
@@ -120,8 +108,6 @@ def size_streaming(
     pod_cpus: int,
     replicas_per_node: int,
     gpus_per_replica: int,
-    max_replicas: int,
-    ingress_max_replicas: int,
     figure: StreamingCpu | None = None,
 ) -> StreamingSizing:
     """The CPUs one streaming replica's actor asks for at `planned_tok_s`, within its node
@@ -138,9 +124,6 @@ def size_streaming(
         cpus=min(needed, node) if node >= RAY_DEFAULT_CPUS else RAY_DEFAULT_CPUS,
         cpus_needed=needed,
         node_cpus=node,
-        max_replicas=max_replicas,
-        ingress_ms_per_1k=figure.ingress_ms_per_1k[mode],
-        ingress_max_replicas=ingress_max_replicas,
         figure=figure,
     )
 
@@ -156,18 +139,22 @@ def below_plan(s: StreamingSizing) -> bool:
 
 
 def streaming_errors(s: StreamingSizing) -> list[tuple[str, str]]:
-    """The streaming replica's ceiling must carry its planned tokens; (key, message). None
-    while the figure does not refuse (`StreamingCpu.refuses`): the plan says FAILS."""
-    if not below_plan(s) or not s.figure.refuses:
+    """The streaming replica's ceiling must carry its planned tokens; (key, message), the key
+    in the one-model form (`infra.config.rekey` places it in `serving.models[i]`)."""
+    if not below_plan(s):
         return []
+    fix = (
+        f"set targetOngoingRequests to {s.fitting_target} or less"
+        if s.fitting_target is not None
+        else "even targetOngoingRequests 1 plans more than that: pick an instance type whose node gives it more CPUs"
+    )
     return [
         (
             f"serving.{s.role}.targetOngoingRequests",
             f"a {s.role} replica is planned for {s.planned_tok_s:,.0f} output tokens/s (roofline at "
             f"targetOngoingRequests, make plan) but its API side streams at most {s.ceiling_tok_s:,.0f}: "
             f"{s.cpus} CPUs x 1e6 / {s.ms_per_1k:g} CPU-ms per 1,000 tokens (docs/capacity.md); it needs "
-            f"{s.cpus_needed} CPUs and its node gives it {s.node_cpus}: lower targetOngoingRequests or "
-            "split the replica (tensorParallelSize)",
+            f"{s.cpus_needed} CPUs and its node gives it {s.node_cpus}: {fix}",
         )
     ]
 
@@ -176,13 +163,10 @@ def format_streaming(s: StreamingSizing | None) -> list[str]:
     """The plan's lines on the streaming replica's API side (none when the rate is unknown)."""
     if s is None:
         return ["Stream   not sized (no roofline rate: model shape unknown)"]
-    ok = "ok" if not below_plan(s) else "FAILS" + ("" if s.figure.refuses else " (not refused with this figure)")
+    ok = "ok" if not below_plan(s) else "FAILS"
     return [
         f"Stream   {s.role} replica planned for {s.planned_tok_s:,.0f} output tok/s; {s.ms_per_1k:g} CPU-ms per "
         f"1,000 tokens outside the engine -> {s.cpus} CPUs (needs {s.cpus_needed}, node gives {s.node_cpus}); "
         f"ceiling {s.ceiling_tok_s:,.0f} tok/s (one core: {s.one_core_tok_s:,.0f}): {ok}",
-        f"         ingress {s.ingress_ms_per_1k:g} CPU-ms per 1,000 tokens: {s.ingress_tok_s:,.0f} tok/s at "
-        f"maxReplicas over {s.ingress_max_replicas} ingress replicas, ceiling {s.ingress_ceiling_tok_s:,.0f} tok/s "
-        "(one core each)",
         f"         CPU figure: {s.figure.measured}, {s.figure.machine}; {s.figure.source}",
     ]

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from infra import catalog
-from infra.config import CapacityType, EndpointAccess, Environment, load
+from infra.config import CapacityType, ConfigError, EndpointAccess, Environment, load
 from infra.paths import ROOT
+from infra.plan.stack import load as stack_load
 from serving.spec import AuthMode
 from tools import mock_runtime, newstack, stackfile
 
@@ -66,6 +67,30 @@ def test_new_stack_is_dev_sized_safe_and_renders(stacks_dir, capsys):
     assert "wrote " in out and "Pulumi.team-search.yaml: valid, and renders" in out
     assert f"GPU node cost: ${2 * price:,.2f}/h at desired size" in out
     assert "pulumi config set --secret apiKeys" in out
+
+
+def test_a_model_whose_decode_replica_cannot_stream_the_default_target_gets_the_largest_that_fits(stacks_dir, capsys):
+    # Qwen2.5-0.5B on g5.xlarge: the decode roofline at the spec's default target plans more
+    # tokens/s than the replica's 2 CPUs stream (infra/sizing/streaming.py); the stack is written
+    # with a lower target, and says why in the file.
+    assert newstack.main(["team-small", "--model", "Qwen/Qwen2.5-0.5B-Instruct"]) == 0
+    path = stacks_dir / "Pulumi.team-small.yaml"
+    target = stackfile.load_config("team-small").serving.decode.target_ongoing_requests
+    assert 1 <= target < newstack.DEFAULT_DECODE_TARGET
+    assert "make plan's Stream line" in path.read_text()
+    assert (
+        f"decode targetOngoingRequests {target:g} (default {newstack.DEFAULT_DECODE_TARGET})" in capsys.readouterr().out
+    )
+    # The largest that loads: one more is refused, naming the key and this target as the fix.
+    values, secrets, _ = stackfile.read_as_deployed("team-small")
+    values["serving"]["decode"]["targetOngoingRequests"] = target + 1
+    with pytest.raises(ConfigError) as e:
+        stack_load(values, secret_keys=secrets, source="stacks/Pulumi.team-small.yaml")
+    assert "serving.decode.targetOngoingRequests:" in str(e.value)
+    assert str(e.value).endswith(f"set targetOngoingRequests to {target:g} or less")
+    # The default model streams the default target: the file keeps it.
+    _, default = newstack.create("team-default")
+    assert default.config.serving.decode.target_ongoing_requests == newstack.DEFAULT_DECODE_TARGET
 
 
 def test_choices_reach_the_file(stacks_dir):

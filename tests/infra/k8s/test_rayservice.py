@@ -462,9 +462,11 @@ SWITCH_STACK = "prod"
 @cache
 def _rendered_with(plane: DataPlane) -> dict:
     """The RayService of SWITCH_STACK with serving.ingress.dataPlane set in its stack file
-    (rendered once per value; read only)."""
+    (rendered once per value; read only), and the ingress replicas the dearer planes need at its
+    planned rate (the head sizing refuses fewer)."""
     values, secrets, others = copy.deepcopy(stackfile.read(SWITCH_STACK))
     values["serving"]["ingress"] = {**(values["serving"].get("ingress") or {}), "dataPlane": plane.value}
+    values["serving"]["ingress"]["maxReplicas"] = 8
     return _rayservice(render.render_parsed(SWITCH_STACK, (values, secrets, others), stand_in_secrets=True))
 
 

@@ -8,11 +8,13 @@ import math
 
 import pytest
 
+from bench.serving_bench import OUTPUT_LEN
 from infra import config
 from infra.plan import planning
 from infra.plan.stack import load
 from infra.sizing import head as head_sizing
 from infra.sizing.head import FRONT_DOOR_CPU, HEAD_BASE_VCPUS, TARGET_UTILIZATION, front_door_cpu
+from infra.sizing.streaming import STREAMING_CPU
 from tools import stackfile
 
 SOURCE = "stacks/Pulumi.prod.yaml"
@@ -36,6 +38,15 @@ def _error(values, secrets) -> str:
     return msg
 
 
+def streamed_ms(mode: str) -> float:
+    """The ingress's CPU-ms for the plan's output tokens past the bench requests' own: the
+    per-request figures were measured with the bench's output lengths (uniform over
+    bench/serving_bench.py OUTPUT_LEN: their mean), and the ingress relays every token."""
+    low, high = OUTPUT_LEN
+    measured_with = (low + high) / 2
+    return (planning.Workload().output_tokens - measured_with) * STREAMING_CPU.ingress_ms_per_1k[mode] / 1000
+
+
 def expected(cfg: config.StackConfig) -> dict:
     """The sizing by hand: the slowest role's rate at maxReplicas (its scale-out rate at
     minReplicas, scaled), then the front door's CPU at that rate."""
@@ -48,7 +59,7 @@ def expected(cfg: config.StackConfig) -> dict:
     rate = min(rates)
     mode = cfg.serving.mode.value
     figure = FRONT_DOOR_CPU[cfg.serving.ingress.data_plane.value]
-    proxy, ingress = figure.proxy_ms[mode], figure.ingress_ms[mode]
+    proxy, ingress = figure.proxy_ms[mode], figure.ingress_ms[mode] + streamed_ms(mode)
     cpu_s_per_s = rate * (proxy + ingress) / 1000
     return {
         "rate": rate,
@@ -90,7 +101,7 @@ def test_a_system_node_too_small_for_the_planned_rate_is_refused_with_the_key(pr
 def test_too_few_ingress_replicas_for_the_planned_rate_are_refused_with_the_key(prod):
     values, secrets = prod
     # Serve's Python proxy in front (ray-proxy): prod's rate then needs several ingress replicas.
-    values["serving"]["ingress"] = {**values["serving"].get("ingress", {}), "dataPlane": "ray-proxy"}
+    values["serving"]["ingress"] = {**values["serving"].get("ingress", {}), "dataPlane": "ray-proxy", "maxReplicas": 16}
     want = expected(_load(values, secrets))
     assert want["ingress"] > 1
     values["serving"]["ingress"] = {"minReplicas": 1, "maxReplicas": want["ingress"] - 1, "dataPlane": "ray-proxy"}
@@ -165,14 +176,15 @@ def test_the_stacks_data_plane_picks_its_own_measured_figure(prod):
     sizes = {}
     for plane in ("haproxy", "grpc", "ray-proxy"):
         v = copy.deepcopy(values)
-        v["serving"]["ingress"] = {**v["serving"].get("ingress", {}), "dataPlane": plane}
+        v["serving"]["ingress"] = {**v["serving"].get("ingress", {}), "dataPlane": plane, "maxReplicas": 16}
         v["systemNodes"]["instanceType"] = "m7i.8xlarge"  # room for the dearest
         cfg = _load(v, secrets)
         head = planning.plan(cfg).head
         assert head is not None
         fig = FRONT_DOOR_CPU[plane]
         mode = cfg.serving.mode.value
-        assert (head.proxy_ms, head.ingress_ms) == (fig.proxy_ms[mode], fig.ingress_ms[mode])
+        assert head.proxy_ms == fig.proxy_ms[mode]
+        assert head.ingress_ms == pytest.approx(fig.ingress_ms[mode] + streamed_ms(mode))
         assert fig.measured in planning.format_plan(planning.plan(cfg))
         sizes[plane] = head.busy_vcpus
     assert sizes["haproxy"] < sizes["ray-proxy"]
@@ -195,3 +207,35 @@ def test_the_head_check_reads_the_plan_after_the_configs_own_checks(prod):
     values["systemNodes"] = {**values.get("systemNodes", {}), "instanceType": "m7i.large"}
     assert config.load(values, secret_keys=secrets, source=SOURCE).system_nodes.instance_type == "m7i.large"
     assert "systemNodes" in _error(values, secrets)
+
+
+def test_the_ingress_relays_every_planned_token_past_the_measured_requests():
+    """The per-request figures were measured with the bench's short answers; a planned request
+    with 1,000 more output tokens costs the ingress 1,000 x the per-token figure more, and one
+    with fewer costs no less than the figure (the floor)."""
+    fig = front_door_cpu("haproxy")
+    proxy, measured = fig.per_request_ms("aggregated")
+    per_1k = {"aggregated": 200.0}
+    n0 = head_sizing.FIGURE_OUTPUT_TOKENS
+    longer = head_sizing.size_head(
+        10.0, "decode", "aggregated", "m7i.2xlarge", 2, fig, output_tokens=n0 + 1000, stream_ms_per_1k=per_1k
+    )
+    assert longer.ingress_ms == pytest.approx(measured + 200.0)
+    assert longer.busy_vcpus == pytest.approx(10.0 * (proxy + measured + 200.0) / 1000)
+    assert longer.ingress_replicas == math.ceil(10.0 * (measured + 200.0) / 1000 / TARGET_UTILIZATION)
+    text = head_sizing.format_head(longer)[0]
+    assert f"({measured:g} measured + 1000 more output tokens x 200 CPU-ms per 1,000)" in text
+    shorter = head_sizing.size_head(
+        10.0, "decode", "aggregated", "m7i.2xlarge", 2, fig, output_tokens=8, stream_ms_per_1k=per_1k
+    )
+    assert shorter.ingress_ms == measured and "measured +" not in head_sizing.format_head(shorter)[0]
+
+
+def test_a_plan_for_longer_answers_costs_the_ingress_more_per_request(prod):
+    cfg = _load(*prod)
+    short = planning.plan(cfg).head
+    long = planning.plan(cfg, workload=planning.Workload(output_tokens=2048)).head
+    assert short is not None and long is not None
+    assert long.ingress_ms > short.ingress_ms
+    # The same roofline emits the same tokens/s: fewer requests, each streaming more tokens.
+    assert long.planned_rps < short.planned_rps

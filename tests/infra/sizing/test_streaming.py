@@ -33,15 +33,11 @@ def test_cpus_and_ceiling_by_hand():
         pod_cpus=180,
         replicas_per_node=1,
         gpus_per_replica=8,
-        max_replicas=3,
-        ingress_max_replicas=2,
         figure=FIGURE,
     )
     assert (s.cpus, s.cpus_needed, s.node_cpus) == (2, 2, 180)
     # 2 CPUs x 1e6 / 500 = 4,000 tok/s; one core 2,000.
     assert s.ceiling_tok_s == pytest.approx(4000.0) and s.one_core_tok_s == pytest.approx(2000.0)
-    # Ingress: 3 replicas x 2,000 = 6,000 tok/s; 2 ingress replicas x 1e6 / 200 = 10,000.
-    assert s.ingress_tok_s == pytest.approx(6000.0) and s.ingress_ceiling_tok_s == pytest.approx(10000.0)
     assert st.replica_cpus(s) == {"decode": 2} and not st.streaming_errors(s)
     # Below 0.7 of a core the replica keeps Ray's default of 1 and renders nothing.
     low = dataclasses.replace(s, cpus=1, cpus_needed=1)
@@ -53,7 +49,7 @@ def test_a_node_that_cannot_give_the_cpus_caps_them_and_the_ceiling_falls_below_
     # 4 vCPUs, pod 2 (catalog.pod_cpus), one replica: 2 CPUs. 2,618 tok/s x 0.7655 = 2.0 busy
     # / 0.7 = 2.86 -> 3 needed; 2 x 1e6 / 765.5 = 2,612.7 tok/s < 2,618.
     fig = dataclasses.replace(FIGURE, replica_ms_per_1k={"disaggregated": 765.5})
-    kw = dict(pod_cpus=2, replicas_per_node=1, gpus_per_replica=1, max_replicas=1, ingress_max_replicas=1)
+    kw = dict(pod_cpus=2, replicas_per_node=1, gpus_per_replica=1)
     s = st.size_streaming(2618.0, "disaggregated", **kw, figure=fig)
     assert (s.cpus, s.cpus_needed, s.node_cpus) == (2, 3, 2)
     assert s.ceiling_tok_s == pytest.approx(2 * 1e6 / 765.5)
@@ -61,10 +57,11 @@ def test_a_node_that_cannot_give_the_cpus_caps_them_and_the_ceiling_falls_below_
     assert key == "serving.decode.targetOngoingRequests"
     assert "planned for 2,618 output tokens/s" in msg and "streams at most 2,613" in msg and "needs 3 CPUs" in msg
     assert "FAILS" in st.format_streaming(s)[0]
-    # A figure that does not refuse only says so in the plan.
-    quiet = st.size_streaming(2618.0, "disaggregated", **kw, figure=dataclasses.replace(fig, refuses=False))
-    assert st.streaming_errors(quiet) == []
-    assert "FAILS (not refused with this figure)" in st.format_streaming(quiet)[0]
+    # Nothing searched (or nothing fits): the way out is a node with more CPUs.
+    assert "even targetOngoingRequests 1 plans more than that" in msg
+    # A target found to fit is named as the fix.
+    [(_, found)] = st.streaming_errors(dataclasses.replace(s, fitting_target=12))
+    assert found.endswith("set targetOngoingRequests to 12 or less")
 
 
 def _cfg(stack: str) -> config.StackConfig:
@@ -91,7 +88,7 @@ def test_every_shipped_stack_is_sized_from_its_decode_roofline(stack):
         assert any(line.startswith("Stream ") for line in planning.format_plan(p).splitlines())
 
 
-def test_a_layout_whose_ceiling_is_below_its_plan_is_refused_naming_the_key(monkeypatch):
+def test_a_layout_whose_ceiling_is_below_its_plan_is_refused_naming_the_key_and_the_target_that_fits(monkeypatch):
     # dev's decode replica (g5.xlarge: 2 pod CPUs) is planned at 2,618 tok/s. At the net figure,
     # 465.8 CPU-ms per 1,000 tokens, its ceiling is 2 x 1e6 / 465.8 = 4,293 tok/s: it plans. At
     # the raw figure of 2026-12-02 (765.5, idle and full tracing included) the ceiling is
@@ -100,9 +97,31 @@ def test_a_layout_whose_ceiling_is_below_its_plan_is_refused_naming_the_key(monk
     [s] = streaming(cfg).values()
     assert s is not None and not st.below_plan(s)
     raw = {"disaggregated": 765.5, "aggregated": 326.2}
-    refusing = dataclasses.replace(st.STREAMING_CPU, replica_ms_per_1k=raw, refuses=True)
-    monkeypatch.setattr(st, "STREAMING_CPU", refusing)
+    monkeypatch.setattr(st, "STREAMING_CPU", dataclasses.replace(st.STREAMING_CPU, replica_ms_per_1k=raw))
     with pytest.raises(config.ConfigError) as e:
         _cfg("dev")
     assert "stacks/Pulumi.dev.yaml: serving.decode.targetOngoingRequests:" in str(e.value)
     assert "\n" not in str(e.value)
+    fits = int(str(e.value).rsplit("set targetOngoingRequests to ", 1)[1].split()[0])
+    # The named target is the largest that loads: the stack file with it loads, one more is refused.
+    assert 1 <= fits < cfg.serving.decode.target_ongoing_requests
+    assert _cfg_with_decode_target("dev", fits).serving.decode.target_ongoing_requests == fits
+    with pytest.raises(config.ConfigError, match=r"serving\.decode\.targetOngoingRequests"):
+        _cfg_with_decode_target("dev", fits + 1)
+
+
+def _cfg_with_decode_target(stack: str, target: int) -> config.StackConfig:
+    values, secrets, _ = stackfile.read_as_deployed(stack)
+    values = copy.deepcopy(values)
+    values["serving"].setdefault("decode", {})["targetOngoingRequests"] = target
+    return load(values, secret_keys=secrets, source=f"stacks/Pulumi.{stack}.yaml")
+
+
+def test_a_many_model_stack_names_the_model_whose_replica_cannot_stream_its_plan(monkeypatch):
+    # platform's first model (llama-3.1-8b, P/D on g6e.xlarge: 2 pod CPUs) is planned at about
+    # 738 tok/s per decode replica; a figure 10x the net one puts its one-core ceiling below that.
+    slow = {"disaggregated": 4658.0, "aggregated": 278.1}
+    monkeypatch.setattr(st, "STREAMING_CPU", dataclasses.replace(st.STREAMING_CPU, replica_ms_per_1k=slow))
+    with pytest.raises(config.ConfigError) as e:
+        _cfg("platform")
+    assert "serving.models[0] (llama-3.1-8b-instruct).decode.targetOngoingRequests:" in str(e.value)
