@@ -35,18 +35,25 @@ def streaming_for(
     if dec is None or dec.scaling is None or not dec.scaling.max_rps or dec.max_replicas < 1:
         return None
     inst = config.node_pools.decode.instance
+    # Each data-parallel rank is a Serve replica of its own with its own API side (Ray 2.60
+    # serving_patterns/data_parallel/dp_server.py `get_deployment_options`: num_replicas = DP
+    # groups x data_parallel_size), and targetOngoingRequests is each rank's: the group's
+    # roofline (target x DP sequences, infra/sizing/fit.py) is split over its ranks.
+    dp = dec.data_parallel_size
+    rank_gpus = dec.gpus_per_replica // dp
 
-    def sized(tok_s: float) -> StreamingSizing:
+    def sized(group_tok_s: float) -> StreamingSizing:
         return size_streaming(
-            tok_s,
+            group_tok_s / dp,
             config.serving.mode.value,
             pod_cpus=inst.pod_cpus,
-            replicas_per_node=max(1, inst.gpus // dec.gpus_per_replica),
-            gpus_per_replica=dec.gpus_per_replica,
+            replicas_per_node=max(1, inst.gpus // rank_gpus),
+            gpus_per_replica=rank_gpus,
+            data_parallel_size=dp,
         )
 
     # max_rps = maxReplicas x roofline tokens/s at targetOngoingRequests / output tokens
-    # (planning._replica_rps): per replica, back in tokens/s.
+    # (planning._replica_rps): per replica (DP group), back in tokens/s.
     s = sized(dec.scaling.max_rps / dec.max_replicas * output_tokens)
     if not below_plan(s):
         return s

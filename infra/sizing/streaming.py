@@ -82,7 +82,7 @@ class StreamingSizing:
 
     mode: str
     role: str  # the engine role that streams ("decode": the aggregated engine runs under it)
-    planned_tok_s: float  # per replica
+    planned_tok_s: float  # per Serve replica (one DP rank of a data-parallel group)
     ms_per_1k: float
     cpus: int  # the replica actor's CPU request
     cpus_needed: int  # before the node's limit
@@ -91,6 +91,13 @@ class StreamingSizing:
     # Below the plan: the largest targetOngoingRequests whose roofline the ceiling carries
     # (None: not even 1, or not searched).
     fitting_target: int | None = None
+    data_parallel_size: int = 1  # the group's ranks, each such a replica
+
+    @property
+    def replica(self) -> str:
+        """What one streaming process is, in the plan's words."""
+        dp = f" (one of a group's {self.data_parallel_size} DP ranks)" if self.data_parallel_size > 1 else ""
+        return f"{self.role} replica{dp}"
 
     @property
     def ceiling_tok_s(self) -> float:
@@ -108,10 +115,12 @@ def size_streaming(
     pod_cpus: int,
     replicas_per_node: int,
     gpus_per_replica: int,
+    data_parallel_size: int = 1,
     figure: StreamingCpu | None = None,
 ) -> StreamingSizing:
     """The CPUs one streaming replica's actor asks for at `planned_tok_s`, within its node
-    (`figure`: STREAMING_CPU unless given)."""
+    (`figure`: STREAMING_CPU unless given; `data_parallel_size`: the ranks of the replica's
+    group, each a Serve replica of its own, for the plan's words)."""
     figure = figure or STREAMING_CPU
     ms = figure.replica_ms_per_1k[mode]
     needed = max(RAY_DEFAULT_CPUS, math.ceil(planned_tok_s * ms / 1e6 / TARGET_UTILIZATION))
@@ -125,6 +134,7 @@ def size_streaming(
         cpus_needed=needed,
         node_cpus=node,
         figure=figure,
+        data_parallel_size=data_parallel_size,
     )
 
 
@@ -151,7 +161,7 @@ def streaming_errors(s: StreamingSizing) -> list[tuple[str, str]]:
     return [
         (
             f"serving.{s.role}.targetOngoingRequests",
-            f"a {s.role} replica is planned for {s.planned_tok_s:,.0f} output tokens/s (roofline at "
+            f"a {s.replica} is planned for {s.planned_tok_s:,.0f} output tokens/s (roofline at "
             f"targetOngoingRequests, make plan) but its API side streams at most {s.ceiling_tok_s:,.0f}: "
             f"{s.cpus} CPUs x 1e6 / {s.ms_per_1k:g} CPU-ms per 1,000 tokens (docs/capacity.md); it needs "
             f"{s.cpus_needed} CPUs and its node gives it {s.node_cpus}: {fix}",
@@ -165,7 +175,7 @@ def format_streaming(s: StreamingSizing | None) -> list[str]:
         return ["Stream   not sized (no roofline rate: model shape unknown)"]
     ok = "ok" if not below_plan(s) else "FAILS"
     return [
-        f"Stream   {s.role} replica planned for {s.planned_tok_s:,.0f} output tok/s; {s.ms_per_1k:g} CPU-ms per "
+        f"Stream   {s.replica} planned for {s.planned_tok_s:,.0f} output tok/s; {s.ms_per_1k:g} CPU-ms per "
         f"1,000 tokens outside the engine -> {s.cpus} CPUs (needs {s.cpus_needed}, node gives {s.node_cpus}); "
         f"ceiling {s.ceiling_tok_s:,.0f} tok/s (one core: {s.one_core_tok_s:,.0f}): {ok}",
         f"         CPU figure: {s.figure.measured}, {s.figure.machine}; {s.figure.source}",

@@ -77,12 +77,20 @@ def test_every_shipped_stack_is_sized_from_its_decode_roofline(stack):
         s = p.streaming
         assert s is not None, "every shipped stack's model shape is known"
         dec = next(r for r in p.roles if r.role == "decode")
-        # The decode roofline at targetOngoingRequests, per replica, as the plan's scale-out rests on it.
-        tok_s = dec.scaling.max_rps / dec.max_replicas * planning.Workload().output_tokens
+        # The decode roofline at targetOngoingRequests, per replica, as the plan's scale-out rests
+        # on it; a data-parallel group's ranks are Serve replicas of their own, each with its own
+        # API side (Ray 2.60 dp_server.py: num_replicas = groups x data_parallel_size), so each
+        # streams its share.
+        group = dec.scaling.max_rps / dec.max_replicas * planning.Workload().output_tokens
+        tok_s = group / spec.decode.data_parallel_size
         assert s.planned_tok_s == pytest.approx(tok_s)
         ms = st.STREAMING_CPU.replica_ms_per_1k[spec.mode.value]
         want = max(1, math.ceil(tok_s * ms / 1e6 / TARGET_UTILIZATION))
         assert s.cpus == min(want, s.node_cpus)
+        # What one node gives each of its replicas: its pod's CPUs over the ranks it holds.
+        rank_gpus = spec.decode.tensor_parallel_size * spec.decode.pipeline_parallel_size
+        pool = cfg.node_pools[spec.pool_of("decode")].instance
+        assert s.node_cpus == pool.pod_cpus // max(1, pool.gpus // rank_gpus)
         rendered = stack_replica_cpus(cfg).get(spec.model.id, {})
         assert rendered == ({} if s.cpus == 1 else {"decode": s.cpus})
         assert any(line.startswith("Stream ") for line in planning.format_plan(p).splitlines())
@@ -125,3 +133,20 @@ def test_a_many_model_stack_names_the_model_whose_replica_cannot_stream_its_plan
     with pytest.raises(config.ConfigError) as e:
         _cfg("platform")
     assert "serving.models[0] (llama-3.1-8b-instruct).decode.targetOngoingRequests:" in str(e.value)
+
+
+def test_each_rank_of_a_data_parallel_decode_group_streams_its_share():
+    # deepseek-p5: decode DP 16 x TP 1 with expert parallelism on p5.48xlarge (8 GPUs, 180 pod
+    # CPUs). The group's roofline is split over 16 Serve replicas, 8 per node: each streams a
+    # sixteenth and may take 180 // 8 = 22 CPUs; a sixteenth needs Ray's default, so nothing
+    # is rendered (the group as one replica asked 10 CPUs of every rank).
+    cfg = _cfg("deepseek-p5")
+    [s] = streaming(cfg).values()
+    assert s is not None and s.data_parallel_size == 16
+    p = planning.plan(cfg)
+    dec = next(r for r in p.roles if r.role == "decode")
+    group = dec.scaling.max_rps / dec.max_replicas * planning.Workload().output_tokens
+    assert s.planned_tok_s == pytest.approx(group / 16)
+    assert s.node_cpus == 22 and s.cpus == 1
+    assert stack_replica_cpus(cfg) == {}
+    assert "decode replica (one of a group's 16 DP ranks) planned for" in planning.format_plan(p)
