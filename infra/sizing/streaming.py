@@ -19,8 +19,8 @@ and a target utilization U:
   CPUs         max(RAY_DEFAULT_CPUS, ceil(busy / U)), at most what the node's pod gives each
                replica on it
   ceiling      CPUs x 1e6 / c tokens/s: below T, the layout is refused. The figure comes from
-               a slower host than a GPU node's (a 2-core CPU machine), so the refusal errs on
-               the safe side: the replica sized here streams at least what the plan says.
+               a slower host than a GPU node's (a 2-core CPU machine), which errs on the safe
+               side; the CPUs past the first do not (below).
 The replica's Python (vLLM's output processing, Serve's streaming) runs on one event loop,
 so more than one core helps only the part that runs outside it (Ray's and gRPC's C++
 threads): the plan prints the one-core ceiling beside the sized one. Pure arithmetic: no
@@ -176,7 +176,8 @@ def format_streaming(s: StreamingSizing | None) -> list[str]:
     ok = "ok" if not below_plan(s) else "FAILS"
     return [
         f"Stream   {s.replica} planned for {s.planned_tok_s:,.0f} output tok/s; {s.ms_per_1k:g} CPU-ms per "
-        f"1,000 tokens outside the engine -> {s.cpus} CPUs (needs {s.cpus_needed}, node gives {s.node_cpus}); "
+        f"1,000 tokens outside the engine -> {s.cpus} CPU{'s' if s.cpus != 1 else ''} (needs {s.cpus_needed}, "
+        f"node gives {s.node_cpus}); "
         f"ceiling {s.ceiling_tok_s:,.0f} tok/s (one core: {s.one_core_tok_s:,.0f}): {ok}",
         f"         CPU figure: {s.figure.measured}, {s.figure.machine}; {s.figure.source}",
     ]
