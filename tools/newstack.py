@@ -99,6 +99,15 @@ def text_for(
     )
 
 
+def planned_text(name: str, source: str, **choices: Any) -> str:
+    """What `make stack` writes: `text_for`, with the decode target `decode_target_for` finds
+    where the default plans more than the decode replica streams."""
+    text = text_for(name, **choices)
+    if (target := decode_target_for(text, source)) is not None:
+        text = text_for(name, decode_target=target, **choices)
+    return text
+
+
 def decode_target_for(text: str, source: str) -> int | None:
     """The largest decode targetOngoingRequests whose planned tokens the decode replica's API
     side streams, where the file's own plans more (None: it fits, or its roofline is unknown,
@@ -115,10 +124,8 @@ def create(name: str, **choices: Any) -> tuple[Path, render.Rendered]:
     source = stack_file(name)
     if path.exists():
         raise NewStackError(f"{source} already exists; edit it, or choose another NAME")
-    text = text_for(name, **choices)
     try:
-        if (target := decode_target_for(text, source)) is not None:
-            text = text_for(name, decode_target=target, **choices)
+        text = planned_text(name, source, **choices)
         # A new stack holds no secret yet (its owner sets them with `pulumi config set --secret`).
         stackfile.load_offline(*stackfile.parse(text, source), source)
     except ConfigError as e:

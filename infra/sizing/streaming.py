@@ -16,15 +16,16 @@ ingress replicas relay every token of the planned requests).
 The arithmetic, for a planned T output tokens/s per replica, c CPU-ms per 1,000 output tokens
 and a target utilization U:
   busy CPUs    T x c / 1e6 (c / 1000 CPU-ms per token, 1,000 CPU-ms per core-second)
-  CPUs         max(RAY_DEFAULT_CPUS, ceil(busy / U)), at most what the node's pod gives each
-               replica on it
-  ceiling      CPUs x 1e6 / c tokens/s: below T, the layout is refused. The figure comes from
-               a slower host than a GPU node's (a 2-core CPU machine), which errs on the safe
-               side; the CPUs past the first do not (below).
-The replica's Python (vLLM's output processing, Serve's streaming) runs on one event loop,
-so more than one core helps only the part that runs outside it (Ray's and gRPC's C++
-threads): the plan prints the one-core ceiling beside the sized one. Pure arithmetic: no
-Pulumi, Ray or vLLM import.
+  usable       1 / s cores: the replica's Python (vLLM's output processing, Serve's
+               streaming) runs on one event loop thread, which carries a share s of the
+               process's CPU (the rest: Ray's and gRPC's C++ threads), so one process uses at
+               most 1 / s cores however many it asks for
+  CPUs         max(RAY_DEFAULT_CPUS, ceil(busy / U)), at most ceil(1 / s) and at most what
+               the node's pod gives each replica on it
+  ceiling      min(CPUs, 1 / s) x 1e6 / c tokens/s: below T, the layout is refused. The
+               figure comes from a slower host than a GPU node's (a 2-core CPU machine), which
+               errs on the safe side.
+Pure arithmetic: no Pulumi, Ray or vLLM import.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class StreamingCpu:
     measured: str
     machine: str
     source: str
+    # The streaming replica's busiest thread's share of its CPU under load, by mode (its event
+    # loop), and where that was read.
+    loop_share: Mapping[str, float]
+    loop_source: str
 
 
 # THE figure, in one place: a "CPU per output token, net of idle" table of docs/performance.md
@@ -66,6 +71,10 @@ STREAMING_CPU = StreamingCpu(
     measured="2026-12-05 01:23 UTC",
     machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing at prod's ratio (0.01)",
     source="docs/performance.md, CPU per output token net of idle, all levels pooled",
+    # Per-thread CPU (psutil, /proc/<pid>/task) of the P/D decode and the aggregated replica
+    # under 16 streams for 45 s on the local stack, read once outside make bench.
+    loop_share={"disaggregated": 0.915, "aggregated": 0.913},
+    loop_source="per-thread CPU of the replica under 16 streams, 2026-12-05 15:45 UTC, the same machine (docs/capacity.md)",
 )
 # What a Serve replica's actor asks Ray for when its deployment says nothing: Ray Serve LLM
 # puts `ray_actor_options.num_cpus` (default 1) into the first placement-group bundle
@@ -88,6 +97,7 @@ class StreamingSizing:
     cpus_needed: int  # before the node's limit
     node_cpus: int  # what the node gives the replica beside its engine's bundles
     figure: StreamingCpu
+    loop_share: float  # the event loop thread's share of the replica's CPU (figure.loop_share)
     # Below the plan: the largest targetOngoingRequests whose roofline the ceiling carries
     # (None: not even 1, or not searched).
     fitting_target: int | None = None
@@ -100,8 +110,13 @@ class StreamingSizing:
         return f"{self.role} replica{dp}"
 
     @property
+    def usable_cores(self) -> float:
+        """What one replica process turns into streaming: its CPUs, at most 1 / loop share."""
+        return min(self.cpus, 1 / self.loop_share)
+
+    @property
     def ceiling_tok_s(self) -> float:
-        return self.cpus * 1e6 / self.ms_per_1k
+        return self.usable_cores * 1e6 / self.ms_per_1k
 
     @property
     def one_core_tok_s(self) -> float:
@@ -122,18 +137,21 @@ def size_streaming(
     (`figure`: STREAMING_CPU unless given; `data_parallel_size`: the ranks of the replica's
     group, each a Serve replica of its own, for the plan's words)."""
     figure = figure or STREAMING_CPU
-    ms = figure.replica_ms_per_1k[mode]
+    ms, share = figure.replica_ms_per_1k[mode], figure.loop_share[mode]
     needed = max(RAY_DEFAULT_CPUS, math.ceil(planned_tok_s * ms / 1e6 / TARGET_UTILIZATION))
     node = max(0, pod_cpus // max(1, replicas_per_node) - gpus_per_replica * CPUS_PER_GPU_BUNDLE)
+    # More than the process can use is never asked for.
+    cpus = min(needed, math.ceil(1 / share))
     return StreamingSizing(
         mode=mode,
         role="decode",
         planned_tok_s=planned_tok_s,
         ms_per_1k=ms,
-        cpus=min(needed, node) if node >= RAY_DEFAULT_CPUS else RAY_DEFAULT_CPUS,
+        cpus=min(cpus, node) if node >= RAY_DEFAULT_CPUS else RAY_DEFAULT_CPUS,
         cpus_needed=needed,
         node_cpus=node,
         figure=figure,
+        loop_share=share,
         data_parallel_size=data_parallel_size,
     )
 
@@ -163,7 +181,8 @@ def streaming_errors(s: StreamingSizing) -> list[tuple[str, str]]:
             f"serving.{s.role}.targetOngoingRequests",
             f"a {s.replica} is planned for {s.planned_tok_s:,.0f} output tokens/s (roofline at "
             f"targetOngoingRequests, make plan) but its API side streams at most {s.ceiling_tok_s:,.0f}: "
-            f"{s.cpus} CPUs x 1e6 / {s.ms_per_1k:g} CPU-ms per 1,000 tokens (docs/capacity.md); it needs "
+            f"{s.usable_cores:.2f} of its {s.cpus} CPUs (one process, {s.loop_share:.1%} of its CPU on its event "
+            f"loop) x 1e6 / {s.ms_per_1k:g} CPU-ms per 1,000 tokens (docs/capacity.md); it needs "
             f"{s.cpus_needed} CPUs and its node gives it {s.node_cpus}: {fix}",
         )
     ]
@@ -177,7 +196,8 @@ def format_streaming(s: StreamingSizing | None) -> list[str]:
     return [
         f"Stream   {s.replica} planned for {s.planned_tok_s:,.0f} output tok/s; {s.ms_per_1k:g} CPU-ms per "
         f"1,000 tokens outside the engine -> {s.cpus} CPU{'s' if s.cpus != 1 else ''} (needs {s.cpus_needed}, "
-        f"node gives {s.node_cpus}); "
-        f"ceiling {s.ceiling_tok_s:,.0f} tok/s (one core: {s.one_core_tok_s:,.0f}): {ok}",
-        f"         CPU figure: {s.figure.measured}, {s.figure.machine}; {s.figure.source}",
+        f"node gives {s.node_cpus}); one process uses {s.usable_cores:.2f} ({s.loop_share:.1%} of its CPU on its "
+        f"event loop): ceiling {s.ceiling_tok_s:,.0f} tok/s (one core: {s.one_core_tok_s:,.0f}): {ok}",
+        f"         CPU figure: {s.figure.measured}, {s.figure.machine}; {s.figure.source}; event loop share: "
+        f"{s.figure.loop_source}",
     ]

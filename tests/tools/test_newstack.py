@@ -88,9 +88,9 @@ def test_a_model_whose_decode_replica_cannot_stream_the_default_target_gets_the_
         stack_load(values, secret_keys=secrets, source="stacks/Pulumi.team-small.yaml")
     assert "serving.decode.targetOngoingRequests:" in str(e.value)
     assert str(e.value).endswith(f"set targetOngoingRequests to {target:g} or less")
-    # The default model streams the default target: the file keeps it.
-    _, default = newstack.create("team-default")
-    assert default.config.serving.decode.target_ongoing_requests == newstack.DEFAULT_DECODE_TARGET
+    # A model whose roofline at the default target the replica streams keeps the default.
+    _, larger = newstack.create("team-larger", model="Qwen/Qwen2.5-3B-Instruct")
+    assert larger.config.serving.decode.target_ongoing_requests == newstack.DEFAULT_DECODE_TARGET
 
 
 def test_choices_reach_the_file(stacks_dir):
@@ -195,7 +195,7 @@ def test_pulumi_template_is_documented():
 def test_pulumi_template_defaults_equal_make_stack():
     values, secrets, others = _template_stack()
     from_template = load(values, secret_keys=secrets, source="templates/pd-inference")
-    new_values, new_secrets, new_others = stackfile.parse(newstack.text_for("team-t"), "new")
+    new_values, new_secrets, new_others = stackfile.parse(newstack.planned_text("team-t", "new"), "new")
     # `pulumi new` prompts for the apiKeys secret; `make stack` leaves it to the owner.
     made = stackfile.load_offline(new_values, new_secrets, new_others, "new")
     assert new_secrets == set() and made.stand_ins == ("apiKeys",)

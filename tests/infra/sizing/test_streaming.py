@@ -22,6 +22,9 @@ FIGURE = st.StreamingCpu(
     measured="m",
     machine="x",
     source="s",
+    # Half the replica's CPU on its event loop: one process turns at most 2 cores into streaming.
+    loop_share={"disaggregated": 0.5, "aggregated": 0.5},
+    loop_source="l",
 )
 
 
@@ -36,7 +39,7 @@ def test_cpus_and_ceiling_by_hand():
         figure=FIGURE,
     )
     assert (s.cpus, s.cpus_needed, s.node_cpus) == (2, 2, 180)
-    # 2 CPUs x 1e6 / 500 = 4,000 tok/s; one core 2,000.
+    # min(2 CPUs, 1 / 0.5) x 1e6 / 500 = 4,000 tok/s; one core 2,000.
     assert s.ceiling_tok_s == pytest.approx(4000.0) and s.one_core_tok_s == pytest.approx(2000.0)
     assert st.replica_cpus(s) == {"decode": 2} and not st.streaming_errors(s)
     # Below 0.7 of a core the replica keeps Ray's default of 1 and renders nothing.
@@ -62,6 +65,22 @@ def test_a_node_that_cannot_give_the_cpus_caps_them_and_the_ceiling_falls_below_
     # A target found to fit is named as the fix.
     [(_, found)] = st.streaming_errors(dataclasses.replace(s, fitting_target=12))
     assert found.endswith("set targetOngoingRequests to 12 or less")
+
+
+def test_cpus_past_what_one_event_loop_uses_are_not_asked_for_and_add_no_ceiling():
+    # 91.5% of the replica's CPU on its event loop: one process uses at most 1 / 0.915 = 1.093
+    # cores. 6,000 tok/s x 0.5 = 3.0 busy / 0.7 = 4.29 -> 5 needed, but asked: ceil(1.093) = 2;
+    # ceiling 1.093 x 1e6 / 500 = 2,186 tok/s, below the plan.
+    fig = dataclasses.replace(FIGURE, loop_share={"disaggregated": 0.915})
+    s = st.size_streaming(6000.0, "disaggregated", pod_cpus=180, replicas_per_node=1, gpus_per_replica=8, figure=fig)
+    assert (s.cpus, s.cpus_needed, s.node_cpus) == (2, 5, 180)
+    assert s.usable_cores == pytest.approx(1 / 0.915)
+    assert s.ceiling_tok_s == pytest.approx(1e6 / 0.915 / 500)
+    [(_, msg)] = st.streaming_errors(s)
+    assert "streams at most 2,186: 1.09 of its 2 CPUs (one process, 91.5% of its CPU on its event loop)" in msg
+    # On one CPU (1,000 tok/s: 0.5 busy / 0.7 -> 1) the loop's share does not bind: the CPU does.
+    one = st.size_streaming(1000.0, "disaggregated", pod_cpus=180, replicas_per_node=1, gpus_per_replica=8, figure=fig)
+    assert one.cpus == 1 and one.usable_cores == 1 and one.ceiling_tok_s == pytest.approx(2000.0)
 
 
 def _cfg(stack: str) -> config.StackConfig:
@@ -97,10 +116,10 @@ def test_every_shipped_stack_is_sized_from_its_decode_roofline(stack):
 
 
 def test_a_layout_whose_ceiling_is_below_its_plan_is_refused_naming_the_key_and_the_target_that_fits(monkeypatch):
-    # dev's decode replica (g5.xlarge: 2 pod CPUs) is planned at 2,618 tok/s. At the net figure,
-    # 465.8 CPU-ms per 1,000 tokens, its ceiling is 2 x 1e6 / 465.8 = 4,293 tok/s: it plans. At
-    # the raw figure of 2026-12-02 (765.5, idle and full tracing included) the ceiling is
-    # 2 x 1e6 / 765.5 = 2,613 tok/s, 5 short: the stack is refused, naming the key.
+    # dev's decode replica (g5.xlarge: 2 pod CPUs, targetOngoingRequests 14) is planned at
+    # 2,337 tok/s. At the net figure, 465.8 CPU-ms per 1,000 tokens, one process streams at most
+    # 1 / 0.915 x 1e6 / 465.8 = 2,346 tok/s: it plans. At the raw figure of 2026-12-02 (765.5,
+    # idle and full tracing included) that is 1,428 tok/s: the stack is refused, naming the key.
     cfg = _cfg("dev")
     [s] = streaming(cfg).values()
     assert s is not None and not st.below_plan(s)
