@@ -97,7 +97,6 @@ class StreamingSizing:
     cpus_needed: int  # before the node's limit
     node_cpus: int  # what the node gives the replica beside its engine's bundles
     figure: StreamingCpu
-    loop_share: float  # the event loop thread's share of the replica's CPU (figure.loop_share)
     # Below the plan: the largest targetOngoingRequests whose roofline the ceiling carries
     # (None: not even 1, or not searched).
     fitting_target: int | None = None
@@ -108,6 +107,11 @@ class StreamingSizing:
         """What one streaming process is, in the plan's words."""
         dp = f" (one of a group's {self.data_parallel_size} DP ranks)" if self.data_parallel_size > 1 else ""
         return f"{self.role} replica{dp}"
+
+    @property
+    def loop_share(self) -> float:
+        """The event loop thread's share of the replica's CPU (the figure's, for this mode)."""
+        return self.figure.loop_share[self.mode]
 
     @property
     def usable_cores(self) -> float:
@@ -137,11 +141,11 @@ def size_streaming(
     (`figure`: STREAMING_CPU unless given; `data_parallel_size`: the ranks of the replica's
     group, each a Serve replica of its own, for the plan's words)."""
     figure = figure or STREAMING_CPU
-    ms, share = figure.replica_ms_per_1k[mode], figure.loop_share[mode]
+    ms = figure.replica_ms_per_1k[mode]
     needed = max(RAY_DEFAULT_CPUS, math.ceil(planned_tok_s * ms / 1e6 / TARGET_UTILIZATION))
     node = max(0, pod_cpus // max(1, replicas_per_node) - gpus_per_replica * CPUS_PER_GPU_BUNDLE)
     # More than the process can use is never asked for.
-    cpus = min(needed, math.ceil(1 / share))
+    cpus = min(needed, math.ceil(1 / figure.loop_share[mode]))
     return StreamingSizing(
         mode=mode,
         role="decode",
@@ -151,7 +155,6 @@ def size_streaming(
         cpus_needed=needed,
         node_cpus=node,
         figure=figure,
-        loop_share=share,
         data_parallel_size=data_parallel_size,
     )
 

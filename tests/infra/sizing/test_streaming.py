@@ -105,7 +105,9 @@ def test_every_shipped_stack_is_sized_from_its_decode_roofline(stack):
         assert s.planned_tok_s == pytest.approx(tok_s)
         ms = st.STREAMING_CPU.replica_ms_per_1k[spec.mode.value]
         want = max(1, math.ceil(tok_s * ms / 1e6 / TARGET_UTILIZATION))
-        assert s.cpus == min(want, s.node_cpus)
+        # Never more than one process's event loop can use (1 / its share of the CPU).
+        usable = math.ceil(1 / st.STREAMING_CPU.loop_share[spec.mode.value])
+        assert s.cpus == min(want, usable, s.node_cpus)
         # What one node gives each of its replicas: its pod's CPUs over the ranks it holds.
         rank_gpus = spec.decode.tensor_parallel_size * spec.decode.pipeline_parallel_size
         pool = cfg.node_pools[spec.pool_of("decode")].instance
