@@ -37,6 +37,8 @@ from serving.spec.base import (
     CONTROL_LOOP_ENV,
     CONTROL_LOOP_INTERVAL_S,
     HAPROXY_HARD_STOP_ENV,
+    IDLE_WORKERS_ENV,
+    IDLE_WORKERS_KEPT,
     METRICS_EXPORT_ENV,
     METRICS_EXPORT_INTERVAL_MS,
     PROXY_TIMEOUT_MARGIN_S,
@@ -323,8 +325,8 @@ class ServingSpec(SpecModel):
     def ray_env(self) -> dict[str, str]:
         """The environment every Ray process of the cluster gets from the spec: the data
         plane's switches (spec_base.DataPlane), Serve's control-loop and cached-metrics
-        intervals (base.CONTROL_LOOP_INTERVAL_S, METRICS_EXPORT_INTERVAL_MS), usage reports off
-        (base.TELEMETRY_OFF_ENV), and in HAProxy mode how long an HAProxy
+        intervals (base.CONTROL_LOOP_INTERVAL_S, METRICS_EXPORT_INTERVAL_MS), no idle worker kept
+        (base.IDLE_WORKERS_KEPT), usage reports off (base.TELEMETRY_OFF_ENV), and in HAProxy mode how long an HAProxy
         process replaced by a reload (Serve reloads it whenever the ingress replicas change)
         may finish its open streams before it is stopped: Ray 2.60 stops it after
         RAY_SERVE_HAPROXY_HARD_STOP_AFTER_S, 120 s by default (ray/serve/_private/haproxy.py
@@ -335,6 +337,7 @@ class ServingSpec(SpecModel):
             **self.ingress.data_plane.ray_env,
             CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S),
             METRICS_EXPORT_ENV: str(METRICS_EXPORT_INTERVAL_MS),
+            IDLE_WORKERS_ENV: str(IDLE_WORKERS_KEPT),
             **TELEMETRY_OFF_ENV,
         }
         if self.ingress.data_plane is DataPlane.HAPROXY:

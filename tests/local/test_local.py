@@ -312,6 +312,31 @@ def test_nodes_carry_the_cloud_labels_and_each_part_runs_on_its_group(stack):
 
 
 @pytest.mark.e2e
+def test_no_idle_ray_worker_outlives_its_task(stack):
+    """Ray Serve LLM initialises each engine replica's node in a Ray task; with Ray's default
+    the worker that ran it (vLLM imported, about 750 MB) stays as `ray::IDLE` for as long as
+    the node has free CPUs. The spec's RAY_num_workers_soft_limit=0 (serving.spec
+    IDLE_WORKERS_KEPT) lets the raylet end it after a second idle."""
+    import psutil
+
+    def idle() -> list[str]:
+        found = []
+        for p in psutil.Process(stack.proc.pid).children(recursive=True):
+            try:
+                if " ".join(p.cmdline()).startswith("ray::IDLE"):
+                    found.append(f"pid {p.pid}, {p.memory_info().rss >> 20} MiB")
+            except psutil.Error:
+                continue
+        return found
+
+    # A worker starting for a task shows as idle for a moment: none left at some point is the bar.
+    deadline = time.monotonic() + 15
+    while (left := idle()) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert not left, f"idle Ray workers kept: {left}"
+
+
+@pytest.mark.e2e
 def test_ctrl_c_shuts_everything_down(stack):
     """Runs last (see conftest): Ctrl-C stops Ray, frees the port, leaves no Ray process."""
     import psutil
