@@ -52,7 +52,7 @@ import contextlib
 import re
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.stats import aligned, markdown
@@ -110,6 +110,9 @@ class Proc:
     name: str  # the kernel's command name (first 15 characters of the executable)
     cpu_s: float  # user + system CPU seconds so far
     root: str  # which target's root it was found under: "stack" or "vllm"
+    # A Serve replica's threads, (thread id, user + system CPU seconds so far): its busiest
+    # one is its event loop, which caps what one process can stream (infra/sizing/streaming.py).
+    threads: tuple[tuple[int, float], ...] = ()
 
     @property
     def key(self) -> tuple[int, float]:
@@ -127,14 +130,18 @@ def _read(p: Any, root: str) -> Proc | None:
         with p.oneshot():
             times = p.cpu_times()
             cmd = p.cmdline()
+            title = " ".join(part for part in cmd if part).strip() or p.name()
+            replica = REPLICA_CLASS + ":" in title
+            threads = tuple((t.id, t.user_time + t.system_time) for t in p.threads()) if replica else ()
             return Proc(
                 pid=p.pid,
                 ppid=p.ppid(),
                 created=p.create_time(),
-                title=" ".join(part for part in cmd if part).strip() or p.name(),
+                title=title,
                 name=p.name(),
                 cpu_s=float(times.user + times.system),
                 root=root,
+                threads=threads,
             )
     except (psutil.Error, OSError):
         return None
@@ -167,13 +174,23 @@ class Window:
     procs: Snapshot  # the later snapshot's view of each process (for classifying)
     ended: tuple[Proc, ...]  # seen before, gone after: their CPU after `before` is not known
     before: Snapshot  # the earlier snapshot (the tree an ended process was in)
+    # Per process whose threads were read: what its busiest thread spent in between.
+    busiest_s: Mapping[tuple[int, float], float] = field(default_factory=dict)
+
+
+def _busiest(before: Proc | None, after: Proc) -> float:
+    """The most CPU seconds one of the process's threads spent between the snapshots (a new
+    thread counts from zero)."""
+    prev = dict(before.threads) if before is not None else {}
+    return max((max(0.0, c - prev.get(tid, 0.0)) for tid, c in after.threads), default=0.0)
 
 
 def window(before: Snapshot, after: Snapshot) -> Window:
     """What each process spent between the snapshots; new processes count from zero."""
     spent = {k: max(0.0, p.cpu_s - (before[k].cpu_s if k in before else 0.0)) for k, p in after.items()}
     ended = tuple(p for k, p in before.items() if k not in after)
-    return Window(cpu_s=spent, procs=after, ended=ended, before=before)
+    busiest = {k: _busiest(before.get(k), p) for k, p in after.items() if p.threads}
+    return Window(cpu_s=spent, procs=after, ended=ended, before=before, busiest_s=busiest)
 
 
 # --- which hop a process is ------------------------------------------------------------------
@@ -254,13 +271,14 @@ def serve_layout(apps: Mapping[str, tuple[str, str, str | None]]) -> dict[str, t
 
 
 def attribute(
-    w: Window, layout: Mapping[str, tuple[str, str]], scopes: Iterable[str | None]
+    w: Window, layout: Mapping[str, tuple[str, str]], scopes: Iterable[str | None], of: str = "cpu_s"
 ) -> tuple[dict[str, float], int]:
     """CPU seconds per hop class over the processes whose scope is in `scopes` (the target's),
-    and how many of the target's processes ended in the window."""
+    and how many of the target's processes ended in the window. `of="busiest_s"`: the seconds of
+    each process's busiest thread instead, over the processes whose threads were read."""
     wanted = set(scopes)
     per: dict[str, float] = {}
-    for key, spent in w.cpu_s.items():
+    for key, spent in getattr(w, of).items():
         cls, scope = classify(w.procs[key], w.procs, layout)
         if scope in wanted:
             per[cls] = per.get(cls, 0.0) + spent
@@ -283,12 +301,22 @@ class Tally:
     cpu_s: dict[str, float]
     ended: int = 0
     wall_s: float = 0.0  # the batches' wall time, snapshot to snapshot (what idle work is spread over)
+    # Per hop class whose threads were read (the Serve replicas): their busiest threads' seconds.
+    busiest_s: dict[str, float] = field(default_factory=dict)
 
-    def add(self, per: Mapping[str, float], ended: int, wall_s: float = 0.0) -> None:
-        for k, v in per.items():
-            self.cpu_s[k] = self.cpu_s.get(k, 0.0) + v
+    def add(
+        self, per: Mapping[str, float], ended: int, wall_s: float = 0.0, busiest: Mapping[str, float] | None = None
+    ) -> None:
+        for into, add in ((self.cpu_s, per), (self.busiest_s, busiest or {})):
+            for k, v in add.items():
+                into[k] = into.get(k, 0.0) + v
         self.ended += ended
         self.wall_s += wall_s
+
+    def busiest_share(self, cls: str) -> float | None:
+        """The busiest thread's share of the hop's CPU (its event loop's), where read."""
+        spent = self.cpu_s.get(cls, 0.0)
+        return self.busiest_s[cls] / spent if cls in self.busiest_s and spent > 0 else None
 
 
 def ms_per_1k_tokens(cpu_s: float, tokens: int) -> float | None:
@@ -343,7 +371,7 @@ def pooled(per_level: Iterable[Tally]) -> Tally:
     """One tally over several levels (the bar is read over the whole run)."""
     out = Tally(cpu_s={})
     for t in per_level:
-        out.add(t.cpu_s, t.ended, t.wall_s)
+        out.add(t.cpu_s, t.ended, t.wall_s, t.busiest_s)
     return out
 
 
@@ -395,9 +423,10 @@ class Meter:
         try:
             yield
         finally:
-            after, wall = self.take(), time.monotonic() - t0
-            per, gone = attribute(window(before, after), self.layout, target_scopes(app))
-            self.tallies.setdefault(target, {}).setdefault(level, Tally(cpu_s={})).add(per, gone, wall)
+            w, wall = window(before, self.take()), time.monotonic() - t0
+            per, gone = attribute(w, self.layout, target_scopes(app))
+            busiest = attribute(w, self.layout, target_scopes(app), of="busiest_s")[0]
+            self.tallies.setdefault(target, {}).setdefault(level, Tally(cpu_s={})).add(per, gone, wall, busiest)
 
     def idle(
         self, seconds: float, scopes: Mapping[str, Iterable[str | None]], sleep: Any = time.sleep

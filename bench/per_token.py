@@ -80,6 +80,8 @@ def target_figures(tally: cpu.Tally, requests: int, tokens: int, idle: Mapping[s
             "raw_ms_per_1k_tokens": cpu.ms_per_1k_tokens(tally.cpu_s[k], tokens),
             "net_ms_per_1k_tokens": net_ms,
             "ceiling_tok_s_per_core": ceiling_tok_s_per_core(net_ms),
+            # A replica's event loop: one process carries at most 1 / share cores of this hop.
+            "busiest_thread_share": tally.busiest_share(k),
         }
     per_req = (lambda s: s * 1000 / requests) if requests else (lambda s: None)
     return {
@@ -179,6 +181,7 @@ def hop_rows(fig: Mapping[str, Any]) -> list[list[str]]:
             "CPU-ms per 1k tokens",
             "net of idle",
             "ceiling, tok/s per core",
+            "busiest thread, % of its CPU",
             "net ÷ vLLM API server",
         ]
     ]
@@ -196,6 +199,7 @@ def hop_rows(fig: Mapping[str, Any]) -> list[list[str]]:
                     _c(h["raw_ms_per_1k_tokens"]),
                     _c(h["net_ms_per_1k_tokens"]),
                     _c(h["ceiling_tok_s_per_core"], 0),
+                    _c(None if h.get("busiest_thread_share") is None else h["busiest_thread_share"] * 100),
                     _c(h.get("net_vs_vllm_api_server"), 2),
                 ]
             )

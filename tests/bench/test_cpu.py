@@ -30,6 +30,7 @@ from serving.spec.base import APP_NAME
 from serving.spec.hybrid import INGRESS_DEPLOYMENT
 
 CpuTimes = namedtuple("CpuTimes", "user system")
+Thread = namedtuple("Thread", "id user_time system_time")  # psutil.Process.threads()' rows
 MODEL = "tiny-llama"
 PD, AGG = APP_NAME, AGGREGATED_APP
 APPS = {
@@ -92,6 +93,12 @@ class FakeProcess:
 
     def name(self) -> str:
         return self._row().get("name", "python")
+
+    def threads(self) -> list[Thread]:
+        """A row's "threads": thread id -> CPU seconds; read only where the sampler asks."""
+        self._row().setdefault("threads_read", 0)
+        self._row()["threads_read"] += 1
+        return [Thread(tid, c / 2, c / 2) for tid, c in self._row().get("threads", {}).items()]
 
 
 def proc(title: str, pid: int = 10, ppid: int = 1, name: str = "python", root: str = "stack") -> cpu.Proc:
@@ -297,6 +304,56 @@ def test_a_process_that_ends_or_starts_during_a_batch(fake_ps):
     assert tally.cpu_s.get("pd_orchestration") == pytest.approx(0.25)
     assert "engine_decode" not in tally.cpu_s
     assert tally.ended == 3
+
+
+# --- a replica's busiest thread: its event loop, which caps what one process streams ------------
+def test_a_batch_counts_each_replicas_busiest_thread_and_reads_threads_of_replicas_only(fake_ps):
+    meter = cpu.Meter({"stack": 1}, LAYOUT, process=fake_ps)
+    decode = fake_ps.table[6]
+    decode["threads"] = {61: 4.0, 62: 1.0}  # the event loop, and gRPC's poller
+    with meter.batch("disaggregated", "16", PD):
+        # 2.7 s on the loop, 0.2 s on the poller, 0.1 s on a thread that started meanwhile.
+        decode["threads"] = {61: 6.7, 62: 1.2, 63: 0.1}
+        decode["cpu"] += 3.0
+    tally = meter.tallies["disaggregated"]["16"]
+    assert tally.busiest_s == pytest.approx({"pd_orchestration": 2.7})
+    assert tally.busiest_share("pd_orchestration") == pytest.approx(2.7 / 3.0)
+    # Nothing is known of a hop whose threads were not read (raylet, engine): no share.
+    assert tally.busiest_share("raylet") is None and tally.busiest_share("engine_decode") is None
+    assert all(row.get("threads_read", 0) == 0 for pid, row in fake_ps.table.items() if pid not in (5, 6, 9))
+    assert cpu.pooled([tally, tally]).busiest_share("pd_orchestration") == pytest.approx(0.9)
+
+
+def test_a_real_process_whose_one_thread_spins_has_a_busiest_share_near_one():
+    """psutil's per-thread times of a real child titled like a Serve replica: one thread spins
+    while three sleep, so the busiest is nearly all of the process's CPU."""
+    code = (
+        "import sys, threading, time\n"
+        "for _ in range(3): threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+        "sys.stdout.write('up\\n'); sys.stdout.flush(); sys.stdin.readline()\n"
+        "t = time.process_time()\n"
+        "while time.process_time() - t < 0.5: pass\n"
+        "sys.stdout.write('done\\n'); sys.stdout.flush(); sys.stdin.readline()\n"
+    )
+    title = replica(PD, f"Decode:{MODEL}")
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, title], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        child.stdout.readline()
+        before = cpu.snapshot({"stack": child.pid})
+        assert len(next(iter(before.values())).threads) >= 4
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        child.stdout.readline()
+        w = cpu.window(before, cpu.snapshot({"stack": child.pid}))
+    finally:
+        child.kill()
+        child.wait()
+    key = next(iter(w.cpu_s))
+    assert w.cpu_s[key] >= 0.45
+    assert w.busiest_s[key] / w.cpu_s[key] > 0.9
 
 
 def test_a_reused_pid_is_a_new_process(fake_ps):

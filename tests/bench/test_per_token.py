@@ -29,11 +29,16 @@ def _tallies() -> dict[str, dict[str, cpu.Tally]]:
         # Two levels; pooled: ingress 3.0, decode outside the engine 9.0, raylet 1.0, engine 20.0
         # CPU-s over 4 + 6 = 10 s of batches.
         "disaggregated": {
+            # The decode replica's busiest thread (its event loop): 3.0 + 4.5 of its 9.0 CPU-s.
             "1": cpu.Tally(
-                cpu_s={"ingress": 1.0, "pd_orchestration": 4.0, "raylet": 0.5, "engine_decode": 10.0}, wall_s=4.0
+                cpu_s={"ingress": 1.0, "pd_orchestration": 4.0, "raylet": 0.5, "engine_decode": 10.0},
+                wall_s=4.0,
+                busiest_s={"pd_orchestration": 3.0},
             ),
             "16": cpu.Tally(
-                cpu_s={"ingress": 2.0, "pd_orchestration": 5.0, "raylet": 0.5, "engine_decode": 10.0}, wall_s=6.0
+                cpu_s={"ingress": 2.0, "pd_orchestration": 5.0, "raylet": 0.5, "engine_decode": 10.0},
+                wall_s=6.0,
+                busiest_s={"pd_orchestration": 4.5},
             ),
         },
         "vllm": {"1": cpu.Tally(cpu_s={"vllm_api_server": 8.0, "vllm_engine": 30.0}, wall_s=10.0)},
@@ -60,6 +65,9 @@ def test_per_hop_raw_net_ceiling_and_ratio_to_plain_vllm():
     # plain vLLM's API server: 8.0 CPU-s, no idle, 10,000 tokens -> 800; 880 / 800 = 1.1.
     assert fig["vllm"]["hops"]["vllm_api_server"]["net_ms_per_1k_tokens"] == pytest.approx(800.0)
     assert dec["net_vs_vllm_api_server"] == pytest.approx(1.1)
+    # Its event loop's share of its CPU, raw: 7.5 / 9.0; none where threads were not read.
+    assert dec["busiest_thread_share"] == pytest.approx(7.5 / 9.0)
+    assert pd["hops"]["raylet"]["busiest_thread_share"] is None
     # ingress: 3.0 - 0.01 x 10 = 2.9 -> 290; 290 / 800 = 0.3625.
     assert pd["hops"]["ingress"]["net_vs_vllm_api_server"] == pytest.approx(0.3625)
     # Non-engine per request: raw (3 + 9 + 1) CPU-s / 100 = 130 ms; net (2.9 + 8.8 + 0.5) / 100 = 122 ms;
@@ -110,7 +118,7 @@ def test_tables_show_non_engine_hops_and_the_idle_line():
     fig = per_token.run(_tallies(), COUNTS, IDLE)
     table = per_token.format_markdown(fig)
     assert (
-        "| disaggregated | P/D orchestration: decode replica outside the engine | 2.0 | 900.0 | 880.0 | 1,136 | 1.10 |"
+        "| disaggregated | P/D orchestration: decode replica outside the engine | 2.0 | 900.0 | 880.0 | 1,136 | 83.3 | 1.10 |"
         in table
     )
     assert "engine core and workers" not in table

@@ -243,7 +243,11 @@ def test_the_per_token_and_tracing_sections_from_the_run():
     from bench import cpu, per_token
 
     tallies = {
-        "disaggregated": {"1": cpu.Tally(cpu_s={"pd_orchestration": 0.11, "ingress": 0.03}, wall_s=1.0)},
+        "disaggregated": {
+            "1": cpu.Tally(
+                cpu_s={"pd_orchestration": 0.11, "ingress": 0.03}, wall_s=1.0, busiest_s={"pd_orchestration": 0.099}
+            )
+        },
         "vllm": {"1": cpu.Tally(cpu_s={"vllm_api_server": 0.1}, wall_s=1.0)},
     }
     counts = {"disaggregated": {"1": (2, 100)}, "vllm": {"1": (2, 100)}}
@@ -257,9 +261,10 @@ def test_the_per_token_and_tracing_sections_from_the_run():
     }
     page = report.render(rep, None, TEMPLATE)
     assert "Idle phase: 25 s with no traffic" in page
-    # (0.11 - 0.01) CPU-s over 100 tokens = 1,000 CPU-ms per 1,000 tokens: 1,000 tokens/s per core, 1.0x vLLM's.
+    # (0.11 - 0.01) CPU-s over 100 tokens = 1,000 CPU-ms per 1,000 tokens: 1,000 tokens/s per core, 1.0x vLLM's;
+    # its busiest thread 0.099 of its 0.11 CPU-s.
     assert (
-        "| disaggregated | P/D orchestration: decode replica outside the engine | 1.0 | 1,100.0 | 1,000.0 | 1,000 | 1.00 |"
+        "| disaggregated | P/D orchestration: decode replica outside the engine | 1.0 | 1,100.0 | 1,000.0 | 1,000 | 90.0 | 1.00 |"
         in page
     )
     assert (
