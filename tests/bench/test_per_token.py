@@ -65,8 +65,9 @@ def test_per_hop_raw_net_ceiling_and_ratio_to_plain_vllm():
     # plain vLLM's API server: 8.0 CPU-s, no idle, 10,000 tokens -> 800; 880 / 800 = 1.1.
     assert fig["vllm"]["hops"]["vllm_api_server"]["net_ms_per_1k_tokens"] == pytest.approx(800.0)
     assert dec["net_vs_vllm_api_server"] == pytest.approx(1.1)
-    # Its event loop's share of its CPU, raw: 7.5 / 9.0; none where threads were not read.
-    assert dec["busiest_thread_share"] == pytest.approx(7.5 / 9.0)
+    # Its event loop's share of its CPU at the top level (16 streams), raw: 4.5 / 5.0, not the
+    # pooled 7.5 / 9.0; none where threads were not read.
+    assert dec["busiest_thread_share"] == pytest.approx(0.9)
     assert pd["hops"]["raylet"]["busiest_thread_share"] is None
     # ingress: 3.0 - 0.01 x 10 = 2.9 -> 290; 290 / 800 = 0.3625.
     assert pd["hops"]["ingress"]["net_vs_vllm_api_server"] == pytest.approx(0.3625)
@@ -118,7 +119,7 @@ def test_tables_show_non_engine_hops_and_the_idle_line():
     fig = per_token.run(_tallies(), COUNTS, IDLE)
     table = per_token.format_markdown(fig)
     assert (
-        "| disaggregated | P/D orchestration: decode replica outside the engine | 2.0 | 900.0 | 880.0 | 1,136 | 83.3 | 1.10 |"
+        "| disaggregated | P/D orchestration: decode replica outside the engine | 2.0 | 900.0 | 880.0 | 1,136 | 90.0 | 1.10 |"
         in table
     )
     assert "engine core and workers" not in table
