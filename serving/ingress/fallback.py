@@ -313,7 +313,10 @@ class FallbackClient:
                     yield e
                 while True:
                     try:
-                        chunk = await asyncio.wait_for(lines.__anext__(), max(0.0, deadline - time.monotonic()))
+                        # A timer on this task per chunk (asyncio.wait_for would run each read
+                        # as a new task in Python 3.11; serving/ingress/relay.py `_next`).
+                        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                            chunk = await lines.__anext__()
                     except StopAsyncIteration:
                         break
                     for e in rewriter.feed(chunk):

@@ -266,9 +266,11 @@ async def _next(
     if remaining <= 0:
         raise TimeoutError
     try:
-        return await asyncio.wait_for(
-            stream.__anext__(), remaining if stall_s is None else min(remaining, stall_s)
-        ), None
+        # A timer on this task, not asyncio.wait_for: in Python 3.11 that runs each awaited call
+        # as a new task (a task, a future and one more event-loop turn for every packet).
+        async with asyncio.timeout(remaining if stall_s is None else min(remaining, stall_s)):
+            item = await stream.__anext__()
+        return item, None
     except StopAsyncIteration:
         raise
     except TimeoutError:

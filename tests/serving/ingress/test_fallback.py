@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import pytest
@@ -281,6 +282,31 @@ def test_keep_alive_comments_do_not_hold_the_first_event_past_the_answers_deadli
     with pytest.raises(FallbackError) as err:
         _forward(client, "chat", body, asked_usage=ask_for_usage(body))
     assert err.value.status == 504 and "no event in time" in err.value.message
+
+
+def test_a_provider_that_stalls_after_its_first_event_is_cut_at_the_answers_deadline(monkeypatch):
+    async def stalls():
+        yield _sse(_chunk("hi"))
+        await asyncio.sleep(5)  # far past the answer's deadline
+        yield _sse(_chunk("late", "stop"), "[DONE]")
+
+    client, _ = _client(
+        lambda r: httpx.Response(200, content=stalls(), headers={"content-type": "text/event-stream"}),
+        monkeypatch,
+        timeout_s=0.3,
+    )
+    body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    import serving.ray_internals  # noqa: F401  (the relay's batcher; its first import takes seconds)
+
+    started = time.monotonic()
+    _, chunks, done = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
+    assert time.monotonic() - started < 3  # the deadline (0.3 s), not the provider's 5 s stall
+    events = [line[len("data: ") :] for line in "".join(chunks).splitlines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["delta"]["content"] == "hi" and "late" not in "".join(chunks)
+    assert json.loads(events[-2])["error"]["message"] == "The fallback did not finish the answer in time."
+    assert events[-1] == "[DONE]"
+    ((_, ok),) = done
+    assert not ok
 
 
 def test_a_provider_that_refuses_stream_options_is_asked_again_without_it(monkeypatch):
