@@ -373,11 +373,15 @@ def render(
         "TRACING": tracing_section(serving) if serving else "(run `make bench`)",
         "IDLE_WORKERS": _idle(serving, "stack", "VLLM::Worker"),
         "IDLE_VLLM": _idle(serving, "vllm"),
-        "PREFIX_DATE": prefix["date"] if prefix else "(no run)",
-        "PREFIX": (prefix_table(prefix) + "\n\n" + prefix_verdict(prefix)).rstrip()
+        # The run's date inside the block: a page rendered without prefix.json keeps it whole.
+        "PREFIX": (
+            f"Run of {prefix['date']}; workload {json.dumps(prefix['workload'])}.\n\n"
+            + prefix_table(prefix)
+            + "\n\n"
+            + prefix_verdict(prefix)
+        ).rstrip()
         if prefix
         else kept(previous, template, "PREFIX") or "(run `make bench-prefix`)",
-        "PREFIX_WORKLOAD": json.dumps(prefix["workload"]) if prefix else "",
         "DATA_PLANE": data_plane_section(data_planes)
         if data_planes
         else kept(previous, template, "DATA_PLANE") or "(run `make bench-data-plane`)",

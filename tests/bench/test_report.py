@@ -90,6 +90,11 @@ def test_prefix_section():
     }
     page = report.render(None, prefix, TEMPLATE)
     assert "| power-of-two | 10 | 0 | 20.0 (1.00x) | 40.0 (1.00x) | 50.0% | 1,200 (1.00x) | [4, 6] |" in page
+    assert 'Run of d; workload {"prefix_tokens": 512}.' in page
+    # `make bench` on a machine without prefix.json keeps the section whole, its run's date too.
+    again = report.render(SERVING, None, TEMPLATE, previous=page)
+    assert 'Run of d; workload {"prefix_tokens": 512}.' in again
+    assert "| power-of-two | 10 | 0 | 20.0 (1.00x) |" in again and "run `make bench-prefix`" not in again
 
 
 def test_readme_block_is_replaced_between_the_markers_only():
