@@ -71,10 +71,13 @@ STREAMING_CPU = StreamingCpu(
     measured="2026-12-05 01:23 UTC",
     machine="the project's 2-core, 24 GiB CPU machine, tiny model, Serve tracing at prod's ratio (0.01)",
     source="docs/performance.md, CPU per output token net of idle, all levels pooled",
-    # Per-thread CPU (psutil, /proc/<pid>/task) of the P/D decode and the aggregated replica
-    # under 16 streams for 45 s on the local stack, read once outside make bench.
+    # The busiest thread's share of the P/D decode and the aggregated replica's CPU under 16
+    # streams: make bench's "busiest thread at the top level" column (build/bench/serving.json
+    # per_token.<mode>.hops.<hop>.busiest_thread_share) read 90.7% / 86.3% (22:41 UTC) and
+    # 86.5% / 82.8% (22:55 UTC); a first reading by hand (45 s, 15:45 UTC) 91.5% / 91.3%. The
+    # plan keeps that top of the readings: a larger share is a smaller one-process cap.
     loop_share={"disaggregated": 0.915, "aggregated": 0.913},
-    loop_source="per-thread CPU of the replica under 16 streams, 2026-12-05 15:45 UTC, the same machine (docs/capacity.md)",
+    loop_source="busiest thread of the replica under 16 streams, the top of the readings of 2026-12-05 (make bench's per-token table, 82.8-91.5%), the same machine (docs/capacity.md)",
 )
 # What a Serve replica's actor asks Ray for when its deployment says nothing: Ray Serve LLM
 # puts `ray_actor_options.num_cpus` (default 1) into the first placement-group bundle
