@@ -2,7 +2,8 @@
 
 What flows through here: the root process of each target (the `make serve` command for the
 Ray stack, `python -m vllm.entrypoints.openai.api_server` for plain vLLM) -> `snapshot()`:
-every process under those roots with its parent, title and CPU time (user + system, psutil)
+every process under those roots with its parent, title and CPU time (user + system, psutil;
+a Serve replica's per thread too, for its event loop's share)
 -> a snapshot before and after each batch of requests -> `window()`: the CPU seconds each
 process spent in between (a process that started in between counts from zero; one that ended
 is counted as ended, with the CPU it spent after the first snapshot lost) -> `classify()`:
@@ -53,7 +54,7 @@ import re
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from bench.stats import aligned, markdown
 from serving.spec.base import KV_SCORER_DEPLOYMENT
@@ -271,7 +272,10 @@ def serve_layout(apps: Mapping[str, tuple[str, str, str | None]]) -> dict[str, t
 
 
 def attribute(
-    w: Window, layout: Mapping[str, tuple[str, str]], scopes: Iterable[str | None], of: str = "cpu_s"
+    w: Window,
+    layout: Mapping[str, tuple[str, str]],
+    scopes: Iterable[str | None],
+    of: Literal["cpu_s", "busiest_s"] = "cpu_s",
 ) -> tuple[dict[str, float], int]:
     """CPU seconds per hop class over the processes whose scope is in `scopes` (the target's),
     and how many of the target's processes ended in the window. `of="busiest_s"`: the seconds of
