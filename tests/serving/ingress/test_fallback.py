@@ -41,6 +41,12 @@ def _client(handler, monkeypatch, **over) -> tuple[FallbackClient, list[httpx.Re
     return FallbackClient(_config(**over), transport=httpx.MockTransport(record)), seen
 
 
+def _event_stream(**body) -> httpx.Response:
+    """The provider's 200 with an event stream: `content=` (bytes or an async generator) or
+    `stream=` (an httpx.AsyncByteStream)."""
+    return httpx.Response(200, headers={"content-type": "text/event-stream"}, **body)
+
+
 def _forward(client, endpoint, body, asked_usage=True):
     done = []
 
@@ -119,9 +125,7 @@ def test_stream_is_relayed_event_by_event_with_our_model_and_usage_read(monkeypa
         },
         "[DONE]",
     )
-    client, seen = _client(
-        lambda r: httpx.Response(200, content=stream, headers={"content-type": "text/event-stream"}), monkeypatch
-    )
+    client, seen = _client(lambda r: _event_stream(content=stream), monkeypatch)
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     asked = ask_for_usage(body)
     assert asked is False and body["stream_options"] == {"include_usage": True}
@@ -195,9 +199,7 @@ def test_a_stream_that_fails_after_its_first_event_ends_with_an_error_event(monk
             yield _sse({"model": "their/model", "choices": [{"text": "a"}]})
             raise httpx.RemoteProtocolError("peer closed")
 
-    client, _ = _client(
-        lambda r: httpx.Response(200, stream=Broken(), headers={"content-type": "text/event-stream"}), monkeypatch
-    )
+    client, _ = _client(lambda r: _event_stream(stream=Broken()), monkeypatch)
     _, chunks, done = _forward(client, "completions", {"model": "ours", "prompt": "x", "stream": True})
     assert json.loads(chunks[0][6:])["model"] == "ours"
     assert '"fallback_failed"' in chunks[1] and chunks[-1] == "data: [DONE]\n\n"
@@ -216,7 +218,7 @@ def test_a_streamed_answer_is_relayed_first_event_at_once_then_in_batches(monkey
 
     def relay(**over):
         client, _ = _client(
-            lambda r: httpx.Response(200, stream=Trickle(), headers={"content-type": "text/event-stream"}),
+            lambda r: _event_stream(stream=Trickle()),
             monkeypatch,
             **over,
         )
@@ -242,9 +244,7 @@ def _chunk(text: str | None = None, finish: str | None = None) -> dict:
 
 
 def _streamed(monkeypatch, content: bytes, **kw):
-    client, seen = _client(
-        lambda r: httpx.Response(200, content=content, headers={"content-type": "text/event-stream"}), monkeypatch, **kw
-    )
+    client, seen = _client(lambda r: _event_stream(content=content), monkeypatch, **kw)
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
     _, chunks, done = _forward(client, "chat", body, asked_usage=ask_for_usage(body))
     return [c[len("data: ") :].strip() for c in "".join(chunks).split("\n\n") if c.strip()], done, seen
@@ -273,7 +273,7 @@ def test_keep_alive_comments_do_not_hold_the_first_event_past_the_answers_deadli
             await asyncio.sleep(0.05)
 
     client, _ = _client(
-        lambda r: httpx.Response(200, content=comments(), headers={"content-type": "text/event-stream"}),
+        lambda r: _event_stream(content=comments()),
         monkeypatch,
         timeout_s=0.3,  # the provider's whole answer; the comments keep coming for 5 s
         first_token_timeout_s=0.001,  # the cluster's bound: not the provider's
@@ -291,7 +291,7 @@ def test_a_provider_that_stalls_after_its_first_event_is_cut_at_the_answers_dead
         yield _sse(_chunk("late", "stop"), "[DONE]")
 
     client, _ = _client(
-        lambda r: httpx.Response(200, content=stalls(), headers={"content-type": "text/event-stream"}),
+        lambda r: _event_stream(content=stalls()),
         monkeypatch,
         timeout_s=0.3,
     )
@@ -316,9 +316,7 @@ def test_a_provider_that_refuses_stream_options_is_asked_again_without_it(monkey
         calls.append(json.loads(r.content))
         if "stream_options" in calls[-1]:
             return httpx.Response(400, json={"error": {"message": "Unrecognized request argument: stream_options"}})
-        return httpx.Response(
-            200, content=_sse(_chunk("hi", "stop"), "[DONE]"), headers={"content-type": "text/event-stream"}
-        )
+        return _event_stream(content=_sse(_chunk("hi", "stop"), "[DONE]"))
 
     client, _ = _client(provider, monkeypatch)
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}]}
@@ -336,7 +334,7 @@ def test_reconfiguring_retires_the_client_without_cutting_a_live_stream(monkeypa
         yield _sse(_chunk("b", "stop"), "[DONE]")
 
     client, _ = _client(
-        lambda r: httpx.Response(200, content=slow_stream(), headers={"content-type": "text/event-stream"}),
+        lambda r: _event_stream(content=slow_stream()),
         monkeypatch,
     )
 
@@ -368,7 +366,7 @@ def test_the_clusters_first_token_bound_does_not_apply_to_the_provider(monkeypat
         yield _sse(_chunk("hi", "stop"), "[DONE]")
 
     client, _ = _client(
-        lambda r: httpx.Response(200, content=slow_first(), headers={"content-type": "text/event-stream"}),
+        lambda r: _event_stream(content=slow_first()),
         monkeypatch,
         first_token_timeout_s=0.001,
     )
@@ -448,7 +446,7 @@ def test_a_streamed_tool_call_is_relayed_delta_by_delta_unchanged(monkeypatch):
         }
     )
     client, _ = _client(
-        lambda r: httpx.Response(200, content=_sse(*events, "[DONE]"), headers={"content-type": "text/event-stream"}),
+        lambda r: _event_stream(content=_sse(*events, "[DONE]")),
         monkeypatch,
     )
     body = {"model": "ours", "stream": True, "messages": [{"role": "user", "content": "x"}], "tools": TOOLS}
