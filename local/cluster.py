@@ -16,7 +16,7 @@ from typing import Any
 
 from local.config import DECODE_CPUS, HEAD_CPUS, HOST, PREFILL_CPUS
 from local.procs import free_port, stop_haproxy
-from serving.spec import DEFAULT_LABEL_KEY
+from serving.spec import DEFAULT_LABEL_KEY, LOG_MONITOR
 
 
 # --- the local cluster ---------------------------------------------------------------------
@@ -47,6 +47,9 @@ class LocalCluster:
                 "include_dashboard": True,
                 "dashboard_host": HOST,
                 "dashboard_port": self.dashboard_port,
+                # As every cloud pod (serving.spec.base.LOG_MONITOR); Ray starts the other
+                # local nodes without one (ray.cluster_utils: one per physical host).
+                "include_log_monitor": LOG_MONITOR,
             },
         )
         # Each engine replica beyond the first needs its 2 logical CPUs on its role's node.

@@ -198,6 +198,24 @@ def rayservice_pod(
     return {"metadata": {"labels": labels}, "spec": pod_spec}
 
 
+def ray_start_flags(ray_start_params: dict[str, str]) -> list[str]:
+    """pod.go convertParamMap: the flags KubeRay puts after `ray start`. A value "true" or
+    "false" is an on-off switch (`--key` when true, nothing at all when false), except for the
+    options that take an explicit boolean (specialParameterOptions: log-color,
+    include-dashboard, include-log-monitor since v1.7.0, kuberay#4857), which get `--key=value`
+    like every other entry. Keys in sorted order."""
+    special = ("log-color", "include-dashboard", "include-log-monitor")
+    flags = []
+    for key in sorted(ray_start_params):
+        value = ray_start_params[key]
+        if value.lower() in ("true", "false") and key not in special:
+            if value.lower() == "true":
+                flags.append(f"--{key}")
+        else:
+            flags.append(f"--{key}={value}")
+    return flags
+
+
 def _find_port(container: dict[str, Any], name: str, default: int) -> int:
     for p in container.get("ports") or []:
         if p.get("name") == name:
@@ -879,6 +897,7 @@ MIRRORS: dict[str, Mirror] = {
     "merge_config": _PULUMI,
     "label_pod": _KUBERAY,
     "rayservice_pod": _KUBERAY,
+    "ray_start_flags": _KUBERAY,
     "incremental_upgrade": _KUBERAY,
     "serve_service": _KUBERAY,
     "selects": _KUBERNETES,

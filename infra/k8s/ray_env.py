@@ -12,7 +12,7 @@ and the node drain on SIGTERM. Plain data: no Pulumi here.
 from __future__ import annotations
 
 from infra import catalog
-from serving.spec import ServingSpec
+from serving.spec import LOG_MONITOR, ServingSpec
 from serving.spec.drain import NODE_DRAIN_ENV
 
 # libfabric over EFA for NIXL's LIBFABRIC backend (and NCCL's aws-ofi-nccl). Each entry
@@ -108,3 +108,10 @@ def node_drain_env(serving: ServingSpec) -> dict[str, str]:
 # Ray's Prometheus address variable (ray/serve/autoscaling_policy.py PrometheusQueryMixin, and
 # Ray's dashboard), Ray 2.60.
 PROMETHEUS_HOST_ENV = "RAY_PROMETHEUS_HOST"
+
+
+def ray_start_params() -> dict[str, str]:
+    """The `ray start` flags every Ray pod shares: the node's log monitor as
+    serving.spec.base.LOG_MONITOR says, off. KubeRay passes include-log-monitor=false through
+    from v1.7.0 on (pod.go convertParamMap, kuberay#4857); earlier releases dropped a "false"."""
+    return {"include-log-monitor": "true" if LOG_MONITOR else "false"}

@@ -50,6 +50,7 @@ from infra.k8s.ray_env import (
     efa_engine_env,
     gcs_uses_tls,
     node_drain_env,
+    ray_start_params,
     region_env,
 )
 from infra.k8s.tracing import TraceExport, exporter_mount, exporter_volume, pod_env
@@ -294,7 +295,7 @@ def _head(inp: RayServiceInputs) -> dict[str, Any]:
     _add_tracing(inp, "head", env, volumes, mounts)
     return {
         # The head runs the GCS, the Serve controller, the proxy and the ingress; no model work.
-        "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
+        "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0", **ray_start_params()},
         "labels": {inp.serving.placement.label_key: inp.serving.placement.head},
         "template": {
             "metadata": {
@@ -436,7 +437,7 @@ def _worker(inp: RayServiceInputs, pool: str) -> dict[str, Any]:
         # autoscaler/_private/kuberay/autoscaling_config.py reads this field; KubeRay 1.7
         # passes it to `ray start --resources`). Ray sets the same value on GPU nodes itself.
         "resources": {accelerator_resource(inst): "1"},
-        "rayStartParams": start_params,
+        "rayStartParams": {**ray_start_params(), **start_params},
         "template": {
             "metadata": {
                 "labels": {"app.kubernetes.io/name": inp.name, "app.kubernetes.io/component": f"ray-{role}"},

@@ -103,6 +103,16 @@ METRICS_EXPORT_INTERVAL_MS = 1000
 # minutes. Not in Ray's docs, hence the e2e test that the local stack keeps no idle worker.
 IDLE_WORKERS_ENV = "RAY_num_workers_soft_limit"
 IDLE_WORKERS_KEPT = 0
+# Whether each Ray node starts a log monitor (`ray start --include-log-monitor`, Ray 2.60
+# ray/scripts/scripts.py; ray/_private/log_monitor.py). It tails every worker's stdout and
+# stderr and publishes the lines to drivers: globbing the log folder and reading every open
+# file ten times a second, 1.1-1.5% of a core per node on the local stack with no request in
+# flight. A RayService has no driver that reads them: KubeRay deploys through the dashboard's
+# Serve REST API, whose Serve head connects with log_to_driver=False
+# (ray/dashboard/optional_utils.py). The files stay where Ray writes them (the dashboard and
+# `ray logs` read them there); a driver attached with `ray job submit` sees its own output
+# only.
+LOG_MONITOR = False
 # No usage reports leave the cluster: Ray's usage stats (docs.ray.io "Usage Stats Collection",
 # on unless RAY_USAGE_STATS_ENABLED=0) and vLLM's (docs.vllm.ai "Usage Stats Collection":
 # VLLM_NO_USAGE_STATS=1 or DO_NOT_TRACK=1), in every Ray process of every stack.

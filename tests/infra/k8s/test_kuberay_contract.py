@@ -21,6 +21,9 @@ Contracts (reproduced in tests/upstream.py, each from ray-project/kuberay v1.7.0
 - kubernetes/kubernetes `staging/src/k8s.io/endpointslice/utils.go` (commit e637659d)
   `getEndpointPorts`/`findPort`: a Service port with a named targetPort reaches only the pods
   that declare a container port of that name.
+- `common/pod.go` `convertParamMap`: the `ray start` flags a group's rayStartParams become (a
+  "false" dropped unless the option takes an explicit boolean; include-log-monitor does since
+  v1.7.0, kuberay#4857); Ray 2.60 `ray/scripts/scripts.py` `start` must take every one.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from tests.upstream import (
     RAY_SERVE_LABEL,
     endpoint_port,
     incremental_upgrade,
+    ray_start_flags,
     rayservice_pod,
     readiness_passes,
     selects,
@@ -244,3 +248,21 @@ def test_local_serve_config_keeps_head_only():
     # Several Ray nodes on one host would clash on the proxy port; no KubeRay probes there.
     rendered = render_local_config("both", Path("/models/tiny"), port=8000)
     assert rendered["proxy_location"] == "HeadOnly"
+
+
+# --- the `ray start` command of every pod ----------------------------------------------------------
+def test_every_pods_ray_start_takes_its_flags_and_starts_no_log_monitor(rs):
+    """Each group's rayStartParams, as KubeRay turns them into flags, parse as `ray start`'s
+    own options (an unknown one fails the pod at start), and no pod starts a log monitor
+    (serving.spec.base.LOG_MONITOR: a "false" KubeRay dropped would leave Ray's default, on)."""
+    import click
+    from ray.scripts.scripts import start
+
+    cluster = rs["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        name = group.get("groupName", "head")
+        try:
+            ctx = start.make_context("ray start", ray_start_flags(group["rayStartParams"]))
+        except click.UsageError as e:
+            pytest.fail(f"{name}: {e}")
+        assert ctx.params["include_log_monitor"] is False, name
