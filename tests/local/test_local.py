@@ -312,7 +312,7 @@ def test_nodes_carry_the_cloud_labels_and_each_part_runs_on_its_group(stack):
 
 
 @pytest.mark.e2e
-def test_no_idle_ray_worker_outlives_its_task(stack):
+def test_no_idle_ray_worker_nor_log_monitor_is_kept(stack):
     """Ray Serve LLM initialises each engine replica's node in a Ray task; with Ray's default
     the worker that ran it (vLLM imported, about 750 MB) stays as `ray::IDLE` for as long as
     the node has free CPUs. The spec's RAY_num_workers_soft_limit=0 (serving.spec
