@@ -10,11 +10,12 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv light-env lint docs test test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
-	@echo "make test               install everything, lint, and run every test"
+	@echo "make test               install everything, lint, and run every test but the long e2e ones"
+	@echo "make test-long          the long e2e tests (scale events under streamed load, ~6 minutes); CI runs both"
 	@echo "make lint               ruff and mypy"
 	@echo "make lock [UPGRADE=1]   refresh the hashed locks after editing a requirements file"
 	@echo "make docs               regenerate the command outputs shown in the docs"
@@ -154,7 +155,13 @@ MAKEFLAGS += --jobs=4
 endif
 test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 	$(PY) -m pytest -m "not e2e" -n 2
-	$(PY) -m pytest -m e2e
+	$(PY) -m pytest -m "e2e and not long"
+
+# The e2e tests of several minutes each (decode scaled out, a replica killed and decode scaled
+# in, all under streamed load), on their own local stack: kept out of make test's 20 minutes;
+# CI and both workflows run it after make test.
+test-long: venv
+	$(PY) -m pytest -m long
 
 # The live metric-name cross-check alone (it starts its own local stack).
 test-live-metrics: venv

@@ -11,7 +11,9 @@ scale-in removed ran streams), then the designed state, not status codes: every
 stream ends with its finish reason, [DONE], no error event, and a usage block counting
 exactly the tokens asked for (ignore_eos); the cut streams were continued
 (`pd_stream_migrations`, outcome continued), none failed. The stack is left as found (one
-decode replica). Disruptive: runs after the other e2e tests (tests/conftest.py).
+decode replica). Disruptive: runs after the other e2e tests (tests/conftest.py). About four
+minutes (two engine starts and Serve's downscale delay): `make test-long` runs it, and CI after
+`make test`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from local.decode_autoscale import decode_replicas
 from serving.core.metrics import STREAM_MIGRATIONS
 from tests.serving.test_resilience_e2e import _metric_total_by
 
-pytestmark = [pytest.mark.e2e, pytest.mark.disruptive]
+pytestmark = [pytest.mark.e2e, pytest.mark.disruptive, pytest.mark.long]
 
 MIGRATIONS = STREAM_MIGRATIONS.prometheus
 MAX_TOKENS = 192
