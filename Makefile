@@ -159,8 +159,9 @@ test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 
 # The e2e tests of several minutes each (decode scaled out, a replica killed and decode scaled
 # in, all under streamed load), on their own local stack: kept out of make test's 20 minutes;
-# CI and both workflows run it after make test.
-test-long: venv
+# CI and both workflows run it after make test; `make test test-long` runs them one after the
+# other (one Ray stack at a time), not side by side under make test's --jobs.
+test-long: venv | $(filter test,$(MAKECMDGOALS))
 	$(PY) -m pytest -m long
 
 # The live metric-name cross-check alone (it starts its own local stack).
