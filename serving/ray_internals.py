@@ -30,11 +30,14 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/llm/_internal/serve/routing_policies/kv_aware/vllm/tokenizer.py (kv_tokenizer)
   python/ray/serve/context.py                               (serve_request_id: the request id a
                                                             handle call carries to its replica)
+  python/ray/llm/_internal/serve/engines/vllm/vllm_engine.py (VLLMEngine: the engine class
+                                                            serving/engines/engine_metrics.py extends)
 Methods and attributes of public classes that the resilience layer relies on, also checked
 by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the routing
 tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
 _lora_paths: the many-model front door fills them, serving/ingress/catalog.py),
-PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once /
+VLLMEngine._start_async_llm_engine (the engine start, around which
+serving/engines/engine_metrics.py binds vLLM's Ray stat logger name), PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once /
 _request_prefill_token_ids / _decode_reuse_ids, the
 connector backend's prepare_prefill_request / prepare_decode_request /
 requires_peer_binding / concurrent_handoff, and Serve's
@@ -66,6 +69,7 @@ from ray.llm._internal.serve.core.ingress.utils import (
     _sanitize_chat_completion_request as sanitize_chat_request,
 )
 from ray.llm._internal.serve.core.protocol import RawRequestInfo
+from ray.llm._internal.serve.engines.vllm.vllm_engine import VLLMEngine
 from ray.llm._internal.serve.routing_policies.kv_aware.kv_aware_router import is_kv_aware
 from ray.llm._internal.serve.routing_policies.kv_aware.kv_token_tracker import (
     LLM_ROUTER_DEPLOYMENT_NAME,
@@ -93,6 +97,7 @@ HOOKS = (
     ("ray.serve.llm.deployment:PDDecodeServer", "_decode_reuse_ids"),
     ("ray.serve.llm.ingress:OpenAiIngress", "_get_model_id"),
     ("ray.serve.llm.ingress:OpenAiIngress", "_get_configured_serve_handle"),
+    ("ray.llm._internal.serve.engines.vllm.vllm_engine:VLLMEngine", "_start_async_llm_engine"),
 )
 
 
@@ -158,6 +163,7 @@ __all__ = [
     "ModelList",
     "PDServingArgs",
     "RawRequestInfo",
+    "VLLMEngine",
     "build_kv_token_tracker",
     "check_hooks",
     "is_kv_aware",

@@ -34,8 +34,10 @@ from pydantic import Field, PrivateAttr, ValidationError, ValidationInfo, field_
 
 from serving.spec import render
 from serving.spec.base import (
+    BUFFERED_ENGINE_CLS,
     CONTROL_LOOP_ENV,
     CONTROL_LOOP_INTERVAL_S,
+    ENGINE_CLS_ENV,
     HAPROXY_HARD_STOP_ENV,
     IDLE_WORKERS_ENV,
     IDLE_WORKERS_KEPT,
@@ -325,7 +327,8 @@ class ServingSpec(SpecModel):
     def ray_env(self) -> dict[str, str]:
         """The environment every Ray process of the cluster gets from the spec: the data
         plane's switches (spec_base.DataPlane), Serve's control-loop and cached-metrics
-        intervals (base.CONTROL_LOOP_INTERVAL_S, METRICS_EXPORT_INTERVAL_MS), no idle worker kept
+        intervals (base.CONTROL_LOOP_INTERVAL_S, METRICS_EXPORT_INTERVAL_MS), the engine class whose
+        vLLM metrics reach Ray once a second (base.BUFFERED_ENGINE_CLS), no idle worker kept
         (base.IDLE_WORKERS_KEPT), usage reports off (base.TELEMETRY_OFF_ENV), and in HAProxy mode how long an HAProxy
         process replaced by a reload (Serve reloads it whenever the ingress replicas change)
         may finish its open streams before it is stopped: Ray 2.60 stops it after
@@ -337,6 +340,7 @@ class ServingSpec(SpecModel):
             **self.ingress.data_plane.ray_env,
             CONTROL_LOOP_ENV: str(CONTROL_LOOP_INTERVAL_S),
             METRICS_EXPORT_ENV: str(METRICS_EXPORT_INTERVAL_MS),
+            ENGINE_CLS_ENV: BUFFERED_ENGINE_CLS,
             IDLE_WORKERS_ENV: str(IDLE_WORKERS_KEPT),
             **TELEMETRY_OFF_ENV,
         }

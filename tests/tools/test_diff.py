@@ -105,7 +105,7 @@ def test_node_groups_name_instance_type_and_node_counts(staging_prod):
 def test_manifests_are_diffed_and_named_by_file(staging_prod):
     rs = _block(staging_prod, "~ kubernetes:ray.io/v1:RayService llm-rayservice (manifests/rayservice-llm-llm.yaml)")
     # serveConfigV2 is a YAML string in the manifest; its keys are compared, not its text.
-    assert "~ spec.serveConfigV2.applications[0].args.decode_config.accelerator_type: A100 -> H100" in rs
+    assert "~ spec.serveConfigV2.applications[0].args.prefill_config.accelerator_type: A100 -> H100" in rs
     assert (
         "~ spec.rayClusterConfig.workerGroupSpecs[0].template.spec.nodeSelector"
         "[node.kubernetes.io/instance-type]: p4de.24xlarge -> p5.48xlarge"
