@@ -15,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -75,10 +76,25 @@ def port_in_use(port: int, host: str = HOST) -> bool:
     return False
 
 
+# Where free_port looks: above Ray's worker ports (`ray start --max-worker-port`, 19999 by
+# default) and below Linux's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by
+# default). A port the kernel hands out for `bind(0)` is an ephemeral one, the range every
+# Ray, gRPC and vLLM process of the stack also draws from while it starts, so a port picked
+# that way and bound seconds later (the Serve port, which HAProxy binds once Serve is up)
+# could be taken by then: "cannot bind socket (Address already in use)", 2026-12-06.
+FREE_PORTS = range(20000, 32768)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port free now, outside the ranges the stack's own processes bind at random, and not
+    one this process has handed out before (it may not be bound yet)."""
+    for port in random.sample(FREE_PORTS, 200):
+        if port in _handed_out or port_in_use(port):
+            continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {FREE_PORTS.start}-{FREE_PORTS.stop - 1} after 200 tries")
 
 
 def interrupt_and_wait(proc: subprocess.Popen, timeout: float = 60) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -74,3 +75,28 @@ def test_sigterm_and_sighup_stop_a_run_as_ctrl_c_does(tmp_path):
         assert child.wait(timeout=30) == 0
         assert marker.read_text() == "yes", sig
     assert psutil.Process().is_running()
+
+
+def test_free_ports_are_outside_the_ranges_the_stack_binds_at_random_and_never_repeat():
+    """The kernel's ephemeral range (what bind(0) and every Ray, gRPC and vLLM process draw
+    from) and Ray's worker ports (`ray start` defaults, 10002-19999) stay clear: a port picked
+    there could be taken before the stack binds it."""
+    from ray.scripts.scripts import start
+
+    defaults = {p.name: p.default for p in start.params}
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [procs.free_port() for _ in range(40)]
+    assert len(set(ports)) == len(ports)
+    for port in ports:
+        assert not low <= port <= high, port
+        assert not defaults["min_worker_port"] <= port <= defaults["max_worker_port"], port
+
+
+def test_a_free_port_skips_one_in_use(monkeypatch):
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind((procs.HOST, 0))
+        busy = taken.getsockname()[1]
+        taken.listen()
+        fresh = next(p for p in procs.FREE_PORTS if not procs.port_in_use(p) and p not in procs._handed_out)
+        monkeypatch.setattr(procs.random, "sample", lambda population, k: [busy, fresh])
+        assert procs.free_port() == fresh
