@@ -1,4 +1,4 @@
-"""vLLM's engine metrics into Ray's, counters and gauges handed over once a second.
+"""vLLM's engine metrics into Ray's, handed over once a second instead of on every step.
 
 What flows through here: on every engine step vLLM's output handler, on the engine replica's
 event loop, hands the step's scheduler and iteration stats to its stat loggers (vLLM 0.29 and
@@ -7,21 +7,24 @@ counter increments per step, one inter-token-latency observation per streamed to
 observations per finished request. Ray Serve LLM has them recorded through Ray's metrics
 (`vllm/v1/metrics/ray_wrappers.py` `RayPrometheusStatLogger`, which Ray 2.60's
 `engines/vllm/vllm_engine.py` `_start_async_llm_engine` hands to vLLM when
-`LLMConfig.log_engine_metrics` is on, its default) -> here, every counter increment is added up
-and every gauge keeps its last value in the process, and both go to Ray's metric at most
-METRICS_FLUSH_S later, one call per series; histograms are recorded as before, one call per
-observation. Ray's metrics agent exports every 10 s (`metrics_report_interval_ms`) and
-Prometheus scrapes every 30 s, so no series reads differently: counters keep their totals, a
-gauge's value is the last one set, and an idle engine's gauges still age out as before.
+`LLMConfig.log_engine_metrics` is on, its default) -> here, every counter increment is added up,
+every gauge keeps its last value and every histogram observation is kept, and a timer hands
+them to Ray's metric at most METRICS_FLUSH_S later: one call per counter and gauge, the
+observations one after the other. Ray's metrics agent exports every 10 s
+(`metrics_report_interval_ms`) and Prometheus scrapes every 30 s, so no series reads
+differently: counters keep their totals, histograms their buckets, sums and counts, a gauge
+reads the last value set, and an idle engine's gauges still age out as before.
 
-Why: one call into Ray's metric API costs 3-5 µs of the event loop (its tag checks, then the
-C++ recorder), against 0.3-0.8 µs for prometheus_client, which is what vLLM's own API server
-records into; at one stream a decode step streams one token, so a dozen such calls ride on
-every token. Measured (make serve's stack, P/D, decode replica outside its engine, CPU per
-1,000 streamed chunks, two pairs of runs, 2026-12-06): with Ray's wrappers 1,155-1,208 at one
-stream, 419-522 at four, 253-276 at sixteen; with vLLM's own prometheus_client logger 536-652,
-377-399 and 197-249, and one stream's chunks/s rose from 162-165 to 232-291. What this module
-keeps of that is measured by `make bench` (docs/performance.md, "Switches").
+Why: each call into Ray's metric API runs its tag checks, then hands the point to Ray's C++
+recorder, which wakes its own thread (`pthread_cond_signal` under `record` in py-spy's native
+frames): 3-5 µs of the calling thread in a quiet process (prometheus_client, what vLLM's own
+API server records into: 0.3-0.8 µs), and far more in a replica whose two cores the engines
+keep busy. At one stream a decode step streams one token, so a dozen such calls ride on every
+token; at sixteen, every token still carries its inter-token latency. Measured on `make serve`'s
+P/D app, decode replica outside its engine, CPU-ms per 1,000 streamed chunks at 16 / 4 / 1
+streams (2026-12-06, one stack per reading): Ray's wrappers 253-283 / 419-537 / 963-1,208;
+counters and gauges buffered 283 / 537 / 963; everything buffered 225 / 363 / 672, one stream's
+chunks/s from 162-167 to 239. What `make bench` reads is in docs/performance.md ("Switches").
 
 How it is put in: Ray Serve LLM builds every engine from the class that `RAYLLM_VLLM_ENGINE_CLS`
 names (Ray 2.60 `core/server/llm_server.py` `_get_default_engine_class`, "escape-hatch for
@@ -45,6 +48,7 @@ from vllm.v1.metrics import ray_wrappers
 from vllm.v1.metrics.ray_wrappers import (
     RayCounterWrapper,
     RayGaugeWrapper,
+    RayHistogramWrapper,
     RayKVConnectorProm,
     RayPerfMetricsProm,
     RayPrometheusStatLogger,
@@ -148,6 +152,29 @@ class BufferedRayCounter(_Buffered, RayCounterWrapper):
             RayCounterWrapper.inc(self, total)
 
 
+class BufferedRayHistogram(_Buffered, RayHistogramWrapper):
+    """Ray's histogram wrapper whose `observe` keeps the values until the hand-over, then
+    records each: the same buckets, sum and count, in one burst instead of one call per token."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._values: list[float] = []
+
+    def _reset(self) -> None:
+        self._values = []  # not the parent's list: copy.copy shares it
+
+    def observe(self, value: int | float) -> None:
+        if not isinstance(value, (int, float)):  # as Ray's Histogram.observe, where it is made
+            raise TypeError(f"value must be int or float, got {type(value)}.")
+        self._values.append(value)
+        PENDING.add(self)
+
+    def hand_over(self) -> None:
+        values, self._values = self._values, []
+        for value in values:
+            RayHistogramWrapper.observe(self, value)
+
+
 class BufferedRaySpecDecodingProm(RaySpecDecodingProm):
     _counter_cls = BufferedRayCounter
 
@@ -155,6 +182,7 @@ class BufferedRaySpecDecodingProm(RaySpecDecodingProm):
 class BufferedRayKVConnectorProm(RayKVConnectorProm):
     _gauge_cls = BufferedRayGauge
     _counter_cls = BufferedRayCounter
+    _histogram_cls = BufferedRayHistogram
 
 
 class BufferedRayPerfMetricsProm(RayPerfMetricsProm):
@@ -162,11 +190,12 @@ class BufferedRayPerfMetricsProm(RayPerfMetricsProm):
 
 
 class BufferedRayStatLogger(RayPrometheusStatLogger):
-    """Ray's stat logger for vLLM with the buffered counters and gauges: the same metric names,
-    labels and histograms."""
+    """Ray's stat logger for vLLM with every metric buffered: the same names, labels, buckets
+    and values, handed to Ray at most METRICS_FLUSH_S later."""
 
     _gauge_cls = BufferedRayGauge
     _counter_cls = BufferedRayCounter
+    _histogram_cls = BufferedRayHistogram
     _spec_decoding_cls = BufferedRaySpecDecodingProm
     _kv_connector_cls = BufferedRayKVConnectorProm
     _perf_metrics_cls = BufferedRayPerfMetricsProm

@@ -94,10 +94,10 @@ METRICS_EXPORT_ENV = "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS"
 METRICS_EXPORT_INTERVAL_MS = 1000
 # The engine class Ray Serve LLM builds every vLLM engine from (Ray 2.60
 # core/server/llm_server.py `_get_default_engine_class` reads RAYLLM_VLLM_ENGINE_CLS, for every
-# LLMServer, Ray's own classes included): Ray's engine, with vLLM's counters and gauges handed to
-# Ray's metrics at most METRICS_FLUSH_S after they change instead of a dozen calls per engine
-# step (serving/engines/engine_metrics.py). Histograms are recorded as before; Ray's agent
-# exports every 10 s, so no series reads differently.
+# LLMServer, Ray's own classes included): Ray's engine, with vLLM's metrics handed to Ray's at
+# most METRICS_FLUSH_S after they are recorded instead of a dozen calls per engine step and one
+# per streamed token (serving/engines/engine_metrics.py). Ray's agent exports every 10 s, so
+# no series reads differently.
 ENGINE_CLS_ENV = "RAYLLM_VLLM_ENGINE_CLS"
 BUFFERED_ENGINE_CLS = "serving.engines.engine_metrics:BufferedMetricsVLLMEngine"
 METRICS_FLUSH_S = 1.0

@@ -1,6 +1,6 @@
-"""serving/engines/engine_metrics.py: vLLM's counters and gauges reach Ray's metrics once per
-METRICS_FLUSH_S, with the same totals and last values, and every engine Ray Serve LLM starts
-gets that stat logger."""
+"""serving/engines/engine_metrics.py: vLLM's metrics reach Ray's once per METRICS_FLUSH_S, with
+the same totals, last values and observations, and every engine Ray Serve LLM starts gets that
+stat logger."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ from types import SimpleNamespace
 import pytest
 from ray.llm._internal.serve.engines.vllm import vllm_engine as ray_vllm_engine
 from vllm.v1.metrics import ray_wrappers
-from vllm.v1.metrics.ray_wrappers import RayCounterWrapper, RayGaugeWrapper, RayPrometheusStatLogger
+from vllm.v1.metrics.ray_wrappers import (
+    RayCounterWrapper,
+    RayGaugeWrapper,
+    RayHistogramWrapper,
+    RayPrometheusStatLogger,
+)
 
 from serving.engines import engine_metrics as em
 from serving.spec import BUFFERED_ENGINE_CLS, ENGINE_CLS_ENV, METRICS_FLUSH_S
@@ -27,6 +32,7 @@ def handed(monkeypatch):
     calls: list[tuple[str, str, float]] = []
     monkeypatch.setattr(RayGaugeWrapper, "set", lambda self, v: calls.append(("set", _engine(self), v)))
     monkeypatch.setattr(RayCounterWrapper, "inc", lambda self, v=1.0: calls.append(("inc", _engine(self), v)))
+    monkeypatch.setattr(RayHistogramWrapper, "observe", lambda self, v: calls.append(("observe", _engine(self), v)))
     monkeypatch.setattr(em, "PENDING", em._Pending(0.05))
     return calls
 
@@ -37,6 +43,10 @@ def _gauge(name: str) -> em.BufferedRayGauge:
 
 def _counter(name: str) -> em.BufferedRayCounter:
     return em.BufferedRayCounter(name, "test", labelnames=["engine"])
+
+
+def _histogram(name: str) -> em.BufferedRayHistogram:
+    return em.BufferedRayHistogram(name, "test", labelnames=["engine"], buckets=[0.01, 0.1, 1.0])
 
 
 def _on_a_loop(coro_fn):
@@ -60,6 +70,39 @@ def test_a_steps_writes_reach_ray_once_with_the_total_and_the_last_value(handed)
 
     assert _on_a_loop(steps) == []  # nothing on the engine step itself
     assert sorted(handed) == [("inc", "0", 41), ("set", "0", 0)]
+
+
+def test_every_histogram_observation_reaches_ray_once_in_the_hand_over(handed):
+    """Inter-token latencies, one per streamed token: each is recorded, in order, with the same
+    buckets, sum and count as before, a second later at most."""
+    itl = _histogram("t_itl").labels("0")
+
+    async def steps():
+        for gap in (0.012, 0.02, 0.02, 0.5):
+            itl.observe(gap)
+        before = list(handed)
+        await asyncio.sleep(0.2)
+        itl.observe(0.03)
+        await asyncio.sleep(0.2)
+        return before
+
+    assert _on_a_loop(steps) == []
+    assert handed == [("observe", "0", v) for v in (0.012, 0.02, 0.02, 0.5, 0.03)]
+    with pytest.raises(TypeError, match="int or float"):
+        itl.observe("slow")
+
+
+def test_a_labelled_histogram_does_not_share_its_parents_pending_values(handed):
+    parent = _histogram("t_hist_copies")
+
+    async def step():
+        parent.observe(0.1)
+        child = parent.labels("1")
+        child.observe(0.2)
+        await asyncio.sleep(0.2)
+
+    _on_a_loop(step)
+    assert sorted(handed) == [("observe", "-", 0.1), ("observe", "1", 0.2)]
 
 
 def test_writes_after_a_hand_over_start_a_new_one_and_nothing_is_repeated(handed):
@@ -122,18 +165,19 @@ def test_one_failing_series_does_not_keep_the_others_from_ray(handed, monkeypatc
     assert handed == [("inc", "good", 4)]
 
 
-def test_the_stat_logger_builds_every_counter_and_gauge_buffered_and_histograms_as_ray():
+def test_the_stat_logger_builds_every_metric_buffered():
     """vLLM builds its metrics from these class attributes (loggers.py PrometheusStatLogger;
     the same names in vLLM 0.29, the worker image's, and 0.32)."""
     logger = em.BufferedRayStatLogger
     assert issubclass(logger, RayPrometheusStatLogger)
     assert logger._gauge_cls is em.BufferedRayGauge and logger._counter_cls is em.BufferedRayCounter
-    assert logger._histogram_cls is ray_wrappers.RayHistogramWrapper
+    assert logger._histogram_cls is em.BufferedRayHistogram
     for part in ("_spec_decoding_cls", "_kv_connector_cls", "_perf_metrics_cls"):
         cls = getattr(logger, part)
         assert issubclass(cls, getattr(RayPrometheusStatLogger, part)), part
         assert cls._counter_cls is em.BufferedRayCounter, part
-    assert logger._kv_connector_cls._gauge_cls is em.BufferedRayGauge
+    kv = logger._kv_connector_cls
+    assert kv._gauge_cls is em.BufferedRayGauge and kv._histogram_cls is em.BufferedRayHistogram
     assert METRICS_FLUSH_S <= 10  # under Ray's export interval: no export misses a step's values
 
 
