@@ -10,7 +10,8 @@ observations per finished request. Ray Serve LLM has them recorded through Ray's
 `LLMConfig.log_engine_metrics` is on, its default) -> here, every counter increment is added up,
 every gauge keeps its last value and every histogram observation is kept, and a timer hands
 them to Ray's metric at most METRICS_FLUSH_S later: one call per counter and gauge, the
-observations one after the other. Ray's metrics agent exports every 10 s
+observations one after the other, HAND_OVER_BATCH points per turn of the event loop so that
+the streams' own callbacks run between batches. Ray's metrics agent exports every 10 s
 (`metrics_report_interval_ms`) and Prometheus scrapes every 30 s, so no series reads
 differently: counters keep their totals, histograms their buckets, sums and counts, a gauge
 reads the last value set, and an idle engine's gauges still age out as before.
@@ -39,8 +40,10 @@ that import in Ray's source and the class attributes vLLM builds its metrics fro
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,15 +64,24 @@ from serving.spec import METRICS_FLUSH_S
 logger = logging.getLogger(__name__)
 
 
-class _Pending:
-    """The counters and gauges written since the last hand-over, and the one timer that hands
-    them to Ray. Written from vLLM's output handler, on the replica's event loop; a write from a
-    thread without a running loop goes through at once."""
+# At most this many points go to Ray in one turn of the event loop, the rest in later turns,
+# after the streams' own callbacks: a decode replica streaming 10,000 tokens/s holds as many
+# inter-token latencies a second, tens of ms of Ray calls that would otherwise stall its streams
+# at once.
+HAND_OVER_BATCH = 256
 
-    def __init__(self, interval_s: float) -> None:
+
+class _Pending:
+    """The metrics written since the last hand-over, and the one timer that hands them to Ray,
+    HAND_OVER_BATCH points per turn of the loop. Written from vLLM's output handler, on the
+    replica's event loop; a write from a thread without a running loop goes through at once."""
+
+    def __init__(self, interval_s: float, batch: int = HAND_OVER_BATCH) -> None:
         self.interval_s = interval_s
+        self.batch = batch
         self._metrics: dict[int, _Buffered] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._draining: collections.deque[_Buffered] = collections.deque()
 
     def add(self, metric: _Buffered) -> None:
         self._metrics[id(metric)] = metric
@@ -84,19 +96,34 @@ class _Pending:
 
     def flush(self) -> None:
         self._timer = None
-        metrics, self._metrics = self._metrics, {}
-        for metric in metrics.values():
+        self._draining.extend(self._metrics.values())
+        self._metrics = {}
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        self._drain(loop)
+
+    def _drain(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        budget = self.batch if loop is not None else sys.maxsize
+        while self._draining and budget > 0:
+            metric = self._draining[0]
             try:
-                metric.hand_over()
+                budget -= metric.hand_over(budget)
             except Exception:  # one bad series must not keep the others from Ray
                 logger.exception("could not record engine metric %s", getattr(metric.metric, "_name", "?"))
+                metric._reset()
+            if not metric.pending():
+                self._draining.popleft()
+        if self._draining and loop is not None:
+            loop.call_soon(self._drain, loop)
 
 
 PENDING = _Pending(METRICS_FLUSH_S)
 
 
 class _Buffered:
-    """What the buffered gauge and counter share: a labelled copy starts with nothing pending
+    """What the buffered metrics share: a labelled copy starts with nothing pending
     (vLLM labels each metric once per engine, `labels()` copies the instance)."""
 
     metric: Any
@@ -104,7 +131,11 @@ class _Buffered:
     def _reset(self) -> None:
         raise NotImplementedError
 
-    def hand_over(self) -> None:
+    def pending(self) -> bool:
+        raise NotImplementedError
+
+    def hand_over(self, budget: int) -> int:
+        """Hand at most `budget` points to Ray; how many it handed."""
         raise NotImplementedError
 
     def labels(self, *labels: Any, **labelskwargs: Any) -> Any:
@@ -125,9 +156,15 @@ class BufferedRayGauge(_Buffered, RayGaugeWrapper):
         self._value = value
         PENDING.add(self)
 
-    def hand_over(self) -> None:
-        if self._value is not None:
-            RayGaugeWrapper.set(self, self._value)
+    def pending(self) -> bool:
+        return self._value is not None
+
+    def hand_over(self, budget: int) -> int:
+        value, self._value = self._value, None
+        if value is None:
+            return 0
+        RayGaugeWrapper.set(self, value)
+        return 1
 
 
 class BufferedRayCounter(_Buffered, RayCounterWrapper):
@@ -146,15 +183,20 @@ class BufferedRayCounter(_Buffered, RayCounterWrapper):
         self._total += value
         PENDING.add(self)
 
-    def hand_over(self) -> None:
+    def pending(self) -> bool:
+        return self._total != 0
+
+    def hand_over(self, budget: int) -> int:
         total, self._total = self._total, 0.0
-        if total:
-            RayCounterWrapper.inc(self, total)
+        if not total:
+            return 0
+        RayCounterWrapper.inc(self, total)
+        return 1
 
 
 class BufferedRayHistogram(_Buffered, RayHistogramWrapper):
     """Ray's histogram wrapper whose `observe` keeps the values until the hand-over, then
-    records each: the same buckets, sum and count, in one burst instead of one call per token."""
+    records each: the same buckets, sum and count, off the token's own path."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -169,10 +211,15 @@ class BufferedRayHistogram(_Buffered, RayHistogramWrapper):
         self._values.append(value)
         PENDING.add(self)
 
-    def hand_over(self) -> None:
-        values, self._values = self._values, []
+    def pending(self) -> bool:
+        return bool(self._values)
+
+    def hand_over(self, budget: int) -> int:
+        values = self._values[:budget]
+        del self._values[: len(values)]
         for value in values:
             RayHistogramWrapper.observe(self, value)
+        return len(values)
 
 
 class BufferedRaySpecDecodingProm(RaySpecDecodingProm):

@@ -92,6 +92,31 @@ def test_every_histogram_observation_reaches_ray_once_in_the_hand_over(handed):
         itl.observe("slow")
 
 
+def test_a_large_hand_over_leaves_the_loop_to_the_streams_between_batches(handed, monkeypatch):
+    """A busy replica's second of inter-token latencies goes to Ray a batch per loop turn, the
+    streams' own callbacks between: never more than a batch in one go, and nothing lost."""
+    monkeypatch.setattr(em, "PENDING", em._Pending(0.05, batch=3))
+    itl, tokens = _histogram("t_burst").labels("0"), _counter("t_burst_tokens").labels("0")
+
+    async def busy():
+        for i in range(7):
+            itl.observe(i / 100)
+        tokens.inc(7)
+        stop = asyncio.get_running_loop().time() + 0.3
+        while asyncio.get_running_loop().time() < stop:  # a stream: one callback per turn
+            handed.append(("turn", "", 0))
+            await asyncio.sleep(0)
+
+    _on_a_loop(busy)
+    points = [h for h in handed if h[0] != "turn"]
+    assert points == [*(("observe", "0", i / 100) for i in range(7)), ("inc", "0", 7)]
+    run = longest = 0
+    for h in handed:
+        run = 0 if h[0] == "turn" else run + 1
+        longest = max(longest, run)
+    assert longest == 3
+
+
 def test_a_labelled_histogram_does_not_share_its_parents_pending_values(handed):
     parent = _histogram("t_hist_copies")
 
