@@ -37,7 +37,8 @@ by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the 
 tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
 _lora_paths: the many-model front door fills them, serving/ingress/catalog.py),
 VLLMEngine._start_async_llm_engine (the engine start, around which
-serving/engines/engine_metrics.py binds vLLM's Ray stat logger name), PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once /
+serving/engines/engine_metrics.py binds vLLM's Ray stat logger name),
+PDDecodeServer._prefill_handle / _get_connector_backend / _pd_tokenize_once /
 _request_prefill_token_ids / _decode_reuse_ids, the
 connector backend's prepare_prefill_request / prepare_decode_request /
 requires_peer_binding / concurrent_handoff, and Serve's
