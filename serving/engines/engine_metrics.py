@@ -87,22 +87,21 @@ class _Pending:
         self._metrics[id(metric)] = metric
         if self._timer is not None:
             return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no event loop here (vLLM's set-up, a test): write through
+        loop = _running_loop()
+        if loop is None:  # no event loop here (vLLM's set-up, a test): write through
             self.flush()
             return
         self._timer = loop.call_later(self.interval_s, self.flush)
 
     def flush(self) -> None:
         self._timer = None
+        # Something left to drain means its next batch is already scheduled (`_drain` leaves
+        # nothing behind without a loop): this window's metrics join that queue.
+        drain_scheduled = bool(self._draining)
         self._draining.extend(self._metrics.values())
         self._metrics = {}
-        try:
-            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            loop = None
-        self._drain(loop)
+        if not drain_scheduled:
+            self._drain(_running_loop())
 
     def _drain(self, loop: asyncio.AbstractEventLoop | None) -> None:
         budget = self.batch if loop is not None else sys.maxsize
@@ -120,6 +119,13 @@ class _Pending:
 
 
 PENDING = _Pending(METRICS_FLUSH_S)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 class _Buffered:

@@ -49,6 +49,15 @@ def _histogram(name: str) -> em.BufferedRayHistogram:
     return em.BufferedRayHistogram(name, "test", labelnames=["engine"], buckets=[0.01, 0.1, 1.0])
 
 
+def _longest_run_between_turns(handed) -> int:
+    """The most points handed to Ray with no "turn" (a stream's callback) between them."""
+    run = longest = 0
+    for h in handed:
+        run = 0 if h[0] == "turn" else run + 1
+        longest = max(longest, run)
+    return longest
+
+
 def _on_a_loop(coro_fn):
     loop = asyncio.new_event_loop()
     try:
@@ -110,11 +119,30 @@ def test_a_large_hand_over_leaves_the_loop_to_the_streams_between_batches(handed
     _on_a_loop(busy)
     points = [h for h in handed if h[0] != "turn"]
     assert points == [*(("observe", "0", i / 100) for i in range(7)), ("inc", "0", 7)]
-    run = longest = 0
-    for h in handed:
-        run = 0 if h[0] == "turn" else run + 1
-        longest = max(longest, run)
-    assert longest == 3
+    assert _longest_run_between_turns(handed) == 3
+
+
+def test_a_window_handed_over_while_the_last_still_drains_waits_its_turn(handed, monkeypatch):
+    """The next second's hand-over joins the queue of one still draining instead of starting
+    a second drain: still never more than a batch per loop turn, nothing lost or repeated."""
+    pending = em._Pending(60, batch=3)  # the test hands over; no timer fires
+    monkeypatch.setattr(em, "PENDING", pending)
+    itl = _histogram("t_overlap").labels("0")
+
+    async def busy():
+        for i in range(7):
+            itl.observe(i / 100)
+        pending.flush()  # a batch now, the rest scheduled
+        itl.observe(0.5)
+        pending.flush()  # the next window, in the same loop turn
+        for _ in range(10):
+            handed.append(("turn", "", 0))
+            await asyncio.sleep(0)
+
+    _on_a_loop(busy)
+    points = [h for h in handed if h[0] != "turn"]
+    assert points == [*(("observe", "0", i / 100) for i in range(7)), ("observe", "0", 0.5)]
+    assert _longest_run_between_turns(handed) == 3
 
 
 def test_a_labelled_histogram_does_not_share_its_parents_pending_values(handed):
