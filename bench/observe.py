@@ -4,7 +4,8 @@ metrics once settled, Serve's applications and replicas, Serve's request spans, 
 What flows through here: Prometheus text from the nodes' metrics ports -> hops.Sample lists
 (settled: scraped until the engines' counters stop moving); Serve's REST API -> app ->
 {ingress, replicas per deployment} and each app's roles; Ray's span files -> hops.Span;
-decode's NIXL counters -> totals; the stack's process tree -> CPU use by process title.
+decode's NIXL counters -> totals; decode's prefill-path counter -> P/D requests per path and
+level; the stack's process tree -> CPU use by process title.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from bench import cpu, hops
+from serving.core.metrics import PREFILL_PATH, PrefillPath
 from serving.spec.base import KV_SCORER_DEPLOYMENT
 
 if TYPE_CHECKING:
@@ -139,3 +141,62 @@ def kv_totals(samples: list[hops.Sample]) -> dict[str, float]:
             lambda labels: labels.get("source") == "external_kv_transfer",
         ),
     }
+
+
+def _num(v: float | None, digits: int) -> str:
+    return "-" if v is None else f"{v:,.{digits}f}"
+
+
+def kv_line(kv: dict[str, Any]) -> str:
+    """The KV transfer's figures as `make bench` prints them."""
+    return (
+        f"KV transfer over NIXL {kv['backend']} (decode's NIXL counters over the disaggregated requests): "
+        f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
+        f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'] or 0)} transfers)"
+    )
+
+
+# --- how the P/D requests were prefilled ----------------------------------------------------------
+# The decode replicas' pd_prefill_path counter (serving/engines/pd_server.py: one count per
+# request), as Ray exports it. A P/D figure is a P/D figure only for the requests prefill served:
+# the decode server prefills on its own engine when the prefill hop fails or its KV is late.
+PATH_SERIES = PREFILL_PATH.prometheus
+
+
+def prefill_paths(samples: list[hops.Sample]) -> dict[tuple[tuple[str, str], ...], float]:
+    """{series (its labels): requests} of the decode replicas' pd_prefill_path counter."""
+    return {tuple(sorted(labels.items())): v for n, labels, v in samples if n == PATH_SERIES}
+
+
+def serving_mode(before: list[hops.Sample], after: list[hops.Sample]) -> dict[str, float]:
+    """Requests per prefill path between two scrapes of the decode node: "remote",
+    "remote_retry", and "local:<reason>" per reason. A series missing from the later scrape
+    (Ray ages an idle series out) counts as unchanged."""
+    was, now = prefill_paths(before), prefill_paths(after)
+    out: dict[str, float] = {}
+    for key in {*was, *now}:
+        delta = now.get(key, was.get(key, 0.0)) - was.get(key, 0.0)
+        labels = dict(key)
+        path = labels.get("path", "")
+        name = f"{path}:{labels.get('reason', '')}" if path == PrefillPath.LOCAL.value else path
+        if delta > 0:
+            out[name] = out.get(name, 0.0) + delta
+    return dict(sorted(out.items()))
+
+
+def remote_share(mode: dict[str, float]) -> float | None:
+    """The share of the requests prefilled by the prefill tier (None when none were counted)."""
+    total = sum(mode.values())
+    remote = sum(v for k, v in mode.items() if k in (PrefillPath.REMOTE.value, PrefillPath.REMOTE_RETRY.value))
+    return remote / total if total else None
+
+
+def serving_mode_line(modes: dict[str, dict[str, float]]) -> str:
+    """One line: per level, how many P/D requests prefill served, and what the others did."""
+    parts = []
+    for level, mode in modes.items():
+        share = remote_share(mode)
+        others = ", ".join(f"{k} {v:,.0f}" for k, v in mode.items() if not k.startswith("remote"))
+        head = "-" if share is None else f"{share:.0%} of {sum(mode.values()):,.0f} remote"
+        parts.append(f"c{level} {head}" + (f" ({others})" if others else ""))
+    return "P/D requests prefilled by the prefill tier (decode's pd_prefill_path): " + "; ".join(parts)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR, cpu, data_plane, gaps, per_token
+from bench import BENCH_DIR, cpu, data_plane, gaps, observe, per_token
 from bench.hops import row_shown
 from bench.stats import markdown
 from infra.paths import ROOT
@@ -182,6 +182,13 @@ def prefix_verdict(pre: dict[str, Any]) -> str:
             "The saving grows with the prefill's cost: long shared system prompts on a large model."
         )
     return " ".join(out)
+
+
+def serving_mode_text(serving: dict[str, Any] | None) -> str:
+    """How the P/D requests were prefilled, per level (a run before the bench read it: nothing)."""
+    if not serving or "serving_mode" not in serving:
+        return ""
+    return observe.serving_mode_line(serving["serving_mode"]) + "."
 
 
 def _idle(serving: dict[str, Any] | None, target: str, process: str | None = None) -> str:
@@ -366,6 +373,7 @@ def render(
             if serving
             else ""
         ),
+        "SERVING_MODE": serving_mode_text(serving),
         "FLOOR": floor_text(serving) if serving else "(run `make bench`)",
         "CPU": cpu_section(serving) if serving else "(run `make bench`)",
         "GAPS": gaps_section(serving) if serving else "(run `make bench`)",

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from bench import BENCH_DIR, cpu, gaps, hops, idle_floor, per_token, plots, vllm_load
+from bench import BENCH_DIR, cpu, gaps, hops, idle_floor, observe, per_token, plots, vllm_load
 from bench.observe import KV_KEYS, idle_cpu, kv_totals, read_spans, roles, settled, stack_apps
 from bench.plain_vllm import vllm_server, wait_healthy
 from bench.start_times import save_start_times, start_times
@@ -484,6 +484,11 @@ def build_report(
             "decode_counters_delta": kv_delta,
             **kv_transfer_per_request(kv_delta, n_pd),
         },
+        # level -> P/D requests per prefill path (remote, remote_retry, local:<reason>).
+        "serving_mode": {
+            str(c): observe.serving_mode(m.snaps[i][decode_url], m.snaps[i + 1][decode_url])
+            for i, c in enumerate(levels)
+        },
         "start_times": starts,
         "idle_cpu_percent": m.idle,
         # target -> level (and "all") -> CPU-ms per request and per 1,000 output tokens per hop.
@@ -542,11 +547,8 @@ def print_report(report: dict[str, Any], f: Figures, out: Path, png: Path) -> No
     print("Client-seen gaps between streamed chunks (vLLM's client stamps each event as it parses it):")
     print(gaps.format_text(chunk_gaps))
     print()
-    print(
-        f"KV transfer over NIXL {kv['backend']} (decode's NIXL counters over the disaggregated requests): "
-        f"{_num(kv['bytes_per_request'], 0)} bytes and {_num(kv['kv_tokens_per_request'], 1)} prompt tokens "
-        f"per request; {_num(kv['xfer_ms_per_transfer'], 2)} ms per transfer ({int(kv['transfers'] or 0)} transfers)"
-    )
+    print(observe.kv_line(kv))
+    print(observe.serving_mode_line(report["serving_mode"]))
     for kind, st in report["start_times"].items():
         print(f"{kind} `make serve` (disaggregated): READY in {st['ready_s']}s")
     print("Ratios are target / vllm (TTFT, TPOT: lower is better; tok/s, req/s: higher is better).")
@@ -590,10 +592,6 @@ def main(argv: list[str] | None = None) -> int:
     png = plots.serving_png(report, args.out.with_suffix(".png"))
     print_report(report, figures, args.out, png)
     return 0
-
-
-def _num(v: float | None, digits: int) -> str:
-    return "-" if v is None else f"{v:,.{digits}f}"
 
 
 if __name__ == "__main__":

@@ -71,6 +71,14 @@ def test_page_carries_the_run_and_marks_each_bar():
     assert "run `make bench-prefix`" in page
 
 
+def test_page_says_how_the_pd_requests_were_prefilled_when_the_run_read_it():
+    run = {**SERVING, "serving_mode": {"1": {"remote": 32}, "16": {"local:kv_timeout": 8, "remote": 120}}}
+    page = report.render(run, None, TEMPLATE)
+    assert "c1 100% of 32 remote; c16 94% of 128 remote (local:kv_timeout 8)." in page
+    # A run from before the bench read the counter: the page says nothing rather than 0%.
+    assert "prefilled by the prefill tier" not in report.render(SERVING, None, TEMPLATE)
+
+
 def test_prefix_section():
     prefix = {
         "date": "d",
