@@ -7,7 +7,9 @@ prefill locally on decode (the P/D stack then serves that request aggregated)?
 
 States (a classic breaker, Nygard's "Release It!", with a count threshold):
   closed     every request tries remote prefill; `failures_to_open` failures in a row open it
-             (one slow or failed call is not enough: under load a timeout is often queueing);
+             (one slow or failed call is not enough: under load a timeout is often queueing;
+             and a call that ran out its deadline while another call was answered is not
+             counted at all: the tier is busy, not broken, see `answered_since`);
   open       requests skip remote prefill for `open_s`; requests already waiting on a prefill
              stop waiting the moment it opens (`tripped()`);
   half-open  after `open_s`, exactly one request (the probe) tries remote prefill: its success
@@ -44,6 +46,7 @@ class Circuit:
         self.failures_to_open = failures_to_open
         self._clock = clock
         self._failures = 0  # consecutive failures while closed
+        self._answered_at = -float("inf")  # the last success()
         self._opened_at: float | None = None
         self._probing = False
         # Set when the circuit opens, then replaced: waiters of one closed period are woken
@@ -79,8 +82,18 @@ class Circuit:
         self._probing = True
         return True
 
+    def now(self) -> float:
+        return self._clock()
+
+    def answered_since(self, t: float) -> bool:
+        """Has a remote prefill succeeded after `t` (a call's start)? A call that timed out
+        while others were answered waited in a busy tier (a prefill engine's own queue after
+        its replica took the call); a stalled or dead tier answers none."""
+        return self._answered_at > t
+
     def success(self) -> None:
         """A remote prefill worked: the circuit closes (whoever reports it)."""
+        self._answered_at = self._clock()
         self._failures = 0
         self._opened_at = None
         self._probing = False

@@ -97,10 +97,12 @@ async def remote_prefill(
     `call()` starts one prefill request (a Serve response stream, with .cancel()); a failed or
     late call is cancelled so the engine drops it. A replica death, an error or a stall (no
     answer within prefill_timeout_s after a replica took it) counts against the circuit and
-    is retried; a call no replica takes in time, or back-pressure, is a busy tier, not a
-    broken one: no retry, no verdict (except for the probe, never retried, which must prove
-    the tier works). `no_replica()` (Serve reports none running) is broken: local prefill at
-    once, counted. An `is_refusal` answer (the engine's 4xx for the request itself) is the
+    is retried; a stall while another call was answered is retried but not counted (the
+    tier is busy: the call waited in a prefill engine's queue; counted, 16 concurrent calls
+    on a loaded tier opened the circuit and sent 30% of them to decode); a call no replica
+    takes in time, or back-pressure, is a busy tier, not a broken one: no retry, no verdict
+    (except for the probe, never retried, which must prove the tier works). `no_replica()`
+    (Serve reports none running) is broken: local prefill at once, counted. An `is_refusal` answer (the engine's 4xx for the request itself) is the
     outcome's refusal: no retry, no verdict.
     """
     if not circuit.allow():
@@ -120,6 +122,7 @@ async def remote_prefill(
                 verdict = probe
                 break
             attempts += 1
+            started = circuit.now()
             stream = call()
             try:
                 chunk = await _prefill_answer(stream, cfg, circuit)
@@ -148,7 +151,9 @@ async def remote_prefill(
                 logger.warning("prefill attempt %d returned an error: %s", attempt + 1, chunk)
             if reason is Reason.OVERLOADED and not probe:
                 break
-            circuit.failure(probe=probe)
+            busy = reason is Reason.TIMEOUT and not probe and circuit.answered_since(started)
+            if not busy:
+                circuit.failure(probe=probe)
             if probe:
                 verdict = True
                 break

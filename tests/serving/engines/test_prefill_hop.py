@@ -53,6 +53,45 @@ def test_a_stalled_prefill_is_cancelled_and_retried_and_one_stall_does_not_open_
     assert not circuit.is_open
 
 
+def _concurrently(circuit, *per_request):
+    """Each request's prefill calls (a list of streams), run at the same time on one circuit."""
+
+    async def go():
+        return await asyncio.gather(
+            *(
+                remote_prefill(
+                    lambda c=calls: c.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=lambda r: None
+                )
+                for calls in per_request
+            )
+        )
+
+    return run(go())
+
+
+def test_a_stall_while_other_prefills_are_answered_is_a_busy_tier_and_leaves_the_circuit_closed():
+    # The make bench run of 2026-12-06 07:33: 16 concurrent prefills on a loaded tier, a few
+    # past their deadline in the prefill engine's own queue, opened the circuit and sent 38 of
+    # 128 requests to prefill on decode. One call answered after the stalled one started says
+    # the tier works: the stall is retried, not counted.
+    circuit = Circuit(10, failures_to_open=1)
+    answered = [FakeStream(["kv"], assign_after_s=0.1)]
+    stalled = [FakeStream(["hang"]), FakeStream(["kv"])]
+    fast, slow = _concurrently(circuit, answered, stalled)
+    assert fast.path is Path.REMOTE
+    assert slow.chunk == "kv" and slow.path is Path.REMOTE_RETRY
+    assert not circuit.is_open
+
+
+def test_stalls_with_no_prefill_answered_still_open_the_circuit():
+    circuit = Circuit(10, failures_to_open=2)
+    # A stalled tier: every call hangs, the retries too.
+    first, second = [FakeStream(["hang"]), FakeStream(["hang"])], [FakeStream(["hang"]), FakeStream(["hang"])]
+    outcomes = _concurrently(circuit, first, second)
+    assert circuit.is_open
+    assert [o.path for o in outcomes] == [Path.LOCAL, Path.LOCAL]  # no retry once it opened
+
+
 def test_queueing_for_a_prefill_replica_does_not_count_against_the_prefill_deadline():
     # Taken after 0.25 s (longer than prefill_timeout_s 0.2, within the queue bound 0.3),
     # then answered at once: a success, not a timeout.
