@@ -97,12 +97,11 @@ async def remote_prefill(
     `call()` starts one prefill request (a Serve response stream, with .cancel()); a failed or
     late call is cancelled so the engine drops it. A replica death, an error or a stall (no
     answer within prefill_timeout_s after a replica took it) counts against the circuit and
-    is retried; a stall while another call was answered is retried but not counted (the
-    tier is busy: the call waited in a prefill engine's queue; counted, 16 concurrent calls
-    on a loaded tier opened the circuit and sent 30% of them to decode); a call no replica
-    takes in time, or back-pressure, is a busy tier, not a broken one: no retry, no verdict
-    (except for the probe, never retried, which must prove the tier works). `no_replica()`
-    (Serve reports none running) is broken: local prefill at once, counted. An `is_refusal` answer (the engine's 4xx for the request itself) is the
+    is retried; a stall while another call was answered is retried, not counted (a busy
+    tier: it queued in a prefill engine; counted, 16 calls on a loaded tier opened the
+    circuit and sent 30% to decode); a call no replica takes in time, or back-pressure, is
+    a busy tier too: no retry, no verdict (but the probe, never retried, must prove the
+    tier works). `no_replica()` (none running, says Serve): local prefill at once, counted. An `is_refusal` answer (the engine's 4xx for the request itself) is the
     outcome's refusal: no retry, no verdict.
     """
     if not circuit.allow():
