@@ -39,7 +39,7 @@ import httpx
 
 from bench import chaos_faults as cf
 from bench import chaos_streams, replicas
-from bench.prefill_mode import ModeSampler
+from bench.prefill_mode import ModeSampler, path_delta
 from bench.sse import stream_request
 from bench.stats import percentile
 from infra.paths import BUILD_DIR
@@ -285,7 +285,7 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
     # replacement (a replica id Serve did not list before), local prefills counted after it.
     base = [c for t, c in modes.samples if t <= fault_at][-1:] or [{}]
     last = modes.samples[-1][1] if modes.samples else base[0]
-    paths = cf.path_delta(base[0], last)
+    paths = path_delta(base[0], last)
     local = f"{PrefillPath.LOCAL.value}/"
     known = {r["replica_id"] for r in reps}
     fault = {
@@ -297,7 +297,7 @@ async def kill_scenario(ctx: Ctx, marker: str, want: int, concurrency: int = CON
         "local_prefills": paths.get(PrefillPath.LOCAL.value, 0.0),
         # Why they prefilled locally (no_replica, circuit_open, overloaded: the queue bound...).
         "local_reasons": {
-            k: v for k, v in cf.path_delta(base[0], last, by_reason=True).items() if k.startswith(local) and v
+            k: v for k, v in path_delta(base[0], last, by_reason=True).items() if k.startswith(local) and v
         },
     }
     return {

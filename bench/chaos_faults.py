@@ -35,18 +35,6 @@ def delta_total(before: Mapping[str, float], after: Mapping[str, float]) -> floa
     return sum(max(0.0, v - before.get(k, 0.0)) for k, v in after.items())
 
 
-def path_delta(before: Mapping[str, float], after: Mapping[str, float], *, by_reason: bool = False) -> dict[str, float]:
-    """{path: requests} counted between two prefill_mode.path_counts readings ("path|reason|..."
-    keys; a series that disappeared counts as unchanged, as in prefill_mode.remote_share);
-    by_reason: {"path/reason": requests} instead, the reasons behind each local prefill."""
-    out: dict[str, float] = {}
-    for key, value in after.items():
-        path, reason = [*key.split("|"), ""][:2]
-        name = f"{path}/{reason}" if by_reason else path
-        out[name] = out.get(name, 0.0) + max(0.0, value - before.get(key, 0.0))
-    return out
-
-
 # --- the acceptance figures -------------------------------------------------------------------
 def acceptance(results: Mapping[str, Mapping[str, Any]]) -> dict[str, bool | None]:
     """The acceptance figures, computed from the results (True/False/None: no figure)."""

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from bench import cpu, hops
-from serving.core.metrics import PREFILL_PATH, PrefillPath
+from bench import cpu, hops, prefill_mode
+from serving.core.metrics import PrefillPath
 from serving.spec.base import KV_SCORER_DEPLOYMENT
 
 if TYPE_CHECKING:
@@ -158,45 +158,31 @@ def kv_line(kv: dict[str, Any]) -> str:
 
 # --- how the P/D requests were prefilled ----------------------------------------------------------
 # The decode replicas' pd_prefill_path counter (serving/engines/pd_server.py: one count per
-# request), as Ray exports it. A P/D figure is a P/D figure only for the requests prefill served:
-# the decode server prefills on its own engine when the prefill hop fails or its KV is late.
-PATH_SERIES = PREFILL_PATH.prometheus
-
-
-def prefill_paths(samples: list[hops.Sample]) -> dict[tuple[tuple[str, str], ...], float]:
-    """{series (its labels): requests} of the decode replicas' pd_prefill_path counter."""
-    return {tuple(sorted(labels.items())): v for n, labels, v in samples if n == PATH_SERIES}
-
-
+# request), read as bench/prefill_mode.py reads it for make chaos. A P/D figure is a P/D figure
+# only for the requests prefill served: the decode server prefills on its own engine when the
+# prefill hop fails or its KV is late.
 def serving_mode(before: list[hops.Sample], after: list[hops.Sample]) -> dict[str, float]:
     """Requests per prefill path between two scrapes of the decode node: "remote",
     "remote_retry", and "local:<reason>" per reason. A series missing from the later scrape
     (Ray ages an idle series out) counts as unchanged."""
-    was, now = prefill_paths(before), prefill_paths(after)
+    delta = prefill_mode.path_delta(
+        prefill_mode.series_counts([before]), prefill_mode.series_counts([after]), by_reason=True
+    )
     out: dict[str, float] = {}
-    for key in {*was, *now}:
-        delta = now.get(key, was.get(key, 0.0)) - was.get(key, 0.0)
-        labels = dict(key)
-        path = labels.get("path", "")
-        name = f"{path}:{labels.get('reason', '')}" if path == PrefillPath.LOCAL.value else path
-        if delta > 0:
-            out[name] = out.get(name, 0.0) + delta
+    for key, n in delta.items():
+        path, reason = key.split("/", 1)
+        name = f"{path}:{reason}" if path == PrefillPath.LOCAL.value else path
+        if n > 0:
+            out[name] = out.get(name, 0.0) + n
     return dict(sorted(out.items()))
-
-
-def remote_share(mode: dict[str, float]) -> float | None:
-    """The share of the requests prefilled by the prefill tier (None when none were counted)."""
-    total = sum(mode.values())
-    remote = sum(v for k, v in mode.items() if k in (PrefillPath.REMOTE.value, PrefillPath.REMOTE_RETRY.value))
-    return remote / total if total else None
 
 
 def serving_mode_line(modes: dict[str, dict[str, float]]) -> str:
     """One line: per level, how many P/D requests prefill served, and what the others did."""
     parts = []
     for level, mode in modes.items():
-        share = remote_share(mode)
-        others = ", ".join(f"{k} {v:,.0f}" for k, v in mode.items() if not k.startswith("remote"))
-        head = "-" if share is None else f"{share:.0%} of {sum(mode.values()):,.0f} remote"
+        share, total = prefill_mode.share_of(mode)
+        others = ", ".join(f"{k} {v:,.0f}" for k, v in mode.items() if k not in prefill_mode.REMOTE)
+        head = "-" if share is None else f"{share:.0%} of {total:,.0f} remote"
         parts.append(f"c{level} {head}" + (f" ({others})" if others else ""))
     return "P/D requests prefilled by the prefill tier (decode's pd_prefill_path): " + "; ".join(parts)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
 
-from bench.hops import parse_prometheus
+from bench.hops import Sample, parse_prometheus
 from serving.core.metrics import PREFILL_PATH
 from serving.core.metrics import PrefillPath as Path
 
@@ -36,9 +36,14 @@ TARGET_SHARE = 0.95
 def path_counts(metrics_texts: Iterable[str]) -> dict[str, float]:
     """{series: requests}, one entry per exported series ("path|reason|replica|node"), so a
     series Ray stops exporting (an idle counter ages out) is told apart from one that fell."""
+    return series_counts(parse_prometheus(text) for text in metrics_texts)
+
+
+def series_counts(scrapes: Iterable[Iterable[Sample]]) -> dict[str, float]:
+    """path_counts of already parsed scrapes, one per node."""
     out: dict[str, float] = {}
-    for i, text in enumerate(metrics_texts):
-        for name, labels, value in parse_prometheus(text):
+    for i, samples in enumerate(scrapes):
+        for name, labels, value in samples:
             if name == PATH_METRIC:
                 key = "|".join((labels.get("path", ""), labels.get("reason", ""), labels.get("replica", ""), str(i)))
                 out[key] = out.get(key, 0.0) + value
@@ -64,18 +69,30 @@ def read_counts(metrics_urls: Iterable[str]) -> dict[str, float]:
     return path_counts(texts)
 
 
-def remote_share(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float]:
-    """(share of the requests counted between two readings that were prefilled remotely,
-    number of those requests); share None when there were none. A series missing from the
-    later reading (Ray stopped exporting it) counts as unchanged, not as fallen to zero."""
-    delta: dict[str, float] = {}
+def path_delta(before: Mapping[str, float], after: Mapping[str, float], *, by_reason: bool = False) -> dict[str, float]:
+    """{path: requests} counted between two path_counts readings ("path|reason|..." keys; a
+    series that disappeared counts as unchanged, not as fallen to zero); by_reason:
+    {"path/reason": requests} instead, the reasons behind each local prefill."""
+    out: dict[str, float] = {}
     for key, value in after.items():
-        path = key.split("|", 1)[0]
-        delta[path] = delta.get(path, 0.0) + max(0.0, value - before.get(key, 0.0))
+        path, reason = [*key.split("|"), ""][:2]
+        name = f"{path}/{reason}" if by_reason else path
+        out[name] = out.get(name, 0.0) + max(0.0, value - before.get(key, 0.0))
+    return out
+
+
+def share_of(delta: Mapping[str, float]) -> tuple[float | None, float]:
+    """(share of the requests in `delta` ({path: requests}) prefilled remotely, number of
+    requests); share None when there were none."""
     total = sum(delta.values())
     if total <= 0:
         return None, 0.0
     return sum(delta.get(p, 0.0) for p in REMOTE) / total, total
+
+
+def remote_share(before: dict[str, float], after: dict[str, float]) -> tuple[float | None, float]:
+    """share_of the requests counted between two path_counts readings."""
+    return share_of(path_delta(before, after))
 
 
 @dataclass

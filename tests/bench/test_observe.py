@@ -3,7 +3,7 @@ node's metrics, as Ray exports the decode replicas' pd_prefill_path counter."""
 
 from __future__ import annotations
 
-from bench import hops, observe
+from bench import hops, observe, prefill_mode
 
 LABELS = 'application="llm",deployment="Decode:tiny",model="tiny",replica="r1"'
 
@@ -24,7 +24,7 @@ def test_a_level_counts_each_path_between_its_two_scrapes():
     after = scrape(remote=80, remote_retry=3, local__kv_timeout=12, local__no_replica=1)
     mode = observe.serving_mode(before, after)
     assert mode == {"local:kv_timeout": 10, "local:no_replica": 1, "remote": 50, "remote_retry": 3}
-    assert observe.remote_share(mode) == 53 / 64
+    assert prefill_mode.share_of(mode) == (53 / 64, 64)
 
 
 def test_a_series_ray_stopped_exporting_counts_as_unchanged():

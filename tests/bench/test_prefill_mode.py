@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.prefill_mode import PATH_METRIC, ModeSampler, by_path, path_counts, remote_share
+from bench.prefill_mode import PATH_METRIC, ModeSampler, by_path, path_counts, path_delta, remote_share
 
 
 def page(remote: float, retry: float, local: float) -> str:
@@ -20,6 +20,14 @@ def page(remote: float, retry: float, local: float) -> str:
 def test_counts_are_summed_over_nodes_and_other_metrics_ignored():
     counts = path_counts([page(3, 1, 2), page(4, 0, 0)])
     assert by_path(counts) == {"remote": 7, "remote_retry": 1, "local": 2}
+
+
+def test_local_prefills_between_two_readings_by_path_and_by_reason():
+    before = {"remote||r1|0": 10, "local|prefill_down|r1|0": 1}
+    after = {"remote||r1|0": 12, "local|prefill_down|r1|0": 4, "local|prefill_down|r2|0": 2}
+    assert path_delta(before, after) == {"remote": 2, "local": 5}
+    assert path_delta(before, {}) == {}  # a series Ray stopped exporting did not fall
+    assert path_delta(before, after, by_reason=True) == {"remote/": 2, "local/prefill_down": 5}
 
 
 def test_remote_share_is_of_the_requests_between_two_readings():
