@@ -15,7 +15,7 @@ PORT ?= 8000
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
 	@echo "make test               install everything, lint, and run every test but the long e2e ones"
-	@echo "make test-long          the long e2e tests (scale events under streamed load, ~6 minutes); CI runs both"
+	@echo "make test-long          the long e2e tests (scale events under load, many models; ~11 minutes); CI runs both"
 	@echo "make lint               ruff and mypy"
 	@echo "make lock [UPGRADE=1]   refresh the hashed locks after editing a requirements file"
 	@echo "make docs               regenerate the command outputs shown in the docs"
