@@ -72,8 +72,9 @@ WARMUP = 4
 # DEFAULT_TRACING_EXPORTER_IMPORT_PATH) at the ratio a prod stack renders (its environment's
 # default, infra/config/observability.py: one source of truth with the stacks), so the Ray
 # targets pay what they pay in prod; --traced-pass adds a pass with every request traced (the
-# hop breakdown's spans, and tracing's own CPU cost). Engine metrics exported every second
-# instead of every 10 s so that the counters settle quickly between levels.
+# hop breakdown's spans, and tracing's own CPU cost). Nothing else: Ray exports metrics every
+# 10 s as in a prod pod (`observe.settled` waits that out); a 1 s export here made every Ray
+# process push ten times as often, 8-9 points of a core of the idle stack's 25 (2026-12-06).
 PROD_TRACE_SAMPLE_RATE = Tracing().rate_for("prod")
 EVERY_REQUEST = 1.0
 IDLE_S = 25.0  # the idle phase: no traffic, after the warm-up, before the load
@@ -84,7 +85,6 @@ def bench_env(sample_rate: float) -> dict[str, str]:
     return {
         "RAY_SERVE_TRACING_EXPORTER_IMPORT_PATH": "ray.serve._private.tracing_utils:default_tracing_exporter",
         "RAY_SERVE_TRACING_SAMPLING_RATIO": repr(sample_rate),
-        "RAY_metrics_report_interval_ms": "1000",
     }
 
 

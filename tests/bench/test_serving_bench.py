@@ -86,7 +86,7 @@ def test_the_three_targets_stack_holds_both_apps_with_the_roles_the_figures_read
 def test_the_bench_traces_at_the_rate_the_prod_stack_renders():
     from bench.serving_bench import BENCH_ENV, PROD_TRACE_SAMPLE_RATE, parse_args
     from infra import config
-    from infra.k8s.tracing import SERVE_RATIO_ENV, export_for
+    from infra.k8s.tracing import SERVE_EXPORTER_ENV, SERVE_RATIO_ENV, export_for
     from tools import stackfile
 
     values, secrets, _ = stackfile.read_as_deployed("prod")
@@ -95,6 +95,10 @@ def test_the_bench_traces_at_the_rate_the_prod_stack_renders():
     assert export is not None and export.sample_rate == PROD_TRACE_SAMPLE_RATE < 1.0
     # The same string the prod Ray pods get for Serve's ratio.
     assert BENCH_ENV[SERVE_RATIO_ENV] == repr(export.sample_rate)
+    # Serve's tracing is all the bench adds to Ray's environment: any other Ray setting would
+    # measure a stack the prod pods are not (a 1 s metrics export cost the idle stack 8-9 points
+    # of a core).
+    assert set(BENCH_ENV) == {SERVE_RATIO_ENV, SERVE_EXPORTER_ENV}
     args = parse_args([])
     assert not args.traced_pass and args.idle_s > 0
     assert parse_args(["--traced-pass", "--idle-s", "5"]).traced_pass
