@@ -209,9 +209,11 @@ def cpu_counts(summaries: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict
 
 # --- the stacks (tests/bench/test_serving_bench.py builds what they deploy, without Ray) ---------
 def stack_options(sample_rate: float = PROD_TRACE_SAMPLE_RATE) -> dict[str, Any]:
-    """background_stack's arguments for targets a and b: both apps, Serve's tracing on at
-    `sample_rate` (the prod stack's by default)."""
-    return {"mode": "both", "api_key": "sk-bench", "extra_env": bench_env(sample_rate)}
+    """background_stack's arguments for targets a and b: both apps, one engine per role
+    (`--fixed-replicas`: a decode replica Serve started and stopped within a level counted as
+    streaming cost; make bench-scaling measures scaling), Serve's tracing on at `sample_rate`."""
+    fixed = ["--fixed-replicas"]
+    return {"mode": "both", "api_key": "sk-bench", "extra_env": bench_env(sample_rate), "extra_args": fixed}
 
 
 # --- the run ---------------------------------------------------------------------------------

@@ -110,6 +110,12 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         f"(prefill 1-2 replicas too; default ${SIGNALS_ENV}=1)",
     )
     p.add_argument(
+        "--fixed-replicas",
+        action="store_true",
+        help="every role keeps the replica count asked for: no Serve autoscaling (make bench "
+        "measures a steady layout; make bench-scaling measures the scaling)",
+    )
+    p.add_argument(
         "--scale-to-zero",
         action="store_true",
         default=env.get(SCALE_TO_ZERO_ENV) == "1",
@@ -291,6 +297,7 @@ def render_config(
         decode_replicas=args.decode_replicas,
         signals=args.signals,
         scale_to_zero=args.scale_to_zero,
+        fixed=args.fixed_replicas,
         models=args.models,
         lora_path=extras.get("lora_path"),
         key_models=extras.get("key_models"),

@@ -248,6 +248,7 @@ def local_spec(
     decode_replicas: int = 1,
     signals: bool = False,
     scale_to_zero: bool = False,
+    fixed: bool = False,
     models: int = 1,
     lora_path: str | None = None,
     key_models: dict[str, list[str]] | None = None,
@@ -267,6 +268,7 @@ def local_spec(
             decode_replicas=decode_replicas,
             signals=signals,
             scale_to_zero=scale_to_zero,
+            fixed=fixed,
         )
         if data_plane is not None:
             data["ingress"] = {**data["ingress"], "dataPlane": data_plane}
@@ -290,6 +292,7 @@ def _local_spec(
     decode_replicas: int,
     signals: bool = False,
     scale_to_zero: bool = False,
+    fixed: bool = False,
 ) -> dict[str, Any]:
     def role(n: int) -> dict[str, Any]:
         return {"minReplicas": n, "maxReplicas": n, **LOCAL_ROLE_LIMITS}
@@ -298,13 +301,15 @@ def _local_spec(
     # for, disaggregated decode may add a second on the decode node. More than
     # LOCAL_DECODE_TARGET requests in flight for a few seconds adds it; idle for
     # LOCAL_DOWNSCALE_S removes it. The aggregated app (mode both) shares the decode node and
-    # keeps its engines fixed; so does an explicit replica count (make serve REPLICAS=2).
-    autoscaled = mode is Mode.DISAGGREGATED and decode_replicas == 1
+    # keeps its engines fixed; so does an explicit replica count (make serve REPLICAS=2), and
+    # `fixed` (make bench: per-token cost of a steady layout; a replica started and stopped
+    # within a level would be counted as streaming cost).
+    autoscaled = mode is Mode.DISAGGREGATED and decode_replicas == 1 and not fixed
     decode = {**LOCAL_DECODE_AUTOSCALING, **LOCAL_ROLE_LIMITS} if autoscaled else role(decode_replicas)
     if scale_to_zero and autoscaled:
         decode = {**decode, "minReplicas": 0, "initialReplicas": 1}
     prefill = role(prefill_replicas)
-    if signals and mode is Mode.DISAGGREGATED and prefill_replicas == 1:
+    if signals and mode is Mode.DISAGGREGATED and prefill_replicas == 1 and not fixed:
         prefill = {**LOCAL_PREFILL_AUTOSCALING, **LOCAL_ROLE_LIMITS}
     return {
         **hybrid,
@@ -430,6 +435,7 @@ def render_local_config(
     decode_replicas: int = 1,
     signals: bool = False,
     scale_to_zero: bool = False,
+    fixed: bool = False,
     models: int = 1,
     lora_path: str | None = None,
     key_models: dict[str, list[str]] | None = None,
@@ -452,6 +458,7 @@ def render_local_config(
             decode_replicas=decode_replicas,
             signals=signals,
             scale_to_zero=scale_to_zero,
+            fixed=fixed,
             models=models,
             lora_path=lora_path,
             key_models=key_models,

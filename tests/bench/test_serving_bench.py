@@ -78,6 +78,11 @@ def test_the_three_targets_stack_holds_both_apps_with_the_roles_the_figures_read
     served = dry_run.served(built, INGRESS_DEPLOYMENT)
     assert roles(served[apps["disaggregated"]]) == (INGRESS_DEPLOYMENT, "Decode:tiny-llama", "Prefill:tiny-llama")
     assert roles(served[apps["aggregated"]])[::2] == (INGRESS_DEPLOYMENT, None)
+    # One engine per role, as plain vLLM runs one: no replica started within a level.
+    assert {dep: (r.min, r.max) for dep, r in built[apps["disaggregated"]].items() if "tiny-llama" in dep} == {
+        "Decode:tiny-llama": (1, 1),
+        "Prefill:tiny-llama": (1, 1),
+    }
     assert kv_backends(stack.config)  # labels the KV figures
     assert stack_options()["extra_env"] == BENCH_ENV  # Serve's tracing, for the hop breakdown
 
