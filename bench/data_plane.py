@@ -63,9 +63,10 @@ Get = Callable[[Run], float | None]
 
 # --- the runs ------------------------------------------------------------------------------
 def stack_options(plane: str) -> dict[str, Any]:
-    """background_stack's arguments: both apps on `plane` (tests/bench/test_data_plane.py
-    builds what each plane deploys, without Ray)."""
-    return {"mode": "both", "api_key": "sk-bench", "extra_args": ["--data-plane", plane]}
+    """background_stack's arguments: both apps on `plane`, one engine per role as in make bench
+    (bench/serving_bench.py stack_options: no replica started within a level;
+    tests/bench/test_data_plane.py builds what each plane deploys, without Ray)."""
+    return {"mode": "both", "api_key": "sk-bench", "extra_args": ["--data-plane", plane, "--fixed-replicas"]}
 
 
 def one_stack(

@@ -142,6 +142,8 @@ def test_each_planes_stack_builds_with_its_rays_switches(plane):
     built = dry_run.build(stack.config)
     assert set(built) == {"llm", "llm-aggregated"}
     assert {c["args"]["mode"] for c in stack.config["applications"]} == set(data_plane.TARGETS)
+    # One engine per role: every deployment's replica count is fixed (min == max).
+    assert all(r.min == r.max for deps in built.values() for r in deps.values())
 
 
 def test_the_record_of_a_run_builds_before_any_stack(tmp_path):
