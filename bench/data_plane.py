@@ -34,6 +34,7 @@ from typing import Any, TextIO
 from bench import BENCH_DIR, cpu, vllm_load
 from bench.observe import stack_apps
 from bench.serving_bench import (
+    FIXED_LAYOUT,
     INPUT_LEN,
     OUTPUT_LEN,
     _say,
@@ -64,9 +65,9 @@ Get = Callable[[Run], float | None]
 # --- the runs ------------------------------------------------------------------------------
 def stack_options(plane: str) -> dict[str, Any]:
     """background_stack's arguments: both apps on `plane`, one engine per role as in make bench
-    (bench/serving_bench.py stack_options: no replica started within a level;
-    tests/bench/test_data_plane.py builds what each plane deploys, without Ray)."""
-    return {"mode": "both", "api_key": "sk-bench", "extra_args": ["--data-plane", plane, "--fixed-replicas"]}
+    (serving_bench.FIXED_LAYOUT; tests/bench/test_data_plane.py builds what each plane deploys,
+    without Ray)."""
+    return {"mode": "both", "api_key": "sk-bench", "extra_args": ["--data-plane", plane, *FIXED_LAYOUT]}
 
 
 def one_stack(

@@ -67,6 +67,9 @@ LEVELS = {1: 32, 4: 64, 16: 128}  # concurrency -> requests per target
 HOP_LEVELS = (1, 16)  # the breakdown's columns
 ROUNDS = 4
 WARMUP = 4
+# One engine per role in every bench stack (make bench-data-plane's too): a decode replica Serve
+# started and stopped within a level was counted as streaming cost; make bench-scaling scales.
+FIXED_LAYOUT = ["--fixed-replicas"]
 
 # Serve's request tracing: Ray's own file exporter (ray/serve/_private/constants.py
 # DEFAULT_TRACING_EXPORTER_IMPORT_PATH) at the ratio a prod stack renders (its environment's
@@ -209,11 +212,8 @@ def cpu_counts(summaries: Mapping[str, Mapping[int, Mapping[str, Any]]]) -> dict
 
 # --- the stacks (tests/bench/test_serving_bench.py builds what they deploy, without Ray) ---------
 def stack_options(sample_rate: float = PROD_TRACE_SAMPLE_RATE) -> dict[str, Any]:
-    """background_stack's arguments for targets a and b: both apps, one engine per role
-    (`--fixed-replicas`: a decode replica Serve started and stopped within a level counted as
-    streaming cost; make bench-scaling measures scaling), Serve's tracing on at `sample_rate`."""
-    fixed = ["--fixed-replicas"]
-    return {"mode": "both", "api_key": "sk-bench", "extra_env": bench_env(sample_rate), "extra_args": fixed}
+    """background_stack's arguments for targets a and b: both apps, FIXED_LAYOUT, tracing at `sample_rate`."""
+    return {"mode": "both", "api_key": "sk-bench", "extra_env": bench_env(sample_rate), "extra_args": FIXED_LAYOUT}
 
 
 # --- the run ---------------------------------------------------------------------------------

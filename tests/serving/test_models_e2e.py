@@ -4,9 +4,10 @@ Its own stack (`python -m local --models 2`: the tiny model P/D, a second model
 aggregated with the project's own LoRA adapter loaded by Ray Serve LLM from a local S3, one
 front door), started after the shared e2e stack has stopped (marker `own_stack`), because the
 machine runs one Ray stack at a time; in `make test-long` (marker `long`; CI runs it after
-`make test`), since a second stack's start and its tests take about 3.5 minutes. What a user would notice is asserted, and the designed
-state behind it: the P/D model still moves its prompt by KV transfer, the adapter is really
-applied, and adding a model restarts no replica of the others while they stream.
+`make test`), since a second stack's start and its tests take about 3.5 minutes. What a user
+would notice is asserted, and the designed state behind it: the P/D model still moves its
+prompt by KV transfer, the adapter is really applied, and adding a model restarts no replica
+of the others while they stream.
 """
 
 from __future__ import annotations
