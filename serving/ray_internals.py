@@ -32,6 +32,9 @@ Upstream: ray-project/ray, Ray 2.60.0,
                                                             handle call carries to its replica)
   python/ray/llm/_internal/serve/engines/vllm/vllm_engine.py (VLLMEngine: the engine class
                                                             serving/engines/engine_metrics.py extends)
+  python/ray/llm/_internal/serve/core/server/llm_server.py  (push_telemetry_report_for_all_models,
+                                                            the name _start_engine calls:
+                                                            skip_usage_telemetry_when_off)
 Methods and attributes of public classes that the resilience layer relies on, also checked
 by the test: OpenAiIngress._get_model_id / _get_configured_serve_handle and the routing
 tables it reads (_default_serve_handles, _configured_serve_handles, _model_cards,
@@ -138,6 +141,33 @@ def serve_request_id() -> str:
     return _get_serve_request_context().request_id
 
 
+def skip_usage_telemetry_when_off() -> None:
+    """Ray Serve LLM's usage report, only when Ray's usage stats are on.
+
+    After every engine start Ray 2.60's LLMServer `_start_engine` (core/server/llm_server.py)
+    calls `push_telemetry_report_for_all_models`, which gets or creates a detached
+    `TelemetryAgent` actor on the head node (observability/usage_telemetry/usage.py) and records
+    the model's tags as Ray usage tags; those leave the cluster only with usage stats on. Every
+    stack turns them off (serving.spec.base TELEMETRY_OFF_ENV), so the actor records into
+    nothing, yet it stays for the cluster's life: one more Ray worker process on the head, about
+    1% of a core idle on the local stack (make bench's idle probe, 2026-12-06), as much as a
+    Serve replica. This binds the name llm_server calls to a wrapper that calls Ray's function
+    only when usage stats are on (read per call, as Ray reads them); idempotent, per process."""
+    from ray._common.usage.usage_lib import usage_stats_enabled
+    from ray.llm._internal.serve.core.server import llm_server
+
+    push = llm_server.push_telemetry_report_for_all_models
+    if getattr(push, "_skips_when_usage_stats_off", False):
+        return
+
+    def push_when_usage_stats_on(*args: Any, **kwargs: Any) -> None:
+        if usage_stats_enabled():
+            push(*args, **kwargs)
+
+    push_when_usage_stats_on._skips_when_usage_stats_off = True  # type: ignore[attr-defined]
+    llm_server.push_telemetry_report_for_all_models = push_when_usage_stats_on
+
+
 def check_hooks() -> None:
     """Raise RuntimeError naming every private hook of HOOKS that this Ray lacks."""
     import importlib
@@ -177,5 +207,6 @@ __all__ = [
     "serve_details",
     "serve_request_id",
     "session_id_from_headers",
+    "skip_usage_telemetry_when_off",
     "to_model_metadata",
 ]

@@ -58,7 +58,7 @@ from vllm.v1.metrics.ray_wrappers import (
     RaySpecDecodingProm,
 )
 
-from serving.ray_internals import VLLMEngine
+from serving.ray_internals import VLLMEngine, skip_usage_telemetry_when_off
 from serving.spec import METRICS_FLUSH_S
 
 logger = logging.getLogger(__name__)
@@ -266,7 +266,16 @@ def _stat_logger(cls: type) -> Iterator[None]:
 
 
 class BufferedMetricsVLLMEngine(VLLMEngine):
-    """Ray Serve LLM's vLLM engine, its metrics recorded through BufferedRayStatLogger."""
+    """Ray Serve LLM's vLLM engine, its metrics recorded through BufferedRayStatLogger.
+
+    Every engine replica's process builds its engine from this class, so it is also where the
+    process stops Ray Serve LLM from starting its usage telemetry actor while usage stats are
+    off (serving.ray_internals.skip_usage_telemetry_when_off): Ray's server pushes that report
+    right after `start` returns."""
+
+    async def start(self) -> None:
+        skip_usage_telemetry_when_off()
+        await super().start()
 
     def _start_async_llm_engine(self, *args: Any, **kwargs: Any) -> Any:
         with _stat_logger(BufferedRayStatLogger):

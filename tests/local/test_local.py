@@ -312,12 +312,14 @@ def test_nodes_carry_the_cloud_labels_and_each_part_runs_on_its_group(stack):
 
 
 @pytest.mark.e2e
-def test_no_idle_ray_worker_nor_log_monitor_is_kept(stack):
+def test_no_idle_ray_worker_log_monitor_or_telemetry_actor_is_kept(stack):
     """Ray Serve LLM initialises each engine replica's node in a Ray task; with Ray's default
     the worker that ran it (vLLM imported, about 750 MB) stays as `ray::IDLE` for as long as
     the node has free CPUs. The spec's RAY_num_workers_soft_limit=0 (serving.spec
     IDLE_WORKERS_KEPT) lets the raylet end it after a second idle. No node runs a log monitor
-    either (serving.spec LOG_MONITOR): nothing reads what it would publish."""
+    either (serving.spec LOG_MONITOR): nothing reads what it would publish. Nor is Ray Serve
+    LLM's usage telemetry actor started: usage stats are off in every stack
+    (serving.ray_internals.skip_usage_telemetry_when_off)."""
     import psutil
 
     def idle() -> list[str]:
@@ -325,7 +327,7 @@ def test_no_idle_ray_worker_nor_log_monitor_is_kept(stack):
         for p in psutil.Process(stack.proc.pid).children(recursive=True):
             try:
                 cmd = " ".join(p.cmdline())
-                if cmd.startswith("ray::IDLE") or "ray/_private/log_monitor.py" in cmd:
+                if cmd.startswith(("ray::IDLE", "ray::TelemetryAgent")) or "ray/_private/log_monitor.py" in cmd:
                     found.append(f"pid {p.pid} {cmd[:60]}, {p.memory_info().rss >> 20} MiB")
             except psutil.Error:
                 continue
@@ -335,7 +337,7 @@ def test_no_idle_ray_worker_nor_log_monitor_is_kept(stack):
     deadline = time.monotonic() + 15
     while (left := idle()) and time.monotonic() < deadline:
         time.sleep(1)
-    assert not left, f"idle Ray workers or log monitors kept: {left}"
+    assert not left, f"idle Ray workers, log monitors or a telemetry actor kept: {left}"
 
 
 @pytest.mark.e2e

@@ -3,6 +3,7 @@ every private hook the serving code relies on is there, with the shape the code 
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 
 import pytest
@@ -42,3 +43,41 @@ def test_the_ingress_routing_tables_the_front_door_fills_exist_with_their_shapes
     for name in ("_default_serve_handles", "_configured_serve_handles", "_model_cards", "_lora_paths"):
         assert isinstance(getattr(ingress, name), dict), name
     assert ingress._lora_paths == {"m": "s3://b/p"}
+
+
+@pytest.fixture
+def telemetry_pushes(monkeypatch):
+    """Ray's LLMServer._start_engine run for real on a stand-in server, with the function it
+    calls after the engine starts recorded instead of creating Ray Serve LLM's actor."""
+    from ray.llm._internal.serve.core.server import llm_server
+
+    pushed: list[object] = []
+    monkeypatch.setattr(
+        llm_server, "push_telemetry_report_for_all_models", lambda all_models=None: pushed.append(all_models)
+    )
+
+    async def start_engine() -> None:
+        async def started() -> None:
+            return None
+
+        server = type(
+            "Server", (), {"engine": type("Engine", (), {"start": staticmethod(started)})(), "_llm_config": "cfg"}
+        )()
+        await llm_server.LLMServer._start_engine(server)
+
+    return pushed, start_engine
+
+
+def test_no_usage_telemetry_actor_while_usage_stats_are_off(telemetry_pushes, monkeypatch):
+    """Every stack runs with RAY_USAGE_STATS_ENABLED=0 (serving.spec TELEMETRY_OFF_ENV): Ray's
+    engine start then pushes no report, so no detached TelemetryAgent is created for it."""
+    pushed, start_engine = telemetry_pushes
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    ri.skip_usage_telemetry_when_off()
+    ri.skip_usage_telemetry_when_off()  # a second engine in the process: still one wrapper
+    asyncio.run(start_engine())
+    assert pushed == []
+    # With usage stats on, Ray's report goes out as before, once per engine start.
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
+    asyncio.run(start_engine())
+    assert pushed == [["cfg"]]

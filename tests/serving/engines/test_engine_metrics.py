@@ -285,3 +285,21 @@ def test_every_ray_process_starts_engines_from_the_buffered_class(monkeypatch):
     assert server._get_default_engine_class() is ray_vllm_engine.VLLMEngine
     monkeypatch.setenv(ENGINE_CLS_ENV, env[ENGINE_CLS_ENV])
     assert server._get_default_engine_class() is em.BufferedMetricsVLLMEngine
+
+
+def test_the_engine_start_turns_off_rays_usage_report_before_rays_server_pushes_it(monkeypatch):
+    """Every engine replica builds its engine from this class: starting one leaves Ray's
+    server calling the wrapper that pushes nothing while usage stats are off
+    (serving.ray_internals.skip_usage_telemetry_when_off)."""
+    from ray.llm._internal.serve.core.server import llm_server
+
+    upstream = llm_server.push_telemetry_report_for_all_models
+    monkeypatch.setattr(llm_server, "push_telemetry_report_for_all_models", upstream)
+
+    async def started(self) -> None:
+        return None
+
+    monkeypatch.setattr(ray_vllm_engine.VLLMEngine, "start", started)
+    asyncio.run(object.__new__(em.BufferedMetricsVLLMEngine).start())
+    assert llm_server.push_telemetry_report_for_all_models is not upstream
+    assert getattr(llm_server.push_telemetry_report_for_all_models, "_skips_when_usage_stats_off", False)
