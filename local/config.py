@@ -216,10 +216,7 @@ MAX_LOCAL_REPLICAS = 2
 # Deadlines for the tiny model on two shared cores: a prefill takes tens of ms here, and a
 # restarted engine needs one to two minutes, which the fallbacks must bridge.
 LOCAL_RESILIENCE = {
-    # A prefill takes tens of ms here, but at 16 streams the prefill engine shares two cores
-    # with two more engines, NIXL and the load: `make bench` saw a second pass with no prefill
-    # answered (2026-12-06, 12:15 UTC), three such calls opened decode's circuit and a third of
-    # the level ran aggregated. 3 s is past such stalls; a dead replica fails its call at once.
+    # Not 1 s: at 16 streams on 2 cores the prefill engine can answer nothing for a second.
     "prefillTimeoutS": 3.0,
     # The tiny model prefills in milliseconds: a second without a replica taking the call is
     # already a dead or overloaded prefill tier (the cloud's default is 4 s).
