@@ -4,7 +4,9 @@ What flows through here: requests from the ingress's fallback client -> a small 
 proxy (Starlette on uvicorn, in a process of its own, so its work never holds the GIL of the
 test or benchmark client that measures the stack) that records every request's headers and
 JSON body (in a multiprocessing manager's list, written before the answer starts, so a test
-reads it as soon as its request returns) and refuses any key but the provider key (as a
+reads it as soon as its request returns), and the bytes of each answer it relays from vLLM
+once that answer ends (a test compares what the ingress relayed with what the provider sent,
+byte for byte; vLLM's own chunking of a stream varies from request to request), and refuses any key but the provider key (as a
 real provider does) -> one of two backends (`Backend`):
 
 - `vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the tiny
@@ -72,14 +74,21 @@ class StandInProvider:
     url: str  # the proxy's /v1 root: what the fallback's baseUrl points at
     vllm_url: str | None  # None with the paced backend
     _records: Any  # a manager list of Recorded, shared with the proxy's process
+    _answers: Any  # a manager list of the relayed answers' bytes, in the order they ended
     _state: Any  # a manager dict: {"fail_with": status or 0}
 
     @property
     def records(self) -> list[Recorded]:
         return list(self._records)
 
+    @property
+    def answers(self) -> list[bytes]:
+        """The bodies the vLLM backend answered with, in the order they ended."""
+        return list(self._answers)
+
     def clear(self) -> None:
         del self._records[:]
+        del self._answers[:]
 
     @property
     def fail_with(self) -> int | None:
@@ -138,7 +147,7 @@ def paced_document(chunks: list[dict[str, Any]], usage_event: dict[str, Any], ch
     return {**usage_event, "object": obj, "choices": [choice]}
 
 
-def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace) -> Any:
+def _proxy_app(records: Any, answers: Any, state: Any, upstream: str | None, pace: Pace) -> Any:
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -188,22 +197,25 @@ def _proxy_app(records: Any, state: Any, upstream: str | None, pace: Pace) -> An
         resp = await client.send(req, stream=True)
 
         async def body_iter() -> AsyncIterator[bytes]:
+            sent: list[bytes] = []
             try:
                 async for chunk in resp.aiter_raw():
+                    sent.append(chunk)
                     yield chunk
             finally:
                 await resp.aclose()
+                answers.append(b"".join(sent))
 
         return StreamingResponse(body_iter(), status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
     return Starlette(routes=[Route("/v1/{rest:path}", relay, methods=["GET", "POST"])])
 
 
-def _serve_proxy(port: int, records: Any, state: Any, upstream: str | None, pace: Pace) -> None:
+def _serve_proxy(port: int, records: Any, answers: Any, state: Any, upstream: str | None, pace: Pace) -> None:
     """The proxy's process (spawned): serve until terminated."""
     import uvicorn
 
-    app = _proxy_app(records, state, upstream, pace)
+    app = _proxy_app(records, answers, state, upstream, pace)
     uvicorn.run(app, host=HOST, port=port, log_level="warning", access_log=False)
 
 
@@ -231,10 +243,16 @@ def running_provider(
     ctx = multiprocessing.get_context("spawn")  # the caller may hold threads; fork would copy them
     manager = ctx.Manager()
     provider = StandInProvider(
-        url=f"http://{HOST}:{pport}/v1", vllm_url=vllm_url, _records=manager.list(), _state=manager.dict(fail_with=0)
+        url=f"http://{HOST}:{pport}/v1",
+        vllm_url=vllm_url,
+        _records=manager.list(),
+        _answers=manager.list(),
+        _state=manager.dict(fail_with=0),
     )
     proxy = ctx.Process(
-        target=_serve_proxy, args=(pport, provider._records, provider._state, vllm_url, pace), name="provider-proxy"
+        target=_serve_proxy,
+        args=(pport, provider._records, provider._answers, provider._state, vllm_url, pace),
+        name="provider-proxy",
     )
     proxy.start()
     try:
