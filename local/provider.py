@@ -4,10 +4,10 @@ What flows through here: requests from the ingress's fallback client -> a small 
 proxy (Starlette on uvicorn, in a process of its own, so its work never holds the GIL of the
 test or benchmark client that measures the stack) that records every request's headers and
 JSON body (in a multiprocessing manager's list, written before the answer starts, so a test
-reads it as soon as its request returns), and the bytes of each answer it relays from vLLM
-once that answer ends (a test compares what the ingress relayed with what the provider sent,
-byte for byte; vLLM's own chunking of a stream varies from request to request), and refuses any key but the provider key (as a
-real provider does) -> one of two backends (`Backend`):
+reads it as soon as its request returns) and the bytes of each answer it relays from vLLM
+once that answer ends (a test compares what the ingress relayed with what the provider sent:
+vLLM's own chunking of a stream varies from request to request), and refuses any key but the
+provider key (as a real provider does) -> one of two backends (`Backend`):
 
 - `vllm`: vLLM's own OpenAI server (`python -m vllm.entrypoints.openai.api_server`, the tiny
   model served under another name, at low CPU priority), relayed as is. A real engine and

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from local.provider import EXTERNAL_MODEL
+from serving.ingress.sse import decode_packet
 from tests.conftest import E2E_KEY
 from tests.serving.ingress.test_routing_e2e import (  # noqa: F401 - fixtures
     base_user_config,
@@ -169,19 +170,9 @@ def test_pd_gives_the_calls_a_plain_vllm_server_gives(stack, provider):
         assert ours_streamed == theirs_streamed, tool_choice
 
 
-def _deltas(chunks) -> list[list[tuple[int, str | None, str | None]]]:
-    """Each chunk's tool-call deltas, without the ids a server makes up per request."""
-    return [
-        [(d.index, d.function.name if d.function else None, d.function.arguments if d.function else None)]
-        for c in chunks
-        for ch in c.choices
-        for d in ch.delta.tool_calls or []
-    ]
-
-
-def _sent_deltas(body: bytes) -> list[list[tuple[int, str | None, str | None]]]:
-    """`_deltas` of a streamed answer as it went over the wire (its SSE bytes)."""
-    chunks = [json.loads(line[len("data: ") :]) for line in body.decode().splitlines() if line.startswith("data: {")]
+def _deltas(chunks: list[dict[str, Any]]) -> list[list[tuple[int, str | None, str | None]]]:
+    """Each chunk's tool-call deltas (chunks as JSON objects), without the ids a server makes up
+    per request."""
     return [
         [(d["index"], (d.get("function") or {}).get("name"), (d.get("function") or {}).get("arguments"))]
         for c in chunks
@@ -213,4 +204,5 @@ def test_the_fallback_sends_tools_and_relays_the_providers_call(stack, provider,
     while not provider.answers and time.monotonic() < deadline:
         time.sleep(0.1)
     (answer,) = provider.answers
-    assert _deltas(relayed) == _sent_deltas(answer)
+    answered = [e.doc for e in decode_packet(answer.decode()) if isinstance(e.doc, dict)]
+    assert _deltas([c.model_dump() for c in relayed]) == _deltas(answered)
