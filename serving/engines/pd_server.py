@@ -129,7 +129,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
         route: list[int] = []  # the KV-chosen prefill worker, for the first call only
 
         def call_prefill() -> Any:
-            prefill_request = backend.prepare_prefill_request(request=request, peer=None)
+            prefill_request = prefill_request_for(backend, request)
             self._request_prefill_token_ids(prefill_request)  # tokenize-once: prefill returns them
             if route:
                 return prefill_method.remote(prefill_request, raw_request_info, **{KV_ROUTE_KWARG: route.pop()})
@@ -206,6 +206,20 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                 yield item
         finally:
             self._open_requests -= 1
+
+
+def prefill_request_for(backend: Any, request: Any) -> Any:
+    """The request the prefill tier runs: Ray's (its connector's `prepare_prefill_request`:
+    the KV-transfer parameters, `max_tokens` 1, not streamed), with every other field that
+    bounds the output's length made to fit that one token. Ray 2.60 leaves them as the client
+    sent them (kv_transfer/base.py clamp_request_to_single_token), and vLLM refuses
+    `min_tokens` > `max_tokens` (vllm/sampling_params.py, 0.29 and 0.32): a client's
+    `min_tokens: 5` was a 400 under P/D. Prefill's token is never sent; decode generates
+    every token the client gets under the client's own bounds."""
+    out = backend.prepare_prefill_request(request=request, peer=None)
+    if (getattr(out, "min_tokens", 0) or 0) > 1:
+        out.min_tokens = 0
+    return out
 
 
 async def reusing_prompt_ids(ids: list[int], start: Callable[[], Awaitable[AsyncIterator[Any]]]) -> AsyncIterator[Any]:

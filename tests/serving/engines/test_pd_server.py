@@ -337,3 +337,37 @@ def test_a_kv_ready_timeout_closes_the_engine_stream_and_prefills_locally_withou
     assert renders == [("rendered with", [7, 8]), ("rendered with", None)]
     assert seen.index("engine stream closed") < seen.index(("rendered with", None))
     assert ("path", "local", "kv_timeout") in seen
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_the_prefill_call_of_a_request_with_min_tokens_is_one_vllm_takes(endpoint):
+    """A client's min_tokens under P/D: Ray's own prefill shaping (NixlConnectorBackend's
+    DefaultPDProtocolMixin, Ray 2.60 kv_transfer/base.py) clamps max_tokens to 1 and keeps
+    min_tokens, which vLLM's SamplingParams refuses (vllm/sampling_params.py: min_tokens must
+    be <= max_tokens). The prefill call keeps its one token and the decode request the
+    client's bounds."""
+    from ray.llm._internal.serve.engines.vllm.kv_transfer.nixl import NixlConnectorBackend
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    from serving.engines.pd_server import prefill_request_for
+
+    if endpoint == "chat":
+        request = ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=20, min_tokens=5
+        )
+    else:
+        request = CompletionRequest(model="m", prompt="hi", max_tokens=20, min_tokens=5)
+    backend = NixlConnectorBackend.__new__(NixlConnectorBackend)  # the protocol needs no config
+    # Ray's own shaping alone is refused by vLLM: the defect this guards against.
+    raw = backend.prepare_prefill_request(request=request, peer=None)
+    # (the server passes the request's own cap: vllm/entrypoints/utils.py get_max_tokens)
+    with pytest.raises(VLLMValidationError, match="min_tokens"):
+        raw.to_sampling_params(raw.max_tokens, {})
+    shaped = prefill_request_for(backend, request)
+    params = shaped.to_sampling_params(shaped.max_tokens, {})
+    assert params.max_tokens == 1 and params.min_tokens <= 1
+    assert shaped.kv_transfer_params == raw.kv_transfer_params
+    decode = backend.prepare_decode_request(request=request, peer=None, prefill_response=None)
+    assert decode.min_tokens == 5 and decode.max_tokens == 20
