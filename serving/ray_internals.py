@@ -169,6 +169,19 @@ def skip_usage_telemetry_when_off() -> None:
 
 
 def check_hooks() -> None:
+def adopt_tokenization(engine: Any) -> None:
+    """vLLM's tokenization server on a started Ray engine, under either of vLLM's names.
+
+    Ray 2.60's VLLMEngine.start (engines/vllm/vllm_engine.py) reads it from vLLM's app state as
+    `openai_serving_tokenization`; vLLM 0.32 names it `serving_tokenization`
+    (entrypoints/launchers/api_server/app_state.py), so on the local stack /tokenize and
+    /detokenize answered 400 "This model does not support the 'tokenization' task" where plain
+    vLLM serving the same model answers. Nothing changes where Ray found it."""
+    if getattr(engine, "_oai_serving_tokenization", None) is None:
+        state = getattr(engine, "_app_state", None)
+        engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
+
+
     """Raise RuntimeError naming every private hook of HOOKS that this Ray lacks."""
     import importlib
 
@@ -209,4 +222,5 @@ __all__ = [
     "session_id_from_headers",
     "skip_usage_telemetry_when_off",
     "to_model_metadata",
+    "adopt_tokenization",
 ]

@@ -58,7 +58,7 @@ from vllm.v1.metrics.ray_wrappers import (
     RaySpecDecodingProm,
 )
 
-from serving.ray_internals import VLLMEngine, skip_usage_telemetry_when_off
+from serving.ray_internals import VLLMEngine, adopt_tokenization, skip_usage_telemetry_when_off
 from serving.spec import METRICS_FLUSH_S
 
 logger = logging.getLogger(__name__)
@@ -276,6 +276,7 @@ class BufferedMetricsVLLMEngine(VLLMEngine):
     async def start(self) -> None:
         skip_usage_telemetry_when_off()
         await super().start()
+        adopt_tokenization(self)
 
     def _start_async_llm_engine(self, *args: Any, **kwargs: Any) -> Any:
         with _stat_logger(BufferedRayStatLogger):

@@ -81,3 +81,28 @@ def test_no_usage_telemetry_actor_while_usage_stats_are_off(telemetry_pushes, mo
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")
     asyncio.run(start_engine())
     assert pushed == [["cfg"]]
+
+
+def test_the_engine_finds_vllms_tokenization_server_under_either_name():
+    """Ray 2.60's VLLMEngine.start reads vLLM's tokenization server as
+    `openai_serving_tokenization`; vLLM 0.32's app state names it `serving_tokenization`
+    (vllm/entrypoints/launchers/api_server/app_state.py), so Ray found none and /tokenize was a
+    400 on the local stack. The engine adopts it under vLLM's name; Ray's own find is kept."""
+    import inspect as _inspect
+
+    from ray.llm._internal.serve.engines.vllm import vllm_engine
+    from vllm.entrypoints.launchers.api_server import app_state
+
+    assert '"openai_serving_tokenization"' in _inspect.getsource(vllm_engine.VLLMEngine.start)
+    assert "state.serving_tokenization =" in _inspect.getsource(app_state)
+
+    served = object()
+    engine = type("E", (), {})()
+    engine._oai_serving_tokenization = None
+    engine._app_state = type("S", (), {"serving_tokenization": served})()
+    ri.adopt_tokenization(engine)
+    assert engine._oai_serving_tokenization is served
+    rays = object()
+    engine._oai_serving_tokenization = rays
+    ri.adopt_tokenization(engine)
+    assert engine._oai_serving_tokenization is rays
