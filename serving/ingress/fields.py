@@ -97,7 +97,8 @@ FIELDS: tuple[Field, ...] = (
     _f("max_completion_tokens", CHAT, True, R),
     _f("stream", GENERATE, True, R),
     _f("n", GENERATE, True, B, (lambda v: v not in (None, 1), "n > 1")),
-    _f("logprobs", GENERATE, True, B, (_set, "logprobs")),
+    # Completions' `logprobs: 0` asks for each token's own logprob: set unless null or false.
+    _f("logprobs", GENERATE, True, B, (lambda v: v is not None and v is not False, "logprobs")),
     _f("top_logprobs", CHAT, True, B, (_set, "logprobs")),
     _f("tools", CHAT, True, B, (_set, "tools")),
     _f("tool_choice", CHAT, True, B, (lambda v: v not in (None, "none"), "tools")),

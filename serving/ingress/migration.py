@@ -67,6 +67,18 @@ def not_continuable(endpoint: str, fields: Mapping[str, Any]) -> str | None:
     return None
 
 
+def whole_number(value: Any) -> int | None:
+    """A count field as vLLM's request model reads it (pydantic's lax mode: 5, 5.0 and "5"
+    are 5); None when unset or not a whole number (the engine refuses those itself)."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if number.is_integer() else None
+
+
 def stop_strings(fields: Mapping[str, Any]) -> list[str]:
     """The request's stop strings (OpenAI: a string or a list of them)."""
     stop = fields.get("stop")
@@ -127,6 +139,8 @@ class StreamRecord:
     fields: Mapping[str, Any]
     max_tokens: int | None
     client_ids: bool = False  # the client itself asked for return_token_ids
+    # The model's context: a chat with no cap runs to its end, and so does its continuation.
+    context_len: int | None = None
     response_id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -149,11 +163,16 @@ class StreamRecord:
         stops = stop_strings(self.fields)
         if stops:
             include = bool(self.fields.get("include_stop_str_in_output"))
-            self._stop = StopMatcher(stops, include, int(self.fields.get("min_tokens") or 0))
+            self._stop = StopMatcher(stops, include, whole_number(self.fields.get("min_tokens")) or 0)
 
     @property
     def chat(self) -> bool:
         return self.endpoint == "chat"
+
+    @property
+    def generated(self) -> int:
+        """The tokens of choice 0 generated so far (whether or not the client has their text)."""
+        return len(self.kept) + len(self.pending)
 
     def engine_fields(self) -> dict[str, Any]:
         """What the engine request carries beyond the client's fields so that the stream can
@@ -228,8 +247,10 @@ class StreamRecord:
                     if delta.get(key):
                         self.parsed_output = key
                 text = self._take(choice, delta.get("content"))
-                if delta.get("content") is not None:
-                    delta["content"] = text
+                if delta.get("content") is not None or text:
+                    # (text held back for a stop string comes out with the finish, whose
+                    # delta after an EOS is `{}` where a tool or reasoning parser runs)
+                    choice["delta"] = delta = {**delta, "content": text}
                 keep = keep or bool(set(delta) - {"content"}) or bool(text)
             else:
                 choice["text"] = self._take(choice, choice.get("text"))
@@ -263,13 +284,20 @@ class StreamRecord:
             self.finish_reason = "length"
             return None
         assert self.prompt_ids is not None
+        prompt = self.prompt_ids + self.kept
+        if remaining is None and self.context_len is not None:
+            # A chat with no cap runs to the context's end; a completion's default is 16.
+            remaining = self.context_len - len(prompt)
+            if remaining <= 0:
+                self.finish_reason = "length"
+                return None
         body: dict[str, Any] = {k: v for k, v in self.fields.items() if k in CARRIED}
-        body.update(prompt=self.prompt_ids + self.kept, stream=True, **self.engine_fields())
+        body.update(prompt=prompt, stream=True, **self.engine_fields())
         if remaining is not None:
             body["max_tokens"] = remaining
-        min_tokens = self.fields.get("min_tokens")
+        min_tokens = whole_number(self.fields.get("min_tokens"))
         if min_tokens:
-            body["min_tokens"] = max(0, int(min_tokens) - len(self.kept))
+            body["min_tokens"] = max(0, min_tokens - len(self.kept))
         self.pending.clear()  # generated again by the continuation
         self._base = len(self.kept)
         return body

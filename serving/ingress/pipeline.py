@@ -104,7 +104,7 @@ class FrontDoor:
             asked_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
             body["stream_options"] = {**(opts if isinstance(opts, Mapping) else {}), "include_usage": True}
         cluster = self._cluster_fields(body, route)
-        record = self.relay.continuable(endpoint, cluster) if stream else None
+        record = self.relay.continuable(endpoint, cluster, route.context_len) if stream else None
         engine = {**cluster, **record.engine_fields()} if record is not None else cluster
         typed = _adapter(_request_type(endpoint)).validate_python(engine)
         decision = await self.limiter.admit(kid, route.model, body, route.context_len)

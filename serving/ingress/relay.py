@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from serving.core.calls import (
 from serving.core.failures import EngineRefused, Reason, Unservable, classify, decode_unavailable, overloaded
 from serving.core.metrics import MigrationOutcome
 from serving.ingress.dispatch import dispatch_call
-from serving.ingress.migration import StreamRecord, not_continuable
+from serving.ingress.migration import StreamRecord, not_continuable, whole_number
 from serving.ingress.sse import (
     DONE,
     DONE_EVENTS,
@@ -50,7 +51,7 @@ from serving.ingress.sse import (
     decode_packet,
     packet_of,
 )
-from serving.spec import ResilienceSpec
+from serving.spec import TEST_HOOKS_ENV, ResilienceSpec
 
 logger = logging.getLogger("ray.serve")
 
@@ -155,6 +156,9 @@ async def first_chunk(
 
 # Between two tries of a continuation that Serve refused for back-pressure.
 CONTINUATION_BACKOFF_S = 0.25
+# The harness's request header: cut this stream after k generated tokens (Migration.cut_after),
+# read only where TEST_HOOKS_ENV is "1".
+CUT_AFTER_HEADER = "x-pd-test-cut-after"
 
 
 @dataclass
@@ -170,6 +174,16 @@ class Migration:
     # dispatches a continuation body like a new request: (first chunk, stream) or raises
     resume: Callable[[dict[str, Any]], Awaitable[tuple[Any, Any]]]
     on_outcome: Callable[[Reason, MigrationOutcome], None]  # (why the stream was cut, what became of it)
+    # A test hook (TEST_HOOKS_ENV only): cut the stream once, as a stall, after the packet that
+    # brings its generated tokens to this many, so a harness can exercise migration at any k.
+    cut_after: int | None = None
+
+    def forced_cut(self) -> bool:
+        """Whether the test hook cuts the stream now (once)."""
+        if self.cut_after is None or self.record is None or self.record.generated < self.cut_after:
+            return False
+        self.cut_after = None
+        return True
 
 
 async def guarded_stream(
@@ -225,8 +239,9 @@ async def guarded_stream(
                         yield pipe.own(_finish_events(record))
                         finished = done_sent = True
                         return
-                    continue
-                cut = Reason.ENGINE_ERROR
+                    if done_sent or migration is None or not migration.forced_cut():
+                        continue
+                cut = Reason.STALL if sent is not None else Reason.ENGINE_ERROR
             assert migration is not None
             cancel_call(current)
             resumed = await _continue(migration, cut)
@@ -354,6 +369,8 @@ class Relay:
         self.health = DecodeHealth()
         self._retries = metrics.counter(metrics.INGRESS_RETRIES)
         self._migrations = metrics.counter(metrics.STREAM_MIGRATIONS)
+        # The harness's forced cut (CUT_AFTER_HEADER) in a replica started for it only.
+        self._test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
 
     async def first(self, dispatch: Callable[[], Any], started: float, streamed: bool) -> tuple[Any, Any]:
         return await first_chunk(
@@ -420,18 +437,27 @@ class Relay:
             media_type="text/event-stream",
         )
 
-    def continuable(self, endpoint: str, fields: Mapping[str, Any]) -> StreamRecord | None:
+    def continuable(
+        self, endpoint: str, fields: Mapping[str, Any], context_len: int | None = None
+    ) -> StreamRecord | None:
         """The record of a streamed request that can be continued if its stream is cut, else
         None (migrations off, or a request whose output is shaped whole). Its engine fields
-        (token ids, stop strings left to the ingress) go into the engine request."""
+        (token ids, stop strings left to the ingress) go into the engine request.
+        `context_len`: the model's context; a chat with no cap runs to its end, and so must
+        its continuation (a completion's own default cap is 16), so without it such a chat is
+        not continued."""
         if self.cfg.migrations <= 0 or not_continuable(endpoint, fields) is not None:
             return None
-        limit = fields.get("max_tokens") if endpoint == "completions" else None
+        limit = whole_number(fields.get("max_tokens"))
         if endpoint == "completions" and limit is None:
-            limit = 16  # vLLM's CompletionRequest default
+            limit = 16  # vLLM's CompletionRequest default (a null too)
         if endpoint == "chat":
-            limit = fields.get("max_completion_tokens") or fields.get("max_tokens")
-        return StreamRecord(endpoint, fields, limit, client_ids=bool(fields.get("return_token_ids")))
+            limit = whole_number(fields.get("max_completion_tokens")) or limit
+            if limit is None and context_len is None:
+                return None
+        return StreamRecord(
+            endpoint, fields, limit, client_ids=bool(fields.get("return_token_ids")), context_len=context_len
+        )
 
     def _migration(
         self,
@@ -466,4 +492,8 @@ class Relay:
         def on_outcome(cut: Reason, outcome: MigrationOutcome) -> None:
             self._migrations.inc(tags={"model": model_id, "reason": cut.value, "outcome": outcome.value})
 
-        return Migration(record, blocked, self.cfg.migrations, self.cfg.stall_timeout_s, resume, on_outcome)
+        cut_after = None
+        if self._test_hooks and raw_request is not None:
+            raw = raw_request.headers.get(CUT_AFTER_HEADER)
+            cut_after = int(raw) if raw is not None and raw.isdigit() else None
+        return Migration(record, blocked, self.cfg.migrations, self.cfg.stall_timeout_s, resume, on_outcome, cut_after)

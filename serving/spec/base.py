@@ -30,6 +30,10 @@ SERVE_PORT = 8000
 # The environment variable that carries the accepted API keys (comma-separated) into the
 # ingress replicas; in the cloud it is fed from a Kubernetes Secret.
 API_KEYS_ENV = "PD_API_KEYS"
+# Test hooks of the ingress (the conformance harness's forced stream cut, bench/conformance.py):
+# honoured only in a replica started with this set to "1". No stack renders it
+# (tests/infra/k8s/test_rayservice.py); only the local harness sets it.
+TEST_HOOKS_ENV = "PD_TEST_HOOKS"
 
 # A Ray node label of our own: `ray.io/` is Ray's reserved prefix (ray/_private/label_utils.py
 # `validate_node_labels`, Ray 2.60, rejects custom keys there), and Ray already sets

@@ -526,3 +526,60 @@ def test_text_without_token_ids_makes_the_stream_not_continuable():
     record = StreamRecord("chat", {}, None)
     record.relay_event({"id": "r", "prompt_token_ids": PROMPT, "choices": [{"index": 0, "delta": {"content": "hi"}}]})
     assert record.not_continuable() == "text without token ids"
+
+
+def test_a_chat_without_a_cap_is_continued_to_the_contexts_end():
+    """vLLM runs a chat with no max_tokens to the end of the model's context, but a
+    completion with none stops after 16 tokens (CompletionRequest's default): the
+    continuation must carry the context that is left, or a migrated chat ends 16 tokens on."""
+    fields = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    record = StreamRecord("chat", fields, None, context_len=64)
+    for p in engine_events("chat", PROMPT, rid="r", max_tokens=None)[:5]:
+        record.relay(p)
+    body = record.continuation()
+    assert body is not None and body["max_tokens"] == 64 - len(body["prompt"])
+    assert len(body["prompt"]) > len(PROMPT)  # the cut came after generated tokens
+
+
+def test_a_chat_without_a_cap_on_a_model_of_unknown_context_is_not_continued():
+    from serving.ingress.relay import Relay
+    from serving.spec import ResilienceSpec
+
+    relay_ = Relay(ResilienceSpec())
+    fields = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert relay_.continuable("chat", fields, None) is None
+    assert relay_.continuable("chat", fields, 1024) is not None
+    # a cap as clients send it (pydantic's lax mode reads all three as 5)
+    for cap in (5, 5.0, "5"):
+        record = relay_.continuable("chat", {**fields, "max_tokens": cap}, None)
+        assert record is not None and record.max_tokens == 5
+    assert relay_.continuable("completions", {"model": "m", "prompt": "x", "max_tokens": None}).max_tokens == 16
+
+
+def test_completions_logprobs_zero_is_logprobs():
+    """`logprobs: 0` asks for each token's own logprob (vLLM CompletionRequest: an int, the
+    number of alternatives): a continuation would drop it, so such a stream is not continued."""
+    assert not_continuable("completions", {"logprobs": 0}) == "logprobs"
+    assert not_continuable("completions", {"logprobs": None}) is None
+    assert not_continuable("chat", {"logprobs": False}) is None
+
+
+def test_text_held_for_a_stop_string_reaches_the_client_when_the_stream_ends_on_eos():
+    """With a tool or reasoning parser, vLLM builds a parser per chat request and the chunk
+    that ends a stream on EOS carries an empty delta `{}` (vllm 0.32
+    chat_completion/serving.py, parser/abstract_parser.py): the characters held back while
+    they might begin a stop string go out in that chunk, not lost with it."""
+    fields = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "stop": ["xyz"]}
+    record = StreamRecord("chat", fields, 10)
+    base = {"id": "r", "object": "chat.completion.chunk", "created": 7, "model": "m"}
+    events = [
+        {**base, "prompt_token_ids": PROMPT, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]},
+        {**base, "choices": [{"index": 0, "delta": {"content": "hello x"}, "token_ids": [500, 501]}]},
+        {**base, "choices": [{"index": 0, "delta": {}, "token_ids": [2], "finish_reason": "stop"}]},
+    ]
+    text = ""
+    for ev in events:
+        for packet in [record.relay(f"data: {json.dumps(ev)}\n\n")]:
+            for c in json.loads(packet[5:])["choices"] if packet.strip() else []:
+                text += c["delta"].get("content") or ""
+    assert text == "hello x"
