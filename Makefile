@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos conformance stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -35,6 +35,7 @@ help:
 	@echo "make serve PD_PREFILL_ROUTER=kv-aware   P/D prefill routed by where the prompt's KV cache is"
 	@echo "make serve PD_MODELS=2  a second model (aggregated, with a LoRA adapter) behind the same front door"
 	@echo "make chaos [SOAK=1]     kill replicas / overload the local stack under load; build/chaos/"
+	@echo "make conformance [BODIES=2000] [SEED=]   every path of ours answers as plain vLLM does; build/conformance/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
 
@@ -179,6 +180,12 @@ serve: venv $(if $(filter 1,$(SIGNALS)),$(PROMETHEUS))
 # a 10-minute soak at concurrency 16.
 chaos: venv
 	$(PY) -m bench.chaos --out build/chaos $(if $(filter 1,$(SOAK)),--soak)
+
+# Differential conformance (bench/conformance.py): generated bodies to plain vLLM serving the
+# same model and to each path of ours (P/D, aggregated, forced migration, the fallback); every
+# difference fails, shrunk. About 15 minutes per 1,000 bodies on two cores.
+conformance: venv
+	$(PY) -m bench.conformance --out build/conformance/report.json $(if $(BODIES),--bodies $(BODIES)) $(if $(SEED),--seed $(SEED))
 
 # BENCH_TRACED=1: a second pass of the serving bench on a stack that traces every request
 # (the hop breakdown's spans, and tracing's own CPU cost); the first traces at prod's rate.

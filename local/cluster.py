@@ -117,6 +117,40 @@ def deploy(dashboard_url: str, config: dict[str, Any]) -> None:
         raise RuntimeError(f"Serve rejected the config ({r.status_code}): {r.text[:2000]}")
 
 
+def set_ingress_user_config(
+    dashboard_url: str, config: dict[str, Any], app: str, user_config: dict[str, Any], timeout: float = 120
+) -> None:
+    """PUT `config` (the stack's own Serve config) with app `app`'s ingress user_config
+    replaced (Serve's lightweight update: no engine restarts); return once every ingress
+    replica runs with it."""
+    import copy
+
+    import httpx
+
+    from serving.spec import INGRESS_DEPLOYMENT
+
+    config = copy.deepcopy(config)
+    for entry in config["applications"]:
+        if entry["name"] == app:
+            others = [d for d in entry.get("deployments", []) if d["name"] != INGRESS_DEPLOYMENT]
+            entry["deployments"] = [*others, {"name": INGRESS_DEPLOYMENT, "user_config": user_config}]
+    deploy(dashboard_url, config)
+    deadline = time.monotonic() + timeout
+    while True:
+        apps = httpx.get(f"{dashboard_url}/api/serve/applications/", timeout=10).json()["applications"]
+        dep = apps[app]["deployments"][INGRESS_DEPLOYMENT]
+        if (
+            dep["deployment_config"].get("user_config") == user_config
+            and dep["status"] == "HEALTHY"
+            and all(r["state"] == "RUNNING" for r in dep["replicas"])
+        ):
+            time.sleep(1)
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the {app} ingress did not take the new user_config: {dep['status']}")
+        time.sleep(0.5)
+
+
 class DeployFailed(RuntimeError):
     pass
 

@@ -200,6 +200,16 @@ def test_secrets_reach_pods_only_by_reference(stack):
     assert secret["stringData"] == {"api-keys": "placeholder-secret-apiKeys"}
 
 
+def test_no_stack_turns_on_the_ingress_test_hooks(stack):
+    """The relay's forced stream cut (serving/ingress/relay.py CUT_AFTER_HEADER) is honoured
+    only where TEST_HOOKS_ENV is "1": the conformance harness sets it on its local stack; no
+    rendered object (pod env, Serve runtime_env) may carry the name at all."""
+    from serving.spec import TEST_HOOKS_ENV
+
+    for name, obj in stack.manifests().items():
+        assert TEST_HOOKS_ENV not in yaml.safe_dump(obj), f"{name} sets {TEST_HOOKS_ENV}"
+
+
 def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
     from infra.k8s.rayservice import RayServiceInputs, serve_config_yaml
     from infra.k8s.tracing import export_for

@@ -583,3 +583,42 @@ def test_text_held_for_a_stop_string_reaches_the_client_when_the_stream_ends_on_
             for c in json.loads(packet[5:])["choices"] if packet.strip() else []:
                 text += c["delta"].get("content") or ""
     assert text == "hello x"
+
+
+def _hooked_relay(monkeypatch, hooks: bool, header: str | None):
+    from serving.ingress.relay import CUT_AFTER_HEADER, Relay
+    from serving.spec import TEST_HOOKS_ENV, ResilienceSpec
+
+    if hooks:
+        monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    else:
+        monkeypatch.delenv(TEST_HOOKS_ENV, raising=False)
+    request = type("R", (), {"headers": {CUT_AFTER_HEADER: header} if header is not None else {}})()
+    record = StreamRecord("completions", {"model": "m", "stream": True, **USAGE}, 16)
+    return Relay(ResilienceSpec())._migration("completions", record.fields, record, lambda: None, request, "m", 0.0)
+
+
+def test_the_test_hook_cuts_a_stream_only_in_a_replica_started_with_it(monkeypatch):
+    """The conformance harness cuts a stream after k tokens by a header (no process killed):
+    honoured only where TEST_HOOKS_ENV is "1"; a client's header does nothing elsewhere."""
+    assert _hooked_relay(monkeypatch, False, "3").cut_after is None
+    assert _hooked_relay(monkeypatch, True, "3").cut_after == 3
+    assert _hooked_relay(monkeypatch, True, "x").cut_after is None
+
+
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_a_forced_cut_after_k_tokens_is_continued_into_the_no_fault_answer(k):
+    """The hook's cut is a stall at a packet boundary: the stream goes on on a continuation,
+    and the client gets the no-fault answer (the same check as a replica death)."""
+    fields = {"model": "m", "temperature": 0, "stream": True, "max_tokens": 10, **USAGE}
+    reference = engine_events("completions", PROMPT, rid="r", max_tokens=10, return_ids=False)
+    original = engine_events("completions", PROMPT, rid="r", max_tokens=10)
+    m, sent, outcomes = make_migration("completions", fields, 10)
+    m.cut_after = k
+    out, _ = relay(original, m)
+    assert client_view(out)[:5] == client_view(reference)[:5]
+    assert [(c.value, o) for c, o in outcomes] == [("stall", "continued")]
+    # cut once k tokens were generated: the continuation's prompt holds those whose text the
+    # client has (a held-back token is generated again)
+    kept = len(sent[0]["prompt"]) - len(PROMPT)
+    assert len(sent) == 1 and k - 1 <= kept <= k

@@ -21,6 +21,7 @@ import pytest
 
 from bench import hops
 from bench.sse import Streamed, stream_request
+from local.cluster import set_ingress_user_config
 from local.provider import EXTERNAL_MODEL, PROVIDER_KEY
 from serving.spec import INGRESS_DEPLOYMENT, key_id
 from tests.conftest import E2E_KEY, E2E_KEY_2, E2E_RPM_KEY
@@ -30,31 +31,9 @@ APP = "llm"
 KILL_WINDOW_S = float(os.environ.get("PD_HYBRID_KILL_WINDOW_S", "60"))
 
 
-def _apps(stack) -> dict:
-    return httpx.get(f"{stack.state['dashboard_url']}/api/serve/applications/", timeout=10).json()["applications"]
-
-
 def set_user_config(stack, user_config: dict, timeout: float = 120) -> None:
     """PUT the stack's own config with the ingress's user_config replaced; wait until applied."""
-    config = copy.deepcopy(stack.state["config"])
-    for app in config["applications"]:
-        if app["name"] == APP:
-            others = [d for d in app.get("deployments", []) if d["name"] != INGRESS_DEPLOYMENT]
-            app["deployments"] = [*others, {"name": INGRESS_DEPLOYMENT, "user_config": user_config}]
-    r = httpx.put(f"{stack.state['dashboard_url']}/api/serve/applications/", json=config, timeout=60)
-    assert r.status_code == 200, r.text
-    deadline = time.monotonic() + timeout
-    while True:
-        dep = _apps(stack)[APP]["deployments"][INGRESS_DEPLOYMENT]
-        if (
-            dep["deployment_config"].get("user_config") == user_config
-            and dep["status"] == "HEALTHY"
-            and all(r["state"] == "RUNNING" for r in dep["replicas"])
-        ):
-            time.sleep(1)
-            return
-        assert time.monotonic() < deadline, f"ingress did not take the new user_config: {dep['status']}"
-        time.sleep(0.5)
+    set_ingress_user_config(stack.state["dashboard_url"], stack.state["config"], APP, user_config, timeout)
 
 
 def base_user_config(stack) -> dict:
