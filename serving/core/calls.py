@@ -79,6 +79,20 @@ def is_client_error(item: Any) -> bool:
     return isinstance(item, ri.ErrorResponse) and 400 <= (item.error.code or 500) < 500
 
 
+def client_error_response(exc: BaseException) -> Any:
+    """Ray's ErrorResponse for an exception that carries a 4xx `status_code` (fastapi's
+    HTTPException: Ray's LoRA loader raises 404 for an adapter it cannot find; Ray's
+    OpenAIHTTPException), as an engine answers a request it refuses; None for any other."""
+    from serving import ray_internals as ri
+
+    status = getattr(exc, "status_code", None)
+    if not isinstance(status, int) or not 400 <= status < 500:
+        return None
+    message = getattr(exc, "message", None) or getattr(exc, "detail", None) or type(exc).__name__
+    kind = "NotFoundError" if status == 404 else "BadRequestError"
+    return ri.ErrorResponse.model_validate({"error": {"message": str(message), "type": kind, "code": status}})
+
+
 def is_server_error(item: Any) -> bool:
     """An engine answer that is a server-side failure: Ray's ErrorResponse object, or (in a
     stream) vLLM's in-stream error event, `data: {"error": {...}}` (vLLM's

@@ -53,6 +53,11 @@ class Reason(str, enum.Enum):
     # serving.py), and `to_sampling_params` hands that one to every prompt's decode request,
     # whose NIXL worker then reads one prompt's blocks for all. Prefilled locally, on purpose.
     PROMPT_BATCH = "prompt_batch"
+    # The prefill replica's own code raised for this request (a LoRA adapter that does not
+    # load, a value Ray's or vLLM's code refuses): the request's error, not the tier's. Not
+    # counted against the circuit, not retried; decode runs the request and answers it as an
+    # aggregated engine would (`prefill_failure`).
+    REQUEST_ERROR = "request_error"
     # ingress hop
     DECODE_DIED = "decode_died"
     DECODE_UNAVAILABLE = "decode_unavailable"
@@ -63,9 +68,10 @@ class Reason(str, enum.Enum):
 
     @classmethod
     def designed_local(cls) -> tuple[Reason, ...]:
-        """Reasons a P/D request prefills on decode by design (the request's shape), not
-        because the remote path failed: not faults, and not counted against the circuit."""
-        return (cls.PARALLEL_SAMPLING, cls.PROMPT_BATCH)
+        """Reasons a P/D request prefills on decode because of the request itself (its shape,
+        or its own error), not because the remote path failed: not faults, not counted
+        against the circuit, and not a sign that the stack runs aggregated."""
+        return (cls.PARALLEL_SAMPLING, cls.PROMPT_BATCH, cls.REQUEST_ERROR)
 
 
 OVERLOADED_MESSAGE = "The server is overloaded; retry later."
@@ -149,6 +155,35 @@ def classify(exc: BaseException) -> Reason:
     # Serve wraps an upstream replica crash in a RayServeException naming ActorDiedError.
     if "ActorDiedError" in repr(exc) or "actor died" in str(exc).lower():
         return Reason.REPLICA_DIED
+    return Reason.ERROR
+
+
+# What an engine replica's code raises when the replica itself is broken, whatever the request:
+# vLLM's server-side errors (vllm/exceptions.py `VLLMServerError`, vLLM 0.32: the engine core
+# died, `EngineDeadError`; a failed generate, `EngineGenerateError`). Matched by class name
+# along the cause's MRO, so this module imports no vLLM.
+TIER_ERROR_CLASSES = frozenset({"VLLMServerError"})
+
+
+def prefill_failure(exc: BaseException) -> Reason:
+    """Why a prefill call raised `exc`: the tier's failure (REPLICA_DIED, TIMEOUT, OVERLOADED,
+    ERROR: the prefill circuit hears of it) or the request's own (REQUEST_ERROR: it does not).
+
+    A replica's code that raised ran the request: Serve hands its exception to the caller as
+    Ray's RayTaskError, an instance of the cause's class too (ray/exceptions.py
+    `as_instanceof_cause`, Ray 2.60). That is the request's error (a LoRA adapter that fails
+    to load raises in LLMServer._run_request before the engine sees the request, the same on
+    decode), unless its cause is one of TIER_ERROR_CLASSES. Whatever else fails a call (a dead
+    or unreachable replica, Serve's own errors) is the tier's."""
+    reason = classify(exc)
+    if reason is not Reason.ERROR:
+        return reason
+    from ray.exceptions import RayTaskError
+
+    if isinstance(exc, RayTaskError):
+        cause = exc.cause if isinstance(exc.cause, BaseException) else exc
+        if not {c.__name__ for c in type(cause).__mro__} & TIER_ERROR_CLASSES:
+            return Reason.REQUEST_ERROR
     return Reason.ERROR
 
 

@@ -1,7 +1,9 @@
 """The prefill circuit breaker of a decode replica: remote prefill on, off, or being probed.
 
 What flows through here: the verdict of every remote prefill call this decode replica makes
-(success, failure, or no verdict when the call was cancelled) -> the circuit's state ->
+(success, a failure of the prefill tier, or no verdict: the call was cancelled, the tier was
+busy, or the call failed on the request's own error, serving/core/failures.py
+`prefill_failure`) -> the circuit's state ->
 `allow()`, asked before each call: may this request try the remote prefill, or does it
 prefill locally on decode (the P/D stack then serves that request aggregated)?
 

@@ -2,11 +2,13 @@
 
 What flows through here: one P/D request on a decode replica (serving/engines/pd_server.py) -> the
 prefill call through Serve (`remote_prefill`: a queue bound until a prefill replica takes the
-call, then the prefill deadline from that moment; retries on another replica; the circuit of
-serving/engines/circuit.py consulted and told the verdict) -> the decode engine with the KV handed
-over, or the request prefilled locally on decode when the remote path failed
-(`orchestrate`), its first item awaited within the KV-ready deadline -> the stream of engine
-items, and one `on_path` report of how it was prefilled (remote, remote_retry, local and why).
+call, then the prefill deadline from that moment, longer for a longer prompt
+(`prefill_deadline_s`); retries on another replica; the circuit of serving/engines/circuit.py
+consulted and told the verdict of the tier's own failures, never of the request's) -> the
+decode engine with the KV handed over, the request's own error as the client's answer, or the
+request prefilled locally on decode when the remote path failed (`orchestrate`), its first
+item awaited within the KV-ready deadline -> the stream of engine items, and one `on_path`
+report of how it was prefilled (remote, remote_retry, local and why).
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from serving.core.calls import aclose_quietly, assigned, cancel_call, first_item
-from serving.core.failures import Reason, classify
+from serving.core.calls import aclose_quietly, assigned, cancel_call, client_error_response, first_item
+from serving.core.failures import Reason, prefill_failure
 from serving.core.metrics import PrefillPath as Path
 from serving.engines.circuit import Circuit
 from serving.spec import ResilienceSpec
@@ -53,16 +55,53 @@ async def _race(aw: Awaitable[Any], timeout_s: float, circuit: Circuit) -> Any:
     raise TimeoutError
 
 
-async def _prefill_answer(stream: Any, cfg: ResilienceSpec, circuit: Circuit) -> Any:
+async def _prefill_answer(stream: Any, cfg: ResilienceSpec, circuit: Circuit, timeout_s: float) -> Any:
     """The prefill call's first (only) chunk. Two clocks: a replica must take the call within
     prefill_queue_timeout_s (else QueueTimeout: the prefill tier is busy), and then answer
-    within prefill_timeout_s, timed from when it took the call, so queueing under load is
-    never mistaken for a broken replica."""
+    within `timeout_s` (`prefill_deadline_s`), timed from when it took the call, so queueing
+    under load is never mistaken for a broken replica."""
     try:
         await _race(assigned(stream), cfg.prefill_queue_timeout_s, circuit)
     except TimeoutError:
         raise QueueTimeout from None
-    return await _race(stream.__anext__(), cfg.prefill_timeout_s, circuit)
+    return await _race(stream.__anext__(), timeout_s, circuit)
+
+
+def prefill_deadline_s(cfg: ResilienceSpec, prompt_tokens: int) -> float:
+    """How long a prefill replica may take to answer a call of `prompt_tokens` prompt tokens:
+    prefillTimeoutS plus prefillTimeoutPerTokenMs per token (a long valid prompt takes longer
+    to prefill; past its deadline it would count as a stalled tier), at most totalTimeoutS."""
+    scaled = cfg.prefill_timeout_s + cfg.prefill_timeout_per_token_ms * max(prompt_tokens, 0) / 1000
+    return min(scaled, cfg.total_timeout_s)
+
+
+def prompt_tokens_bound(request: Any) -> int:
+    """At most how many tokens the prompt of `request` (a chat or completion request) has, read
+    from the request alone, before any tokenizer: a token-id prompt's ids, and one token per
+    UTF-8 byte of text (a byte-level BPE token spans one byte or more; a chat template adds a
+    few tokens of its own, few next to a prompt long enough for the bound to matter). Text
+    only: images and audio parts are not counted."""
+    prompt = getattr(request, "prompt", None)
+    if prompt is not None:
+        return _tokens_in(prompt)
+    total = 0
+    for message in getattr(request, "messages", None) or ():
+        content = message.get("content") if isinstance(message, dict) else getattr(message, "content", None)
+        if isinstance(content, str):
+            total += len(content.encode())
+        elif isinstance(content, list):
+            for part in content:
+                text = part.get("text") if isinstance(part, dict) else getattr(part, "text", None)
+                total += len(text.encode()) if isinstance(text, str) else 0
+    return total
+
+
+def _tokens_in(prompt: Any) -> int:
+    if isinstance(prompt, str):
+        return len(prompt.encode())
+    if isinstance(prompt, list):
+        return sum(1 if isinstance(p, int) else _tokens_in(p) for p in prompt)
+    return 0
 
 
 # --- decode side: the prefill hop ------------------------------------------------------
@@ -87,26 +126,34 @@ async def remote_prefill(
     *,
     is_error: Callable[[Any], bool],
     is_refusal: Callable[[Any], bool] = lambda _: False,
+    refusal_of: Callable[[BaseException], Any] = client_error_response,
     cfg: ResilienceSpec,
     circuit: Circuit,
     on_retry: Callable[[Reason], None],
     no_replica: Callable[[], bool] = lambda: False,
+    prompt_tokens: int = 0,
 ) -> PrefillOutcome:
     """Run the prefill call under its deadlines, retrying; the outcome says fall back or not.
 
     `call()` starts one prefill request (a Serve response stream, with .cancel()); a failed or
-    late call is cancelled so the engine drops it. A replica death, an error or a stall (no
-    answer within prefill_timeout_s after a replica took it) counts against the circuit and
-    is retried; a stall while another call was answered is retried, not counted (a busy
-    tier: it queued in a prefill engine; counted, 16 calls on a loaded tier opened the
+    late call is cancelled so the engine drops it. Only the tier's own failures count against
+    the circuit and are retried: a replica death, Serve failing the call, an engine error
+    answer, or a stall (no answer within `prefill_deadline_s(cfg, prompt_tokens)` after a
+    replica took it). A stall while another call was answered is retried, not counted (a
+    busy tier: it queued in a prefill engine; counted, 16 calls on a loaded tier opened the
     circuit and sent 30% to decode); a call no replica takes in time, or back-pressure, is
     a busy tier too: no retry, no verdict (but the probe, never retried, must prove the
-    tier works). `no_replica()` (none running, says Serve): local prefill at once, counted. An `is_refusal` answer (the engine's 4xx for the request itself) is the
-    outcome's refusal: no retry, no verdict.
+    tier works). `no_replica()` (none running, says Serve): local prefill at once, counted.
+    The request's own failures are never counted nor retried: an `is_refusal` answer (the
+    engine's 4xx) is the outcome's refusal, and so is an exception the replica's code raised
+    with a 4xx status (`refusal_of`: a LoRA adapter Ray cannot find); any other exception
+    the replica's code raised (`prefill_failure`: REQUEST_ERROR, a LoRA adapter that fails
+    to load) sends the request to decode, which answers it as an aggregated engine would.
     """
     if not circuit.allow():
         return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
     probe = circuit.probing  # allowed while not closed: this request is the half-open probe
+    timeout_s = prefill_deadline_s(cfg, prompt_tokens)
     reason = Reason.ERROR
     verdict = False
     attempts = 0
@@ -124,7 +171,7 @@ async def remote_prefill(
             started = circuit.now()
             stream = call()
             try:
-                chunk = await _prefill_answer(stream, cfg, circuit)
+                chunk = await _prefill_answer(stream, cfg, circuit, timeout_s)
             except asyncio.CancelledError:
                 cancel_call(stream)
                 raise
@@ -137,7 +184,9 @@ async def remote_prefill(
                 reason = Reason.OVERLOADED
             except Exception as exc:
                 cancel_call(stream)
-                reason = classify(exc)
+                reason = prefill_failure(exc)
+                if reason is Reason.REQUEST_ERROR:
+                    return _request_error(exc, refusal_of, attempts)
                 logger.warning("prefill attempt %d failed (%s): %r", attempt + 1, reason.value, exc)
             else:
                 if is_refusal(chunk):
@@ -162,6 +211,17 @@ async def remote_prefill(
     finally:
         if probe and not verdict:
             circuit.release()
+
+
+def _request_error(exc: BaseException, refusal_of: Callable[[BaseException], Any], attempts: int) -> PrefillOutcome:
+    """The outcome of a prefill call whose replica raised the request's own error: its 4xx
+    answer when it carries one, else local prefill (decode then answers the request as an
+    aggregated engine would). Only the error's type is logged: its text may quote the request."""
+    logger.info("prefill raised the request's own error (%s): not a fault of the tier", type(exc).__name__)
+    refusal = refusal_of(exc)
+    if refusal is not None:
+        return PrefillOutcome(refusal=refusal, attempts=attempts)
+    return PrefillOutcome(reason=Reason.REQUEST_ERROR, attempts=attempts)
 
 
 async def first_then_rest(gen: AsyncIterator[Any], timeout_s: float | None) -> tuple[Any, AsyncIterator[Any]]:

@@ -261,6 +261,11 @@ class ResilienceSpec(SpecModel):
 
     # decode -> prefill: one prefill call, from the moment a prefill replica took it.
     prefill_timeout_s: float = Field(default=5.0, gt=0, le=600)
+    # decode -> prefill: added to prefillTimeoutS for each prompt token (milliseconds), so a
+    # long prompt's prefill is not taken for a stalled tier. Decode bounds the prompt's tokens
+    # from the request (serving/engines/prefill_hop.py prompt_tokens_bound: one per UTF-8 byte
+    # of text); the sum is capped at totalTimeoutS.
+    prefill_timeout_per_token_ms: float = Field(default=0.1, ge=0, le=100)
     # decode -> prefill: how long a prefill call may wait for a replica to take it. Past it
     # the prefill tier is busy (not broken: the circuit does not count it) and the request
     # prefills on decode.

@@ -436,3 +436,150 @@ def test_a_completion_with_several_prompts_prefills_locally_by_design():
     assert Reason.PROMPT_BATCH in Reason.designed_local()
     out, paths = _drive(None, FakeStream(["x"]), local_reason=Reason.PROMPT_BATCH)
     assert out == ["x"] and paths == [(Path.LOCAL, Reason.PROMPT_BATCH)]
+
+
+# --- the request's own failure is never the tier's -------------------------------------------------
+def _raised_in_replica(cause: BaseException) -> BaseException:
+    """`cause` raised by a prefill replica's code, as Serve hands it to decode: Ray's RayTaskError,
+    an instance of the cause's class too (ray/exceptions.py as_instanceof_cause, Ray 2.60)."""
+    from ray.exceptions import RayTaskError
+
+    return RayTaskError(
+        "chat", "Traceback (most recent call last): ...", cause, proctitle="p", pid=1, ip="127.0.0.1"
+    ).as_instanceof_cause()
+
+
+def _bad_adapter() -> BaseException:
+    # Ray 2.60 VLLMEngine.resolve_lora (engines/vllm/vllm_engine.py), raised from
+    # LLMServer._run_request before the engine sees the request: the same on decode.
+    return _raised_in_replica(ValueError("Failed to load lora model: invalid adapter"))
+
+
+def test_two_requests_whose_lora_adapter_fails_to_load_leave_the_circuit_closed():
+    """Before: each such request counted once per attempt against the circuit, so two of them
+    opened it (3 failures to open, 2 attempts each) and every later request of that decode
+    replica prefilled locally."""
+    from ray.exceptions import ActorDiedError
+
+    circuit = Circuit(10, failures_to_open=2)
+    for _ in range(2):
+        calls = [FakeStream([_bad_adapter()]), FakeStream(["kv"])]
+        retries = []
+        out = run(
+            remote_prefill(
+                lambda calls=calls: calls.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=retries.append
+            )
+        )
+        # Not retried (another replica fails it alike); decode runs it and answers as an
+        # aggregated engine would.
+        assert out.reason is Reason.REQUEST_ERROR and out.path is Path.LOCAL
+        assert len(calls) == 1 and retries == []
+    assert not circuit.is_open
+    assert Reason.REQUEST_ERROR in Reason.designed_local()  # not the stack running aggregated
+    # A dead tier still opens it.
+    for _ in range(2):
+        run(
+            remote_prefill(
+                lambda: FakeStream([ActorDiedError()]), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=print
+            )
+        )
+    assert circuit.is_open
+
+
+def test_an_adapter_ray_cannot_find_is_the_clients_404_and_not_a_fault():
+    from fastapi import HTTPException
+
+    from serving import ray_internals as ri
+
+    # Ray 2.60 utils/lora_serve_utils.py get_lora_finetuned_context_length: no adapter config.
+    missing = _raised_in_replica(HTTPException(404, 'Unable to find LoRA adapter config file "adapter_config.json"'))
+    circuit = Circuit(10, failures_to_open=1)
+    calls = [FakeStream([missing]), FakeStream(["kv"])]
+    out = run(remote_prefill(lambda: calls.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=print))
+    assert isinstance(out.refusal, ri.ErrorResponse) and out.refusal.error.code == 404
+    assert "adapter_config.json" in out.refusal.error.message
+    assert len(calls) == 1 and not circuit.is_open
+
+
+def test_a_dead_prefill_engine_is_the_tiers_failure():
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    circuit = Circuit(10, failures_to_open=2)
+    calls = [FakeStream([_raised_in_replica(EngineDeadError())]), FakeStream([_raised_in_replica(EngineDeadError())])]
+    retries = []
+    out = run(remote_prefill(lambda: calls.pop(0), is_error=is_err, cfg=CFG, circuit=circuit, on_retry=retries.append))
+    assert out.reason is Reason.ERROR and retries == [Reason.ERROR]
+    assert circuit.is_open
+
+
+class _Answering(FakeStream):
+    """Taken at once, answered `after_s` later."""
+
+    def __init__(self, after_s: float):
+        super().__init__(["kv"])
+        self.after_s = after_s
+
+    async def __anext__(self):
+        await asyncio.sleep(self.after_s)
+        return await super().__anext__()
+
+
+def test_a_long_prompt_past_the_fixed_deadline_within_its_scaled_one_is_answered_not_counted():
+    # 1 ms per prompt token: a 300-token prompt may take 0.2 + 0.3 s; it takes 0.35 s.
+    cfg = CFG.model_copy(update={"prefill_timeout_per_token_ms": 1.0})
+    circuit = Circuit(10, failures_to_open=1)
+    answer_s = cfg.prefill_timeout_s + 0.15
+
+    async def go():
+        long = await remote_prefill(
+            lambda: _Answering(answer_s), is_error=is_err, cfg=cfg, circuit=circuit, on_retry=print, prompt_tokens=300
+        )
+        assert long.chunk == "kv" and long.path is Path.REMOTE and not circuit.is_open
+        # The same answer time for a short prompt is a stall: counted (the circuit opens).
+        return await remote_prefill(
+            lambda: _Answering(answer_s), is_error=is_err, cfg=cfg, circuit=circuit, on_retry=print
+        )
+
+    short = run(go())
+    assert short.path is Path.LOCAL and circuit.is_open
+
+
+def test_the_prefill_deadline_grows_with_the_prompt_and_stops_at_the_total_deadline():
+    from serving.engines.prefill_hop import prefill_deadline_s
+
+    cfg = CFG.model_copy(update={"prefill_timeout_per_token_ms": 0.5})
+    assert prefill_deadline_s(cfg, 0) == cfg.prefill_timeout_s
+    assert prefill_deadline_s(cfg, 1000) == pytest.approx(cfg.prefill_timeout_s + 0.5)
+    assert prefill_deadline_s(cfg, 10**9) == cfg.total_timeout_s
+
+
+def test_the_prompt_tokens_bound_is_at_least_what_a_byte_level_bpe_tokenizer_makes():
+    """The deadline must not be shorter than the prompt needs: the bound counts one token per
+    UTF-8 byte of text, and a byte-level BPE tokenizer (GPT-2's, Llama 3's, Qwen's; the local
+    tiny model's, local/tiny_model.py) makes at most that many."""
+    import types
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from serving.engines.prefill_hop import prompt_tokens_bound
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer=trainer)
+
+    def req(**kw):
+        return types.SimpleNamespace(**{"prompt": None, "messages": None, **kw})
+
+    for text in ("the quick brown fox", "héllo wörld", "日本語のテキスト", "emoji 🦊🦊 and \x00 bytes", "x" * 5000):
+        assert prompt_tokens_bound(req(prompt=text)) >= len(tok.encode(text).ids), text
+    assert prompt_tokens_bound(req(prompt=[5, 6, 7])) == 3  # token ids: counted as they are
+    assert prompt_tokens_bound(req(prompt=[[5, 6], [7]])) == 3
+    assert prompt_tokens_bound(req(prompt=["ab", "cde"])) == 5
+    chat = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": "x"}}]},
+    ]
+    assert prompt_tokens_bound(req(messages=chat)) == len("be brief") + len("hi")  # text parts only

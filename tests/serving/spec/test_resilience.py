@@ -35,6 +35,7 @@ def test_defaults_render_into_args_and_the_proxy_timeout():
     assert args["resilience"] == ResilienceSpec().runtime_args()
     assert set(args["resilience"]) == {
         "prefill_timeout_s",
+        "prefill_timeout_per_token_ms",
         "prefill_queue_timeout_s",
         "prefill_attempts",
         "kv_ready_timeout_s",
