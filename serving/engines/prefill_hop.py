@@ -144,12 +144,9 @@ async def remote_prefill(
     circuit and sent 30% to decode); a call no replica takes in time, or back-pressure, is
     a busy tier too: no retry, no verdict (but the probe, never retried, must prove the
     tier works). `no_replica()` (none running, says Serve): local prefill at once, counted.
-    The request's own failures are never counted nor retried: an `is_refusal` answer (the
-    engine's 4xx) is the outcome's refusal, and so is an exception the replica's code raised
-    with a 4xx status (`refusal_of`: a LoRA adapter Ray cannot find); any other exception
-    the replica's code raised (`prefill_failure`: REQUEST_ERROR, a LoRA adapter that fails
-    to load) sends the request to decode, which answers it as an aggregated engine would.
-    """
+    The request's own failures are neither counted nor retried: an `is_refusal` answer (the
+    engine's 4xx), or a 4xx the replica's code raised (`refusal_of`), is the outcome's
+    refusal; anything else it raised (`prefill_failure`: REQUEST_ERROR) goes to decode."""
     if not circuit.allow():
         return PrefillOutcome(reason=Reason.CIRCUIT_OPEN)
     probe = circuit.probing  # allowed while not closed: this request is the half-open probe
@@ -169,32 +166,23 @@ async def remote_prefill(
                 break
             attempts += 1
             started = circuit.now()
-            stream = call()
-            try:
-                chunk = await _prefill_answer(stream, cfg, circuit, timeout_s)
-            except asyncio.CancelledError:
-                cancel_call(stream)
-                raise
-            except CircuitOpened:
-                cancel_call(stream)
-                reason = Reason.CIRCUIT_OPEN
+            chunk, failed, exc = await _answer(call(), cfg, circuit, timeout_s)
+            if failed is Reason.CIRCUIT_OPEN:
+                reason = failed
                 break
-            except QueueTimeout:
-                cancel_call(stream)
-                reason = Reason.OVERLOADED
-            except Exception as exc:
-                cancel_call(stream)
-                reason = prefill_failure(exc)
-                if reason is Reason.REQUEST_ERROR:
-                    return _request_error(exc, refusal_of, attempts)
-                logger.warning("prefill attempt %d failed (%s): %r", attempt + 1, reason.value, exc)
+            if failed is Reason.REQUEST_ERROR:
+                return _request_error(exc, refusal_of, attempts)
+            if failed is not None:
+                reason = failed
+                if exc is not None:
+                    logger.warning("prefill attempt %d failed (%s): %r", attempt + 1, reason.value, exc)
+            elif is_refusal(chunk):
+                return PrefillOutcome(refusal=chunk, attempts=attempts)
+            elif not is_error(chunk):
+                circuit.success()
+                verdict = True
+                return PrefillOutcome(chunk=chunk, attempts=attempts)
             else:
-                if is_refusal(chunk):
-                    return PrefillOutcome(refusal=chunk, attempts=attempts)
-                if not is_error(chunk):
-                    circuit.success()
-                    verdict = True
-                    return PrefillOutcome(chunk=chunk, attempts=attempts)
                 reason = Reason.ERROR
                 logger.warning("prefill attempt %d returned an error: %s", attempt + 1, chunk)
             if reason is Reason.OVERLOADED and not probe:
@@ -213,12 +201,35 @@ async def remote_prefill(
             circuit.release()
 
 
-def _request_error(exc: BaseException, refusal_of: Callable[[BaseException], Any], attempts: int) -> PrefillOutcome:
+async def _answer(
+    stream: Any, cfg: ResilienceSpec, circuit: Circuit, timeout_s: float
+) -> tuple[Any, Reason | None, BaseException | None]:
+    """One prefill call's answer, or why it has none (and what it raised); a call without an
+    answer is cancelled, so the engine drops it."""
+    try:
+        return await _prefill_answer(stream, cfg, circuit, timeout_s), None, None
+    except asyncio.CancelledError:
+        cancel_call(stream)
+        raise
+    except CircuitOpened:
+        cancel_call(stream)
+        return None, Reason.CIRCUIT_OPEN, None
+    except QueueTimeout:
+        cancel_call(stream)
+        return None, Reason.OVERLOADED, None
+    except Exception as exc:
+        cancel_call(stream)
+        return None, prefill_failure(exc), exc
+
+
+def _request_error(
+    exc: BaseException | None, refusal_of: Callable[[BaseException], Any], attempts: int
+) -> PrefillOutcome:
     """The outcome of a prefill call whose replica raised the request's own error: its 4xx
     answer when it carries one, else local prefill (decode then answers the request as an
     aggregated engine would). Only the error's type is logged: its text may quote the request."""
     logger.info("prefill raised the request's own error (%s): not a fault of the tier", type(exc).__name__)
-    refusal = refusal_of(exc)
+    refusal = None if exc is None else refusal_of(exc)
     if refusal is not None:
         return PrefillOutcome(refusal=refusal, attempts=attempts)
     return PrefillOutcome(reason=Reason.REQUEST_ERROR, attempts=attempts)
