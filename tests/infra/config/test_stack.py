@@ -171,16 +171,55 @@ def test_malformed_system_instance_type_is_one_line(prod, bad):
     assert msg.startswith(f"{SOURCE}: systemNodes.instanceType: ") and "is not an EC2 instance type" in msg
 
 
-def test_gcs_redis_address_accepts_tls_scheme(prod):
+EXISTING_VPC = {
+    "vpcId": "vpc-0123456789abcdef0",
+    "privateSubnetIds": ["subnet-0aaa0000000000001", "subnet-0bbb0000000000002", "subnet-0ccc0000000000003"],
+    "publicSubnetIds": [],
+    "efaSubnetId": "subnet-0aaa0000000000001",
+}
+EXTERNAL_REDIS = "rediss://master.pd-inference-prod.abc123.use1.cache.amazonaws.com:6379"
+
+
+@pytest.fixture
+def external(prod):
+    """prod on an external Redis: in an existing VPC (the Redis's), with its AUTH secret."""
     values, secrets = prod
-    values["gcsRedisAddress"] = "rediss://master.pd.abc123.use1.cache.amazonaws.com:6379"
-    assert _load(values, secrets).gcs_redis_address.startswith("rediss://")
+    values.pop("vpcCidr", None)
+    values.update(
+        gcsFaultTolerance="external-redis",
+        gcsRedisAddress=EXTERNAL_REDIS,
+        gcsRedisPassword="pw",
+        existingVpc=copy.deepcopy(EXISTING_VPC),
+    )
+    return values, {*secrets, "gcsRedisPassword"}
+
+
+def test_the_shipped_prod_stack_keeps_its_gcs_in_a_redis_it_creates(prod):
+    cfg = _load(*prod)
+    assert cfg.gcs_fault_tolerance is config.GcsFaultTolerance.MANAGED and cfg.gcs_redis.failover
+
+
+def test_gcs_redis_address_accepts_tls_scheme(external):
+    assert _load(*external).gcs_redis_address.startswith("rediss://")
+
+
+def test_an_external_gcs_redis_outside_the_vpc_the_stack_creates_is_refused(external):
+    """prod as it was shipped: a new VPC (vpcCidr) and an external ElastiCache endpoint. Nothing
+    peers the two; `pulumi up` would succeed and the head's GCS crash-loop."""
+    values, secrets = external
+    values.pop("existingVpc")
+    values["vpcCidr"] = "10.40.0.0/16"
+    msg = _error(values, secrets)
+    assert msg.startswith(f"{SOURCE}: gcsFaultTolerance, vpcCidr: external-redis reaches {EXTERNAL_REDIS}, outside"), (
+        msg
+    )
+    assert "existingVpc" in msg and "gcsFaultTolerance managed" in msg
 
 
 def _managed(prod):
-    """prod on gcsFaultTolerance managed: no address, no password of its own (the stack makes one)."""
+    """prod on gcsFaultTolerance managed (as shipped): no address, no password of its own."""
     values, secrets = prod
-    values.pop("gcsRedisAddress")
+    values.pop("gcsRedisAddress", None)
     values.pop("gcsRedisPassword", None)
     values["gcsFaultTolerance"] = "managed"
     return values, {s for s in secrets if s != "gcsRedisPassword"}
@@ -221,8 +260,8 @@ def test_managed_gcs_redis_mistakes_are_one_line(prod, change, key, words):
     assert msg.startswith(f"{SOURCE}: {key}: ") and words in msg, msg
 
 
-def test_gcs_redis_only_with_managed(prod):
-    values, secrets = prod  # external-redis
+def test_gcs_redis_only_with_managed(external):
+    values, secrets = external
     values["gcsRedis"] = {"replicas": 2}
     assert "gcsRedis: only used with gcsFaultTolerance managed (not external-redis)" in _error(values, secrets)
 
@@ -244,8 +283,8 @@ def test_a_single_node_group_is_fine_outside_prod(prod):
 @pytest.mark.parametrize(
     "address", ["pd.abc123.use1.cache.amazonaws.com:6379", "redis://pd.abc123.use1.cache.amazonaws.com:6379"]
 )
-def test_an_external_gcs_redis_in_plaintext_is_refused(prod, environment, address):
-    values, secrets = prod
+def test_an_external_gcs_redis_in_plaintext_is_refused(external, environment, address):
+    values, secrets = external
     values["environment"] = environment
     values["gcsRedisAddress"] = address
     msg = _error(values, secrets)
@@ -254,9 +293,9 @@ def test_an_external_gcs_redis_in_plaintext_is_refused(prod, environment, addres
 
 
 @pytest.mark.parametrize("environment", ["prod", "dev"])
-def test_an_external_gcs_redis_needs_its_auth_secret(prod, environment):
-    values, secrets = prod
-    assert values["gcsRedisAddress"].startswith("rediss://")  # the shipped prod stack, fixed
+def test_an_external_gcs_redis_needs_its_auth_secret(external, environment):
+    values, secrets = external
+    assert values["gcsRedisAddress"].startswith("rediss://")
     values["environment"] = environment
     values.pop("gcsRedisPassword", None)
     assert _error(values, secrets - {"gcsRedisPassword"}) == (
@@ -265,7 +304,7 @@ def test_an_external_gcs_redis_needs_its_auth_secret(prod, environment):
     )
 
 
-def test_an_external_gcs_redis_over_tls_with_auth_loads(prod):
-    cfg = _load(*prod)
+def test_an_external_gcs_redis_over_tls_with_auth_loads(external):
+    cfg = _load(*external)
     assert cfg.gcs_fault_tolerance is config.GcsFaultTolerance.EXTERNAL_REDIS
     assert cfg.gcs_redis_address.startswith("rediss://")
