@@ -191,9 +191,10 @@ observability = ObservabilityStack(
         + (offload_rule_groups() if _offload else []),
         # A pool with a KV offload tier: its dashboard row and alerts (infra/k8s/kv_offload.py).
         kv_offload=_offload,
+        # The LLM and KubeRay namespaces, as outputs of the operator's Namespace resources: the
+        # monitors, rules and NetworkPolicy placed there are created after them.
+        namespaces=dict(operator.namespaces),
     ),
-    # The LLM namespace (its NetworkPolicy) comes from the operator component.
-    opts=pulumi.ResourceOptions(depends_on=[operator]),
 )
 
 pulumi.export("clusterName", cluster.cluster_name)

@@ -2,7 +2,8 @@
 
 What flows through here: a stack name and its config values -> `__main__.py`, executed as
 `pulumi up` would execute it but against a mock engine -> every resource it registered
-(type, name, parent, inputs) and the stack outputs. `tools.render`, `make bench` and the
+(type, name, parent, inputs, and the dependencies the SDK sent the engine with it: what
+tools/creation_order.py orders) and the stack outputs. `tools.render`, `make bench` and the
 tests use this; nothing here talks to AWS or Kubernetes.
 
 Two facts shape it (see the project's field notes):
@@ -44,8 +45,21 @@ class Registered:
     parent: str | None
     inputs: dict[str, Any]
     provider: str | None = None  # "urn::id" of an explicit provider, if any
-    depends_on: list[str] = field(default_factory=list)  # names of explicit dependencies
+    # Names of every dependency the SDK sent with the registration: explicit depends_on and the
+    # resources whose outputs flow into the inputs (`dependencies` of RegisterResourceRequest).
+    depends_on: list[str] = field(default_factory=list)
     secret_inputs: list[str] = field(default_factory=list)  # top-level inputs that are (or hold) Pulumi secrets
+    urn: str = ""
+    # The same dependencies as URNs, as the engine gets them; and per input, the URNs of the
+    # resources whose outputs flow into it (`propertyDependencies`).
+    dependency_urns: list[str] = field(default_factory=list)
+    property_dependencies: dict[str, list[str]] = field(default_factory=dict)
+    # A custom resource (the engine creates it) or a remote component (pulumi-eks, Helm v4:
+    # one node whose construction waits for its children); neither: a local component, which
+    # the engine never creates and a dependency on it stands for its children.
+    custom: bool = True
+    remote: bool = False
+    id: str = ""  # the id the mock gave it (custom resources)
 
     def as_json(self) -> dict[str, Any]:
         return {"type": self.type, "name": self.name, "parent": self.parent, "inputs": self.inputs}
@@ -111,8 +125,10 @@ class _Mocks(pulumi.runtime.Mocks):
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         parent = getattr(_local, "parent", None)
-        deps = [n for n in map(_name_from_urn, getattr(_local, "dependencies", [])) if n]
+        dependency_urns = list(getattr(_local, "dependencies", []))
+        deps = [n for n in map(_name_from_urn, dependency_urns) if n]
         secret_inputs = sorted(k for k, v in args.inputs.items() if _holds_secret(v))
+        rid = f"{args.name}-id"
         self.recorder.append(
             Registered(
                 args.typ,
@@ -122,6 +138,12 @@ class _Mocks(pulumi.runtime.Mocks):
                 args.provider or None,
                 deps,
                 secret_inputs,
+                urn=getattr(_local, "urn", ""),
+                dependency_urns=dependency_urns,
+                property_dependencies=dict(getattr(_local, "property_dependencies", {})),
+                custom=args.custom,
+                remote=getattr(_local, "remote", False),
+                id=rid,
             )
         )
         name = args.inputs.get("name") or args.name
@@ -180,7 +202,7 @@ class _Mocks(pulumi.runtime.Mocks):
             state.update(
                 registryId=FAKE_ACCOUNT, repositoryUrl=f"{FAKE_ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{name}"
             )
-        return f"{args.name}-id", state
+        return rid, state
 
     # Pulumi's MockMonitor.Invoke takes a plain dict as well as the (outputs, failures) tuple that
     # Mocks.call's annotation names (pulumi/runtime/mocks.py, pulumi 3.272): a dict is all we return.
@@ -207,11 +229,17 @@ class _Monitor(_mocks.MockMonitor):
     def RegisterResource(self, request: resource_pb2.RegisterResourceRequest) -> Any:
         _local.parent = request.parent
         _local.dependencies = list(request.dependencies)
+        _local.property_dependencies = {k: list(v.urns) for k, v in request.propertyDependencies.items()}
+        _local.urn = self.make_urn(request.parent, request.type, request.name)
+        _local.remote = bool(request.remote)
         try:
             return super().RegisterResource(request)
         finally:
             _local.parent = None
             _local.dependencies = []
+            _local.property_dependencies = {}
+            _local.urn = ""
+            _local.remote = False
 
 
 def config_map(values: dict[str, Any], others: dict[str, Any] | None = None) -> dict[str, str]:

@@ -32,7 +32,7 @@ from infra.config import ConfigError, StackConfig
 from infra.paths import BUILD_DIR, stack_file
 from infra.plan import planning as planner
 from infra.plan.model_plans import format_stack_plan
-from tools import mock_runtime, stackfile
+from tools import creation_order, mock_runtime, stackfile
 
 HELM_CHART = "kubernetes:helm.sh/v4:Chart"
 K8S_PROVIDER = "pulumi:providers:kubernetes"
@@ -208,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     write(rendered, out)
     print(summary(rendered))
     print(_plan_text(rendered.config))
+    # The order a first `pulumi up` takes (what waits for what): tools/creation_order.py.
+    print(creation_order.format_waves(creation_order.graph(rendered.result)))
     if rendered.stand_ins:
         print(stackfile.stand_in_note(rendered.stand_ins, rendered.stack))
     print(f"wrote {out / 'resources.json'} and {len(rendered.manifests())} manifests in {out / 'manifests'}")

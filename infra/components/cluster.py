@@ -20,6 +20,7 @@ import pulumi_kubernetes as k8s
 
 from infra.components.iam import trusted_by
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
+from infra.components.outputs import output_of
 from infra.config import EndpointAccess, SystemNodes
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
 
@@ -43,8 +44,10 @@ class ClusterCore:
     add-on or the LLM service takes this one object instead of a dozen of its fields, and
     parents its own resources under itself."""
 
-    name: str
-    """EKS cluster name: node group names, Pod Identity associations, add-ons, lookups."""
+    name: pulumi.Output[str]
+    """EKS cluster name, as an output of the cluster: node group names, Pod Identity
+    associations, add-ons, IAM policies and chart values take it through `apply`/`Output.all`,
+    so each is created after the cluster (a copied `str` would carry no dependency)."""
     eks: eks.Cluster
     """The pulumi-eks cluster a managed node group joins."""
     provider: k8s.Provider
@@ -132,23 +135,24 @@ class Cluster(pulumi.ComponentResource):
         key = _secrets_key(name, args, child)
         node_role = _node_role(name, args, child)
         control_plane = _control_plane(name, args, key, child)
-        self.cluster_name = pulumi.Output.from_input(args.cluster_name)
+        # The name as an output of the cluster: what takes it is created after the cluster.
+        self.cluster_name = output_of(control_plane, args.cluster_name)
         # Pod Identity: how the Ray pods get their S3 role without node-wide credentials.
         # Pods whose credentials come from it wait for it (LlmService, NodeAutoscaler).
         pod_identity_agent = aws.eks.Addon(
             f"{name}-pod-identity-agent",
             cluster_name=self.cluster_name,
             addon_name="eks-pod-identity-agent",
-            opts=pulumi.ResourceOptions(parent=self, depends_on=[control_plane]),
+            opts=child,
         )
         # The EKS-managed cluster security group: what managed nodes get when EKS builds their
         # launch template, so every template of ours names it too.
         cluster_sg = aws.eks.get_cluster_output(
-            name=args.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[control_plane])
+            name=self.cluster_name, opts=pulumi.InvokeOutputOptions(depends_on=[control_plane])
         ).vpc_config.cluster_security_group_id
         template = _system_template(name, args, cluster_sg, child)
-        _system_node_group(name, args, control_plane, node_role, template, child)
-        self.system_node_group_name = pulumi.Output.from_input(f"{args.cluster_name}-system")
+        system = _system_node_group(name, args, control_plane, node_role, template, child)
+        self.system_node_group_name = output_of(system, f"{args.cluster_name}-system")
 
         self.kubeconfig = pulumi.Output.secret(control_plane.kubeconfig_json)
         self.oidc_issuer = control_plane.oidc_issuer
@@ -159,7 +163,7 @@ class Cluster(pulumi.ComponentResource):
             opts=child,
         )
         self.core = ClusterCore(
-            name=args.cluster_name,
+            name=self.cluster_name,
             eks=control_plane,
             provider=provider,
             node_role=node_role,

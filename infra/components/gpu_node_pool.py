@@ -34,6 +34,7 @@ import pulumi_eks as eks
 from infra import catalog
 from infra.components.cluster import ClusterCore
 from infra.components.launch_templates import IMDSV2, encrypted_root_volume
+from infra.components.outputs import output_of
 from infra.config import CapacityType, NodePool
 from infra.k8s.labels import GPU_TAINT_KEY, GPU_TAINT_VALUE, ROLE_LABEL
 from infra.k8s.node_template import gpu_node_labels, scale_from_zero_tags
@@ -138,7 +139,9 @@ def node_group_name(cluster_name: str, role: str) -> str:
 
 
 class GpuNodePool(pulumi.ComponentResource):
-    node_group_name: str
+    node_group_name: pulumi.Output[str]
+    """The EKS node group's name, as an output of the node group (the node autoscaler's IAM
+    policy and discovery flags take it, and so come after the group)."""
     labels: dict[str, str]
     instance: catalog.InstanceType
 
@@ -150,7 +153,7 @@ class GpuNodePool(pulumi.ComponentResource):
         # The role (what the engine pods select) and the GPU label the Cluster Autoscaler
         # needs to wait for the device plugin instead of adding another node.
         self.labels = {ROLE_LABEL: args.role, **gpu_node_labels(inst)}
-        group_name = node_group_name(cluster.name, args.role)
+        group_name = cluster.name.apply(lambda cluster_name: node_group_name(cluster_name, args.role))
         raid = pool.raid0
         common: dict[str, Any] = dict(
             cluster=cluster.eks,
@@ -174,7 +177,7 @@ class GpuNodePool(pulumi.ComponentResource):
         # and the node group's releaseVersion.
         lt = self._launch_template(name, args, raid, child)
         one_zone = pool.capacity_type is CapacityType.CAPACITY_BLOCK or inst.efa
-        eks.ManagedNodeGroup(
+        group = eks.ManagedNodeGroup(
             f"{name}-ng",
             # One subnet for EFA (its traffic stays in one zone) and Capacity Blocks (they live
             # in one); every private subnet otherwise.
@@ -187,7 +190,7 @@ class GpuNodePool(pulumi.ComponentResource):
             **common,
         )
 
-        self.node_group_name = group_name
+        self.node_group_name = output_of(group, group_name)
         self.register_outputs({"nodeGroupName": self.node_group_name, "instanceType": inst.name})
 
     def _launch_template(

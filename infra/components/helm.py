@@ -20,12 +20,13 @@ def release(
     name: str,
     chart: HelmChart,
     namespace: str,
-    values: dict,
+    values: pulumi.Input[dict],
     provider: k8s.Provider,
     depends_on: Sequence[pulumi.Resource] = (),
     release_name: str | None = None,
 ) -> k8s.helm.v4.Chart:
-    """release_name: the Helm release's name when other objects select on it (default: `name`)."""
+    """release_name: the Helm release's name when other objects select on it (default: `name`).
+    `values` may be an Output (values that name other resources carry them as dependencies)."""
     return k8s.helm.v4.Chart(
         name,
         name=release_name,

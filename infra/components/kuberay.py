@@ -18,6 +18,7 @@ import pulumi_kubernetes as k8s
 from infra import versions
 from infra.components.cluster import ClusterCore
 from infra.components.helm import release
+from infra.components.outputs import output_of
 from infra.k8s.labels import KUBERAY_NAMESPACE as NAMESPACE
 from infra.k8s.labels import ROLE_LABEL, SYSTEM_ROLE
 
@@ -31,6 +32,11 @@ class KubeRayOperatorArgs:
 
 
 class KubeRayOperator(pulumi.ComponentResource):
+    namespaces: dict[str, pulumi.Output[str]]
+    """Namespace name -> that name as an output of its Namespace resource, for the operator's
+    namespace and every workload namespace: objects other components put there take their
+    namespace from here, so they are created after it."""
+
     def __init__(self, name: str, args: KubeRayOperatorArgs, opts: pulumi.ResourceOptions | None = None):
         super().__init__("pd-inference:kuberay:KubeRayOperator", name, None, opts)
         provider = args.cluster.provider
@@ -50,6 +56,10 @@ class KubeRayOperator(pulumi.ComponentResource):
             )
             for wn in args.watch_namespaces
         ]
+        self.namespaces = {
+            NAMESPACE: output_of(ns, NAMESPACE),
+            **{wn: output_of(n, wn) for wn, n in zip(args.watch_namespaces, self.workload_namespaces, strict=True)},
+        }
         chart = versions.KUBERAY_OPERATOR
         values = {
             "nodeSelector": {ROLE_LABEL: SYSTEM_ROLE},

@@ -34,6 +34,8 @@ from infra import catalog
 from infra.components.buckets import private_bucket
 from infra.components.cluster import ClusterCore
 from infra.components.iam import trusted_by
+from infra.components.kuberay import KubeRayOperator
+from infra.components.outputs import placed
 from infra.config import ServiceExposure
 from infra.config.kv_offload import KvOffload
 from infra.k8s.api_access import namespace_ingress_policy
@@ -59,8 +61,9 @@ class LlmServiceArgs:
     and behind the NLB the forwarding nodes' addresses: infra/k8s/api_access.py) and tags."""
     namespace: str
     """Namespace of the RayService, its Secrets and Services."""
-    operator: pulumi.Resource
-    """The KubeRay operator: the RayService CRD must exist first."""
+    operator: KubeRayOperator
+    """The KubeRay operator: the RayService CRD must exist first, and `namespace` is one of its
+    namespaces (every object here takes it from the operator's Namespace resource)."""
     serving: ServingSpec
     """The serving spec: renders serveConfigV2 and sizes the worker groups."""
     instances: dict[str, catalog.InstanceType]
@@ -136,7 +139,9 @@ class LlmService(pulumi.ComponentResource):
             # The pods mount it at start: it must exist before KubeRay creates them.
             cm = exporter_configmap(args.tracing, name, args.namespace)
             ready.append(
-                k8s.core.v1.ConfigMap(f"{name}-serve-tracing", metadata=cm["metadata"], data=cm["data"], opts=k8s_opts)
+                k8s.core.v1.ConfigMap(
+                    f"{name}-serve-tracing", metadata=_placed(cm["metadata"], args), data=cm["data"], opts=k8s_opts
+                )
             )
         create_rayservice(name, args, code, identity, secrets, self.service_name, ready, self)
         # KubeRay, not Pulumi, owns the serve Service (spec.serveService): an NLB's hostname is
@@ -231,7 +236,7 @@ def create_pod_identity(
     created.append(
         k8s.core.v1.ServiceAccount(
             f"{name}-head-sa",
-            metadata={"name": head_sa, "namespace": args.namespace},
+            metadata=_placed({"name": head_sa, "namespace": args.namespace}, args),
             # The head's autoscaler talks to the API server; KubeRay binds its Role to this account.
             automount_service_account_token=True,
             opts=k8s_opts,
@@ -240,7 +245,7 @@ def create_pod_identity(
     created.append(
         k8s.core.v1.ServiceAccount(
             f"{name}-worker-sa",
-            metadata={"name": worker_sa, "namespace": args.namespace},
+            metadata=_placed({"name": worker_sa, "namespace": args.namespace}, args),
             automount_service_account_token=False,
             opts=k8s_opts,
         )
@@ -268,7 +273,7 @@ def create_secrets(name: str, args: LlmServiceArgs, opts: pulumi.ResourceOptions
         created.append(
             k8s.core.v1.Secret(
                 f"{name}-{suffix}-secret",
-                metadata={"name": sname, "namespace": args.namespace},
+                metadata=_placed({"name": sname, "namespace": args.namespace}, args),
                 type="Opaque",
                 # Output.secret's generic parameter defeats mypy's inference (pulumi 3.272).
                 string_data={data_key: pulumi.Output.secret(value)},  # type: ignore[arg-type]
@@ -340,7 +345,7 @@ def create_rayservice(
         f"{name}-rayservice",
         api_version="ray.io/v1",
         kind="RayService",
-        metadata={"name": name, "namespace": args.namespace, "labels": {"app.kubernetes.io/name": name}},
+        metadata=_placed({"name": name, "namespace": args.namespace, "labels": {"app.kubernetes.io/name": name}}, args),
         spec=spec,
         opts=pulumi.ResourceOptions(parent=parent, provider=args.cluster.provider, depends_on=depends_on),
     )
@@ -357,14 +362,21 @@ def create_network_policies(name: str, args: LlmServiceArgs, opts: pulumi.Resour
         args.cluster.vpc_cidr,
         behind_nlb=args.exposure is ServiceExposure.INTERNAL_NLB,
     )
-    k8s.networking.v1.NetworkPolicy(f"{name}-netpol", metadata=ingress["metadata"], spec=ingress["spec"], opts=opts)
+    k8s.networking.v1.NetworkPolicy(
+        f"{name}-netpol", metadata=_placed(ingress["metadata"], args), spec=ingress["spec"], opts=opts
+    )
     if args.serving.fallback is not None:
         egress = fallback_egress_policy(
             name, args.namespace, args.cluster.vpc_cidr, args.serving.fallback.port, tracing=args.tracing is not None
         )
         k8s.networking.v1.NetworkPolicy(
-            f"{name}-egress-netpol", metadata=egress["metadata"], spec=egress["spec"], opts=opts
+            f"{name}-egress-netpol", metadata=_placed(egress["metadata"], args), spec=egress["spec"], opts=opts
         )
+
+
+def _placed(meta: dict[str, Any], args: LlmServiceArgs) -> dict[str, Any]:
+    """`meta` with its namespace from the operator's Namespace resource (created after it)."""
+    return placed(meta, args.operator.namespaces)
 
 
 _IMAGE_STAND_IN = "registry.invalid/built-worker-image:pending"

@@ -159,7 +159,9 @@ class NodeAutoscaler(pulumi.ComponentResource):
         if not args.pools:
             raise ValueError("NodeAutoscaler needs at least one node group to scale")
         cluster = args.cluster
-        node_group_names = [p.node_group_name for p in args.pools]
+        # The cluster's and the node groups' names as outputs of them: the policy, the
+        # association and the chart values below come after the cluster and the groups.
+        names = pulumi.Output.all(cluster.name, *(p.node_group_name for p in args.pools))
         child = pulumi.ResourceOptions(parent=self)
         role = aws.iam.Role(
             f"{name}-role",
@@ -170,7 +172,7 @@ class NodeAutoscaler(pulumi.ComponentResource):
         policy = aws.iam.RolePolicy(
             f"{name}-policy",
             role=role.id,
-            policy=json.dumps(autoscaler_policy(cluster.name, node_group_names)),
+            policy=names.apply(lambda n: json.dumps(autoscaler_policy(n[0], list(n[1:])))),
             opts=child,
         )
         identity = aws.eks.PodIdentityAssociation(
@@ -182,7 +184,7 @@ class NodeAutoscaler(pulumi.ComponentResource):
             tags=cluster.tags,
             opts=child,
         )
-        values = chart_values(cluster.name, cluster.region, cluster.kubernetes_version, node_group_names)
+        values = names.apply(lambda n: chart_values(n[0], cluster.region, cluster.kubernetes_version, list(n[1:])))
         release(
             self,
             f"{name}-chart",

@@ -31,6 +31,7 @@ from infra import versions
 from infra.components.cluster import ClusterCore
 from infra.components.helm import release
 from infra.components.iam import trusted_by
+from infra.components.outputs import placed
 from infra.components.tracing import create_trace_store
 from infra.config import MetricsStack, Observability
 from infra.k8s import alerts, dashboards, monitoring, tracing
@@ -62,6 +63,10 @@ class ObservabilityArgs:
     """More PrometheusRule groups (the KV-transfer alerts)."""
     kv_offload: bool = False
     """A pool has a KV offload tier: the dashboard gets its row (the alerts come as extra groups)."""
+    namespaces: dict[str, pulumi.Input[str]] = field(default_factory=dict)
+    """Namespaces other components create (the LLM namespace, KubeRay's), name -> that name as an
+    output of the Namespace resource: the monitors, rules and policies put there take it from
+    here, so they are created after it."""
 
 
 class ObservabilityStack(pulumi.ComponentResource):
@@ -279,7 +284,7 @@ def create_monitors(
             f"{name}-{obj['kind'].lower()}-{meta['namespace']}-{meta['name']}",
             api_version=obj["apiVersion"],
             kind=obj["kind"],
-            metadata=meta,
+            metadata=placed(meta, args.namespaces),
             spec=obj["spec"],
             opts=after_crds,
         )
@@ -291,4 +296,6 @@ def create_monitors(
             opts=pulumi.ResourceOptions(parent=owner, provider=provider, depends_on=[ns]),
         )
     np_ = monitoring.metrics_network_policy(args.llm_namespace)
-    k8s.networking.v1.NetworkPolicy(f"{name}-scrape-netpol", metadata=np_["metadata"], spec=np_["spec"], opts=k8s_opts)
+    k8s.networking.v1.NetworkPolicy(
+        f"{name}-scrape-netpol", metadata=placed(np_["metadata"], args.namespaces), spec=np_["spec"], opts=k8s_opts
+    )
