@@ -168,7 +168,6 @@ def skip_usage_telemetry_when_off() -> None:
     llm_server.push_telemetry_report_for_all_models = push_when_usage_stats_on
 
 
-def check_hooks() -> None:
 def adopt_tokenization(engine: Any) -> None:
     """vLLM's tokenization server on a started Ray engine, under either of vLLM's names.
 
@@ -182,6 +181,7 @@ def adopt_tokenization(engine: Any) -> None:
         engine._oai_serving_tokenization = getattr(state, "serving_tokenization", None)
 
 
+def check_hooks() -> None:
     """Raise RuntimeError naming every private hook of HOOKS that this Ray lacks."""
     import importlib
 
@@ -220,7 +220,7 @@ __all__ = [
     "serve_details",
     "serve_request_id",
     "session_id_from_headers",
+    "adopt_tokenization",
     "skip_usage_telemetry_when_off",
     "to_model_metadata",
-    "adopt_tokenization",
 ]
