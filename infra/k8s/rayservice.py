@@ -360,7 +360,9 @@ def _kv_routing_ports(serving: ServingSpec, pool: str, inst: catalog.InstanceTyp
         {"containerPort": port, "name": name, "protocol": "TCP"}
         for slot, m in enumerate(serving.served)
         if m.kv_routed and m.pool_of("prefill") == pool
-        for name, port in kv_bound_ports(slot, max(1, inst.gpus // m.prefill.gpus_per_rank))
+        for name, port in kv_bound_ports(
+            slot, max(1, inst.gpus // m.prefill.gpus_per_rank), m.prefill.data_parallel_size
+        )
     ]
 
 

@@ -210,14 +210,25 @@ def kv_ports(slot: int) -> dict[str, int]:
     }
 
 
-def kv_bound_ports(slot: int, replicas: int) -> list[tuple[str, int]]:
-    """(name, port) of the sockets the `slot`-th model's KV-routed engines bind for node-local
-    ranks 0..replicas-1: Ray's KV-event PUB socket at the base + rank, its replay socket 1000 above."""
-    base = kv_ports(slot)["KV_EVENTS_PORT_BASE"]
+def kv_bound_ports(slot: int, replicas: int, dp_size: int = 1) -> list[tuple[str, int]]:
+    """(name, port) of every socket the `slot`-th model's KV-routed engines bind on a node holding
+    `replicas` of them (Ray 2.60 routing_policies/kv_aware/vllm/kv_events.py): the KV-event PUB
+    socket at its base + the replica's node-local rank and the replay socket 1000 above (with
+    data parallelism vLLM offsets both by the global dp_rank instead, any of 0..dp_size-1 on any
+    node), and the prompt-token PULL socket at its own base + the node-local rank."""
+    ports = kv_ports(slot)
+    events, tokens = ports["KV_EVENTS_PORT_BASE"], ports["KV_TOKEN_PORT_BASE"]
+    offsets = range(dp_size) if dp_size > 1 else range(replicas)
     return [
-        port
-        for rank in range(replicas)
-        for port in ((f"kv{slot}-ev{rank}", base + rank), (f"kv{slot}-rp{rank}", base + KV_REPLAY_PORT_OFFSET + rank))
+        *(
+            port
+            for rank in offsets
+            for port in (
+                (f"kv{slot}-ev{rank}", events + rank),
+                (f"kv{slot}-rp{rank}", events + KV_REPLAY_PORT_OFFSET + rank),
+            )
+        ),
+        *((f"kv{slot}-tk{rank}", tokens + rank) for rank in range(replicas)),
     ]
 
 

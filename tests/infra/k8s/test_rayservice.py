@@ -605,9 +605,10 @@ def test_the_haproxy_folder_check_catches_a_read_only_root(rendered_stacks):
 
 def test_a_kv_routed_prefill_pool_declares_the_ports_its_engines_bind_and_others_do_not():
     """Ray 2.60 binds each KV-routed engine's KV-event PUB socket at the base + its node-local
-    rank and its replay socket 1000 above (routing_policies/kv_aware/vllm/kv_events.py); the
-    prefill pool's pods declare exactly those for the replicas a pod holds (prod: TP 8 on
-    p5.48xlarge, one replica a pod), the decode pool and a plain prefill pool none."""
+    rank, its replay socket 1000 above and its prompt-token PULL socket at the token base + the
+    rank (routing_policies/kv_aware/vllm/kv_events.py); the prefill pool's pods declare exactly
+    those for the replicas a pod holds (prod: TP 8 on p5.48xlarge, one replica a pod), the
+    decode pool and a plain prefill pool none (every rank: test_kv_router_ports_contract.py)."""
     from ray.llm._internal.serve.routing_policies.kv_aware import constants
 
     values, secrets, others = copy.deepcopy(stackfile.read(SWITCH_STACK))
@@ -619,7 +620,11 @@ def test_a_kv_routed_prefill_pool_declares_the_ports_its_engines_bind_and_others
         return [(p["name"], p["containerPort"]) for p in ports if p["name"].startswith("kv")]
 
     base = constants.DEFAULT_KV_EVENTS_PORT_BASE
-    assert kv("prefill") == [("kv0-ev0", base), ("kv0-rp0", base + constants.DEFAULT_KV_EVENTS_REPLAY_PORT_OFFSET)]
+    assert kv("prefill") == [
+        ("kv0-ev0", base),
+        ("kv0-rp0", base + constants.DEFAULT_KV_EVENTS_REPLAY_PORT_OFFSET),
+        ("kv0-tk0", constants.DEFAULT_KV_TOKEN_PORT_BASE),
+    ]
     assert kv("decode") == []
     plain = _groups(_rendered_with(DataPlane.HAPROXY))
     assert not [
