@@ -2,7 +2,8 @@
 
 What flows through here: a `Plan` (infra/plan/plans.py) -> the model and its shape, one column per engine
 role (hardware, memory, KV cache, network, decode speed, cost, autoscaling, time to serve),
-the totals, the KV link, the head's sizing, the decode replica's API-side CPU and the fit verdict, then the multi-node layouts that fit. Text only:
+the totals, the KV link, the head's sizing, the decode replica's API-side CPU and the fit verdict, then
+whether to disaggregate (infra/plan/disaggregation_plan.py) and the multi-node layouts that fit. Text only:
 every figure is computed in `infra.plan.planning` and `infra.sizing.fit`. `planning` re-exports
 `format_plan` and `format_layouts`.
 """
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from infra import catalog
+from infra.plan.disaggregation_plan import format_disaggregation
 from infra.sizing import startup
 from infra.sizing.fit import GIB, ModelFigures
 from infra.sizing.head import format_head
@@ -307,5 +309,6 @@ def format_plan(p: Plan) -> str:
     rows = _engine_rows(ctx) + _cost_rows() + _startup_rows()
     if not any(r.kv_offload for r in p.roles):  # no pool has a KV offload tier: no rows for it
         rows = [(label, cell) for label, cell in rows if cell not in (_offload_size, _offload_tokens)]
-    lines = [*_header_lines(p), "", *_table(p, rows), "", *_footer_lines(p), *format_layouts(p)]
+    lines = [*_header_lines(p), "", *_table(p, rows), "", *_footer_lines(p)]
+    lines += ["", *format_disaggregation(p.disaggregation), *format_layouts(p)]
     return "\n".join(lines)

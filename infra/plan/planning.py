@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from infra import catalog
 from infra.config import NodePool, NodePools, StackConfig
+from infra.plan.disaggregation_plan import disaggregation_for
 from infra.plan.plan_text import format_layouts as format_layouts
 from infra.plan.plan_text import format_plan as format_plan
 from infra.plan.plans import KvLink as KvLink
@@ -173,6 +174,7 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
         )
     )
     layout_roles, layouts = _layouts(config, shape, context_len)
+    link = kv_link(config, roles)
     return Plan(
         environment=config.environment.value,
         model_id=model.id,
@@ -187,9 +189,12 @@ def plan(config: StackConfig, *, context_len: int | None = None, workload: Workl
         roles=tuple(roles),
         layouts=tuple(layouts),
         layout_roles=tuple(layout_roles),
-        kv_link=kv_link(config, roles),
+        kv_link=link,
         head=head,
         streaming=streaming_for(config, roles, wl.output_tokens, _decode_rate_at(config, shape, wl)),
+        disaggregation=disaggregation_for(
+            config, shape, roles, link, None if rate is None else rate[0], wl.prompt_tokens, wl.output_tokens
+        ),
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from infra.sizing import startup
+from infra.sizing.disaggregation import Verdict
 from infra.sizing.fit import LayoutOption, ModelFigures, ModelShape
 from infra.sizing.head import HeadSizing
 from infra.sizing.streaming import StreamingSizing
@@ -129,6 +130,8 @@ class Plan:
     # What the planned rate asks of the Ray head (None: no roofline rate, shape unknown).
     head: HeadSizing | None = None
     streaming: StreamingSizing | None = None  # the decode replica's API-side CPU (infra/sizing/streaming.py)
+    # Aggregated or disaggregated for the workload and serving.slo (infra/plan/disaggregation_plan.py).
+    disaggregation: Verdict | None = None
 
     @property
     def fit_checked(self) -> bool:
