@@ -4,8 +4,9 @@ What flows through here: `stacks/Pulumi.<stack>.yaml` (secret values replaced by
 placeholders) -> the real program under Pulumi's mock runtime (`tools.mock_runtime`) ->
 `DIR/resources.json` (every registered resource: type, name, parent, inputs),
 `DIR/manifests/` (one YAML file per Kubernetes object the stack declares; each Helm release
-as its chart, version, repository and values) and a summary on stdout (resources by type,
-GPUs and EFA interfaces per pool, cost, the capacity plan).
+as its chart, version, repository and values), `DIR/diagram.svg` (the picture of them,
+`tools.diagram`) and a summary on stdout (resources by type, GPUs and EFA interfaces per
+pool, cost, the capacity plan).
 
     python -m tools.render --stack prod [--out DIR] [--stand-in-secrets]   # DIR: build/<stack>
 
@@ -32,7 +33,7 @@ from infra.config import ConfigError, StackConfig
 from infra.paths import BUILD_DIR, stack_file
 from infra.plan import planning as planner
 from infra.plan.model_plans import format_stack_plan
-from tools import creation_order, mock_runtime, stackfile
+from tools import creation_order, diagram, mock_runtime, stackfile
 
 HELM_CHART = "kubernetes:helm.sh/v4:Chart"
 K8S_PROVIDER = "pulumi:providers:kubernetes"
@@ -114,6 +115,7 @@ def write(rendered: Rendered, out: Path) -> None:
     )
     for fname, obj in sorted(rendered.manifests().items()):
         (out / "manifests" / fname).write_text(yaml.safe_dump(obj, sort_keys=False))
+    diagram.write(out, rendered.stack)  # the picture, read back from the two just written
     # The fabric checks the deploy workflow runs after `pulumi up` (not Pulumi resources): one
     # per P/D model's EFA pool pair, one NCCL check per EFA pool whose replicas span nodes.
     from tools import efa_check
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if rendered.stand_ins:
         print(stackfile.stand_in_note(rendered.stand_ins, rendered.stack))
     print(f"wrote {out / 'resources.json'} and {len(rendered.manifests())} manifests in {out / 'manifests'}")
+    print(f"wrote {out / diagram.FILE}: what `pulumi up` creates, drawn")
     return 0
 
 
