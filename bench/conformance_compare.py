@@ -233,13 +233,15 @@ def view(answer: Answer) -> dict[str, Any]:
     return {"status": 200, "whole": v}
 
 
-def differences(oracle: Answer, ours: Answer, *, internal_ok: bool = False) -> list[str]:
-    """Every place our answer differs from the oracle's, as `path: oracle != ours` lines."""
+def differences(oracle: Answer, ours: Answer) -> list[str]:
+    """Every place our answer differs from the oracle's, as `path: oracle != ours` lines (only
+    the status when that differs: the rest then says nothing more)."""
     a, b = view(oracle), view(ours)
-    for side in (a, b):
-        for body in (side.get("whole"), side.get("stream")):
-            if body is not None and side is a:
-                body["internal"] = []  # the oracle's own null transfer fields
+    if a["status"] != b["status"]:
+        return [f"status: {a['status']} != {b['status']}"]
+    for body in (a.get("whole"), a.get("stream")):
+        if body is not None:
+            body["internal"] = []  # the oracle's own transfer fields, null or not: not ours to judge
     out: list[str] = []
     _diff("", a, b, out)
     return out
