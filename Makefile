@@ -18,8 +18,8 @@ help:
 	@echo "make test-long          the long e2e tests (scale events under load, many models; ~11 minutes); CI runs both"
 	@echo "make lint               ruff and mypy"
 	@echo "make lock [UPGRADE=1]   refresh the hashed locks after editing a requirements file"
-	@echo "make docs               regenerate the command outputs shown in the docs"
-	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests"
+	@echo "make docs               regenerate the command outputs and stack diagrams shown in the docs"
+	@echo "make render STACK=prod  write build/prod: resources.json + Kubernetes manifests + diagram.svg"
 	@echo "make plan STACK=prod    capacity plan for a stack"
 	@echo "make model STACK=platform MODEL=org/name [POOL=decode=general] [WRITE=1]   add a model: plan, diff, rollout kind"
 	@echo "make serve REPLICAS=2   the same with 2 prefill and 2 decode engine replicas"
@@ -243,7 +243,8 @@ diff: pulumi-venv
 	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }
 	$(PULUMI_PY) -m tools.diff "$(A)" "$(B)"
 
-# Regenerate the command outputs shown in README.md and docs/ (tests/tools/test_docs.py fails when stale).
+# Regenerate the command outputs and the stack diagrams (docs/img/) shown in README.md and docs/
+# (tests/tools/test_docs.py fails when stale; `python -m tools.docs --check` names them).
 docs: venv
 	$(PY) -m tools.docs
 

@@ -1,6 +1,9 @@
-"""`make docs`: the command outputs in the docs are generated, and a stale one fails here."""
+"""`make docs`: the command outputs and the stack diagrams in the docs are generated, and a stale
+one fails here."""
 
 from __future__ import annotations
+
+import re
 
 from infra.paths import ROOT
 from tools import docs
@@ -39,3 +42,38 @@ def test_an_unknown_generator_is_named(tmp_path):
         assert "unknown generator 'nope'" in str(e)
     else:
         raise AssertionError("an unknown generator must stop make docs")
+
+
+def test_a_missing_or_stale_diagram_is_caught(tmp_path):
+    path = tmp_path / "docs" / "img" / "stack-dev.svg"
+    original = docs.ROOT
+    try:
+        docs.ROOT = tmp_path  # stale() reports paths relative to the root
+        assert docs.stale([], {path: "dev"}) == ["docs/img/stack-dev.svg"]  # not drawn yet
+        path.parent.mkdir(parents=True)
+        picture = docs.gen_diagram("dev")
+        path.write_text(picture)
+        assert docs.stale([], {path: "dev"}) == []
+        path.write_text(picture.replace("g5.xlarge", "g6.xlarge"))  # an instance type the stack does not have
+        assert docs.stale([], {path: "dev"}) == ["docs/img/stack-dev.svg"]
+    finally:
+        docs.ROOT = original
+
+
+def test_the_shown_diagrams_are_what_make_render_draws(tmp_path):
+    from tools import render
+
+    for path, stack in docs.diagram_files().items():
+        out = tmp_path / stack
+        render.write(render.render(stack, stand_in_secrets=True), out)
+        assert path.read_text() == (out / "diagram.svg").read_text(), f"{path.name}: run `make docs`"
+    readme = (ROOT / "README.md").read_text()
+    assert "](docs/img/stack-prod.svg)" in readme, "the README shows prod's picture"
+
+
+def test_the_docs_index_lists_every_page_once():
+    index = (ROOT / "docs" / "README.md").read_text()
+    linked = re.findall(r"\]\(([\w-]+\.md)\)", index)
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
+    assert sorted(linked) == pages, "docs/README.md: one line per page, each page once"
+    assert "](docs/README.md)" in (ROOT / "README.md").read_text(), "the README links the index"
