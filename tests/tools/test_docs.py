@@ -77,3 +77,22 @@ def test_the_docs_index_lists_every_page_once():
     pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "README.md")
     assert sorted(linked) == pages, "docs/README.md: one line per page, each page once"
     assert "](docs/README.md)" in (ROOT / "README.md").read_text(), "the README links the index"
+
+
+def test_the_docs_name_behaviours_not_issue_numbers():
+    # Upstream references keep their repository (ray#41161); a bare number is one of ours.
+    ours = re.compile(r"\bissues? \d+\b|(?<![\w/.-])#\d+\b", re.I)
+    found = {
+        path.relative_to(ROOT).as_posix(): ours.findall(path.read_text())
+        for path in [*docs.doc_files(), ROOT / "bench" / "performance.md.in"]
+    }
+    assert not {k: v for k, v in found.items() if v}
+
+
+def test_the_readme_is_short_and_its_only_dated_figures_are_the_generated_headline():
+    from bench.report import BEGIN, END
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 200
+    outside = text[: text.index(BEGIN)] + text[text.index(END) :]
+    assert not re.findall(r"\b20\d\d-\d\d-\d\d\b", outside), "dated figures belong on their pages"
