@@ -29,7 +29,9 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/llm/_internal/serve/routing_policies/kv_aware/kv_aware_router.py (is_kv_aware)
   python/ray/llm/_internal/serve/routing_policies/kv_aware/vllm/tokenizer.py (kv_tokenizer)
   python/ray/serve/context.py                               (serve_request_id: the request id a
-                                                            handle call carries to its replica)
+                                                            handle call carries to its replica;
+                                                            serve_internal_request_id, Serve's own;
+                                                            serve_request_id_as)
   python/ray/llm/_internal/serve/engines/vllm/vllm_engine.py (VLLMEngine: the engine class
                                                             serving/engines/engine_metrics.py extends)
   python/ray/llm/_internal/serve/core/server/llm_server.py  (push_telemetry_report_for_all_models,
@@ -51,6 +53,8 @@ once the router has given the call to a replica).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from ray.llm._internal.common.dict_utils import (
@@ -141,6 +145,35 @@ def serve_request_id() -> str:
     return _get_serve_request_context().request_id
 
 
+def serve_internal_request_id() -> str:
+    """Serve's own id of the request this task serves: made by Serve's proxy per HTTP request
+    (python/ray/serve/_private/proxy.py) and carried unchanged by every handle call the request
+    makes (_private/default_impl.py get_request_metadata). Unlike `serve_request_id`, which is
+    the client's `x-request-id` when it sent one, no client chooses it."""
+    from ray.serve.context import _get_serve_request_context
+
+    return _get_serve_request_context()._internal_request_id
+
+
+@contextlib.contextmanager
+def serve_request_id_as(request_id: str) -> Iterator[None]:
+    """Within the block, this task's Serve request id (`serve_request_id`, and Ray Serve LLM's
+    get_serve_request_id, the id its KV-routed engines report lifecycle events under:
+    routing_policies/kv_aware/vllm/token_tracking.py) is `request_id`; the rest of the request
+    context (python/ray/serve/context.py _RequestContext, a frozen dataclass) is kept."""
+    import dataclasses
+
+    from ray.serve import context
+
+    token = context._serve_request_context.set(
+        dataclasses.replace(context._get_serve_request_context(), request_id=request_id)
+    )
+    try:
+        yield
+    finally:
+        context._serve_request_context.reset(token)
+
+
 def skip_usage_telemetry_when_off() -> None:
     """Ray Serve LLM's usage report, only when Ray's usage stats are on.
 
@@ -208,6 +241,7 @@ __all__ = [
     "PDServingArgs",
     "RawRequestInfo",
     "VLLMEngine",
+    "adopt_tokenization",
     "build_kv_token_tracker",
     "check_hooks",
     "is_kv_aware",
@@ -218,9 +252,10 @@ __all__ = [
     "reuse_prompt_token_ids",
     "sanitize_chat_request",
     "serve_details",
+    "serve_internal_request_id",
     "serve_request_id",
+    "serve_request_id_as",
     "session_id_from_headers",
-    "adopt_tokenization",
     "skip_usage_telemetry_when_off",
     "to_model_metadata",
 ]

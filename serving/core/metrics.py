@@ -59,6 +59,7 @@ class KvRoute(str, enum.Enum):
     UNSCORED = "unscored"  # nothing to score by (no text prompt, no worker registered): by load
     TIMEOUT = "timeout"  # the scorer did not answer in time: by load
     ERROR = "error"  # the scorer failed: by load
+    SKIPPED = "skipped"  # the scorer failed or timed out moments ago, not asked (its breaker): by load
 
 
 class MigrationOutcome(str, enum.Enum):

@@ -10,7 +10,12 @@ request router in the decode replica's process, sends the call to that replica -
 engine reports the request's lifecycle (prefill done, finished) to the scorer, which frees the
 booked load. Whatever goes wrong on the way (no scorer answer in time, a prompt the renderer
 cannot read, no worker registered yet, the chosen replica gone) leaves the call to the
-router's power-of-two choice: routing degrades to load-based, never to an error.
+router's power-of-two choice: routing degrades to load-based, never to an error; after a
+failure or a timeout decode does not ask the scorer for `KV_SCORER_COOLDOWN_S`, then one
+request asks again (`KvRoutes`' breaker), so a scorer that is down costs no request its wait.
+Bookings are kept under Serve's internal request id (`booking_id`), which no client chooses,
+and the prefill server has its engine report under that id too: two requests sent with one
+`x-request-id` (Serve's request id) keep separate bookings.
 
 Why this module and not Ray's own wiring: Ray 2.60 scores KV overlap only for the deployment
 behind its `LLMRouter` ingress (direct streaming), which in its P/D builder is decode, never
@@ -26,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ray import serve
@@ -34,12 +41,18 @@ from ray.serve.llm.request_router import KVAwareRouter
 
 from serving import ray_internals as ri
 from serving.core import metrics
+from serving.core.calls import aclose_quietly
 from serving.spec.base import KV_SCORER_DEPLOYMENT
 
 logger = logging.getLogger("ray.serve")
 
 # The keyword the chosen worker id rides on, from decode's prefill call to the prefill router.
 KV_ROUTE_KWARG = "kv_route"
+# After the scorer failed or did not answer in time, decode routes by load without asking it
+# for this long; then one request asks again (a scorer replica restarts in seconds to minutes).
+KV_SCORER_COOLDOWN_S = 5.0
+# Completed request ids the scorer lets Ray's tracker remember (see KvScorer._sweep).
+KV_COMPLETED_IDS_KEPT = 1024
 # The request fields the engine's renderer reads to build the prompt (vLLM's ChatCompletionRequest
 # and CompletionRequest): the scorer gets these, not the whole request.
 PROMPT_FIELDS = (
@@ -83,14 +96,43 @@ class KvPrefillRouter(KVAwareRouter):
         return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
 
 
+def booking_id() -> str:
+    """The id this request's KV booking is kept under, on decode (booked and released) and on
+    the prefill replica (its engine's lifecycle reports): Serve's internal request id, the same
+    on every hop of one client request. Not Serve's request id: that is the client's
+    `x-request-id` when it sends one (Ray 2.60 serve/_private/proxy.py), and two requests
+    sent with one id would free each other's bookings."""
+    return ri.serve_internal_request_id()
+
+
 class KvPrefillServer(PDPrefillServer):
-    """Ray's prefill server, taking (and dropping) the `kv_route` keyword its router read."""
+    """Ray's prefill server, taking (and dropping) the `kv_route` keyword its router read, its
+    engine reporting the request's lifecycle under `booking_id()`."""
 
     async def chat(self, request: Any, raw_request_info: Any = None, kv_route: int | None = None) -> Any:
-        return await super().chat(request, raw_request_info)
+        return reporting_under(booking_id(), await super().chat(request, raw_request_info))
 
     async def completions(self, request: Any, raw_request_info: Any = None, kv_route: int | None = None) -> Any:
-        return await super().completions(request, raw_request_info)
+        return reporting_under(booking_id(), await super().completions(request, raw_request_info))
+
+
+async def reporting_under(request_id: str, gen: Any) -> AsyncIterator[Any]:
+    """`gen` (Ray's engine stream) read with Serve's request id set to `request_id` while each
+    item is made: Ray's KV-routed engine takes the id it reports lifecycle events under when
+    its generate starts (routing_policies/kv_aware/vllm/token_tracking.py,
+    get_serve_request_id), and vLLM's own request id, stamped before, is left as it was.
+    Closed with this stream, so a cancelled call still aborts the engine's request."""
+    it = gen.__aiter__()
+    try:
+        while True:
+            with ri.serve_request_id_as(request_id):
+                try:
+                    item = await it.__anext__()
+                except StopAsyncIteration:
+                    return
+            yield item
+    finally:
+        await aclose_quietly(it)
 
 
 class KvScorer:
@@ -135,12 +177,27 @@ class KvScorer:
         if request_id in self._tracker._requests:
             await self._tracker.on_request_completed(request_id)
             self._count(1, "freed")
+        self._sweep()
 
     async def on_lifecycle_events(self, batch: Any) -> None:
         # Only the batch's own requests can be freed by it: no copy of every booking per batch.
         booked = {args[0] for _, args in batch if args} & self._tracker._requests.keys()
         await self._tracker.on_lifecycle_events(batch)
         self._count(len(booked - self._tracker._requests.keys()), "freed")
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Ray's tracker remembers the id of every request an engine reported finished
+        (`_completed_request_ids`, oldest first), booked or not: every KV-routed prefill call
+        reports, those routed by load too. It is there for a booking broadcast by a peer
+        LLMRouter replica that arrives after the request finished, and Ray sweeps it only in
+        `select_worker` and when applying such broadcasts, after an hour
+        (kv_token_tracker.py _evict_stale_requests, REQUEST_TRACKING_TTL_S; Ray 2.60). One
+        scorer replica receives no broadcasts: only the newest KV_COMPLETED_IDS_KEPT are kept,
+        whatever reaches `select_worker`."""
+        done = self._tracker._completed_request_ids
+        while len(done) > KV_COMPLETED_IDS_KEPT:
+            done.popitem(last=False)
 
     def _count(self, n: int, event: str) -> None:
         metrics.add(self._bookings, n, {"model": self._model, "event": event})
@@ -179,43 +236,69 @@ def scorer_deployment(prefill: Any, llm_config: Any) -> Any:
 
 class KvRoutes:
     """Decode's side: ask the scorer for a prefill worker within `timeout_s`, and count how each
-    request was routed (`pd_kv_routes`: scored, unscored, timeout, error) and, for a scored one,
-    its prompt tokens and how many the chosen replica held cached (`pd_kv_route_tokens`)."""
+    request was routed (`pd_kv_routes`: scored, unscored, timeout, error, skipped) and, for a
+    scored one, its prompt tokens and how many the chosen replica held cached
+    (`pd_kv_route_tokens`). A breaker: after a timeout or an error the scorer is not asked for
+    `cooldown_s` (those requests are `skipped`, routed by load at once), then one request asks
+    again while the others keep skipping; its answer closes the breaker, its failure opens it
+    for another `cooldown_s`."""
 
-    def __init__(self, scorer: Any, model: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        scorer: Any,
+        model: str,
+        timeout_s: float,
+        cooldown_s: float = KV_SCORER_COOLDOWN_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._scorer = scorer
         self._model = model
         self._timeout_s = timeout_s
+        self._cooldown_s = cooldown_s
+        self._clock = clock
         self._counter = metrics.counter(metrics.KV_ROUTES)
         self._tokens = metrics.counter(metrics.KV_ROUTE_TOKENS)
+        self._down_until: float | None = None  # set while the scorer is taken for down
+        self._probing = False
 
     async def choose(self, request: Any) -> int | None:
         """The prefill worker id the scorer chose for `request`, or None: route by load."""
+        down_until = self._down_until
+        if self._probing or (down_until is not None and self._clock() < down_until):
+            self._counter.inc(tags={"model": self._model, "outcome": metrics.KvRoute.SKIPPED.value})
+            return None
+        self._probing = down_until is not None  # the first request after the cool-down: the only one that asks
+        try:
+            worker, outcome = await self._ask(request)
+        finally:
+            self._probing = False
+        failed = outcome in (metrics.KvRoute.TIMEOUT, metrics.KvRoute.ERROR)
+        self._down_until = self._clock() + self._cooldown_s if failed else None
+        self._counter.inc(tags={"model": self._model, "outcome": outcome.value})
+        return worker
+
+    async def _ask(self, request: Any) -> tuple[int | None, metrics.KvRoute]:
         fields = {f: v for f in PROMPT_FIELDS if (v := getattr(request, f, None)) is not None}
-        call = self._scorer.select.remote(ri.serve_request_id(), fields)
-        worker = None
+        call = self._scorer.select.remote(booking_id(), fields)
         try:
             chosen = await asyncio.wait_for(call, self._timeout_s)
         except TimeoutError:
             call.cancel()
-            outcome = metrics.KvRoute.TIMEOUT
+            return None, metrics.KvRoute.TIMEOUT
         except Exception as exc:  # the scorer is advice: any failure routes by load
             logger.warning("KV route not scored: %r", exc)
-            outcome = metrics.KvRoute.ERROR
-        else:
-            outcome = metrics.KvRoute.UNSCORED if chosen is None else metrics.KvRoute.SCORED
-            if chosen is not None:
-                worker = int(chosen["worker_id"])
-                metrics.add(self._tokens, chosen["prompt_tokens"], {"model": self._model, "kind": "prompt"})
-                metrics.add(self._tokens, chosen["overlap_tokens"], {"model": self._model, "kind": "cached"})
-        self._counter.inc(tags={"model": self._model, "outcome": outcome.value})
-        return worker
+            return None, metrics.KvRoute.ERROR
+        if chosen is None:
+            return None, metrics.KvRoute.UNSCORED
+        metrics.add(self._tokens, chosen["prompt_tokens"], {"model": self._model, "kind": "prompt"})
+        metrics.add(self._tokens, chosen["overlap_tokens"], {"model": self._model, "kind": "cached"})
+        return int(chosen["worker_id"]), metrics.KvRoute.SCORED
 
     def release(self) -> None:
         """Free this request's booking: its prefill call ended without the engine's answer
         (failed, timed out, or never sent), so no lifecycle report may free it. Fire and forget:
         a lost release only leaves the load booked until Ray's tracker sweeps it."""
         try:
-            self._scorer.release.remote(ri.serve_request_id())
+            self._scorer.release.remote(booking_id())
         except Exception as exc:
             logger.warning("KV route booking not released: %r", exc)

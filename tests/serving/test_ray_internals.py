@@ -106,3 +106,30 @@ def test_the_engine_finds_vllms_tokenization_server_under_either_name():
     engine._oai_serving_tokenization = rays
     ri.adopt_tokenization(engine)
     assert engine._oai_serving_tokenization is rays
+
+
+def test_serves_internal_request_id_is_carried_by_handle_calls_and_the_client_id_can_be_stood_in_for():
+    """The KV scorer's booking id (serving/engines/kv_router.py booking_id): Serve's internal
+    request id, which every handle call of a request carries as it is, next to Serve's request
+    id, the client's x-request-id (python/ray/serve/_private/default_impl.py
+    get_request_metadata, Ray 2.60); and the request id Ray Serve LLM's engines report under
+    (utils/server_utils.py get_serve_request_id) can be set for a block, then restored."""
+    from ray.llm._internal.serve.utils.server_utils import get_serve_request_id
+    from ray.serve import context
+    from ray.serve._private import default_impl
+
+    token = context._serve_request_context.set(
+        context._RequestContext(request_id="client-chosen", _internal_request_id="serve-made", app_name="llm")
+    )
+    try:
+        assert ri.serve_internal_request_id() == "serve-made"
+        meta = default_impl.get_request_metadata(
+            default_impl.create_init_handle_options(), default_impl.create_dynamic_handle_options(method_name="chat")
+        )
+        assert (meta.request_id, meta.internal_request_id) == ("client-chosen", "serve-made")
+        with ri.serve_request_id_as("serve-made"):
+            assert get_serve_request_id() == ri.serve_request_id() == "serve-made"
+            assert context._get_serve_request_context().app_name == "llm"  # the rest kept
+        assert get_serve_request_id() == "client-chosen"
+    finally:
+        context._serve_request_context.reset(token)

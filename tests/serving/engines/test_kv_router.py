@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import types
+from collections import OrderedDict
 
 import pytest
 
@@ -76,19 +77,73 @@ def test_rays_builder_turns_the_prefill_engines_kv_events_on_for_this_router(mon
     assert built.runtime_env["env_vars"]["PYTHONHASHSEED"] == "0"
 
 
-def test_the_prefill_server_takes_the_routing_keyword_and_runs_rays_method(monkeypatch):
+class _Engine:
+    """Ray's engine stream as the KV-routed engine makes it: the id it reports the request's
+    lifecycle under is Ray Serve LLM's get_serve_request_id() when its generate starts
+    (routing_policies/kv_aware/vllm/token_tracking.py, Ray 2.60)."""
+
+    def __init__(self, n: int = 2):
+        self.n = n
+        self.closed = False
+
+    async def stream(self):
+        from ray.llm._internal.serve.utils.server_utils import get_serve_request_id
+
+        try:
+            for _ in range(self.n):
+                yield get_serve_request_id()
+        finally:
+            self.closed = True
+
+
+def _in_request(request_id: str, internal_id: str):
+    """Serve's request context of a request sent with `x-request-id: request_id` (Serve's
+    request id) whose proxy gave it `internal_id` (ray/serve/context.py _RequestContext)."""
+    from ray.serve import context
+
+    return context._serve_request_context.set(
+        context._RequestContext(request_id=request_id, _internal_request_id=internal_id)
+    )
+
+
+def test_the_prefill_server_takes_the_routing_keyword_and_its_engine_reports_under_the_booking_id(monkeypatch):
+    from ray.serve import context
     from ray.serve.llm.deployment import PDPrefillServer
 
     seen = []
+    engine = _Engine()
 
     async def chat(self, request, raw_request_info=None):
         seen.append((request, raw_request_info))
-        return "gen"
+        return engine.stream()
 
     monkeypatch.setattr(PDPrefillServer, "chat", chat)
     server = object.__new__(kv_router.KvPrefillServer)
-    assert asyncio.run(server.chat("req", "raw", kv_route=7)) == "gen"
+
+    async def go():
+        token = _in_request("client-chosen", "serve-internal-1")
+        try:
+            return [x async for x in await server.chat("req", "raw", kv_route=7)], ri.serve_request_id()
+        finally:
+            context._serve_request_context.reset(token)
+
+    reported, after = asyncio.run(go())
     assert seen == [("req", "raw")]
+    assert reported == ["serve-internal-1"] * 2  # what decode booked under, never the client's id
+    assert after == "client-chosen"  # the request's own id is left as it was
+    assert engine.closed
+
+
+def test_a_prefill_call_cancelled_mid_stream_closes_the_engines_stream():
+    engine = _Engine(n=10)
+
+    async def go():
+        gen = kv_router.reporting_under("b", engine.stream())
+        assert await gen.__anext__() == "b"
+        await gen.aclose()  # Serve closes the user generator when the caller goes away
+
+    asyncio.run(go())
+    assert engine.closed  # vLLM aborts the request when its stream is closed
 
 
 # --- decode's side -------------------------------------------------------------------------------
@@ -137,7 +192,7 @@ class _Scorer:
 def _routes(monkeypatch, result):
     counters = {metrics.KV_ROUTES: _Counter(), metrics.KV_ROUTE_TOKENS: _Counter()}
     monkeypatch.setattr(metrics, "counter", counters.__getitem__)
-    monkeypatch.setattr(ri, "serve_request_id", lambda: "req-1")
+    monkeypatch.setattr(ri, "serve_internal_request_id", lambda: "req-1")
     scorer = _Scorer(result)
     return KvRoutes(scorer, "tiny", timeout_s=0.05), scorer, counters
 
@@ -163,7 +218,7 @@ def test_decode_asks_the_scorer_and_routes_by_load_on_anything_but_an_answer(mon
         tokens = tokens[:1]  # nothing cached: no increment (Ray refuses an increment of 0)
     assert counters[metrics.KV_ROUTE_TOKENS].seen == (tokens if worker else [])
     ((request_id, fields),) = scorer.calls
-    # The prompt fields only, none unset; the request id the prefill engine reports under.
+    # The prompt fields only, none unset; the booking id (the prefill engine reports under it).
     assert request_id == "req-1" and fields == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     assert scorer.last.cancelled == (outcome == "timeout")
 
@@ -173,6 +228,7 @@ class _Tracker:
     def __init__(self, workers):
         self._replica_id_by_worker = dict.fromkeys(workers, "replica")
         self._requests: dict[str, int] = {}
+        self._completed_request_ids: OrderedDict[str, float] = OrderedDict()
         self._svc = object()
         self.log: list[tuple] = []
 
@@ -259,3 +315,179 @@ def test_the_scorer_is_deployed_under_the_name_rays_engines_report_to():
     from serving.spec.base import KV_SCORER_DEPLOYMENT
 
     assert KV_SCORER_DEPLOYMENT == ri.LLM_ROUTER_DEPLOYMENT_NAME
+
+
+# --- the scorer down: decode's breaker ---------------------------------------------------------
+def test_once_the_scorer_timed_out_requests_route_by_load_without_waiting_until_a_probe_answers(monkeypatch):
+    """Before: with the scorer down every P/D request waited the whole timeout (0.25 s) before
+    its prefill call. Now the first timeout opens the breaker: requests skip the scorer (not
+    asked: no wait) for the cool-down, then one asks again; its answer closes the breaker."""
+    routes, scorer, counters = _routes(monkeypatch, "stall")
+    now = [100.0]
+    routes = KvRoutes(scorer, "tiny", timeout_s=0.05, cooldown_s=5.0, clock=lambda: now[0])
+    request = types.SimpleNamespace(prompt="hello", max_tokens=4)
+
+    def outcomes():
+        return [tags["outcome"] for _, tags in counters[metrics.KV_ROUTES].seen]
+
+    assert asyncio.run(routes.choose(request)) is None and len(scorer.calls) == 1  # waited once
+    for _ in range(5):
+        assert asyncio.run(routes.choose(request)) is None
+    assert len(scorer.calls) == 1  # not asked again: nobody waited
+    assert outcomes() == ["timeout"] + ["skipped"] * 5
+    now[0] += 5.0  # the cool-down is over: the next request probes
+    scorer.result = {"worker_id": 42, "overlap_tokens": 0, "prompt_tokens": 5}
+
+    async def probe_while_others_arrive():
+        probe = asyncio.ensure_future(routes.choose(request))
+        await asyncio.sleep(0)  # the probe is asking
+        others = [await routes.choose(request) for _ in range(3)]
+        return await probe, others
+
+    probed, others = asyncio.run(probe_while_others_arrive())
+    assert probed == 42 and others == [None] * 3 and len(scorer.calls) == 2  # one probe only
+    assert asyncio.run(routes.choose(request)) == 42 and len(scorer.calls) == 3  # closed again
+    assert outcomes()[6:] == ["skipped"] * 3 + ["scored", "scored"]
+
+
+def test_a_failed_probe_keeps_the_scorer_skipped_for_another_cool_down(monkeypatch):
+    routes, scorer, counters = _routes(monkeypatch, RuntimeError("scorer replica died"))
+    now = [0.0]
+    routes = KvRoutes(scorer, "tiny", timeout_s=0.05, cooldown_s=5.0, clock=lambda: now[0])
+    request = types.SimpleNamespace(prompt="hello")
+    asyncio.run(routes.choose(request))
+    now[0] = 6.0
+    asyncio.run(routes.choose(request))  # the probe fails
+    now[0] = 10.0
+    asyncio.run(routes.choose(request))  # within the new cool-down: skipped
+    assert len(scorer.calls) == 2
+    assert [tags["outcome"] for _, tags in counters[metrics.KV_ROUTES].seen] == ["error", "error", "skipped"]
+
+
+# --- against Ray's own tracker -----------------------------------------------------------------
+class _SelectionService:
+    """Dynamo's SelectionService as Ray's tracker calls it (kv_token_tracker.py, Ray 2.60): the
+    load it holds per booked request."""
+
+    def __init__(self):
+        self.reserved: dict[str, int] = {}
+
+    async def select_and_reserve(self, req):
+        worker = req["allowed_worker_ids"][0]
+        self.reserved[req["selection_id"]] = worker
+        n = len(req["token_ids"])
+        return {
+            "worker_id": worker,
+            "dp_rank": 0,
+            "overlap": {"longest_matched": 0},
+            "effective_prefill_tokens": n,
+            "sequence_hashes": [],
+            "isl_tokens": n,
+        }
+
+    async def free_reservation(self, request_id):
+        self.reserved.pop(request_id)
+
+    async def prefill_complete(self, request_id):
+        pass
+
+
+def _rays_tracker(workers):
+    """Ray 2.60's KVTokenTracker, its own code, without its Serve controller subscription."""
+    from ray.llm._internal.serve.routing_policies.kv_aware.kv_token_tracker import KVTokenTracker
+
+    tracker = object.__new__(KVTokenTracker)
+    tracker._block_size = 16
+    tracker._svc = _SelectionService()
+    tracker._replica_id_by_worker = dict.fromkeys(workers, "replica")
+    tracker._requests = OrderedDict()
+    tracker._request_ids_by_worker = {}
+    tracker._completed_request_ids = OrderedDict()
+    tracker._reservation_forwarder = None
+    tracker._ingress_replica_rank = None
+    return tracker
+
+
+def _scorer_on(tracker) -> KvScorer:
+    scorer = object.__new__(KvScorer)
+    scorer._tracker, scorer._tokenizer = tracker, _Tokenizer([1, 2, 3])
+    scorer._model, scorer._bookings = "tiny", _Counter()
+    return scorer
+
+
+def test_completed_ids_of_requests_never_scored_are_swept():
+    """Every KV-routed prefill engine reports its requests' completion, scored or routed by load;
+    Ray's tracker remembers each id and sweeps them only inside select_worker, after an hour."""
+    n = kv_router.KV_COMPLETED_IDS_KEPT + 500
+    batch = [("on_request_completed", (f"unscored-{i}",)) for i in range(n)]
+    rays_own = _rays_tracker([7])
+    asyncio.run(rays_own.on_lifecycle_events(batch))
+    assert len(rays_own._completed_request_ids) == n  # Ray's alone: grows with every request
+    tracker = _rays_tracker([7])
+    scorer = _scorer_on(tracker)
+    asyncio.run(scorer.on_lifecycle_events(batch))
+    kept = tracker._completed_request_ids
+    assert len(kept) == kv_router.KV_COMPLETED_IDS_KEPT
+    assert next(reversed(kept)) == f"unscored-{n - 1}"  # the newest are kept
+    asyncio.run(scorer.release("never-booked"))
+    assert len(kept) <= kv_router.KV_COMPLETED_IDS_KEPT
+
+
+class _Handle:
+    """The scorer deployment's handle, calling the scorer in this process."""
+
+    def __init__(self, scorer: KvScorer):
+        self.select = types.SimpleNamespace(remote=lambda *a: _Pending(scorer.select(*a)))
+        self.release = types.SimpleNamespace(remote=lambda *a: asyncio.ensure_future(scorer.release(*a)))
+
+
+class _Pending:
+    def __init__(self, coro):
+        self._task = asyncio.ensure_future(coro)
+
+    def __await__(self):
+        return self._task.__await__()
+
+    def cancel(self):
+        self._task.cancel()
+
+
+def test_two_requests_sent_with_one_x_request_id_keep_separate_bookings(monkeypatch):
+    """Serve's request id is the client's x-request-id when it sends one. Before, bookings were
+    kept under it: the second request's scoring freed the first's booking, and either's
+    completion freed the other's. Now each is booked, reported and freed under Serve's
+    internal id (decode's KvRoutes, the prefill server's engine, Ray's own tracker)."""
+    from ray.serve import context
+    from ray.serve.llm.deployment import PDPrefillServer
+
+    monkeypatch.setattr(metrics, "counter", lambda metric: _Counter())
+    tracker = _rays_tracker([7])
+    scorer = _scorer_on(tracker)
+    routes = KvRoutes(_Handle(scorer), "tiny", timeout_s=5.0)
+
+    async def engine_chat(self, request, raw_request_info=None):
+        return _Engine(n=1).stream()
+
+    monkeypatch.setattr(PDPrefillServer, "chat", engine_chat)
+    prefill = object.__new__(kv_router.KvPrefillServer)
+    request = types.SimpleNamespace(prompt="same prompt", max_tokens=4)
+
+    async def score(internal_id):
+        token = _in_request("same-client-id", internal_id)
+        try:
+            assert await routes.choose(request) == 7
+            return [x async for x in await prefill.chat(request, None, kv_route=7)]  # what the engine reports under
+        finally:
+            context._serve_request_context.reset(token)
+
+    async def go():
+        first = await score("internal-a")
+        second = await score("internal-b")
+        assert (first, second) == (["internal-a"], ["internal-b"])  # each engine reports its own
+        booked = dict(tracker._svc.reserved)
+        await scorer.on_lifecycle_events([("on_request_completed", (first[0],))])
+        return booked, dict(tracker._svc.reserved)
+
+    booked, after_first_finished = asyncio.run(go())
+    assert booked == {"internal-a": 7, "internal-b": 7}  # two bookings, neither freed by the other
+    assert after_first_finished == {"internal-b": 7}  # the first's completion freed only its own
