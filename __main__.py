@@ -28,6 +28,7 @@ from infra.k8s.kv_alerts import kv_rule_groups
 from infra.k8s.kv_offload import offload_rule_groups
 from infra.k8s.labels import KUBERAY_NAMESPACE
 from infra.k8s.monitoring import kuberay_operator_target
+from infra.k8s.node_alerts import node_rule_groups
 from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.k8s.tracing import export_for
 from infra.paths import stack_file
@@ -187,8 +188,10 @@ observability = ObservabilityStack(
         targets=[kuberay_operator_target(KUBERAY_NAMESPACE), node_autoscaler.scrape_target],
         # P/D only: KV bytes at zero while requests succeed, transfers slower than the plan's link.
         # (With several models: the first P/D model's link, on its own pools.)
+        # Every stack: a node's disk nearing the kubelet's eviction threshold (infra/k8s/node_alerts.py).
         extra_rule_groups=(kv_rule_groups(link) if (link := _kv_link()) else [])
-        + (offload_rule_groups() if _offload else []),
+        + (offload_rule_groups() if _offload else [])
+        + node_rule_groups(),
         # A pool with a KV offload tier: its dashboard row and alerts (infra/k8s/kv_offload.py).
         kv_offload=_offload,
         # The LLM and KubeRay namespaces, as outputs of the operator's Namespace resources: the

@@ -17,11 +17,11 @@ stays within it):
 - cpuGiB lives in /dev/shm on CUDA (vLLM's CPU tier is one mmap file there), so the pod's
   /dev/shm grows by it; with the pod's existing /dev/shm it must leave half of the rest of the
   pod's memory to the engine processes (weights read while loading, Ray's own processes).
-- diskGiB is an emptyDir on the node's NVMe RAID0 (kubelet storage, `localStorage: raid0`);
-  at most half the array: images, the model cache and /tmp/ray share it. vLLM's fs tier never
-  deletes a block file, so the directory reaches its limit and the kubelet then evicts the pod
-  (docs/kv-offload.md).
-- The disk tier stages through the CPU tier (vLLM's TieringOffloadingSpec), so it needs cpuGiB.
+- diskGiB is refused: vLLM's file-system tier (v1/kv_offload/tiering/fs/manager.py, 0.29 in the
+  image and 0.32 locally) has no capacity bound and never deletes a block file, and every block
+  stored to the CPU tier is stored there too, so its emptyDir fills and the kubelet evicts the
+  pod (emptyDir sizeLimit): at prefill's planned rate in minutes (docs/kv-offload.md). The CPU
+  tier is bounded by vLLM itself: it evicts its least recently used blocks.
 - One engine per node at most spans it: the CPU tier is node-local /dev/shm.
 """
 
@@ -34,7 +34,7 @@ from pydantic import Field, model_validator
 
 from infra import catalog
 from serving.spec import Mode, SpecModel
-from serving.spec.offload import DISK_MOUNT, OffloadTier, engine_share
+from serving.spec.offload import OffloadTier, engine_share
 
 if TYPE_CHECKING:
     from infra.config import StackConfig
@@ -42,34 +42,25 @@ if TYPE_CHECKING:
 # The share of the pod's memory outside /dev/shm the tier may take; the rest stays with the
 # engine processes.
 HOST_SHARE = 0.5
-# The share of the NVMe RAID0 the disk tier may take.
-NVME_SHARE = 0.5
 
 
 class KvOffload(SpecModel):
-    """A pool's offload tier per node: host memory and local NVMe, in GiB."""
+    """A pool's offload tier per node: host memory, in GiB. (`diskGiB` is read only to refuse it
+    with its reason: `_pool_errors`.)"""
 
     cpu_gib: int = Field(default=0, ge=0, alias="cpuGiB")
     disk_gib: int = Field(default=0, ge=0, alias="diskGiB")
 
     @model_validator(mode="after")
     def _check(self) -> KvOffload:
-        if self.cpu_gib == 0 and self.disk_gib == 0:
-            raise ValueError("kvOffload needs cpuGiB (and optionally diskGiB); remove the key to turn it off")
-        if self.disk_gib and not self.cpu_gib:
-            raise ValueError(
-                "kvOffload.diskGiB needs cpuGiB too: vLLM's disk tier stages every block through the CPU tier"
-            )
+        if self.cpu_gib == 0:
+            raise ValueError("kvOffload needs cpuGiB; remove the key to turn it off")
         return self
 
 
 def max_cpu_gib(inst: catalog.InstanceType) -> int:
     """The most host memory a node's tier may take: a share of the pod's memory beyond /dev/shm."""
     return int((inst.pod_memory_gib - inst.shm_gib) * HOST_SHARE)
-
-
-def max_disk_gib(inst: catalog.InstanceType) -> int:
-    return int(inst.nvme_gib * NVME_SHARE)
 
 
 def shm_gib(inst: catalog.InstanceType, offload: KvOffload | None) -> int:
@@ -94,23 +85,16 @@ def _pool_errors(cfg: StackConfig, name: str) -> list[tuple[str, str]]:
             )
         )
     if off.disk_gib:
-        if not pool.raid0:
-            errors.append(
-                (
-                    f"{key}.diskGiB",
-                    f"the disk tier lives on the instance-store NVMe RAID0: pool {name} has "
-                    f"localStorage {pool.local_storage.value} on {inst.name} ({inst.nvme_disks} NVMe drives)",
-                )
-            )
-        elif off.disk_gib > max_disk_gib(inst):
-            errors.append(
-                (
-                    f"{key}.diskGiB",
-                    f"{off.disk_gib} GiB exceeds half of a {inst.name}'s {inst.nvme_gib} GiB NVMe RAID0 "
-                    f"(at most {max_disk_gib(inst)} GiB; images, the model cache and /tmp/ray share it)",
-                )
-            )
+        errors.append((f"{key}.diskGiB", DISK_TIER_REFUSED))
     return errors
+
+
+DISK_TIER_REFUSED = (
+    "vLLM's file-system KV tier (v1/kv_offload/tiering/fs, 0.29 in the image and 0.32) has no capacity "
+    "bound and never deletes a block, and every block stored to the CPU tier is stored there too: its "
+    "emptyDir fills (at prefill's planned rate, in minutes) and the kubelet evicts the pod; remove diskGiB "
+    "(the CPU tier stays bounded: vLLM evicts its least recently used blocks)"
+)
 
 
 def kv_offload_errors(cfg: StackConfig, placements: Iterable[Any]) -> list[tuple[str, str]]:
@@ -145,10 +129,7 @@ def engine_tier(off: KvOffload | None, inst: catalog.InstanceType, gpus_per_rank
     """One engine's share of its node's tier: the node's GiB in proportion to its GPUs."""
     if off is None:
         return None
-    return OffloadTier(
-        cpu_bytes=engine_share(off.cpu_gib, max(1, inst.gpus // gpus_per_rank)),
-        disk_dir=DISK_MOUNT if off.disk_gib else None,
-    )
+    return OffloadTier(cpu_bytes=engine_share(off.cpu_gib, max(1, inst.gpus // gpus_per_rank)))
 
 
 def role_tiers(cfg: StackConfig, model_index: int = 0) -> dict[str, OffloadTier]:

@@ -1,7 +1,7 @@
 """The KV offload tier in the cluster: worker pod volumes, its dashboard row and its alerts.
 
 What flows through here: a pool's validated `kvOffload` (infra/config/kv_offload.py) -> the
-worker pod's /dev/shm size, the disk tier's emptyDir and Ray's object store size
+worker pod's /dev/shm size and Ray's object store size
 (`pod_parts`); vLLM's offloading metrics under the names Ray's exporter gives them (`vllm:x`
 -> `ray_vllm_x`, counters `_total`) -> a dashboard row (`OFFLOAD_ROW`) and one PrometheusRule
 group (`offload_rule_groups`). Only stacks with a tier get any of it.
@@ -10,8 +10,7 @@ The metric names are vLLM's own (0.29 and 0.32 alike):
 kv_connector/v1/offloading/metrics.py `_TransferMetricName` (load/store bytes and seconds,
 flat counters), `_ConnectorMetricName.ALLOCATION_FAILURE` (a store found no free CPU chunk),
 v1/kv_offload/cpu/common.py `CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC` (share of the CPU
-tier pinned by transfers), tiering/base.py `TieringOffloadingMetrics` (per-tier chunk
-queries and hits). The prefix-cache hits that came from outside the GPU cache are
+tier pinned by transfers). The prefix-cache hits that came from outside the GPU cache are
 `vllm:external_prefix_cache_hits`/`_queries`: on prefill (where NIXL loads nothing) those are
 the tier's hits.
 """
@@ -25,7 +24,7 @@ from infra.config.kv_offload import KvOffload, shm_gib
 from infra.k8s.alerts import runbook
 from infra.k8s.dashboard_panels import RATE, SEL, PanelSpec, Query
 from infra.k8s.monitoring import ROLE
-from serving.spec.offload import DISK_MOUNT, GIB
+from serving.spec.offload import GIB
 
 STORE_BYTES = "ray_vllm_kv_offload_store_bytes_total"
 LOAD_BYTES = "ray_vllm_kv_offload_load_bytes_total"
@@ -33,8 +32,6 @@ STORE_SECONDS = "ray_vllm_kv_offload_store_time_total"
 LOAD_SECONDS = "ray_vllm_kv_offload_load_time_total"
 ALLOCATION_FAILURES = "ray_vllm_kv_offload_allocation_failure_total"
 CPU_PINNED = "ray_vllm_kv_offload_cpu_cache_usage_perc"
-TIER_QUERIES = "ray_vllm_kv_offload_tiering_chunk_queries_total"
-TIER_HITS = "ray_vllm_kv_offload_tiering_chunk_hits_total"
 EXTERNAL_HITS = "ray_vllm_external_prefix_cache_hits_total"
 EXTERNAL_QUERIES = "ray_vllm_external_prefix_cache_queries_total"
 METRICS = (
@@ -44,8 +41,6 @@ METRICS = (
     LOAD_SECONDS,
     ALLOCATION_FAILURES,
     CPU_PINNED,
-    TIER_QUERIES,
-    TIER_HITS,
     EXTERNAL_HITS,
     EXTERNAL_QUERIES,
 )
@@ -74,10 +69,6 @@ def pod_parts(inst: catalog.InstanceType, off: KvOffload | None) -> tuple[list[d
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
     if off is None:
         return volumes, mounts, {}
-    if off.disk_gib:
-        # The kubelet's own storage is the NVMe RAID0 (localStorage: raid0): an emptyDir lands there.
-        volumes.append({"name": "kv-offload", "emptyDir": {"sizeLimit": f"{off.disk_gib}Gi"}})
-        mounts.append({"name": "kv-offload", "mountPath": DISK_MOUNT})
     return volumes, mounts, {"object-store-memory": str(ray_object_store_bytes(inst))}
 
 
@@ -119,18 +110,6 @@ OFFLOAD_ROW: tuple[str, tuple[PanelSpec, ...]] = (
             ),
             "Share of the CPU tier held by in-flight transfers, and stores dropped for want of a free chunk.",
         ),
-        PanelSpec(
-            "Disk tier hit rate",
-            "percentunit",
-            (
-                Query(
-                    f"sum by ({ROLE}, tier) (rate({TIER_HITS}{{{SEL}}}[{RATE}])) / "
-                    f"sum by ({ROLE}, tier) (rate({TIER_QUERIES}{{{SEL}}}[{RATE}]))",
-                    "{{role}} {{tier}}",
-                ),
-            ),
-            "Chunk lookups answered by a secondary tier (diskGiB): empty without one.",
-        ),
     ),
 )
 
@@ -164,8 +143,8 @@ def offload_rule_groups(window: str = "15m") -> list[dict[str, Any]]:
                     "warning",
                     f"The KV offload tier stores more than {THRASH_STORE_PER_LOAD}x what it loads back",
                     "{{ $labels.model_name }} {{ $labels.role }}: blocks are evicted before they are reused; the "
-                    "tier costs PCIe bandwidth and host memory and saves little prefill. Grow kvOffload.cpuGiB "
-                    "(or diskGiB), or turn the tier off on this pool.",
+                    "tier costs PCIe bandwidth and host memory and saves little prefill. Grow kvOffload.cpuGiB, "
+                    "or turn the tier off on this pool.",
                 ),
                 _alert(
                     "KVOffloadStoresFailing",

@@ -178,6 +178,7 @@ def _engine_rows(ctx: int) -> list[tuple[str, Cell]]:
         ("maxModelLen seqs/replica", _fig(lambda f: f"{f.max_length_sequences:,}")),
         ("KV offload tier per node", _offload_size),
         ("  extra KV tokens/engine", _offload_tokens),
+        ("  full after (planned rate)", _offload_fill),
         ("Network per replica", lambda r: f"{r.network} {r.network_gbps:g} Gbps"),
         ("Prompt KV at maxModelLen", _fig(lambda f: f"{f.prompt_kv_bytes / GIB:.2f} GiB")),
         ("  transfer at line rate", _fig(lambda f: _duration(f.prompt_kv_seconds))),
@@ -210,6 +211,16 @@ def _offload_tokens(r: RolePlan) -> str:
     per_token = r.figures.kv_bytes_per_token_per_gpu * gpus
     cpu, disk = (gib * GIB * gpus // inst.gpus // per_token for gib in r.kv_offload)
     return f"{cpu:,} host" + (f" + {disk:,} disk" if disk else "")
+
+
+def _offload_fill(r: RolePlan) -> str:
+    """How long one engine's share of the tier lasts at the plan's rate per replica, every
+    request new (infra/sizing/offload.py); then vLLM evicts its least recently used blocks."""
+    if r.kv_offload_fill is None:
+        return "-"
+    seconds, rps = r.kv_offload_fill
+    held = f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+    return f"{held} at {rps:.2f} req/s, then LRU"
 
 
 def _cost_rows() -> list[tuple[str, Cell]]:
@@ -308,7 +319,7 @@ def format_plan(p: Plan) -> str:
     ctx = next((r.figures.context_len for r in p.roles if r.figures), p.max_model_len)
     rows = _engine_rows(ctx) + _cost_rows() + _startup_rows()
     if not any(r.kv_offload for r in p.roles):  # no pool has a KV offload tier: no rows for it
-        rows = [(label, cell) for label, cell in rows if cell not in (_offload_size, _offload_tokens)]
+        rows = [(label, cell) for label, cell in rows if cell not in (_offload_size, _offload_tokens, _offload_fill)]
     lines = [*_header_lines(p), "", *_table(p, rows), "", *_footer_lines(p)]
     lines += ["", *format_disaggregation(p.disaggregation), *format_layouts(p)]
     return "\n".join(lines)

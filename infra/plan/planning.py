@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from infra import catalog
 from infra.config import NodePool, NodePools, StackConfig
+from infra.config.kv_offload import engine_tier
 from infra.plan.disaggregation_plan import disaggregation_for
 from infra.plan.plan_text import format_layouts as format_layouts
 from infra.plan.plan_text import format_plan as format_plan
@@ -42,6 +43,7 @@ from infra.sizing.fit import (
     weights_gib,
 )
 from infra.sizing.head import HeadSizing, front_door_cpu, size_head, size_head_many
+from infra.sizing.offload import fill_seconds
 from infra.sizing.streaming import STREAMING_CPU
 from serving.spec import Mode, RoleSpec, ServingSpec
 from serving.spec.models import RolePools
@@ -288,9 +290,25 @@ def _role_plan(
         network="EFA" if inst.efa else "ENA",
         network_gbps=inst.network_gbps * gpus / inst.gpus,
         figures=figures,
-        scaling=_role_scaling(config, role, spec, inst, shape, workload),
+        scaling=(scaling := _role_scaling(config, role, spec, inst, shape, workload)),
         startup=_time_to_serve(config, role, pool, shape, figures),
+        kv_offload_fill=_offload_fill(role, spec, pool, figures, scaling, workload),
     )
+
+
+def _offload_fill(
+    role: str, spec: RoleSpec, pool: NodePool, figures: ModelFigures | None, scaling: RoleScaling, workload: Workload
+) -> tuple[float, float] | None:
+    """(seconds until one engine's share of the pool's KV offload tier is full, requests/s per
+    replica): at the most a replica is planned to take (maxReplicas' rate / maxReplicas), each
+    request storing its prompt (prefill) or its prompt and output (decode)."""
+    tier = engine_tier(pool.kv_offload, pool.instance, spec.gpus_per_rank)
+    if tier is None or figures is None or not scaling.max_rps:
+        return None
+    per_replica = scaling.max_rps / spec.max_replicas
+    tokens = workload.prompt_tokens + (workload.output_tokens if role == "decode" else 0)
+    seconds = fill_seconds(tier.cpu_bytes, per_replica, tokens, figures.kv_bytes_per_token)
+    return None if seconds is None else (seconds, per_replica)
 
 
 def _role_scaling(

@@ -48,6 +48,9 @@ class RolePlan:
     startup: startup.TimeToServe | None = None
     pool_min_size: int = 1  # the node pool's minSize: 0 lets its last node go when idle
     kv_offload: tuple[int, int] | None = None  # the pool's KV offload tier per node: (cpuGiB, diskGiB)
+    # (seconds until one engine's share of that tier is full, the requests/s per replica that
+    # assumes): the plan's rate per replica, every request new (infra/sizing/offload.py).
+    kv_offload_fill: tuple[float, float] | None = None
 
     @property
     def cold_start_node(self) -> str:

@@ -19,6 +19,8 @@ the metric names of every vector selector -> each checked against its exporter:
 - `kube_*`: kube-state-metrics' published pod-metrics list (vendored).
 - `cluster_autoscaler_*`: the names the Cluster Autoscaler registers, read from its source at
   every release tag the stack can deploy (`CLUSTER_AUTOSCALER_METRICS`, with its origin).
+- `node_filesystem_*`: the filesystem collector's names, read from node-exporter's source
+  (`NODE_EXPORTER_METRICS`, with its origin).
 Any other name has no known exporter and fails.
 
 Serve's HTTP ingress series (`ray_serve_num_http_*`, `ray_serve_http_request_latency_ms_*`)
@@ -44,6 +46,7 @@ HERE = Path(__file__).resolve().parent
 LIVE_SNAPSHOT = HERE / "data" / "ray-live-metric-names.txt"
 KSM_POD_METRICS = HERE / "vendor" / "kube-state-metrics-v2.20.0" / "pod-metrics.md"
 CLUSTER_AUTOSCALER_METRICS = HERE / "data" / "cluster-autoscaler-metric-names.txt"
+NODE_EXPORTER_METRICS = HERE / "data" / "node-exporter-filesystem-metric-names.txt"
 CRD_DIR = Path(os.environ.get("PROMETHEUS_OPERATOR_CRD_DIR", HERE / "vendor" / "kube-prometheus-stack-88.5.3-crds"))
 
 # Grafana's variables, replaced by values of the same type before parsing.
@@ -159,6 +162,11 @@ def event_counter_names() -> set[str]:
     return {f"ray_{n}_total" for n in declared_counters()}
 
 
+def node_exporter_names() -> set[str]:
+    lines = NODE_EXPORTER_METRICS.read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
 def kube_state_metrics_names() -> set[str]:
     return set(re.findall(r"^\|\s*(kube_[a-z0-9_]+)\s*\|", KSM_POD_METRICS.read_text(), flags=re.M))
 
@@ -190,6 +198,8 @@ def unknown_names(exprs: dict[str, str], ray_names: set[str]) -> list[str]:
                 ok, source = name in ksm, "kube-state-metrics v2.20.0's pod metrics"
             elif name.startswith("cluster_autoscaler_"):
                 ok, source = name in ca, "the Cluster Autoscaler's registered metrics"
+            elif name.startswith("node_"):
+                ok, source = name in node_exporter_names(), "node-exporter's filesystem collector"
             else:
                 ok, source = False, "any exporter this stack deploys"
             if not ok:
