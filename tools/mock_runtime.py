@@ -141,7 +141,7 @@ class _Mocks(pulumi.runtime.Mocks):
                 urn=getattr(_local, "urn", ""),
                 dependency_urns=dependency_urns,
                 property_dependencies=dict(getattr(_local, "property_dependencies", {})),
-                custom=args.custom,
+                custom=bool(args.custom),
                 remote=getattr(_local, "remote", False),
                 id=rid,
             )

@@ -374,7 +374,7 @@ def create_network_policies(name: str, args: LlmServiceArgs, opts: pulumi.Resour
         )
 
 
-def _placed(meta: dict[str, Any], args: LlmServiceArgs) -> dict[str, Any]:
+def _placed(meta: dict[str, Any], args: LlmServiceArgs) -> Any:
     """`meta` with its namespace from the operator's Namespace resource (created after it)."""
     return placed(meta, args.operator.namespaces)
 

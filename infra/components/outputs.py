@@ -30,9 +30,10 @@ def output_of(resource: pulumi.Resource, value: pulumi.Input[T]) -> pulumi.Outpu
     return resource.urn.apply(lambda _: pulumi.Output.from_input(value))
 
 
-def placed(meta: Mapping[str, Any], namespaces: Mapping[str, pulumi.Input[str]]) -> dict[str, Any]:
+def placed(meta: Mapping[str, Any], namespaces: Mapping[str, pulumi.Input[str]]) -> Any:
     """`meta` (a Kubernetes object's metadata) with its namespace from `namespaces` (name -> that
     name as an output of the Namespace resource) when the stack creates that namespace; as it
-    was otherwise (kube-system, or no namespace)."""
+    was otherwise (kube-system, or no namespace). Typed Any, as the plain-data metadata it
+    stands for: the Kubernetes SDK takes it as its ObjectMeta TypedDict."""
     ns = meta.get("namespace")
     return {**meta, "namespace": namespaces[ns]} if isinstance(ns, str) and ns in namespaces else dict(meta)
