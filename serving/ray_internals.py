@@ -19,6 +19,9 @@ Upstream: ray-project/ray, Ray 2.60.0,
   python/ray/serve/_private/http_util.py                    (session_id_from_headers)
   python/ray/serve/context.py, _private/client.py          (serve_details: the controller's
                                                             details dict that serve.status() validates)
+  python/ray/serve/_private/long_poll.py, common.py, constants.py (serve_controller,
+                                                            deployment_targets: Serve's long poll of
+                                                            a deployment's routable replicas)
   python/ray/llm/_internal/serve/utils/batcher.py           (Batcher)
   python/ray/llm/_internal/common/patches/vllm/tokenize_once.py (reuse_prompt_token_ids: decode
                                                             renders with prefill's prompt token ids)
@@ -54,7 +57,7 @@ once the router has given the call to a replica).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ray.llm._internal.common.dict_utils import (
@@ -116,6 +119,43 @@ def serve_details() -> dict[str, Any]:
 
     client = _get_global_client(raise_if_no_controller_running=False)
     return client.get_serve_details() if client is not None else {}
+
+
+def serve_controller() -> Any:
+    """The handle of Serve's controller actor (blocking: call it off the loop)."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+
+
+async def deployment_targets(
+    controller: Any, snapshots: Mapping[tuple[str, str], int]
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """One round of Serve's long poll for the routable replicas of deployments, keyed
+    (application, deployment) with the last snapshot id seen (-1: none): the controller answers
+    at once for the keys whose snapshot moved on, else when one changes, else with nothing at
+    its listen timeout (30-60 s). Returns (new snapshot id, running replicas) per changed key;
+    a deleted deployment has none. The keys and answers every Serve router's long poll uses
+    (python/ray/serve/_private/long_poll.py LongPollHost.listen_for_change, namespace
+    DEPLOYMENT_TARGETS keyed by DeploymentID; _private/common.py DeploymentTargetInfo;
+    KVTokenTracker subscribes the same way, routing_policies/kv_aware/kv_token_tracker.py)."""
+    from ray.serve._private.common import DeploymentID
+    from ray.serve._private.long_poll import LongPollNamespace
+
+    keys = {
+        (LongPollNamespace.DEPLOYMENT_TARGETS, DeploymentID(name=name, app_name=app)): snapshot
+        for (app, name), snapshot in snapshots.items()
+    }
+    updates = await controller.listen_for_change.remote(keys)
+    if not isinstance(updates, dict):  # LongPollState.TIME_OUT: nothing changed
+        return {}
+    out: dict[tuple[str, str], tuple[int, int]] = {}
+    for (_, deployment), update in updates.items():
+        info = update.object_snapshot
+        running = len(info.running_replicas) if info.is_available else 0
+        out[(deployment.app_name, deployment.name)] = (update.snapshot_id, running)
+    return out
 
 
 def kv_tokenizer(llm_config: Any) -> Any:
@@ -244,6 +284,7 @@ __all__ = [
     "adopt_tokenization",
     "build_kv_token_tracker",
     "check_hooks",
+    "deployment_targets",
     "is_kv_aware",
     "kv_tokenizer",
     "kv_worker_id",
@@ -251,6 +292,7 @@ __all__ = [
     "openai_sse_packet",
     "reuse_prompt_token_ids",
     "sanitize_chat_request",
+    "serve_controller",
     "serve_details",
     "serve_internal_request_id",
     "serve_request_id",

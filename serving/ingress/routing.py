@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.responses import Response, StreamingResponse
 
 from serving.core import metrics
-from serving.core.cluster_watch import ClusterWatch
+from serving.core.cluster_watch import ClusterWatch, serve_running
 from serving.core.failures import UNAVAILABLE_MESSAGE, Reason, Unservable, as_unservable
 from serving.ingress.errors import SERVED_BY, error_response
 from serving.ingress.fallback import FallbackClient, FallbackConfig, FallbackError
@@ -112,7 +112,6 @@ class Router:
         self.fallback: FallbackClient | None = None
         self.watch: ClusterWatch | None = None
         self.inflight = Inflight()  # cluster requests this replica has open (streams until their end)
-        self._running: tuple[float, Mapping[str, int]] | None = None  # (when, running replicas)
 
     # --- configuration (the ingress's reconfigure, with its user_config's `fallback`) --------
     def reconfigure(self, fallback: Mapping[str, Any] | None) -> FallbackConfig | None:
@@ -125,8 +124,8 @@ class Router:
         return cfg
 
     def watch_models(self, needed: bool) -> None:
-        """Keep Serve's status of the engines fresh while a rule, the cold-start Retry-After
-        or /health reads it."""
+        """Watch Serve's running replicas of the engines while a rule or the cold-start
+        Retry-After reads them (pushed by the controller: serving.core.cluster_watch)."""
         if needed or self.cold_start_retry_after_s is not None:
             if self.watch is None:
                 self.watch = ClusterWatch(self.app_name, self.own_deployment)
@@ -136,15 +135,10 @@ class Router:
             self.watch = None
 
     async def running(self, max_age_s: float = 2.0) -> Mapping[str, int]:
-        """Running replicas per deployment, as Serve said at most `max_age_s` ago (the watch's
-        when it is on, else one status read, kept that long)."""
-        if self.watch is not None and self.watch.fresh():
-            return self.watch.state.running
-        now = time.monotonic()
-        if self._running is None or now - self._running[0] > max_age_s:
-            poll = ClusterWatch(self.app_name, self.own_deployment).poll
-            self._running = (now, await asyncio.to_thread(poll))
-        return self._running[1]
+        """Running replicas per deployment of every application, as Serve said at most
+        `max_age_s` ago: one read of the controller's details per process at a time, shared
+        by every caller (a burst of /health starts one)."""
+        return await serve_running(self.app_name, max_age_s)
 
     @property
     def fallback_config(self) -> FallbackConfig | None:
