@@ -142,10 +142,19 @@ def _list_box(title: str, charts: list[dict[str, Any]], kind: str, extra: tuple[
 
 
 def _observability_lines(r: Rendered) -> tuple[str, ...]:
-    alerts = sum(1 for m in r.kinds("PrometheusRule") for g in m["spec"]["groups"] for x in g["rules"] if "alert" in x)
-    dashboards = sum(1 for m in r.kinds("ConfigMap") if "grafana_dashboard" in (m["metadata"].get("labels") or {}))
-    monitors = len(r.kinds("ServiceMonitor")) + len(r.kinds("PodMonitor"))
-    return (f"{alerts} alerts, {dashboards} dashboard(s), {monitors} scrape monitors",)
+    """What the stack gives the observability stack to run (what, not how many: the picture
+    changes with the program's shape, not with each alert added)."""
+    parts = [
+        what
+        for kinds, what in (
+            (("PrometheusRule",), "alert rules"),
+            (("ServiceMonitor", "PodMonitor"), "scrape monitors"),
+        )
+        if any(r.kinds(k) for k in kinds)
+    ]
+    if any("grafana_dashboard" in (m["metadata"].get("labels") or {}) for m in r.kinds("ConfigMap")):
+        parts.append("Grafana dashboards")
+    return (", ".join(parts),) if parts else ()
 
 
 @dataclass
@@ -355,7 +364,7 @@ def scene(r: Rendered) -> Scene:
         )
         top.children.append(provider)
     edges, legend = _path(engines, placed, entries, bool(fallback)) if rs else ([], Box("", kind="canvas"))
-    title = f"stack {r.stack}: what `pulumi up` creates ({len(r.resources)} resources)"
+    title = f"stack {r.stack}: what `pulumi up` creates"
     rows = [Box(title, kind="canvas"), top, vpc, *([_row(aws)] if aws else []), legend]
     return Scene(Box("", kind="canvas", children=rows), edges, title)
 
