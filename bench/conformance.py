@@ -186,17 +186,23 @@ class Runner:
         )
         return differences(oracle, ours)
 
-    async def shrink(self, path: str, case: Case) -> dict[str, Any]:
-        """The body with every field dropped whose absence keeps a difference (delta debugging
-        over the top-level fields, then over list items of what is left)."""
-        body = dict(case.body)
+    async def shrink(self, path: str, case: Case, first: str) -> dict[str, Any]:
+        """The body with every optional field dropped whose absence keeps the same difference
+        (`first`'s place: another difference is another finding)."""
         from bench.conformance_bodies import REQUIRED
 
+        body = dict(case.body)
         for name in [n for n in case.body if n not in REQUIRED[case.endpoint]]:
             trial = {k: v for k, v in body.items() if k != name}
-            if await self.compare(path, case, case.endpoint, trial):
+            diffs = await self.compare(path, case, case.endpoint, trial)
+            if diffs and _place(diffs[0]) == _place(first):
                 body = trial
         return body
+
+
+def _place(diff: str) -> str:
+    """Where a difference is (its path), without the values."""
+    return diff.split(":")[0]
 
 
 async def run_cases(runner: Runner, cases: list[Case], paths: tuple[str, ...], report: Report, say: Any) -> None:
@@ -232,11 +238,11 @@ async def shrink_findings(runner: Runner, cases: list[Case], report: Report, pat
     stack must still route them as in their phase)."""
     seen: set[tuple[str, str]] = set()
     for f in report.findings:
-        sig = (f.path, f.diffs[0].split(":")[0])
+        sig = (f.path, _place(f.diffs[0]))
         if f.path not in paths or sig in seen or len(seen) >= SHRINK_SIGNATURES:
             continue
         seen.add(sig)
-        f.shrunk = await runner.shrink(f.path, cases[f.case])
+        f.shrunk = await runner.shrink(f.path, cases[f.case], f.diffs[0])
 
 
 # --- the stack ----------------------------------------------------------------------------------

@@ -221,6 +221,9 @@ def cases(draw: Any) -> Case:
     elif uncapped:
         # No cap: to the context's end. A prompt that leaves about 24 tokens of it.
         body["messages"] = [{"role": "user", "content": _long_prompt(24)}]
+    if body.get("temperature") not in (0, 0.0) and body.get("seed") is None:
+        # Sampling is compared where it is reproducible: greedy, or with a seed.
+        body["seed"] = draw(st.integers(0, 2**31))
     return Case(endpoint, body, draw(st.integers(1, 20)))
 
 
