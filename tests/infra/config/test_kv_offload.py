@@ -6,7 +6,8 @@ with one line naming the stack file key; a tier that fits reaches the engines as
 node's `cpuGiB` together. Limits come from the catalog (the node's memory, the worker pod's
 share and its /dev/shm), never from literals here. A disk tier is refused: vLLM's file-system
 tier has no capacity bound and never deletes a block (vllm/v1/kv_offload/tiering/fs/manager.py,
-0.29 and 0.32: its lookup is a file-existence check and nothing removes a block file).
+0.29 and 0.32; in 0.32, read here, nothing removes a block file and its lookup is a
+file-existence check).
 """
 
 from __future__ import annotations
