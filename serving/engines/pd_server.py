@@ -32,7 +32,7 @@ from serving.core.failures import Reason
 from serving.core.prompts import prompt_count
 from serving.engines.circuit import Circuit
 from serving.engines.kv_router import KV_ROUTE_KWARG, KvPrefillServer, KvRoutes, scorer_deployment
-from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, remote_prefill
+from serving.engines.prefill_hop import Path, PrefillOutcome, orchestrate, prompt_tokens_bound, remote_prefill
 from serving.engines.streaming import EagerFirstChunkMixin
 from serving.spec import ResilienceSpec
 from serving.spec.base import KV_SCORER_TIMEOUT_S
@@ -142,6 +142,7 @@ class ResilientPDDecodeServer(EagerFirstChunkMixin, PDDecodeServer):
                     route.append(worker)
             outcome = await remote_prefill(
                 call_prefill,
+                prompt_tokens=prompt_tokens_bound(request),  # a long prompt's deadline grows with it
                 is_error=lambda c: isinstance(c, ri.ErrorResponse),
                 is_refusal=is_client_error,
                 cfg=cfg,
