@@ -4,12 +4,13 @@ What flows through here: each authenticated request's API key -> its key id (`k-
 of its SHA-256; the raw key never leaves the ingress), the model it asks for and an estimate
 of its tokens -> `LimitsConfig.may_use`: may the key use that model (`limits.keys.<id>.models`;
 an adapter `<model>:<adapter>` when its base model is) -> `Limiter.admit` asks ONE named Ray
-actor (`LimitsLedger`, shared by every ingress replica of the application, so the counts hold
-across replicas) whether the key is still under its requests-per-minute and tokens-per-minute
-limits on that model -> a 429 with Retry-After, or a ticket ->
-when the answer is complete, `Limiter.settle` replaces the estimate with the tokens really
-used, and `UsageMeter` counts requests, prompt and completion tokens per key id, model and
-destination (cluster or fallback) as Ray metrics (Prometheus, through Ray's metrics port).
+actor (the ledger, serving/ingress/ledger.py: shared by every ingress replica of the
+application, of every code version, so the counts hold across replicas and rollouts) whether
+the key is still under its requests-per-minute and tokens-per-minute limits on that model ->
+a 429 with Retry-After, or a reservation -> when the answer is complete, `Reservation.settle`
+replaces the estimate with the tokens really used, and `UsageMeter` counts requests, prompt
+and completion tokens per key id, model and destination (cluster or fallback) as Ray metrics
+(Prometheus, through Ray's metrics port).
 
 The limits of key k on model m are k's own (`limits.keys`), else the model's
 (`limits.models`), else the defaults. Windows are counted per (key id, base model id): a
@@ -19,39 +20,46 @@ on each model (so one per-key budget across models would mean nothing). An adapt
 requests count on its base model's window: adapters share the base model's engines.
 
 Windows are sliding minutes in one-second buckets. Tokens are reserved at admission
-(prompt estimate + max_tokens) and corrected when the request ends, so a burst of
-concurrent requests cannot spend a minute's budget many times over before any finishes.
-The ledger is a detached named actor (it outlives the ingress replicas, so the counts do
-not reset when one restarts). Its name carries a hash of its own code (`LEDGER_VERSION`), so
-a deploy that changes the ledger gets a new actor instead of calling an old one whose
-methods no longer match. It is looked up in a thread (creating or finding a named actor
-blocks on the GCS) and asked with a deadline (`LEDGER_TIMEOUT_S`). While it does not answer,
+(prompt estimate + the output cap the engine will apply, times n) and corrected when the
+request ends, so a burst of concurrent requests cannot spend a minute's budget many times
+over before any finishes. Each reservation has an id of this replica's making, sent with the
+admit; it is settled exactly once (pipeline.py), through the handle that carried the admit
+(Ray keeps one caller's calls in order), whatever happened meanwhile: the admit answered; or
+it did not answer within `LEDGER_TIMEOUT_S` and the request went on by the policy below (the
+settle corrects the reservation if the admit landed late, or counts the tokens used if it
+never did); or the policy refused the request (the reservation is released, so a late admit
+counts nothing); or the replica's handle was dropped and looked up again meanwhile.
+The ledger is looked up in a thread (creating or finding a named actor blocks on the GCS)
+and asked with a deadline (`LEDGER_TIMEOUT_S`). While it does not answer,
 `limits.whenLedgerUnreachable` decides, without asking again for `LEDGER_RETRY_S`: "allow"
-(the default: served unmetered, a limiter outage is no serving outage) or "refuse" (503 with
-Retry-After, limits never exceeded); `pd_limiter_errors` counts each such decision.
+(the default: served, counted only if the ledger was asked; a limiter outage is no serving
+outage) or "refuse" (503 with Retry-After, limits never exceeded); `pd_limiter_errors`
+counts each such decision.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import inspect
+import itertools
 import json
 import logging
 import math
 import time
-from collections import deque
-from collections.abc import Callable, Hashable, Mapping
-from dataclasses import dataclass, field
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from serving.core import metrics
+from serving.ingress.ledger import WINDOW_S, Decision, KeyLimit, LimitsLedger, SlidingWindows, get_ledger
 from serving.ingress.sse import CHARS_PER_TOKEN
 from serving.spec import base_model_id
 
 logger = logging.getLogger("ray.serve")
 
-WINDOW_S = 60
+# The ledger's names, where the limiter's callers have always found them.
+__all__ = ["WINDOW_S", "Decision", "KeyLimit", "LimitsLedger", "SlidingWindows", "get_ledger"]
+
 LEDGER_TIMEOUT_S = 1.0
 # After the ledger failed to answer: decide by the policy, without asking, for this long.
 LEDGER_RETRY_S = 5.0
@@ -60,16 +68,6 @@ LEDGER_START_S = 30.0
 ALLOW, REFUSE = "allow", "refuse"
 # Decision.limit of a refusal because the ledger could not be asked (policy "refuse").
 UNCHECKED = "unchecked"
-
-
-@dataclass(frozen=True)
-class KeyLimit:
-    requests_per_minute: int = 0  # 0: no limit
-    tokens_per_minute: int = 0
-
-    @property
-    def unlimited(self) -> bool:
-        return self.requests_per_minute <= 0 and self.tokens_per_minute <= 0
 
 
 def _rates(cfg: Mapping[str, Any]) -> KeyLimit:
@@ -119,99 +117,6 @@ class LimitsConfig:
         return any(not v.unlimited for v in (self.default, *self.keys.values(), *self.models.values()))
 
 
-@dataclass(frozen=True)
-class Decision:
-    ok: bool
-    retry_after_s: int = 0
-    limit: str | None = None  # "rpm" or "tpm" when refused
-    message: str = ""
-    ticket: tuple[int, int] | None = None  # (second of admission, tokens reserved)
-
-
-# --- the window arithmetic (pure; the actor only holds it) ------------------------------------
-class SlidingWindows:
-    """Sliding one-minute windows of (requests, tokens) per key (any hashable: the ledger's
-    are (key id, model id)), in one-second buckets."""
-
-    def __init__(self, window_s: int = WINDOW_S):
-        self.window_s = window_s
-        # key -> deque of [second, requests, tokens], oldest first
-        self._buckets: dict[Hashable, deque[list[int]]] = {}
-
-    def _trim(self, key: Hashable, now_s: int) -> deque[list[int]]:
-        q = self._buckets.setdefault(key, deque())
-        while q and q[0][0] <= now_s - self.window_s:
-            q.popleft()
-        return q
-
-    def _bucket(self, q: deque[list[int]], now_s: int) -> list[int]:
-        if not q or q[-1][0] != now_s:
-            q.append([now_s, 0, 0])
-        return q[-1]
-
-    def totals(self, key: Hashable, now_s: int) -> tuple[int, int]:
-        q = self._trim(key, now_s)
-        return sum(b[1] for b in q), sum(b[2] for b in q)
-
-    def _seconds_until(self, q: deque[list[int]], idx: int, most: int, now_s: int) -> int:
-        """Seconds until the window's sum of column `idx` is at most `most`, as buckets leave."""
-        total = sum(b[idx] for b in q)
-        for b in q:
-            if total <= most:
-                break
-            total -= b[idx]
-            if total <= most:
-                return max(1, b[0] + self.window_s - now_s)
-        return 1 if total <= most else self.window_s
-
-    def admit(self, key: Hashable, now: float, limit: KeyLimit, tokens: int, subject: str = "this API key") -> Decision:
-        """Count one request of `tokens` in `key`'s window, or refuse it; `subject` names
-        whose limit it is in the refusal's message."""
-        now_s = int(now)
-        q = self._trim(key, now_s)
-        reqs, toks = sum(b[1] for b in q), sum(b[2] for b in q)
-        rpm, tpm = limit.requests_per_minute, limit.tokens_per_minute
-        if rpm > 0 and reqs + 1 > rpm:
-            wait = self._seconds_until(q, 1, rpm - 1, now_s)
-            return Decision(False, wait, "rpm", f"Rate limit reached: {rpm} requests per minute for {subject}.")
-        if tpm > 0 and tokens > tpm:
-            # It can never fit: waiting does not help, a smaller max_tokens does.
-            return Decision(
-                False,
-                self.window_s,
-                "tpm",
-                f"Request too large: it may use up to {tokens} tokens (prompt and max_tokens), over the limit "
-                f"of {tpm} tokens per minute for {subject}; send a smaller max_tokens.",
-            )
-        if tpm > 0 and toks + tokens > tpm:
-            # The reservation would overspend the budget (reservations included): wait until
-            # enough of it leaves.
-            wait = self._seconds_until(q, 2, tpm - tokens, now_s)
-            return Decision(False, wait, "tpm", f"Rate limit reached: {tpm} tokens per minute for {subject}.")
-        b = self._bucket(q, now_s)
-        b[1] += 1
-        b[2] += tokens
-        return Decision(True, ticket=(now_s, tokens))
-
-    def settle(self, key: Hashable, now: float, ticket: tuple[int, int], used: int) -> None:
-        """Replace a reservation by the tokens really used."""
-        now_s = int(now)
-        q = self._trim(key, now_s)
-        admitted_s, reserved = ticket
-        for b in q:
-            if b[0] == admitted_s:
-                b[2] += used - reserved
-                return
-        # The reservation already left the window (a request longer than a minute): the
-        # tokens were spent now.
-        self._bucket(q, now_s)[2] += used
-
-    def forget_idle(self, now: float) -> None:
-        now_s = int(now)
-        for key in [k for k, q in self._buckets.items() if not q or q[-1][0] <= now_s - self.window_s]:
-            del self._buckets[key]
-
-
 def _chars(value: Any) -> int:
     """Characters of a JSON value a template renders into the prompt (tool definitions,
     documents, a schema): their JSON text, as the tokenizer will see something like it."""
@@ -250,9 +155,12 @@ def estimate_tokens(body: Mapping[str, Any], context_len: int | None = None) -> 
     """Tokens to reserve for a chat or completion body: what it may cost at most. Each
     prompt's estimate plus its output cap, times `n`; without a cap, what the model's context
     leaves after the prompt (`context_len`, the model's max_model_len; unknown: no output is
-    reserved and the request is corrected when it ends)."""
+    reserved and the request is corrected when it ends). The cap is vLLM's: a chat request's
+    max_completion_tokens when set, else max_tokens (vLLM 0.32 ChatCompletionRequest
+    build_tok_params). Read from the values as the engine sees them (`engine_view`)."""
     try:
-        cap = int(body.get("max_completion_tokens") or body.get("max_tokens") or 0) or None
+        mct = body.get("max_completion_tokens")
+        cap = int(mct if mct is not None else body.get("max_tokens") or 0) or None
         n = max(1, int(body.get("n") or 1))
     except (TypeError, ValueError):
         cap, n = None, 1
@@ -263,66 +171,15 @@ def estimate_tokens(body: Mapping[str, Any], context_len: int | None = None) -> 
     return total
 
 
-# --- the shared ledger --------------------------------------------------------------------------
-class LimitsLedger:
-    """The Ray actor every ingress replica asks; one per application (a named actor).
-    One window per (key id, base model id): see the module docstring."""
-
-    def __init__(self) -> None:
-        self._w = SlidingWindows()
-        self._calls = 0
-
-    def admit(self, kid: str, model: str, rpm: int, tpm: int, tokens: int) -> Decision:
-        self._calls += 1
-        if self._calls % 10_000 == 0:
-            self._w.forget_idle(time.time())
-        subject = f"this API key on model '{model}'"
-        return self._w.admit((kid, model), time.time(), KeyLimit(rpm, tpm), tokens, subject)
-
-    def settle(self, kid: str, model: str, ticket: tuple[int, int], used: int) -> None:
-        self._w.settle((kid, model), time.time(), ticket, used)
-
-    def totals(self, kid: str, model: str) -> tuple[int, int]:
-        return self._w.totals((kid, model), int(time.time()))
+# The fields of a request that size its reservation.
+SIZING = ("n", "max_tokens", "max_completion_tokens")
 
 
-def _ledger_version() -> str:
-    """A hash of the ledger's own code: the actor's API and window arithmetic."""
-    try:
-        code = inspect.getsource(LimitsLedger) + inspect.getsource(SlidingWindows)
-    except (OSError, TypeError):  # no source on disk (a frozen build): the module's version
-        code = __name__ + str(WINDOW_S)
-    return hashlib.sha256(code.encode()).hexdigest()[:10]
-
-
-LEDGER_VERSION = _ledger_version()
-
-
-def ledger_name(app_name: str) -> str:
-    return f"pd-limits-{app_name}-{LEDGER_VERSION}"
-
-
-def get_ledger(app_name: str, label_selector: Mapping[str, str] | None = None) -> Any:
-    """The application's ledger actor, created by whichever ingress replica asks first.
-
-    Detached, so it outlives the replica that created it (replicas come and go; the
-    counts must not); named per application and ledger version, so two apps in one cluster
-    do not share and a deploy with a changed ledger never calls an old one. Blocks on the
-    GCS: call it off the event loop.
-    """
-    import ray
-
-    opts: dict[str, Any] = {
-        "name": ledger_name(app_name),
-        "namespace": "serve",
-        "lifetime": "detached",
-        "get_if_exists": True,
-        "num_cpus": 0,
-        "max_restarts": -1,
-    }
-    if label_selector:
-        opts["label_selector"] = dict(label_selector)
-    return ray.remote(LimitsLedger).options(**opts).remote()
+def engine_view(body: Mapping[str, Any], typed: Any) -> dict[str, Any]:
+    """`body` with the fields that size a reservation as the engine will read them from the
+    validated request `typed` (`"3"`, `3.0` and `true` are 3, 3 and 1 there; a completion
+    without max_tokens has vLLM's default of 16)."""
+    return {**body, **{k: getattr(typed, k) for k in SIZING if hasattr(typed, k)}}
 
 
 async def _awaited(ref: Any) -> Any:
@@ -348,6 +205,9 @@ class Limiter:
         self._metrics = metrics
         self._clock = clock
         self._down_until = 0.0  # while the ledger is known unreachable: decide by the policy
+        # Reservation ids: this replica's, then a serial number.
+        self._replica = uuid.uuid4().hex[:12]
+        self._serial = itertools.count(1)
 
     async def _handle(self) -> Any:
         if self._ledger is None:
@@ -385,7 +245,8 @@ class Limiter:
     async def admit(self, kid: str, model: str, body: Mapping[str, Any], context_len: int | None = None) -> Decision:
         """Count a request of key `kid` on `model` (the body's, adapter included) in the
         window of (kid, base model), or refuse it. `context_len`: the model's context, what
-        a request without max_tokens may generate up to."""
+        a request without max_tokens may generate up to. An admitted request's Decision
+        carries its reservation (ticket, and the handle that carried it) for `settle`."""
         limit = self.config.for_key(kid, model)
         if limit.unlimited:
             return Decision(True)
@@ -395,22 +256,42 @@ class Limiter:
         base = base_model_id(model)
         try:
             ledger = await asyncio.wait_for(self._handle(), LEDGER_TIMEOUT_S)
-            ref = ledger.admit.remote(kid, base, limit.requests_per_minute, limit.tokens_per_minute, tokens)
+        except Exception as exc:
+            return self._unreachable(exc)  # never asked: nothing to settle
+        rid = f"{self._replica}-{next(self._serial)}"
+        try:
+            ref = ledger.admit.remote(kid, base, limit.requests_per_minute, limit.tokens_per_minute, tokens, rid)
             decision = await asyncio.wait_for(_awaited(ref), LEDGER_TIMEOUT_S)
         except Exception as exc:
-            return self._unreachable(exc)
+            # The admit may still land: its reservation is settled (allowed) or released
+            # (refused) through the same handle, after it.
+            decision = self._unreachable(exc)
+            if decision.ok:
+                return replace(decision, ticket=rid, ledger=ledger)
+            self._send(ledger, "release", kid, base, rid)
+            return decision
         if not decision.ok:
             self._metrics.rate_limited(kid, base, decision.limit or "")
-        return decision
+            return decision
+        return replace(decision, ledger=ledger)
 
     def settle(self, kid: str, model: str, decision: Decision, used: int) -> None:
-        """Fire and forget: the answer has been sent already."""
-        if decision.ticket is None or self._ledger is None:
+        """Replace an admitted request's reservation by the tokens it used, through the handle
+        that carried its admit (this replica's handle may have been dropped since). Fire and
+        forget: the answer has been sent already."""
+        if decision.ticket is None:
+            return
+        self._send(decision.ledger or self._ledger, "settle", kid, base_model_id(model), decision.ticket, used)
+
+    @staticmethod
+    def _send(ledger: Any, call: str, *args: Any) -> None:
+        if ledger is None:
+            logger.warning("limits ledger %s of %s not sent: no ledger handle", call, args[2:3])
             return
         try:
-            self._ledger.settle.remote(kid, base_model_id(model), decision.ticket, used)
+            getattr(ledger, call).remote(*args)
         except Exception as exc:
-            logger.warning("limits ledger settle failed: %s", exc)
+            logger.warning("limits ledger %s failed: %r", call, exc)
 
 
 @dataclass

@@ -83,7 +83,7 @@ class AuthenticatedIngress(OpenAiIngress):
             # The many-model front door: its models arrive in user_config (catalog.py).
             models=Models(self, ModelCatalog() if models_mode else None),
             limiter=Limiter(
-                LimitsConfig.from_user_config(None), lambda: get_ledger(app_name, self._ledger_selector), meter
+                LimitsConfig.from_user_config(None), lambda: get_ledger(app_name, own, self._ledger_selector), meter
             ),
             router=Router(
                 app_name=app_name,

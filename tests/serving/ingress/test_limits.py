@@ -1,4 +1,6 @@
-"""serving/ingress/limits.py: the sliding-minute arithmetic, token estimates, the limiter's client side."""
+"""serving/ingress/limits.py: token estimates, the limiter's client side and its reservations.
+
+The windows and the ledger actor: test_ledger.py."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import asyncio
 import pytest
 
 from serving.ingress import limits
-from serving.ingress.limits import Decision, KeyLimit, LimitsConfig, SlidingWindows, estimate_tokens
+from serving.ingress.limits import Decision, KeyLimit, LimitsConfig, LimitsLedger, Reservation, estimate_tokens
 from serving.spec import KEY_ID_RE, key_id
 
 
@@ -15,62 +17,6 @@ def test_key_id_is_a_short_hash_never_the_key():
     kid = key_id("sk-secret-123")
     assert KEY_ID_RE.match(kid) and "secret" not in kid
     assert kid == key_id("sk-secret-123") != key_id("sk-secret-124")
-
-
-def test_rpm_refuses_the_request_over_the_limit_with_the_seconds_until_room():
-    w = SlidingWindows()
-    lim = KeyLimit(requests_per_minute=3)
-    assert [w.admit("k", 1000.2, lim, 0).ok for _ in range(3)] == [True, True, True]
-    d = w.admit("k", 1010.0, lim, 0)
-    assert not d.ok and d.limit == "rpm" and "3 requests per minute" in d.message
-    # The three requests of second 1000 leave the window at 1060: 50 s from 1010.
-    assert d.retry_after_s == 50
-    assert w.admit("k", 1059.9, lim, 0).ok is False
-    assert w.admit("k", 1060.0, lim, 0).ok is True
-
-
-def test_keys_are_counted_apart():
-    w = SlidingWindows()
-    lim = KeyLimit(requests_per_minute=1)
-    assert w.admit("a", 0, lim, 0).ok
-    assert not w.admit("a", 1, lim, 0).ok
-    assert w.admit("b", 1, lim, 0).ok
-
-
-def test_retry_after_counts_only_the_buckets_that_must_leave():
-    w = SlidingWindows()
-    lim = KeyLimit(requests_per_minute=2)
-    assert w.admit("k", 100, lim, 0).ok
-    assert w.admit("k", 130, lim, 0).ok
-    d = w.admit("k", 140, lim, 0)
-    assert not d.ok and d.retry_after_s == 20  # the request of second 100 leaves at 160
-
-
-def test_tpm_reserves_then_settles_to_what_was_used():
-    w = SlidingWindows()
-    lim = KeyLimit(tokens_per_minute=100)
-    d1 = w.admit("k", 10, lim, 60)
-    assert d1.ok
-    # Reserved 60 of 100: a reservation that would overspend the budget is refused ...
-    d2 = w.admit("k", 11, lim, 60)
-    assert not d2.ok and d2.limit == "tpm"
-    # ... one that fits is not.
-    d3 = w.admit("k", 12, lim, 40)
-    assert d3.ok
-    assert not w.admit("k", 12, lim, 1).ok
-    # Both used far less than reserved: room again at once.
-    w.settle("k", 13, d1.ticket, 10)
-    w.settle("k", 13, d3.ticket, 10)
-    assert w.totals("k", 13) == (2, 20)
-    assert w.admit("k", 13, lim, 60).ok
-
-
-def test_settle_after_the_reservation_left_the_window_counts_the_tokens_now():
-    w = SlidingWindows()
-    lim = KeyLimit(tokens_per_minute=1000)
-    d = w.admit("k", 0, lim, 50)
-    w.settle("k", 90, d.ticket, 70)
-    assert w.totals("k", 90) == (0, 70)
 
 
 def test_unlimited_keys_and_per_key_overrides():
@@ -155,7 +101,7 @@ def test_limiter_refusal_is_counted_per_key_and_limit():
     d = asyncio.run(lim.admit("k-abc", "m:adapter", {"prompt": "x"}))
     assert not d.ok and d.retry_after_s == 7
     assert meter.limited == [("k-abc", "m", "rpm")]  # the window's model: the adapter's base
-    assert ledger.calls == [("k-abc", "m", 1, 0, 0)]  # tokens are not estimated without a TPM limit
+    assert [c[:5] for c in ledger.calls] == [("k-abc", "m", 1, 0, 0)]  # no token estimate without a TPM limit
 
 
 def test_while_the_ledger_is_down_the_policy_decides_at_once_and_refuse_keeps_limits(monkeypatch):
@@ -196,26 +142,6 @@ def test_the_ledger_is_looked_up_off_the_event_loop():
     lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 5}), factory, _Meter())
     assert asyncio.run(lim.admit("k-1", "m", {})).ok
     assert seen == [False]
-
-
-@pytest.mark.parametrize("part", ["LimitsLedger", "SlidingWindows"])
-def test_the_ledger_name_changes_with_its_code(part):
-    """A detached ledger outlives deploys: a deploy that changes its code (its methods, as
-    when they gained the model, or its windows) must not call the old actor, so the name
-    carries a hash of the code."""
-    name = limits.ledger_name("llm")
-    assert name.startswith("pd-limits-llm-") and name.endswith(limits.LEDGER_VERSION)
-    assert limits._ledger_version() == limits.LEDGER_VERSION
-    original = limits.inspect.getsource
-
-    def changed(obj):
-        return original(obj) + ("# changed\n" if obj is getattr(limits, part) else "")
-
-    limits.inspect.getsource = changed
-    try:
-        assert limits._ledger_version() != limits.LEDGER_VERSION
-    finally:
-        limits.inspect.getsource = original
 
 
 def test_a_new_ledger_is_waited_for_before_traffic_not_counted_as_down(monkeypatch):
@@ -311,11 +237,12 @@ def test_settled_tokens_land_in_the_window_they_were_reserved_in():
 
     async def go():
         d = await lim.admit(KID, "a:tenant", {"prompt": "abcd", "max_tokens": 99})
+        reserved = ledger.actor.totals(KID, "a")
         lim.settle(KID, "a:tenant", d, 7)
-        return d
+        return d, reserved
 
-    d = asyncio.run(go())
-    assert d.ok and d.ticket[1] == 100
+    d, reserved = asyncio.run(go())
+    assert d.ok and reserved == (1, 100)
     assert ledger.actor.totals(KID, "a") == (1, 7) and ledger.actor.totals(KID, "b") == (0, 0)
 
 
@@ -346,3 +273,110 @@ def test_the_spec_renders_what_the_ingress_reads():
     assert cfg.for_key(KID, "qwen") == KeyLimit(0, 9000)  # its entry lists models only
     assert cfg.for_key(KID, "llama") == KeyLimit(10, 0)
     assert cfg.for_key(OTHER, "llama") == cfg.for_key(OTHER, "qwen") == KeyLimit(30, 0)
+
+
+# --- every reservation settled once: a late admit, a dropped handle, the refuse policy ----------
+class _Handle:
+    """A ledger actor's handle over a real LimitsLedger. Each call runs when it is sent (it
+    lands at once) unless `hold_admits` keeps admits back until `land()`; its answer comes
+    `delay` seconds later (past LEDGER_TIMEOUT_S: the replica stops waiting)."""
+
+    def __init__(self, delay=0.0, hold_admits=False):
+        self.ledger = LimitsLedger()
+        self.delay, self.hold_admits, self.held = delay, hold_admits, []
+
+    def land(self):
+        for call in self.held:
+            call()
+        self.held.clear()
+
+    def __getattr__(self, name):
+        method, outer = getattr(self.ledger, name), self
+
+        class _Call:
+            def remote(self, *args):
+                if name == "admit" and outer.hold_admits:
+                    outer.held.append(lambda: method(*args))
+                    return _Ref(None, 3600)
+                return _Ref(method(*args), outer.delay)
+
+        return _Call()
+
+
+BIG = {"prompt": "x" * 40, "max_tokens": 500}  # reserves 510
+
+
+def _reserve(handle, policy="allow", tpm=10_000):
+    cfg = LimitsConfig.from_user_config({"tokens_per_minute": tpm, "when_ledger_unreachable": policy})
+    lim = limits.Limiter(cfg, lambda: handle, _Meter())
+
+    async def go():
+        d = await lim.admit(KID, "a", BIG)
+        return lim, d
+
+    return asyncio.run(go())
+
+
+def test_a_reservation_whose_admit_answered_too_late_is_still_corrected(monkeypatch):
+    """The defect: the ledger counted the admit, the replica stopped waiting for its answer
+    and let the request through with no ticket, so the whole estimate stayed in the key's
+    window for a minute whatever the request used."""
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    handle = _Handle(delay=1.0)
+    lim, d = _reserve(handle)
+    assert d.ok and handle.ledger.totals(KID, "a") == (1, 510)  # landed, unanswered
+    Reservation(lim, KID, "a", d).settle(20)
+    assert handle.ledger.totals(KID, "a") == (1, 20)
+
+
+def test_an_admit_that_lands_after_its_settle_counts_nothing_more(monkeypatch):
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    handle = _Handle(hold_admits=True)
+    lim, d = _reserve(handle)
+    assert d.ok
+    Reservation(lim, KID, "a", d).settle(20)  # served: its tokens count when it ends
+    handle.land()
+    assert handle.ledger.totals(KID, "a") == (0, 20)
+
+
+def test_a_request_refused_for_want_of_an_answer_is_taken_out_of_the_window(monkeypatch):
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    for hold in (False, True):  # the admit landed before, or lands after, the release
+        handle = _Handle(delay=1.0, hold_admits=hold)
+        _, d = _reserve(handle, policy="refuse")
+        assert not d.ok and d.limit == limits.UNCHECKED
+        handle.land()
+        assert handle.ledger.totals(KID, "a") == (0, 0)
+
+
+def test_a_reservation_is_settled_through_its_own_handle_after_the_replicas_is_dropped(monkeypatch):
+    """The defect: a timeout on another request dropped the replica's handle, and every
+    reservation admitted before it was then never settled."""
+    monkeypatch.setattr(limits, "LEDGER_TIMEOUT_S", 0.05)
+    handle = _Handle()
+    cfg = LimitsConfig.from_user_config({"tokens_per_minute": 10_000})
+    lim = limits.Limiter(cfg, lambda: handle, _Meter())
+
+    async def go():
+        first = await lim.admit(KID, "a", BIG)
+        handle.delay = 1.0
+        second = await lim.admit(KID, "a", BIG)  # no answer in time: the handle is dropped
+        assert lim._ledger is None
+        return first, second
+
+    first, second = asyncio.run(go())
+    Reservation(lim, KID, "a", first).settle(20)
+    Reservation(lim, KID, "a", second).settle(30)
+    assert handle.ledger.totals(KID, "a") == (2, 50)
+
+
+def test_each_reservation_has_an_id_of_its_own():
+    handle = _Handle()
+    lim = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 100}), lambda: handle, _Meter())
+    other = limits.Limiter(LimitsConfig.from_user_config({"requests_per_minute": 100}), lambda: handle, _Meter())
+
+    async def go():
+        return [(await limiter.admit(KID, "a", {})).ticket for limiter in (lim, lim, other)]
+
+    tickets = asyncio.run(go())
+    assert len(set(tickets)) == 3 and all(tickets)
