@@ -2,7 +2,9 @@
 
 What flows through here: the parsed JSON body of /v1/chat/completions, /v1/completions,
 /tokenize or /detokenize, before anything else reads it -> None (every top-level field is
-one we serve, within its bounds) or the 400 to send, naming the first field that is not.
+one we serve) or the 400 to send, naming the first field that is not; then the request as
+vLLM's model validated it -> None (every bounded field within its bound, `BOUNDS`) or the
+400 naming the field.
 Each field of the registry says which endpoints take it, whether OpenAI documents it (only
 those go to the external fallback: the vLLM extensions mean nothing to another provider,
 and some providers refuse them), and what a continuation of a cut stream does with it
@@ -40,6 +42,12 @@ GENERATE = frozenset({CHAT, COMPLETIONS})
 # OpenAI documents `n` up to 128 (API reference, Chat Completions "Create"); vLLM takes up to
 # 16384 children per request, each a full sequence: bounded here, and counted by limits.
 MAX_N = 128
+# The bounds this server adds to vLLM's own, on the values as the engine reads them: after
+# pydantic's lax coercion of vLLM's request models, which turns "200", " 200 ", "200.0",
+# 200.0 and "2_00" into 200 and true into 1 (vLLM 0.32 ChatCompletionRequest and
+# CompletionRequest: `n: int | None`), so a bound on the JSON value alone misses them. A value
+# vLLM refuses (2.5, "1e2", "abc") is refused by its model, as vLLM refuses it.
+BOUNDS: dict[str, int] = {"n": MAX_N}
 
 
 class Continuation(str, enum.Enum):
@@ -190,8 +198,8 @@ def blocking_rules(endpoint: str) -> dict[str, tuple[Callable[[Any], bool], str]
 
 
 def refused_field(endpoint: str, body: Mapping[str, Any]) -> tuple[str, str] | None:
-    """(field, message) for the first field of `body` this server does not take, or whose
-    value is out of its bound, else None."""
+    """(field, message) for the first field of `body` this server does not take, else None
+    (the bounds are checked on the validated request: `out_of_bounds`)."""
     allowed = ALLOWED[endpoint]
     for name in body:
         if name in allowed:
@@ -199,9 +207,19 @@ def refused_field(endpoint: str, body: Mapping[str, Any]) -> tuple[str, str] | N
         if name in INTERNAL:
             return name, f"'{name}' is set by the server and cannot be sent in a request."
         return name, f"Unsupported parameter: '{name}' is not supported by this server."
-    n = body.get("n")
-    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
-        return "n", f"'n' must be at most {MAX_N} (got {n})."
+    return None
+
+
+def out_of_bounds(typed: Any) -> tuple[str, str] | None:
+    """(field, message) for the first field of the validated request `typed` (vLLM's model)
+    over its bound in `BOUNDS`, in OpenAI's words for that error, else None."""
+    for name, most in BOUNDS.items():
+        value = getattr(typed, name, None)
+        if isinstance(value, int) and value > most:
+            return (
+                name,
+                f"Invalid '{name}': integer above maximum value. Expected a value <= {most}, but got {value} instead.",
+            )
     return None
 
 

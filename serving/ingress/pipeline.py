@@ -2,18 +2,22 @@
 
 What flows through here, for /v1/chat/completions and /v1/completions:
   auth    the `Authorization` header -> the key id, or 401 (serving/ingress/auth.py)
-  body    the JSON body, read up to `max_body_bytes` (413 past it, before it is read whole)
-  fields  every field one we serve, within its bounds, or 400 naming it (fields.py)
+  body    the JSON body, read up to `max_body_bytes` (413 past it, before it is read whole),
+          nested at most MAX_JSON_DEPTH deep (400 past it, as for any body that is no JSON)
+  fields  every field one we serve, or 400 naming it (fields.py)
   model   the model or adapter it names -> its route (catalog.py), or 404 (unknown, or not
           the key's) before any limit is charged; 503 while its application is not deployed
   typed   the engine request, validated once: the client's fields, plus what the path needs
           (usage in every streamed chunk, token ids and stop strings for a stream that can be
-          continued: migration.py), or 400 naming the field pydantic refused
-  limits  the key's requests and tokens per minute on that model -> a reservation, or 429
+          continued: migration.py), or 400 naming the field pydantic refused; then our bounds
+          on its values as the engine reads them, or 400 naming the field (fields.py BOUNDS)
+  limits  the key's requests and tokens per minute on that model, the tokens sized from the
+          validated request -> a reservation, or 429
   route   the cluster or the external fallback, then the usage (routing.py), through the
   call    resilient relay to the model's engines (relay.py)
   meter   usage per key and destination; the reservation settled exactly once, whatever
-          the answer (an engine 400, a 503, a cut stream, the fallback)
+          the answer (an engine 400, a 503, a cut stream, the fallback, a client gone before
+          its stream began: `_SettledStream`)
 The state a request carries is one `RequestContext`, built by the steps that know each part;
 every error is shaped once, at the end (errors.py). /tokenize and /detokenize walk the same
 steps up to limits (one request, no tokens), then one engine call.
@@ -21,6 +25,8 @@ steps up to limits (one request, no tokens), then one engine call.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Mapping
 from functools import cache
@@ -36,15 +42,22 @@ from serving.ingress.catalog import ModelNotFound, ModelRoute, Models, redact_st
 from serving.ingress.context import RequestContext
 from serving.ingress.dispatch import dispatch_call
 from serving.ingress.errors import SERVED_BY, answer_for, error_response, model_not_found, validation_error
-from serving.ingress.fields import refused_field
-from serving.ingress.limits import UNCHECKED, Decision, Limiter, Reservation
+from serving.ingress.fields import out_of_bounds, refused_field
+from serving.ingress.limits import UNCHECKED, Decision, Limiter, Reservation, engine_view
 from serving.ingress.migration import StreamRecord
 from serving.ingress.relay import Relay
 from serving.ingress.routing import Router
 
+logger = logging.getLogger("ray.serve")
+
 # A request body larger than this is refused with 413 before it is read whole (the default of
 # serving.ingress.maxBodyMiB).
 DEFAULT_MAX_BODY_BYTES = 4 << 20
+# How deep a request body's objects and arrays may nest. vLLM refuses a structured-output
+# schema nested deeper than 64 levels (+16 for a structural tag; vLLM 0.32 sampling_params.py
+# MAX_STRUCTURED_OUTPUT_JSON_NESTING), which sits a few levels inside the body; far deeper,
+# Python's recursion limit (1000 frames) breaks the JSON parser, the encoders and pickling.
+MAX_JSON_DEPTH = 128
 
 
 class BodyError(Exception):
@@ -91,6 +104,8 @@ class FrontDoor:
             # end, or here with nothing generated (refused, failed, or the client went away).
             if not isinstance(resp, StreamingResponse):
                 ctx.reservation.settle(0)
+        if isinstance(resp, StreamingResponse):
+            resp = _SettledStream(resp, ctx.reservation)
         return _served_by(resp)
 
     async def _admit(self, request: Any, endpoint: str, started: float) -> tuple[RequestContext, Any, Any]:
@@ -107,7 +122,8 @@ class FrontDoor:
         record = self.relay.continuable(endpoint, cluster, route.context_len) if stream else None
         engine = {**cluster, **record.engine_fields()} if record is not None else cluster
         typed = _adapter(_request_type(endpoint)).validate_python(engine)
-        decision = await self.limiter.admit(kid, route.model, body, route.context_len)
+        _check_bounds(typed)
+        decision = await self.limiter.admit(kid, route.model, engine_view(body, typed), route.context_len)
         if not decision.ok:
             raise BodyError(self._refusal(decision))
         reservation = Reservation(self.limiter, kid, route.model, decision)
@@ -184,6 +200,7 @@ class FrontDoor:
             body = await self._body(request, endpoint)
             route = await self._route(kid, body)
             typed = _adapter(_request_type(endpoint)).validate_python({**body, "model": route.model})
+            _check_bounds(typed)
             decision = await self.limiter.admit(kid, route.model, {})
             if not decision.ok:
                 return self._refusal(decision)
@@ -228,21 +245,76 @@ def _served_by(resp: Response) -> Response:
     return resp
 
 
-def _json_object(raw: bytes) -> dict[str, Any] | Response:
-    import json
+def _check_bounds(typed: Any) -> None:
+    over = out_of_bounds(typed)
+    if over is not None:
+        raise BodyError(error_response(400, over[1], param=over[0], code="integer_above_max_value"))
 
+
+NOT_JSON = "We could not parse the JSON body of your request. Send a JSON object with 'Content-Type: application/json'."
+TOO_DEEP = f"The JSON body of your request nests objects and arrays more than {MAX_JSON_DEPTH} levels deep."
+
+
+def _json_object(raw: bytes) -> dict[str, Any] | Response:
+    """The body as a JSON object, or the 400 for a body that is none. Any body that does not
+    parse is the client's error, whatever the parser raises: a syntax error, bytes that are
+    no UTF-8, an integer of more than 4300 digits (Python's int_max_str_digits: ValueError),
+    or nesting past the recursion limit (RecursionError; what plain vLLM answers 400 for too:
+    FastAPI's "There was an error parsing the body")."""
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return error_response(
-            400,
-            "We could not parse the JSON body of your request. Send a JSON object "
-            "with 'Content-Type: application/json'.",
-            code="invalid_json",
-        )
+    except RecursionError:
+        return error_response(400, TOO_DEEP, code="invalid_json")
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError, too many digits
+        return error_response(400, NOT_JSON, code="invalid_json")
     if not isinstance(body, dict):
         return error_response(400, "The request body must be a JSON object.", code="invalid_json")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _deeper_than(body, MAX_JSON_DEPTH):
+        return error_response(400, TOO_DEEP, code="invalid_json")
     return body
+
+
+def _deeper_than(doc: Any, limit: int) -> bool:
+    """Whether `doc`'s objects and arrays nest more than `limit` levels (`doc` itself is one),
+    walked a level at a time: no recursion, whatever the depth."""
+    level = [doc]
+    for _ in range(limit):
+        children: list[Any] = []
+        for node in level:
+            children.extend(node.values() if isinstance(node, dict) else node)
+        level = [c for c in children if isinstance(c, dict | list)]
+        if not level:
+            return False
+    return True
+
+
+class _SettledStream(StreamingResponse):
+    """A streamed answer whose reservation is settled when its ASGI call ends, however it ends.
+    The stream settles it with the usage it saw when it ends or is closed; a stream suspended
+    at the client's departure is closed here, so that it does; one that never began (the
+    client went away before the first chunk was asked for, as Starlette's StreamingResponse
+    allows: it cancels the sending task at a disconnect) is settled with nothing generated
+    since nothing was sent."""
+
+    def __init__(self, inner: StreamingResponse, reservation: Reservation):
+        super().__init__(
+            inner.body_iterator, inner.status_code, media_type=inner.media_type, background=inner.background
+        )
+        self.raw_headers = inner.raw_headers
+        self.reservation = reservation
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            try:
+                if close is not None and not self.reservation.settled:
+                    await close()
+            except Exception as exc:
+                logger.warning("closing a stream the client left failed: %r", exc)
+            finally:
+                self.reservation.settle(0)
 
 
 @cache

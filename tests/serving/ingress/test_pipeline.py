@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,7 @@ from serving.core.failures import EngineRefused, Reason, Unservable
 from serving.ingress.catalog import ModelNotFound, Models, redact_storage
 from serving.ingress.fields import MAX_N, openai_fields, refused_field
 from serving.ingress.limits import Decision, KeyLimit, SlidingWindows, estimate_tokens
+from serving.ingress.pipeline import MAX_JSON_DEPTH
 from tests.serving.ingress.test_routing import _limited, _Request, _routing, _run
 from tests.serving.test_app import CHAT, KEY, error_of, make_ingress, make_request, run
 
@@ -153,6 +155,76 @@ def test_an_engine_refusal_leaves_nothing_in_the_window(monkeypatch):
     assert ledger.actor.totals(key_id("sk-client"), "ours") == (2, 5)  # 0 for the refused, 5 used
 
 
+def test_the_reservation_is_sized_from_the_values_the_engine_reads(monkeypatch):
+    """n "3" and max_tokens "5.0" are 3 and 5 to vLLM: the reservation was the prompt alone
+    (int("5.0") failed, and n fell back to 1); a completion without max_tokens gets vLLM's
+    default cap, not nothing."""
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    r, _, _ = _routing(monkeypatch, fallback=False)
+    ledger = _limited(r, {"tokens_per_minute": 100_000})
+    prompt = "x" * 40
+    default_cap = CompletionRequest.model_fields["max_tokens"].default
+    for body, sized in (
+        ({"n": "3", "max_tokens": "5.0"}, {"n": 3, "max_tokens": 5}),
+        ({"n": 2.0, "max_tokens": True}, {"n": 2, "max_tokens": 1}),
+        ({}, {"max_tokens": default_cap}),
+    ):
+        ledger.calls.clear()
+        resp, _ = _run(r, {"model": "ours", "prompt": prompt, **body}, _cluster("json"))
+        assert resp.status_code == 200
+        reserved = [c[5] for c in ledger.calls if c[0] == "admit"]
+        assert reserved == [estimate_tokens({"prompt": prompt, **sized})]
+
+
+async def _serve(resp, *, leave_after_first_chunk: bool) -> None:
+    """Play the response to a client that goes away: before the stream's first chunk is asked
+    for, or once the first chunk is on its way (the send never completes)."""
+    first_chunk = asyncio.Event()
+    if not leave_after_first_chunk:
+        first_chunk.set()
+
+    async def receive():
+        await first_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            first_chunk.set()
+            await asyncio.sleep(3600)
+        elif not leave_after_first_chunk:
+            await asyncio.sleep(3600)
+
+    await resp({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send)
+
+
+@pytest.mark.parametrize("leave_after_first_chunk", [False, True], ids=["before-the-stream", "mid-stream"])
+def test_a_stream_the_client_leaves_is_settled_once_when_its_answer_ends(monkeypatch, leave_after_first_chunk):
+    """Starlette cancels the sending task at a disconnect: a stream whose first chunk was never
+    asked for never ran its own settle (its reservation stayed whole for a minute), and one
+    suspended at its chunk settled only when the garbage collector closed it."""
+    r, _, _ = _routing(monkeypatch, fallback=False)
+    settled = []
+
+    async def admit(kid, model, body, context_len=None):
+        return Decision(True, ticket="r-1")
+
+    r.limiter.admit = admit
+    r.limiter.settle = lambda kid, model, decision, used: settled.append((decision.ticket, used))
+
+    async def go():
+        resp = await r.handle(
+            _Request(), {"model": "ours", "prompt": "x", "stream": True}, "completions", _cluster("stream_cut")
+        )
+        assert isinstance(resp, StreamingResponse)
+        await _serve(resp, leave_after_first_chunk=leave_after_first_chunk)
+        return list(settled)  # as the answer's ASGI call ends, not when the loop shuts down
+
+    # the usage of the first chunk (2 prompt + 1 completion tokens) once it was produced
+    assert asyncio.run(go()) == [("r-1", 3 if leave_after_first_chunk else 0)]
+    assert settled == [("r-1", 3 if leave_after_first_chunk else 0)]
+
+
 # --- bounds: body size, n ---------------------------------------------------------------------------
 def test_a_body_over_the_bound_is_413_before_it_is_read_whole(monkeypatch):
     ingress, handle = make_ingress(monkeypatch)
@@ -169,11 +241,57 @@ def test_a_body_over_the_bound_is_413_before_it_is_read_whole(monkeypatch):
 
 
 def test_n_is_bounded_as_openai_documents(monkeypatch):
-    assert refused_field("chat", {"n": MAX_N}) is None
-    assert refused_field("chat", {"n": MAX_N + 1})[0] == "n"
     ingress, handle = make_ingress(monkeypatch)
+    assert run(ingress.chat(make_request({**CHAT, "n": MAX_N}))).status_code == 200
     status, err = error_of(run(ingress.chat(make_request({**CHAT, "n": 1000}))))
-    assert status == 400 and err["param"] == "n" and handle.calls == []
+    assert status == 400 and err["param"] == "n" and len(handle.calls) == 1
+
+
+def _nested(depth: int):
+    """A JSON array nested `depth` levels deep (itself included)."""
+    doc: list = []
+    for _ in range(depth - 1):
+        doc = [doc]
+    return doc
+
+
+def _errors_logged():
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("ray.serve").addHandler(handler)
+    return records, handler
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"[" * 100_000,  # the review's body: RecursionError in json.loads
+        b'{"a":' * 100_000,
+        json.dumps({**CHAT, "chat_template_kwargs": {"x": _nested(MAX_JSON_DEPTH - 1)}}).encode(),
+        b'{"model": "tiny", "n": ' + b"1" * 5000 + b"}",  # past Python's int_max_str_digits
+    ],
+    ids=["100k-arrays", "100k-objects", "parsed-but-too-deep", "5000-digits"],
+)
+def test_a_body_that_does_not_parse_or_nests_too_deep_is_a_400_and_no_traceback(monkeypatch, raw):
+    """The defect: a body of 100,000 `[` was a 500 with a traceback in the log (json.loads
+    raises RecursionError, not JSONDecodeError). Plain vLLM answers each of these 400 (FastAPI
+    0.136 routing.py: any exception parsing the body is "There was an error parsing the body")."""
+    ingress, handle = make_ingress(monkeypatch)
+    records, handler = _errors_logged()
+    try:
+        status, err = error_of(run(ingress.chat(make_request(raw))))
+    finally:
+        logging.getLogger("ray.serve").removeHandler(handler)
+    assert status == 400 and err["code"] == "invalid_json" and handle.calls == []
+    assert not [r for r in records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+def test_a_body_nested_as_deep_as_the_bound_is_served(monkeypatch):
+    ingress, handle = make_ingress(monkeypatch)
+    # the body (1), chat_template_kwargs (2), then arrays down to the bound
+    body = {**CHAT, "chat_template_kwargs": {"x": _nested(MAX_JSON_DEPTH - 2)}}
+    assert run(ingress.chat(make_request(body))).status_code == 200 and len(handle.calls) == 1
 
 
 def test_tokenize_and_detokenize_take_only_their_fields(monkeypatch):

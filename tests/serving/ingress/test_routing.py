@@ -107,7 +107,7 @@ class _Relay:
     def __init__(self):
         self.call = None
 
-    def continuable(self, endpoint, fields):
+    def continuable(self, endpoint, fields, context_len=None):
         return None
 
     async def answer(self, *, body, **_):
