@@ -33,7 +33,7 @@ def _ciphertext() -> str:
 
 
 # The secrets each stack's owner has set in a deployed checkout (the shipped files hold none).
-DEPLOYED_SECRETS = {"staging": ("apiKeys", "hfToken"), "prod": ("apiKeys", "gcsRedisPassword")}
+DEPLOYED_SECRETS = {"staging": ("apiKeys", "hfToken"), "prod": ("apiKeys",)}
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,6 @@ def test_stack_files_differences_by_key_path(staging_prod):
 
 def test_secrets_are_named_never_shown(staging_prod):
     assert "  - hfToken: <secret>\n" in staging_prod
-    assert "  + gcsRedisPassword: <secret>\n" in staging_prod
     assert "placeholder" not in staging_prod  # neither ciphertext nor the render's stand-in values
     assert "apiKeys" not in staging_prod  # both have it: a secret is not compared
 
