@@ -120,6 +120,17 @@ $(CHECKOV_STAMP): policies/requirements-checkov.lock requirements-pip.lock
 	.venv-checkov/bin/python -m pip install -q --require-hashes -r policies/requirements-checkov.lock
 	touch $(CHECKOV_STAMP)
 
+# Real OpenAI clients (openai-agents, langchain-openai, lm-eval, aiperf) that make test-long runs
+# against the local stack (tests/local/test_clients_e2e.py), in their own virtualenv: they pin
+# their own openai, pydantic and httpx, which must not move the serving stack's.
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+$(CLIENTS_STAMP): requirements-clients.lock requirements-pip.lock
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python $(PIP_INSTALL)
+	$(CLIENTS_VENV)/bin/python -m pip install -q --require-hashes -r requirements-clients.lock
+	touch $(CLIENTS_STAMP)
+
 # Refreshes every lock from its requirements file(s), after a change to one of them.
 # pip-compile (pip-tools), not uv: it resolves with pip itself, so it reads the same pip
 # configuration as the install (this machine's wheel store and constraints, or
@@ -140,6 +151,7 @@ lock: $(PIP_COMPILE)
 	$(LOCK) -o requirements-dev.lock requirements-dev.txt requirements-serving.txt
 	$(LOCK) -o policies/requirements.lock policies/requirements.txt
 	$(LOCK) -o policies/requirements-checkov.lock policies/requirements-checkov.txt
+	$(LOCK) -o requirements-clients.lock requirements-clients.txt
 
 # ruff (lint + format check) and mypy over the program, serving code, tools, bench and policies.
 lint: venv
@@ -162,7 +174,7 @@ test: venv lint light-env $(CHECKOV_STAMP) $(ACTIONLINT) $(PROMTOOL)
 # in, all under streamed load), on their own local stack: kept out of make test's 20 minutes;
 # CI and both workflows run it after make test; `make test test-long` runs them one after the
 # other (one Ray stack at a time), not side by side under make test's --jobs.
-test-long: venv | $(filter test,$(MAKECMDGOALS))
+test-long: venv $(CLIENTS_STAMP) | $(filter test,$(MAKECMDGOALS))
 	$(PY) -m pytest -m long
 
 # The live metric-name cross-check alone (it starts its own local stack).

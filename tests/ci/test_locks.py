@@ -99,6 +99,7 @@ def test_make_installs_the_venvs_from_the_locks_with_hashes():
     text = (ROOT / "Makefile").read_text()
     assert "pip install -q --require-hashes -r requirements-dev.lock" in text
     assert "pip install -q --require-hashes -r policies/requirements-checkov.lock" in text
+    assert "pip install -q --require-hashes -r requirements-clients.lock" in text
     assert not re.search(r"pip install .*-r [\w/-]+\.txt", text), "an install that bypasses the locks"
 
 
