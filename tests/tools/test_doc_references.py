@@ -24,6 +24,7 @@ NOT_IN_THE_TREE = {
     ".cache": "make test's tool downloads (gitignored)",
     ".venv": "made by make venv",
     ".venv-checkov": "made by make test",
+    ".venv-clients": "made by make test-long",
     "policies/venv": "the policy pack's virtualenv, made by the user (docs/guardrails.md)",
     "stacks/Pulumi.team-x.yaml": "what `make stack NAME=team-x` writes (an example)",
     "stacks/Pulumi.team-search.yaml": "what `python -m tools.newstack team-search` writes (an example)",
