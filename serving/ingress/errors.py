@@ -91,10 +91,31 @@ def validation_error(err: ValidationError) -> JSONResponse:
     return error_response(400, f"Invalid request body: {msg}{where}.", param=loc)
 
 
+def request_refusal(exc: BaseException) -> JSONResponse | None:
+    """The answer vLLM's own server gives to one of its client errors, raised where the ingress
+    validates a request with vLLM's models (their validators raise `VLLMValidationError`,
+    which pydantic passes through: `top_logprobs` without `logprobs`, a bad `tool_choice`), or
+    None. vLLM 0.32 maps them (entrypoints/serve/exception_handling/error_response.py): not
+    found 404, unprocessable 422, every other client error 400, naming the parameter."""
+    try:
+        from vllm.exceptions import VLLMClientError, VLLMNotFoundError, VLLMUnprocessableEntityError
+    except ImportError:  # vLLM 0.29 (the worker image): its validators raise ValueError instead
+        return None
+    if not isinstance(exc, VLLMClientError):
+        return None
+    status = (
+        404 if isinstance(exc, VLLMNotFoundError) else 422 if isinstance(exc, VLLMUnprocessableEntityError) else 400
+    )
+    return error_response(status, str(exc), param=getattr(exc, "parameter", None))
+
+
 def answer_for(exc: BaseException, retry_after_s: int = 1) -> JSONResponse:
     """The one mapping from an exception that reached the edge to the client's answer."""
     if isinstance(exc, ValidationError):
         return validation_error(exc)
+    refusal = request_refusal(exc)
+    if refusal is not None:
+        return refusal
     if isinstance(exc, EngineRefused):
         return error_response(exc.status_code, exc.message)
     failure = as_unservable(exc, retry_after_s)
