@@ -178,8 +178,10 @@ SIZING = ("n", "max_tokens", "max_completion_tokens")
 def engine_view(body: Mapping[str, Any], typed: Any) -> dict[str, Any]:
     """`body` with the fields that size a reservation as the engine will read them from the
     validated request `typed` (`"3"`, `3.0` and `true` are 3, 3 and 1 there; a completion
-    without max_tokens has vLLM's default of 16)."""
-    return {**body, **{k: getattr(typed, k) for k in SIZING if hasattr(typed, k)}}
+    without max_tokens has vLLM's default of 16). Read from the model's fields themselves: vLLM
+    marks a chat request's max_tokens deprecated, and reading it as an attribute warns."""
+    fields = getattr(typed, "__dict__", {})
+    return {**body, **{k: fields[k] for k in SIZING if k in fields}}
 
 
 async def _awaited(ref: Any) -> Any:

@@ -380,3 +380,18 @@ def test_each_reservation_has_an_id_of_its_own():
 
     tickets = asyncio.run(go())
     assert len(set(tickets)) == 3 and all(tickets)
+
+
+def test_a_chat_request_is_sized_as_vllm_reads_it_without_its_deprecation_warning():
+    """vLLM 0.32 marks ChatCompletionRequest.max_tokens deprecated (pydantic warns on each
+    read of the attribute): sizing every chat request must not warn."""
+    import warnings
+
+    from ray.serve.llm.openai_api_models import ChatCompletionRequest
+
+    body = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": "5", "n": 2.0}
+    typed = ChatCompletionRequest.model_validate(body)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sized = limits.engine_view(body, typed)
+    assert estimate_tokens(sized) == estimate_tokens({**body, "max_tokens": 5, "n": 2})
