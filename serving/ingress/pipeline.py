@@ -302,6 +302,8 @@ class _SettledStream(StreamingResponse):
         )
         self.raw_headers = inner.raw_headers
         self.reservation = reservation
+        # The relay's stream: what frees its engine call if its generator never runs.
+        self.release = getattr(inner, "release", None)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -314,6 +316,8 @@ class _SettledStream(StreamingResponse):
             except Exception as exc:
                 logger.warning("closing a stream the client left failed: %r", exc)
             finally:
+                if self.release is not None:
+                    self.release()  # a generator that never ran: cancel its engine call
                 self.reservation.settle(0)
 
 

@@ -161,6 +161,27 @@ CONTINUATION_BACKOFF_S = 0.25
 CUT_AFTER_HEADER = "x-pd-test-cut-after"
 
 
+class Abandon:
+    """What a started stream's generator releases in its `finally`, for one that never ran:
+    a client gone before the first chunk was asked for (Starlette cancels the sending task at
+    a disconnect) leaves the generator unstarted, and an unstarted generator's `finally` never
+    runs. Called when the response's ASGI call ends; it does nothing once the generator ran:
+    the engine's call cancelled (vLLM aborts the request) and the events' closers run (the
+    router's in-flight entry and the usage it meters)."""
+
+    def __init__(self, stream: Any, events: EventPipeline):
+        self.stream = stream
+        self.events = events
+        self.started = False
+
+    def __call__(self) -> None:
+        if self.started:
+            return
+        self.started = True
+        cancel_call(self.stream)
+        self.events.close()
+
+
 @dataclass
 class Migration:
     """What `guarded_stream` needs to continue a stream cut after its first byte
@@ -194,6 +215,7 @@ async def guarded_stream(
     to_packet: Callable[[Any], str],
     migration: Migration | None = None,
     events: EventPipeline | None = None,
+    abandon: Abandon | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> AsyncIterator[str]:
     """SSE packets of an already-started stream, cut at the total deadline.
@@ -209,6 +231,8 @@ async def guarded_stream(
     edit the same dicts, and each kept event is encoded once (serving.ingress.sse.EventPipeline).
     A packet (one of Ray Serve LLM's batches) goes on as one chunk.
     """
+    if abandon is not None:
+        abandon.started = True  # from here this generator's own `finally` releases the stream
     done_sent = False
     finished = False
     record = migration.record if migration else None
@@ -424,6 +448,7 @@ class Relay:
         # guarded_stream decodes each event once; the router adds its reading of them to
         # `events` (metering) instead of decoding the stream again.
         events = EventPipeline()
+        abandon = Abandon(stream, events)
         return EventStreamResponse(
             guarded_stream(
                 first,
@@ -432,8 +457,10 @@ class Relay:
                 to_packet=ri.openai_sse_packet,
                 migration=migration,
                 events=events,
+                abandon=abandon,
             ),
             events=events,
+            release=abandon,
             media_type="text/event-stream",
         )
 

@@ -292,11 +292,23 @@ class EventPipeline:
 
 class EventStreamResponse(StreamingResponse):
     """A streamed answer whose events pass through `events` (an EventPipeline): a layer above
-    adds its rewriter there instead of reading the stream a second time."""
+    adds its rewriter there instead of reading the stream a second time. `release`: what
+    frees the stream's resources if its generator never runs (serving.ingress.relay.Abandon),
+    called when the response's ASGI call ends, however it ends."""
 
-    def __init__(self, content: Any, *, events: EventPipeline, **kwargs: Any):
+    def __init__(
+        self, content: Any, *, events: EventPipeline, release: Callable[[], None] | None = None, **kwargs: Any
+    ):
         super().__init__(content, **kwargs)
         self.events = events
+        self.release = release
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if self.release is not None:
+                self.release()
 
 
 def ask_for_usage(body: dict[str, Any]) -> bool:

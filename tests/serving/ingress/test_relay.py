@@ -185,3 +185,59 @@ def test_client_disconnect_cancels_the_downstream_request():
 
     run(go())
     assert s.cancelled
+
+
+def _asgi_with_client_gone_at_once(resp):
+    """Serve the response to a client that disconnects before the first chunk is asked for:
+    Starlette cancels the sending task at the disconnect while the headers are still going
+    out, so the body's generator never starts."""
+    sent = []
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message["type"])
+        await asyncio.sleep(0.2)  # the headers take a while to leave
+
+    asyncio.run(resp({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send))
+    return sent
+
+
+def test_a_stream_the_client_left_before_its_first_chunk_cancels_its_engine_call_and_closes():
+    """Before, the relay's generator never ran, so neither its `finally` (the engine's call
+    cancelled: vLLM kept generating) nor the router's closers (its in-flight entry counted as
+    ongoing for 15 minutes) ever ran."""
+    from serving.ingress.relay import Abandon, guarded_stream
+    from serving.ingress.sse import EventPipeline, EventStreamResponse, SseRewriter
+
+    stream = FakeStream(["data: {}\n\n", "hang"])
+    events = EventPipeline()
+    closed = []
+    events.meter(SseRewriter(model=None, keep_usage_event=True, keep_chunk_usage=False), lambda: closed.append(True))
+    abandon = Abandon(stream, events)
+    body = guarded_stream(
+        "data: {}\n\n", stream, deadline_at=10**9, to_packet=lambda x: x, events=events, abandon=abandon
+    )
+    resp = EventStreamResponse(body, events=events, release=abandon, media_type="text/event-stream")
+    sent = _asgi_with_client_gone_at_once(resp)
+    assert "http.response.body" not in sent  # the generator never ran
+    assert stream.cancelled and closed == [True]
+    abandon()  # once only
+    assert closed == [True]
+
+
+def test_a_stream_that_ran_is_released_by_its_own_generator_not_twice():
+    from serving.ingress.relay import Abandon, guarded_stream
+    from serving.ingress.sse import EventPipeline
+
+    stream = FakeStream(["data: [DONE]\n\n"])
+    events = EventPipeline()
+    abandon = Abandon(stream, events)
+    gen = guarded_stream(
+        "data: {}\n\n", stream, deadline_at=10**9, to_packet=lambda x: x, events=events, abandon=abandon
+    )
+    out = run(collect(gen))
+    assert out and abandon.started
+    abandon()
+    assert not stream.cancelled  # it ended on its own: nothing to cancel
