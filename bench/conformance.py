@@ -10,10 +10,12 @@ the oracle and to each path of ours:
   migration      the P/D app with the stream cut after the case's k-th token (the relay's
                  test hook, serving/ingress/relay.py CUT_AFTER_HEADER): migration at every k,
                  no process killed; streamed, continuable, greedy bodies only
-  fallback       the P/D app with every request sent to the external fallback (the provider
-                 is the oracle's vLLM), compared with the oracle's answer to the part of the
-                 body OpenAI documents: the fallback sends no vLLM extension (a documented
+  fallback       the P/D app with every request sent to the external fallback (the routing
+                 test hook, serving/ingress/routing.py ROUTE_HEADER; the provider is the
+                 oracle's vLLM), compared with the oracle's answer to the part of the body
+                 OpenAI documents: the fallback sends no vLLM extension (a documented
                  deviation, docs/conformance.md)
+Every answer must come from where its path says (`x-served-by`: cluster, or fallback).
 -> each answer compared with the oracle's (bench/conformance_compare.py: status, text, token
 ids, finish, usage, logprobs within tolerance, tool calls; for streams the joined deltas, one
 id, the final usage, one [DONE]) -> each difference shrunk (fields dropped while the difference
@@ -132,7 +134,9 @@ async def _send(client: httpx.AsyncClient, url: str, raw: bytes, headers: dict[s
     try:
         async with client.stream("POST", url, content=raw, headers=headers, timeout=REQUEST_TIMEOUT_S) as r:
             text = (await r.aread()).decode("utf-8", "replace")
-            return answer_of(r.status_code, r.headers.get("content-type", ""), text)
+            answer = answer_of(r.status_code, r.headers.get("content-type", ""), text)
+            answer.served_by = r.headers.get("x-served-by")
+            return answer
     except httpx.HTTPError as exc:
         return Answer(status=599, text=f"{type(exc).__name__}: {exc}")
 
@@ -175,6 +179,10 @@ class Runner:
             from serving.ingress.relay import CUT_AFTER_HEADER
 
             headers[CUT_AFTER_HEADER] = str(cut_after)
+        if path == "fallback":
+            from serving.ingress.routing import ROUTE_HEADER
+
+            headers[ROUTE_HEADER] = "fallback"
         return await _send(self.client, _url(base, endpoint), json.dumps(body).encode(), headers)
 
     async def compare(self, path: str, case: Case, endpoint: str, body: dict[str, Any]) -> list[str]:
@@ -184,6 +192,9 @@ class Runner:
         oracle, ours = await asyncio.gather(
             self.oracle(endpoint, oracle_body), self.ours(path, endpoint, body, case.cut_after)
         )
+        where = "fallback" if path == "fallback" else "cluster"
+        if ours.status == 200 and ours.served_by != where:
+            return [f"x-served-by: {where} != {ours.served_by}"]  # not the path it was sent down
         return differences(oracle, ours)
 
     async def shrink(self, path: str, case: Case, first: str) -> dict[str, Any]:
@@ -266,8 +277,8 @@ def running(log_dir: Path) -> Iterator[tuple[Any, Any]]:
 
 
 def _fallback_config(stack: Any, provider: Any) -> dict[str, Any]:
-    """The P/D ingress's user_config with every request sent to the provider (a first-token
-    deadline no engine meets)."""
+    """The P/D ingress's user_config with the provider as its fallback (the routing hook sends
+    each request of the fallback path there)."""
     from local.provider import EXTERNAL_MODEL
     from serving.spec import APP_NAME, INGRESS_DEPLOYMENT
 
@@ -278,9 +289,9 @@ def _fallback_config(stack: Any, provider: Any) -> dict[str, Any]:
         "fallback": {
             "base_url": provider.url,
             "models": {stack.model: EXTERNAL_MODEL},
-            "when": ["deadline"],
+            "when": ["overloaded"],
             "overflow_at": 64,
-            "first_token_timeout_s": 0.001,
+            "first_token_timeout_s": REQUEST_TIMEOUT_S,
             "timeout_s": REQUEST_TIMEOUT_S,
             "connect_timeout_s": 5,
             "retries": 0,

@@ -36,6 +36,7 @@ class Answer:
     events: list[dict[str, Any]] | None = None  # a stream's events' JSON ([DONE] apart)
     done: int = 0  # how many `data: [DONE]`
     text: str = ""  # the raw body, for the report
+    served_by: str | None = None  # our `x-served-by` (cluster or fallback)
 
 
 def parse_stream(raw: str) -> tuple[list[dict[str, Any]], int]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -45,7 +46,7 @@ from serving.ingress.errors import SERVED_BY, error_response
 from serving.ingress.fallback import FallbackClient, FallbackConfig, FallbackError
 from serving.ingress.limits import UsageMeter
 from serving.ingress.sse import EventStreamResponse, SseRewriter, Usage, estimated_usage
-from serving.spec import FallbackWhen
+from serving.spec import TEST_HOOKS_ENV, FallbackWhen
 
 if TYPE_CHECKING:
     from serving.ingress.catalog import ModelRoute
@@ -58,6 +59,9 @@ OVERLOADED = FallbackWhen.OVERLOADED.value
 DEADLINE = FallbackWhen.DEADLINE.value
 # How often a request waiting for the cluster's first byte looks at the routing rules again.
 WATCH_TICK_S = 0.5
+# The conformance harness's request header: `fallback` sends the request to the fallback, read
+# only where TEST_HOOKS_ENV is "1" (Router._forced).
+ROUTE_HEADER = "x-pd-test-route"
 
 
 class Inflight:
@@ -109,6 +113,8 @@ class Router:
         self._wake = wake
         self.meter = meter if meter is not None else UsageMeter()
         self._refusals = metrics.counter(metrics.INGRESS_REFUSALS)
+        # The conformance harness's forced fallback (ROUTE_HEADER), in a replica started for it.
+        self._test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
         self.fallback: FallbackClient | None = None
         self.watch: ClusterWatch | None = None
         self.inflight = Inflight()  # cluster requests this replica has open (streams until their end)
@@ -182,12 +188,22 @@ class Router:
                     return OVERLOADED, f"{ongoing} ongoing requests >= {limit:g} for {replicas} decode replica(s)"
         return None
 
+    def _forced(self, ctx: RequestContext) -> tuple[str, str] | None:
+        """The test hook (TEST_HOOKS_ENV only): a request whose ROUTE_HEADER says `fallback`
+        goes to the fallback as an overloaded cluster's would, streamed or not (the harness
+        compares the fallback path on every body)."""
+        if not self._test_hooks or self.fallback is None or ctx.request is None:
+            return None
+        if ctx.request.headers.get(ROUTE_HEADER) != "fallback":
+            return None
+        return OVERLOADED, f"sent to the fallback by {ROUTE_HEADER}"
+
     # --- one request ----------------------------------------------------------------------------
     async def handle(self, ctx: RequestContext, call_cluster: Callable[[], Awaitable[Response]]) -> Response:
         """The answer to an admitted request: the cluster's, or the fallback's. Raises what
         the pipeline answers itself (a request the cluster cannot serve and no fallback
         takes, an engine's 4xx)."""
-        skip = self.pre_route(ctx.route)
+        skip = self.pre_route(ctx.route) or self._forced(ctx)
         if skip is not None:
             self._refused(ctx, *skip)
             return await self._to_fallback(ctx, *skip)

@@ -652,3 +652,23 @@ def test_a_request_the_fallback_would_take_is_refused_first_for_a_model_the_key_
 
     resp, _ = _run(r, {"model": "ours", "prompt": "x"}, late)
     assert resp.status_code == 404 and calls == []
+
+
+@pytest.mark.parametrize(("hooks", "served"), [(False, "cluster"), (True, "fallback")])
+def test_the_test_hook_sends_a_request_to_the_fallback_only_where_it_is_on(monkeypatch, hooks, served):
+    """The conformance harness compares the fallback path on every body, streamed or not: its
+    header sends a request to the fallback only in a replica started with TEST_HOOKS_ENV."""
+    from serving.ingress.routing import ROUTE_HEADER
+    from serving.spec import TEST_HOOKS_ENV
+
+    if hooks:
+        monkeypatch.setenv(TEST_HOOKS_ENV, "1")
+    else:
+        monkeypatch.delenv(TEST_HOOKS_ENV, raising=False)
+    r, _, calls = _routing(monkeypatch)
+    r.relay.call = _cluster_json()
+    request = _Request("sk-client", {"model": "ours", "prompt": "x"})
+    request.headers[ROUTE_HEADER] = "fallback"
+    resp = asyncio.run(r.front.generate(request.starlette(), "completions"))
+    assert resp.status_code == 200 and resp.headers[SERVED_BY] == served
+    assert len(calls) == (1 if hooks else 0)
