@@ -228,8 +228,9 @@ def test_langchain_logprobs_come_per_token_as_plain_vllms(langchain, route):
 @pytest.mark.parametrize("route", ROUTES)
 def test_langchain_n_2_gives_two_generations(langchain, route):
     texts = langchain[route]["n"]["texts"]
-    # temperature 0: both are the greedy answer, which plain invoke gave too
-    assert texts == [langchain[route]["plain"]["text"]] * 2
+    # sampled with a seed (vLLM refuses n > 1 at temperature 0): two generations, the ones
+    # plain vLLM gives for the same seed
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     assert texts == langchain["vllm"]["n"]["texts"]
 
 

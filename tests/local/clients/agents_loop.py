@@ -5,7 +5,9 @@ What flows through here: a base URL, key and model -> an Agent with one function
 (`get_weather`, arguments from closed sets: the tiny model's weights are random, and only a
 bounded value always ends) on the SDK's Chat Completions model (`OpenAIChatCompletionsModel`
 over an `AsyncOpenAI` client), the first turn forced to call a tool (`tool_choice="required"`),
-the SDK's `reset_tool_choice` lifting that after the call so that the loop ends on an answer
+the SDK's `reset_tool_choice` lifting that after the call, and the turn that reads the tool's
+output asked for text (`tool_choice="none"`: under "auto" the tiny model's random weights
+open a tool call they never close, as plain vLLM's do) so that the loop ends on an answer
 -> `Runner.run`, then `Runner.run_streamed` -> one `RESULT <json>` line, for each of the two
 ("run", "streamed"): every request body the SDK sent (an httpx hook), each run of the tool with
 its arguments and its output, the run's items and its final output.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 from typing import Any, Literal
@@ -79,10 +82,32 @@ async def run(args: argparse.Namespace, stream: bool) -> dict[str, Any]:
 
     http = DefaultAsyncHttpxClient(event_hooks={"request": [record]}, timeout=180)
     client = AsyncOpenAI(base_url=args.base_url, api_key=args.api_key, http_client=http, max_retries=0)
+
+    class AnswerAfterTheTool(OpenAIChatCompletionsModel):
+        """The SDK's Chat Completions model; a turn whose input holds a tool's output answers
+        in text (tool_choice "none")."""
+
+        @staticmethod
+        def _settings(items: Any, settings: Any) -> Any:
+            done = isinstance(items, list) and any(
+                isinstance(i, dict) and i.get("type") == "function_call_output" for i in items
+            )
+            return dataclasses.replace(settings, tool_choice="none") if done else settings
+
+        async def get_response(
+            self, system_instructions: Any, input: Any, model_settings: Any, *a: Any, **k: Any
+        ) -> Any:
+            return await super().get_response(
+                system_instructions, input, self._settings(input, model_settings), *a, **k
+            )
+
+        def stream_response(self, system_instructions: Any, input: Any, model_settings: Any, *a: Any, **k: Any) -> Any:
+            return super().stream_response(system_instructions, input, self._settings(input, model_settings), *a, **k)
+
     agent = Agent(
         name="weather",
         instructions="Answer with the weather tool.",
-        model=OpenAIChatCompletionsModel(model=args.model, openai_client=client),
+        model=AnswerAfterTheTool(model=args.model, openai_client=client),
         model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=args.max_tokens),
         tools=[get_weather],
         reset_tool_choice=True,  # the SDK's default, named: the turn after the call may answer

@@ -128,7 +128,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "output_tokens": (scored.usage_metadata or {}).get("output_tokens"),
     }
 
-    generated = chat(n=2).generate([[HumanMessage(PROMPT)]])
+    # vLLM refuses n > 1 with greedy sampling ("n must be 1 when using greedy sampling"):
+    # two sampled generations, reproducible by their seed.
+    generated = chat(n=2, temperature=0.8, seed=7).generate([[HumanMessage(PROMPT)]])
     out["n"] = {"texts": [g.text for g in generated.generations[0]]}
 
     stop = _stop_string(plain.content)
