@@ -39,12 +39,20 @@ generated tokens only (presence/frequency) see the continuation's output only.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from serving.core.calls import sse_error, sse_error_doc
+from serving.core.failures import Reason, Unservable
+from serving.core.metrics import MigrationOutcome
 from serving.ingress.fields import GENERATE, Continuation, blocking_rules, continuation_class
-from serving.ingress.sse import EventPipeline, decode_packet
+from serving.ingress.sse import DONE, DONE_PACKET, EventPipeline, OwnEvents, decode_packet, packet_of
+
+logger = logging.getLogger("ray.serve")
 
 # The registry's classes (serving/ingress/fields.py), for every generating endpoint.
 CARRIED = continuation_class(Continuation.CARRIED)
@@ -364,3 +372,82 @@ class StreamRecord:
             self._base = len(self.kept)
             out.append(self._frame([], {"completion_tokens": 0}))
         return out
+
+
+# --- the driver's continuation (serving/ingress/relay.py guarded_stream) ---------------------
+# Between two tries of a continuation that Serve refused for back-pressure.
+CONTINUATION_BACKOFF_S = 0.25
+
+
+@dataclass
+class Migration:
+    """What `guarded_stream` needs to continue a stream cut after its first byte
+    (serving/ingress/migration.py). `record` is None when the request cannot be continued
+    (`blocked` says why): its cut still ends with the error event, and is counted."""
+
+    record: StreamRecord | None
+    blocked: str | None
+    attempts: int  # continuations left (resilience.migrations)
+    stall_timeout_s: float
+    # dispatches a continuation body like a new request: (first chunk, stream) or raises
+    resume: Callable[[dict[str, Any]], Awaitable[tuple[Any, Any]]]
+    on_outcome: Callable[[Reason, MigrationOutcome], None]  # (why the stream was cut, what became of it)
+    # A test hook (TEST_HOOKS_ENV only): cut the stream once, as a stall, after the packet that
+    # brings its generated tokens to this many, so a harness can exercise migration at any k.
+    cut_after: int | None = None
+
+    def forced_cut(self) -> bool:
+        """Whether the test hook cuts the stream now (once)."""
+        if self.cut_after is None or self.record is None or self.record.generated < self.cut_after:
+            return False
+        self.cut_after = None
+        return True
+
+
+def error_events(message: str, code: int, type_: str = "server_error") -> OwnEvents:
+    return OwnEvents([sse_error_doc(message, code, type_), DONE], lambda: sse_error(message, code, type_))
+
+
+def finish_events(record: StreamRecord) -> OwnEvents:
+    docs = record.finish()
+    return OwnEvents([*docs, DONE], lambda: "".join(packet_of(d) for d in docs) + DONE_PACKET)
+
+
+async def continue_stream(migration: Migration, cut: Reason) -> tuple[Any, Any] | OwnEvents:
+    """After a cut: (first chunk, stream) of the continuation, or the events that end the
+    stream (the answer's finish when nothing was left to generate, else the error event)."""
+    record = migration.record
+    why = migration.blocked or (record.not_continuable() if record else "no record")
+    failed = error_events("The model stream failed; the answer is incomplete.", 500)
+    if record is None or why is not None:
+        migration.on_outcome(cut, MigrationOutcome.NOT_MIGRATABLE)
+        logger.warning("stream cut (%s), not continued: %s", cut.value, why)
+        return failed
+    body = record.continuation()
+    if body is None:  # every token was generated before the cut
+        migration.on_outcome(cut, MigrationOutcome.CONTINUED)
+        return finish_events(record)
+    if migration.attempts <= 0:
+        migration.on_outcome(cut, MigrationOutcome.FAILED)
+        logger.warning("stream cut (%s): no continuation left", cut.value)
+        return failed
+    migration.attempts -= 1
+    # Serve's back-pressure right after a replica died (its streams and the new requests all
+    # land on the survivors at once) is waited out for up to stallTimeoutS: the client already
+    # holds part of this answer, so its continuation queues where a new request is refused.
+    patience = time.monotonic() + migration.stall_timeout_s
+    while True:
+        try:
+            resumed = await migration.resume(body)
+            break
+        except Exception as exc:  # Unservable (no replica, overload, the deadline), an engine refusal
+            busy = isinstance(exc, Unservable) and exc.reason is Reason.OVERLOADED
+            if busy and time.monotonic() + CONTINUATION_BACKOFF_S < patience:
+                await asyncio.sleep(CONTINUATION_BACKOFF_S)
+                continue
+            migration.on_outcome(cut, MigrationOutcome.FAILED)
+            logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
+            return failed
+    migration.on_outcome(cut, MigrationOutcome.CONTINUED)
+    logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
+    return resumed

@@ -22,8 +22,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 from serving.core import metrics
@@ -34,22 +33,25 @@ from serving.core.calls import (
     is_client_error,
     is_server_error,
     server_error_in,
-    sse_error,
-    sse_error_doc,
 )
 from serving.core.failures import EngineRefused, Reason, Unservable, classify, decode_unavailable, overloaded
 from serving.core.metrics import MigrationOutcome
 from serving.ingress.dispatch import dispatch_call
-from serving.ingress.migration import StreamRecord, not_continuable, whole_number
+from serving.ingress.migration import (
+    Migration,
+    StreamRecord,
+    continue_stream,
+    error_events,
+    finish_events,
+    not_continuable,
+    whole_number,
+)
 from serving.ingress.sse import (
-    DONE,
     DONE_EVENTS,
-    DONE_PACKET,
     EventPipeline,
     EventStreamResponse,
     OwnEvents,
     decode_packet,
-    packet_of,
 )
 from serving.spec import TEST_HOOKS_ENV, ResilienceSpec
 
@@ -154,8 +156,6 @@ async def first_chunk(
         return first, stream
 
 
-# Between two tries of a continuation that Serve refused for back-pressure.
-CONTINUATION_BACKOFF_S = 0.25
 # The harness's request header: cut this stream after k generated tokens (Migration.cut_after),
 # read only where TEST_HOOKS_ENV is "1".
 CUT_AFTER_HEADER = "x-pd-test-cut-after"
@@ -182,31 +182,6 @@ class Abandon:
         self.events.close()
 
 
-@dataclass
-class Migration:
-    """What `guarded_stream` needs to continue a stream cut after its first byte
-    (serving/ingress/migration.py). `record` is None when the request cannot be continued
-    (`blocked` says why): its cut still ends with the error event, and is counted."""
-
-    record: StreamRecord | None
-    blocked: str | None
-    attempts: int  # continuations left (resilience.migrations)
-    stall_timeout_s: float
-    # dispatches a continuation body like a new request: (first chunk, stream) or raises
-    resume: Callable[[dict[str, Any]], Awaitable[tuple[Any, Any]]]
-    on_outcome: Callable[[Reason, MigrationOutcome], None]  # (why the stream was cut, what became of it)
-    # A test hook (TEST_HOOKS_ENV only): cut the stream once, as a stall, after the packet that
-    # brings its generated tokens to this many, so a harness can exercise migration at any k.
-    cut_after: int | None = None
-
-    def forced_cut(self) -> bool:
-        """Whether the test hook cuts the stream now (once)."""
-        if self.cut_after is None or self.record is None or self.record.generated < self.cut_after:
-            return False
-        self.cut_after = None
-        return True
-
-
 async def guarded_stream(
     first: Any,
     stream: Any,
@@ -222,14 +197,11 @@ async def guarded_stream(
 
     A stream whose decode replica dies, answers a 5xx error event or stalls after the first
     byte continues on another replica when `migration` allows it (the client sees one
-    stream); otherwise, and at the deadline, it ends with an OpenAI-style error event. If
-    the client goes away (the task is cancelled) or the stream ends early, the downstream
-    request is cancelled so the engine stops.
-
-    Each packet's events are decoded once, when anything reads them: the migration record
-    and whatever a layer above added to `events` (serving/ingress/routing.py's metering) read and
-    edit the same dicts, and each kept event is encoded once (serving.ingress.sse.EventPipeline).
-    A packet (one of Ray Serve LLM's batches) goes on as one chunk.
+    stream); otherwise, and at the deadline, it ends with an OpenAI-style error event. A client
+    gone or a stream ended early cancels the downstream request (`abandon`: one never started).
+    Each packet's events are decoded once (serving.ingress.sse.EventPipeline): the migration
+    record and the router's metering read and edit the same dicts; a packet (one of Ray Serve
+    LLM's batches) goes on as one chunk.
     """
     if abandon is not None:
         abandon.started = True  # from here this generator's own `finally` releases the stream
@@ -260,7 +232,7 @@ async def guarded_stream(
                         # The ingress matched a stop string (a continuation's engine does not
                         # see one that straddles the cut): the answer is complete.
                         cancel_call(current)
-                        yield pipe.own(_finish_events(record))
+                        yield pipe.own(finish_events(record))
                         finished = done_sent = True
                         return
                     if done_sent or migration is None or not migration.forced_cut():
@@ -268,7 +240,7 @@ async def guarded_stream(
                 cut = Reason.STALL if sent is not None else Reason.ENGINE_ERROR
             assert migration is not None
             cancel_call(current)
-            resumed = await _continue(migration, cut)
+            resumed = await continue_stream(migration, cut)
             if isinstance(resumed, OwnEvents):
                 yield pipe.own(resumed)  # the finish, or the error event: the stream ends here
                 finished = done_sent = True
@@ -280,10 +252,10 @@ async def guarded_stream(
             yield pipe.own(DONE_EVENTS)
         finished = True
     except TimeoutError:
-        yield pipe.own(_error_events("The request deadline passed during generation.", 504, "timeout_error"))
+        yield pipe.own(error_events("The request deadline passed during generation.", 504, "timeout_error"))
     except Exception as exc:
         logger.warning("stream failed after the first byte: %r", exc)
-        yield pipe.own(_error_events("The model stream failed; the answer is incomplete.", 500))
+        yield pipe.own(error_events("The model stream failed; the answer is incomplete.", 500))
     finally:
         try:
             if not finished:
@@ -334,55 +306,6 @@ def _relayed(packet: str, pipe: EventPipeline, *, server_errors: bool) -> tuple[
     if server_errors and server_error_in(packet, (ev.doc for ev in decoded)):
         return None
     return pipe.engine(packet, decoded)
-
-
-def _error_events(message: str, code: int, type_: str = "server_error") -> OwnEvents:
-    return OwnEvents([sse_error_doc(message, code, type_), DONE], lambda: sse_error(message, code, type_))
-
-
-def _finish_events(record: StreamRecord) -> OwnEvents:
-    docs = record.finish()
-    return OwnEvents([*docs, DONE], lambda: "".join(packet_of(d) for d in docs) + DONE_PACKET)
-
-
-async def _continue(migration: Migration, cut: Reason) -> tuple[Any, Any] | OwnEvents:
-    """After a cut: (first chunk, stream) of the continuation, or the events that end the
-    stream (the answer's finish when nothing was left to generate, else the error event)."""
-    record = migration.record
-    why = migration.blocked or (record.not_continuable() if record else "no record")
-    failed = _error_events("The model stream failed; the answer is incomplete.", 500)
-    if record is None or why is not None:
-        migration.on_outcome(cut, MigrationOutcome.NOT_MIGRATABLE)
-        logger.warning("stream cut (%s), not continued: %s", cut.value, why)
-        return failed
-    body = record.continuation()
-    if body is None:  # every token was generated before the cut
-        migration.on_outcome(cut, MigrationOutcome.CONTINUED)
-        return _finish_events(record)
-    if migration.attempts <= 0:
-        migration.on_outcome(cut, MigrationOutcome.FAILED)
-        logger.warning("stream cut (%s): no continuation left", cut.value)
-        return failed
-    migration.attempts -= 1
-    # Serve's back-pressure right after a replica died (its streams and the new requests all
-    # land on the survivors at once) is waited out for up to stallTimeoutS: the client already
-    # holds part of this answer, so its continuation queues where a new request is refused.
-    patience = time.monotonic() + migration.stall_timeout_s
-    while True:
-        try:
-            resumed = await migration.resume(body)
-            break
-        except Exception as exc:  # Unservable (no replica, overload, the deadline), an engine refusal
-            busy = isinstance(exc, Unservable) and exc.reason is Reason.OVERLOADED
-            if busy and time.monotonic() + CONTINUATION_BACKOFF_S < patience:
-                await asyncio.sleep(CONTINUATION_BACKOFF_S)
-                continue
-            migration.on_outcome(cut, MigrationOutcome.FAILED)
-            logger.warning("stream cut (%s), continuation failed: %r", cut.value, exc)
-            return failed
-    migration.on_outcome(cut, MigrationOutcome.CONTINUED)
-    logger.info("stream cut (%s) continued on another replica after %d tokens", cut.value, len(record.kept))
-    return resumed
 
 
 class Relay:

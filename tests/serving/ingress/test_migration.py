@@ -28,11 +28,12 @@ from serving.ingress.migration import (
     CARRIED,
     NOT_CONTINUED,
     RECOMPUTED,
+    Migration,
     StreamRecord,
     not_continuable,
     stop_strings,
 )
-from serving.ingress.relay import Migration, guarded_stream
+from serving.ingress.relay import guarded_stream
 from tests.serving.fakes import FakeStream, collect, run
 
 PROMPT = [101, 102, 103, 104]
