@@ -108,7 +108,11 @@ async def run(args: argparse.Namespace, stream: bool) -> dict[str, Any]:
         name="weather",
         instructions="Answer with the weather tool.",
         model=AnswerAfterTheTool(model=args.model, openai_client=client),
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=args.max_tokens),
+        # One call per turn: vLLM bounds the forced array of calls to one item only with parallel
+        # calls off (vllm tool_parsers/utils.py); the random weights otherwise never end it.
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=args.max_tokens
+        ),
         tools=[get_weather],
         reset_tool_choice=True,  # the SDK's default, named: the turn after the call may answer
     )

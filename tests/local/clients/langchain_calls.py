@@ -95,7 +95,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     plain = llm.invoke(PROMPT)
     out["plain"] = {"text": plain.content, "finish_reason": plain.response_metadata.get("finish_reason")}
 
-    tooled = chat(max_tokens=TOOL_MAX_TOKENS).bind_tools([get_weather], tool_choice="required").invoke(TOOL_PROMPT)
+    # One call: under `required` vLLM constrains the output to a JSON array of calls, bounded to
+    # one item only when parallel calls are off (vllm tool_parsers/utils.py); the tiny model's
+    # random weights otherwise add items until max_tokens, and no call completes.
+    bound = chat(max_tokens=TOOL_MAX_TOKENS).bind_tools(
+        [get_weather], tool_choice="required", parallel_tool_calls=False
+    )
+    tooled = bound.invoke(TOOL_PROMPT)
     out["tools"] = {
         "tool_calls": [{"name": c["name"], "args": c["args"], "id": c["id"]} for c in tooled.tool_calls],
         "invalid_tool_calls": [dict(c) for c in tooled.invalid_tool_calls],
