@@ -8,8 +8,8 @@ files for these paths, and its recorded surface, infra/vllm/0.29.0.json, is chec
   `KVTransferConfig(**child, engine_id=outer.engine_id)`);
 - kv_connector/factory.py `KVConnectorFactory.get_connector_class`: every connector name the
   render uses is registered;
-- v1/kv_offload/factory.py `OffloadingSpecFactory.get_spec_cls` and
-  tiering/factory.py `SecondaryTierFactory.get_tier_class`: `spec_name` and the fs tier resolve;
+- v1/kv_offload/factory.py `OffloadingSpecFactory.get_spec_cls`: `spec_name` resolves (the
+  stack config refuses the fs tier, which has no capacity bound: infra/config/kv_offload.py);
 - v1/kv_offload/cpu/spec.py `CPUOffloadingSpec`: its scheduler side sizes the CPU tier from
   `cpu_bytes_to_use` on any platform, and its worker side refuses a non-CUDA/XPU platform,
   which is where vLLM's CPU build stops (get_worker, line 199 in 0.32, 202 in 0.29).
@@ -62,7 +62,7 @@ def test_without_a_tier_the_nixl_config_is_untouched() -> None:
 
 def test_nixl_comes_first_and_keeps_its_own_settings() -> None:
     _, plain = _p5_with_tier(None, None)
-    _, tiered = _p5_with_tier({"cpuGiB": 256, "diskGiB": 2000}, {"cpuGiB": 64})
+    _, tiered = _p5_with_tier({"cpuGiB": 256}, {"cpuGiB": 64})
     for role in ("prefill", "decode"):
         before, after = _kv(plain, role), _kv(tiered, role)
         assert after["kv_connector"] == "MultiConnector"
@@ -92,7 +92,7 @@ def test_rendered_config_is_accepted_by_vllms_kv_transfer_config_and_factories()
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-    _, args = _p5_with_tier({"cpuGiB": 256, "diskGiB": 2000}, {"cpuGiB": 64})
+    _, args = _p5_with_tier({"cpuGiB": 256}, {"cpuGiB": 64})
     for role in ("prefill", "decode"):
         kv = _kv(args, role)
         outer = KVTransferConfig(**kv)
@@ -111,7 +111,7 @@ def test_rendered_config_is_accepted_by_vllms_kv_transfer_config_and_factories()
 
 @pytest.mark.parametrize("version", [IMAGE_VLLM_VERSION, LOCAL_VLLM_VERSION])
 def test_rendered_config_uses_only_fields_both_vllms_have(version: str) -> None:
-    cfg, _ = _p5_with_tier({"cpuGiB": 256, "diskGiB": 2000}, {"cpuGiB": 64})
+    cfg, _ = _p5_with_tier({"cpuGiB": 256}, {"cpuGiB": 64})
     target = Target(accelerator_type="H100", role_kv_offload=role_tiers(cfg))
     assert problems(cfg.serving.serve_config(target), version) == []
 
