@@ -91,9 +91,12 @@ def roles(app: dict[str, Any]) -> tuple[str, str, str | None]:
 
 
 def stack_apps(stack: RunningStack) -> tuple[dict[str, str], dict[str, dict[str, Any]], dict[str, tuple[str, str]]]:
-    """A running local stack's Ray apps: target (the app's mode) -> Serve app name, Serve's
-    view of each app (serve_apps), and the CPU sampler's layout of their replicas."""
-    apps = {c["args"]["mode"]: c["name"] for c in stack.state["config"]["applications"]}
+    """A running local stack's Ray apps: target (the app's mode; ray-pd: Ray's own P/D app) ->
+    Serve app name, Serve's view of each app (serve_apps), and the CPU sampler's layout of
+    their replicas."""
+    from local.ray_pd import app_mode
+
+    apps = {app_mode(c): c["name"] for c in stack.state["config"]["applications"]}
     served = serve_apps(stack.state["dashboard_url"])
     return apps, served, cpu.serve_layout({app: roles(served[app]) for app in apps.values()})
 

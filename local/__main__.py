@@ -53,9 +53,12 @@ from local.config import (
     render_local_config,
     stack_ray_env,
 )
+from local.engine_cpus import add_option as add_engine_cpus
+from local.engine_cpus import pin
 from local.procs import STOP_SIGNALS, AlreadyRunning, free_port, instance_lock, leftover_haproxy, port_in_use
 from local.prometheus import PROMETHEUS_HOST_ENV, SCRAPE_S, LocalPrometheus, PrometheusMissing
 from local.prometheus import binary as prometheus_binary
+from local.ray_pd import RAY_PD_MODE, ray_env_for, stock_config
 from serving.spec import API_KEYS_ENV, FALLBACK_API_KEY_ENV, DataPlane, Mode, Router, key_id, parse_api_keys
 
 
@@ -85,8 +88,8 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         "--mode",
         choices=MODES,
         default="disaggregated",
-        help="disaggregated (prefill+decode, default), aggregated (one engine), "
-        f"or both (disaggregated at /, aggregated at {AGGREGATED_PREFIX})",
+        help="disaggregated (prefill+decode, default), aggregated (one engine), both (disaggregated at /, "
+        f"aggregated at {AGGREGATED_PREFIX}), or {RAY_PD_MODE} (Ray Serve LLM's own P/D app: local/ray_pd.py)",
     )
     p.add_argument(
         "--no-auth",
@@ -152,7 +155,7 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
         default=None,
         help="write URLs, key and node metrics endpoints as JSON here once ready",
     )
-    return p.parse_args(argv)
+    return add_engine_cpus(p, env).parse_args(argv)
 
 
 def _stop_on_sigterm(signum: int, frame: Any) -> None:
@@ -183,7 +186,7 @@ def _preflight(args: argparse.Namespace) -> tuple[contextlib.ExitStack, dict[str
             prometheus_binary()
         except PrometheusMissing as exc:
             return str(exc)
-    problem = models_problem(args.models, args.mode)
+    problem = models_problem(args.models, args.mode) or mode_problem(args)
     if problem:
         return problem
     stack = contextlib.ExitStack()
@@ -271,11 +274,11 @@ def _ready_line(mode: str, urls: dict[str, str], api_key: str | None, extras: di
             f"OpenAI API at {urls['models']} | models: {', '.join(extras['models'])}, adapter {extras['adapter']}"
             f" | api key: {api_key}{limited} | try: curl -s {urls['models']}/models{auth_header} | Ctrl-C stops"
         )
-    base = urls.get("disaggregated") or urls["aggregated"]
+    base = urls.get("disaggregated") or urls.get("aggregated") or urls[RAY_PD_MODE]
     also = f" (aggregated app at {urls['aggregated']})" if len(urls) > 1 else ""
     key_note = f" api key: {api_key} |" if api_key else " auth: off |"
     body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32})
-    kind = "aggregated" if mode == "aggregated" else "disaggregated"
+    kind = {"aggregated": "aggregated", RAY_PD_MODE: "Ray Serve LLM's own P/D"}.get(mode, "disaggregated")
     return (
         f"{kind} OpenAI API at {base}{also} | model: {MODEL_ID} |{key_note} try: curl -s "
         f"{base}/chat/completions{auth_header} -H 'Content-Type: application/json' -d '{body}' | Ctrl-C stops"
@@ -286,9 +289,10 @@ def render_config(
     args: argparse.Namespace, model_dir: Path, hybrid: dict[str, Any], extras: dict[str, Any]
 ) -> dict[str, Any]:
     """The Serve config a run with these options deploys (pure: nothing is started; the
-    benches' dry runs build it too, local/background.py plan_stack)."""
-    return render_local_config(
-        args.mode,
+    benches' dry runs build it too, local/background.py plan_stack): the engines pinned to
+    --engine-cpus, and with --mode ray-pd the disaggregated app's engines under Ray's own app."""
+    config = render_local_config(
+        Mode.DISAGGREGATED.value if args.mode == RAY_PD_MODE else args.mode,
         model_dir,
         port=args.port,
         auth=not args.no_auth,
@@ -304,6 +308,15 @@ def render_config(
         data_plane=args.data_plane,
         prefill_router=args.prefill_router,
     )
+    config = pin(config, args.engine_cpus)
+    return stock_config(config) if args.mode == RAY_PD_MODE else config
+
+
+def mode_problem(args: argparse.Namespace) -> str | None:
+    """Why these options cannot run (Ray's own P/D app has no API keys), else None."""
+    if args.mode == RAY_PD_MODE and not args.no_auth:
+        return f"--mode {RAY_PD_MODE} serves Ray Serve LLM's own app, which checks no API keys: add --no-auth"
+    return None
 
 
 @dataclass
@@ -363,7 +376,7 @@ def _serve(
 
 def _start_cluster(args: argparse.Namespace, run: _Run, extras: dict[str, Any], keys: list[str], say: Any) -> None:
     say("starting a local Ray cluster: nodes labelled head, prefill, decode")
-    env = {**stack_ray_env(args.data_plane), **extras.get("s3_env", {})}
+    env = {**ray_env_for(args.mode, stack_ray_env(args.data_plane)), **extras.get("s3_env", {})}
     if not args.no_auth:
         env[API_KEYS_ENV] = ",".join(keys)
     extra_prefill = args.prefill_replicas - 1

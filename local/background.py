@@ -103,18 +103,19 @@ def plan_stack(
     local`'s own parsing, settings checks and render (local/__main__.py), with nothing started:
     a bad setting or spec raises here as it would there. `environ` stands for this process's
     environment (tests pass a clean one)."""
-    from local.__main__ import parse_args, render_config
+    from local.__main__ import mode_problem, parse_args, render_config
     from local.config import LocalConfigError, data_plane_env, hybrid_from_env, models_problem
+    from local.ray_pd import ray_env_for
 
     cmd, env = _command(mode, port, Path("state.json"), 600, api_key, extra_keys, extra_args, extra_env, environ)
     args = parse_args(cmd[3:], environ=env)
-    problem = models_problem(args.models, args.mode)
+    problem = models_problem(args.models, args.mode) or mode_problem(args)
     if problem:
         raise LocalConfigError(problem)
     if args.models > 1:
         raise LocalConfigError("a plan of the many-model form needs its local S3 (not planned here)")
     config = render_config(args, model_dir, hybrid_from_env(dict(env)), {})
-    return StackPlan(argv=cmd, config=config, ray_env=data_plane_env(args.data_plane))
+    return StackPlan(argv=cmd, config=config, ray_env=ray_env_for(args.mode, data_plane_env(args.data_plane)))
 
 
 @contextlib.contextmanager

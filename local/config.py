@@ -19,6 +19,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from infra.paths import ROOT
+from local.ray_pd import RAY_PD_MODE, app_mode
 from serving.spec import APP_NAME, TELEMETRY_OFF_ENV, DataPlane, Mode, ServingSpec, Target
 from serving.spec.models import PER_MODEL_KEYS
 
@@ -27,7 +28,7 @@ MAX_MODEL_LEN = 1024
 AGGREGATED_APP = f"{APP_NAME}-aggregated"
 AGGREGATED_PREFIX = "/aggregated"
 HOST = "127.0.0.1"
-MODES = ("disaggregated", "aggregated", "both")
+MODES = ("disaggregated", "aggregated", "both", RAY_PD_MODE)  # ray-pd: local/ray_pd.py
 # `make serve PD_MODELS=2`: the many-model form. The tiny model P/D as before, and a
 # second model, aggregated on the decode node, with a LoRA adapter the project builds itself
 # (local/tiny_lora.py) loaded on demand from a local S3 (local/s3.py); both
@@ -103,7 +104,6 @@ LOCAL_SERVE_ENV = {
     "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
     "RAY_SERVE_HANDLE_AUTOSCALING_METRIC_PUSH_INTERVAL_S": "1",
 }
-
 
 LOCAL_ENTRY_POINTS = Path(__file__).resolve().parent / "entry_points"
 
@@ -496,5 +496,5 @@ def app_urls(config: dict[str, Any], port: int) -> dict[str, str]:
         if app["route_prefix"] is None:
             continue  # a model's own application (many-model form): reached through the front door
         prefix = app["route_prefix"].rstrip("/")
-        urls[app["args"]["mode"]] = f"http://{HOST}:{port}{prefix}/v1"
+        urls[app_mode(app)] = f"http://{HOST}:{port}{prefix}/v1"
     return urls

@@ -17,15 +17,25 @@ where vLLM already asks for it in every engine step (`checkXferState`, and `getN
 which runs the progress loop itself when no thread exists). In the cloud the thread stays:
 the plugin is on no PYTHONPATH there and `local/` is not shipped
 (`infra/package.py`), and one core of a p5's 192 buys transfers that progress between steps.
+
+Second, where the engine's cores are named (`VLLM_CPU_OMP_THREADS_BIND` a core list:
+local/engine_cpus.py), `respect_core_list()` keeps NIXL from moving the engine's compute
+thread: on CPU, NixlConnector's worker pins the thread that builds it to the last core of each
+NUMA node (vLLM 0.32 `kv_connector/v1/nixl/base_worker.py`, `os.sched_setaffinity(0, ...)`
+on `CpuPlatform.discover_numa_topology()`, core 1 of this 2-core machine). That thread is the
+worker's main thread, which runs the model: with prefill bound to core 0 it would compute on
+decode's core 1. With a core list, the topology it reads is empty and the binding stands.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
 PLUGIN_NAME = "pd_local_nixl"  # its name in entry_points/*.dist-info/entry_points.txt
 NIXL_WORKER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+OMP_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's: "auto" (its default), "nobind" or core lists
 
 
 def agent_config(*args: Any, **kwargs: Any) -> Any:
@@ -44,3 +54,19 @@ def register() -> None:
     worker = sys.modules.get(NIXL_WORKER_MODULE)
     if worker is not None:  # imported before the plugin ran: it holds NIXL's own class
         worker.nixl_agent_config = agent_config  # type: ignore[attr-defined]
+    respect_core_list()
+
+
+def _no_topology(cls: Any) -> list[list[int]]:
+    return []
+
+
+def respect_core_list() -> None:
+    """With a core list in VLLM_CPU_OMP_THREADS_BIND, CpuPlatform reports no NUMA topology to
+    NIXL's worker, which then leaves its thread's cores alone (module doc); "auto" and
+    "nobind" keep vLLM's behaviour."""
+    if os.environ.get(OMP_BIND_ENV, "auto") in ("auto", "nobind"):
+        return
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.discover_numa_topology = classmethod(_no_topology)

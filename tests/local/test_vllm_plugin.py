@@ -54,3 +54,35 @@ def test_without_the_local_pythonpath_vllm_keeps_nixl_defaults():
     got = _probe(env)
     assert PLUGIN_NAME not in got["plugins"]
     assert got["prog_thread"] is True
+
+
+TOPOLOGY = r"""
+import json
+from vllm.platforms.cpu import CpuPlatform
+before = CpuPlatform.discover_numa_topology()
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+from vllm.platforms import current_platform
+print(json.dumps({"before": before, "after": current_platform.discover_numa_topology()}))
+"""
+
+
+def _topology(bind: str) -> dict:
+    env = {**os.environ, **cluster_env(), "VLLM_CPU_OMP_THREADS_BIND": bind}
+    out = subprocess.run(
+        [sys.executable, "-c", TOPOLOGY], env=env, capture_output=True, text=True, timeout=180, check=True
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_with_a_core_list_nixl_finds_no_core_to_move_the_engines_thread_to():
+    """vLLM 0.32 `kv_connector/v1/nixl/base_worker.py` pins the thread that builds the NIXL
+    worker (the worker's main thread, which runs the model) to the last core of each NUMA node
+    that `current_platform.discover_numa_topology()` reports; with none, it leaves it alone."""
+    bound = _topology("0")
+    assert bound["before"]  # vLLM sees this machine's NUMA topology (Linux sysfs)
+    assert bound["after"] == []
+    # vLLM's own modes keep vLLM's behaviour.
+    for mode in ("nobind", "auto"):
+        kept = _topology(mode)
+        assert kept["after"] == kept["before"]
