@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 
@@ -142,10 +142,17 @@ def _error_code(msg: Any) -> int | None:
     return None
 
 
-async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -> AsyncGenerator[list[Any], None]:
+async def eager_batches(
+    stream: AsyncIterator[Any], interval_ms: float | None, busy: Callable[[], bool] | None = None
+) -> AsyncGenerator[list[Any], None]:
     """[first item] as soon as it exists, then lists of items every `interval_ms` (Ray Serve
     LLM's Batcher; 0 or None: each item alone). The engines batch their tokens this way
-    (serving/engines/streaming.py), and so does the fallback relay."""
+    (serving/engines/streaming.py), and so does the fallback relay.
+
+    With `busy`, batching follows the load: each item goes at once while `busy()` is false
+    (a client then sees the engine's own inter-token latency), and a batch collects for
+    `interval_ms` after its first item only while it is true (fewer, larger objects when the
+    process's CPU is what limits the stream)."""
     from serving.ray_internals import Batcher
 
     it = stream.__aiter__()
@@ -154,6 +161,48 @@ async def eager_batches(stream: AsyncIterator[Any], interval_ms: float | None) -
     except StopAsyncIteration:
         return
     yield [first]
+    if busy is not None and interval_ms:
+        async for batch in _batches_while_busy(it, interval_ms / 1000, busy):
+            yield batch
+        return
     rest: Batcher[Any] = Batcher(it, interval_ms=interval_ms)
     async for batch in rest.stream():
         yield list(batch)
+
+
+async def _batches_while_busy(
+    it: AsyncIterator[Any], interval_s: float, busy: Callable[[], bool]
+) -> AsyncGenerator[list[Any], None]:
+    """The items of `it`, each batch started by the next item and held `interval_s` for more
+    only while busy(); a reader task drains `it` meanwhile, as Ray's Batcher does."""
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+    end = object()
+
+    async def read() -> None:
+        try:
+            async for item in it:
+                queue.put_nowait(item)
+        finally:
+            queue.put_nowait(end)
+
+    reader = asyncio.ensure_future(read())
+    try:
+        while True:
+            item = await queue.get()
+            if item is end:
+                break
+            if busy():
+                await asyncio.sleep(interval_s)
+            batch = [item]
+            while not queue.empty():
+                more = queue.get_nowait()
+                if more is end:
+                    yield batch
+                    reader.result()
+                    return
+                batch.append(more)
+            yield batch
+        reader.result()  # the engine stream's own error, if it ended with one
+    finally:
+        if not reader.done():
+            reader.cancel()

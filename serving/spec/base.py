@@ -66,6 +66,10 @@ KV_PORT_STRIDE = 64
 EAGER_SERVER_CLS = "serving.engines.streaming:EagerLLMServer"
 # The LLMConfig.experimental_configs key that carries streaming.firstChunk to the engines.
 FIRST_CHUNK_KEY = "pd_first_chunk"
+# LLMConfig.experimental_configs key of streaming.batchFromStreams (serving/engines/streaming.py),
+# and its default: streams a replica holds open before it batches their tokens.
+BATCH_FROM_STREAMS_KEY = "pd_batch_from_streams"
+BATCH_FROM_STREAMS = 4
 # Ray 2.60's experimental_configs key for decode's reuse of prefill's prompt token ids
 # (serving_patterns/prefill_decode/pd_server.py, PDDecodeServer.__init__).
 TOKENIZE_ONCE_KEY = "pd_tokenize_once"

@@ -19,6 +19,7 @@ from serving.spec.base import (
     API_KEYS_ENV,
     APP_IMPORT_PATH,
     APP_NAME,
+    BATCH_FROM_STREAMS_KEY,
     EAGER_SERVER_CLS,
     FIRST_CHUNK_KEY,
     KV_EVENTS_PORT_BASE,
@@ -179,6 +180,7 @@ def llm_config(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -> di
         "stream_batching_interval_ms": spec.streaming.batch_interval_ms,
         # Read by serving.engines.streaming's mixin, wherever a server class carries it.
         FIRST_CHUNK_KEY: spec.streaming.first_chunk.value,
+        BATCH_FROM_STREAMS_KEY: spec.streaming.batch_from_streams,
     }
     if rs.router is Router.KV_AWARE:
         # Ray's builder sees a KVAwareRouter subclass and configures the engines' KV events

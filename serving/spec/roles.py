@@ -20,6 +20,7 @@ from serving.spec.base import (
     _LABEL_VALUE,
     _MODEL_ID,
     _MODEL_SOURCE,
+    BATCH_FROM_STREAMS,
     DEFAULT_LABEL_KEY,
     RAY_RESERVED_LABEL_PREFIX,
     DataPlane,
@@ -246,6 +247,10 @@ class StreamingSpec(SpecModel):
     # throughput at 16 streams on the local stack (docs/performance.md).
     batch_interval_ms: int = Field(default=50, ge=0, le=1000)
     first_chunk: FirstChunk = FirstChunk.EAGER
+    # Batching follows the load: an engine replica batches a stream's tokens only while it
+    # has at least this many streams open; below, each engine step's tokens go at once, so a
+    # client's inter-token latency is the engine's step, not a burst every interval. 0: always.
+    batch_from_streams: int = Field(default=BATCH_FROM_STREAMS, ge=0, le=100_000)
 
 
 class ResilienceSpec(SpecModel):
