@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane chaos conformance stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane bench-goodput chaos conformance stack model diff clean efa-check
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
 	@echo "make bench-ingress      CPU per streamed event on the ingress's stream path vs a bare passthrough (no Ray)"
 	@echo "make bench-data-plane   Serve's data planes (ray-proxy, grpc, haproxy), a local stack each: latency, CPU per hop"
+	@echo "make bench-goodput [RATES=1,3,6] [DURATION=100]   goodput under long prompts: vLLM, our apps, Ray's own P/D app"
 	@echo "make serve SIGNALS=1    per-role autoscaling on the engines' signals (local Prometheus)"
 	@echo "make serve SCALE_TO_ZERO=1   decode idles to zero (needs PD_FALLBACK_BASE_URL)"
 	@echo "make serve PD_PREFILL_ROUTER=kv-aware   P/D prefill routed by where the prompt's KV cache is"
@@ -227,6 +228,13 @@ bench-ingress: venv
 # (bench/data_plane.py; about half an hour on two cores). Not part of make bench.
 bench-data-plane: venv
 	$(PY) -m bench.data_plane --out build/bench/data-plane.json $(if $(ROUNDS),--rounds $(ROUNDS))
+
+# Goodput under a mixed load (bench/goodput.py): decode streams while long prompts arrive at each
+# rate, through plain vLLM, the aggregated and P/D apps and Ray Serve LLM's own P/D app, one stack
+# at a time, each engine bound to its cores; about 40 minutes on two cores. RATES (long prompts/s),
+# DURATION (s per rate), GOODPUT_TARGETS (default all four). Not part of make bench.
+bench-goodput: venv
+	$(PY) -m bench.goodput --out build/bench/goodput.json $(if $(RATES),--rates $(RATES)) $(if $(DURATION),--duration-s $(DURATION)) $(if $(GOODPUT_TARGETS),--targets $(GOODPUT_TARGETS))
 
 render: pulumi-venv
 	$(PULUMI_PY) -m tools.render --stack $(STACK) --stand-in-secrets

@@ -1,7 +1,8 @@
 """docs/performance.md, generated from the benchmarks' JSON (build/bench/*.json).
 
 What flows through here: build/bench/serving.json (`make bench`), build/bench/prefix.json
-(`make bench-prefix`) and build/bench/data-plane.json (`make bench-data-plane`), when present
+(`make bench-prefix`), build/bench/data-plane.json (`make bench-data-plane`) and
+build/bench/goodput.json (`make bench-goodput`, bench/goodput_report.py), when present
 -> the figures' tables (targets, ratios against the issue's bars, the per-hop breakdown, CPU
 per hop and its bars, CPU per output token net of idle with its ceiling and targets, the
 tracing ratio and tracing's own cost, the gaps between streamed chunks, start times, prefix routing, Serve's
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR, cpu, data_plane, gaps, observe, per_token
+from bench import BENCH_DIR, cpu, data_plane, gaps, goodput_report, observe, per_token
 from bench.hops import row_shown
 from bench.stats import markdown
 from infra.paths import ROOT
@@ -351,6 +352,7 @@ def render(
     template: str,
     data_planes: dict[str, Any] | None = None,
     previous: str | None = None,
+    goodput: dict[str, Any] | None = None,
 ) -> str:
     """The page; a section whose benchmark has no JSON here keeps what `previous` (the page as
     it was) showed for it, if anything."""
@@ -393,6 +395,9 @@ def render(
         "DATA_PLANE": data_plane_section(data_planes)
         if data_planes
         else kept(previous, template, "DATA_PLANE") or "(run `make bench-data-plane`)",
+        "GOODPUT": goodput_report.section(goodput)
+        if goodput
+        else kept(previous, template, "GOODPUT") or "(run `make bench-goodput`)",
     }
     out = template
     for k, v in parts.items():
@@ -429,7 +434,16 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     serving = load("serving.json")
     previous = DOC.read_text() if DOC.is_file() else None
-    args.out.write_text(render(serving, load("prefix.json"), template, load(data_plane.DEFAULT_OUT.name), previous))
+    args.out.write_text(
+        render(
+            serving,
+            load("prefix.json"),
+            template,
+            load(data_plane.DEFAULT_OUT.name),
+            previous,
+            load(goodput_report.JSON_NAME),
+        )
+    )
     print(f"wrote {args.out}")
     if args.readme.is_file() and BEGIN in args.readme.read_text():
         args.readme.write_text(replace_block(args.readme.read_text(), headline(serving)))

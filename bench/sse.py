@@ -30,6 +30,9 @@ class Streamed:
     retry_after: str | None = None
     first_event_at: float | None = None  # the first `data:` line, whatever it holds
     token_times: list[float] = field(default_factory=list)  # each event that carried text
+    # Each event that carried tokens: (when, how many: its `token_ids` when the server sent them,
+    # as vLLM does for `return_token_ids`; else 1 for an event with text).
+    chunk_tokens: list[tuple[float, int]] = field(default_factory=list)
     text: str = ""
     done: bool = False  # `data: [DONE]` arrived
     error_event: dict[str, Any] | None = None  # an in-stream error event (OpenAI's shape)
@@ -67,6 +70,14 @@ class Streamed:
     @property
     def latency_s(self) -> float:
         return self.end - self.start
+
+
+def event_tokens(event: Any) -> int:
+    """How many tokens a streamed completion or chat event carries (module doc: `chunk_tokens`)."""
+    if not isinstance(event, dict) or not event.get("choices"):
+        return 0
+    ids = event["choices"][0].get("token_ids")
+    return len(ids) if isinstance(ids, list) else 1 if event_text(event) else 0
 
 
 def event_text(event: Any) -> str:
@@ -130,3 +141,5 @@ def _event(out: Streamed, payload: str) -> None:
     if text := event_text(event):
         out.token_times.append(now)
         out.text += text
+    if n := event_tokens(event):
+        out.chunk_tokens.append((now, n))

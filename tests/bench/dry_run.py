@@ -38,14 +38,14 @@ def plan(options: dict[str, Any]) -> StackPlan:
     return plan_stack(**options, environ=CLEAN_ENV)
 
 
-def build(config: dict[str, Any]) -> dict[str, dict[str, Replicas]]:
+def deployments(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every application of a Serve config built as Serve builds it on deploy, Ray not started:
-    app name -> deployment name -> Replicas."""
+    app name -> deployment name -> Serve's Deployment (its class, options, replica config)."""
     import ray
     from ray.serve.schema import ServeDeploySchema
 
     ServeDeploySchema.model_validate(config)
-    out: dict[str, dict[str, Replicas]] = {}
+    out: dict[str, dict[str, Any]] = {}
     # Building reads only the default runtime env from Ray; auto-connect off, so a hidden
     # ray.init() fails instead of starting Ray.
     with (
@@ -55,23 +55,32 @@ def build(config: dict[str, Any]) -> dict[str, dict[str, Replicas]]:
         for app in config["applications"]:
             module, name = app["import_path"].split(":")
             built = getattr(importlib.import_module(module), name)(app["args"])
-            out[app["name"]] = _deployments(built)
+            out[app["name"]] = _walk(built)
     assert not ray.is_initialized()
     return out
 
 
-def _deployments(app: Any) -> dict[str, Replicas]:
-    out: dict[str, Replicas] = {}
+def build(config: dict[str, Any]) -> dict[str, dict[str, Replicas]]:
+    """`deployments`, each as its replica bounds: app name -> deployment name -> Replicas."""
+    return {app: {name: _replicas(d) for name, d in deps.items()} for app, deps in deployments(config).items()}
+
+
+def _replicas(d: Any) -> Replicas:
+    cfg = d._deployment_config
+    auto = cfg.autoscaling_config
+    return (
+        Replicas(auto.min_replicas, auto.max_replicas, auto.initial_replicas)
+        if auto is not None
+        else Replicas(cfg.num_replicas, cfg.num_replicas)
+    )
+
+
+def _walk(app: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
 
     def walk(a: Any) -> None:
         d = a._bound_deployment
-        cfg = d._deployment_config
-        auto = cfg.autoscaling_config
-        out[d.name] = (
-            Replicas(auto.min_replicas, auto.max_replicas, auto.initial_replicas)
-            if auto is not None
-            else Replicas(cfg.num_replicas, cfg.num_replicas)
-        )
+        out[d.name] = d
         for v in d.init_kwargs.values():
             for child in v.values() if isinstance(v, dict) else [v]:
                 if hasattr(child, "_bound_deployment"):

@@ -70,3 +70,15 @@ def test_no_answer_is_a_connection_error_and_a_read_timeout_is_hung():
 
     assert _run(refuse).kind == "conn_error"
     assert _run(silent).kind == "hung"
+
+
+def test_each_event_counts_its_tokens_from_its_token_ids_or_its_text():
+    # vLLM's `return_token_ids` puts each event's token ids in its choice (a stop string held
+    # back leaves an event with ids and no text); without them an event with text is one token.
+    ids = {"choices": [{"index": 0, "text": "abc", "token_ids": [5, 6, 7]}]}
+    held = {"choices": [{"index": 0, "text": "", "token_ids": [8]}]}
+    body = _sse(ids, held, _text("d"), {"choices": [], "usage": {"completion_tokens": 5}}, "[DONE]")
+    got = _run(lambda req: httpx.Response(200, content=body))
+    assert [n for _, n in got.chunk_tokens] == [3, 1, 1]
+    assert len(got.token_times) == 2  # the events with text, as before
+    assert [t for t, _ in got.chunk_tokens] == sorted(t for t, _ in got.chunk_tokens)
