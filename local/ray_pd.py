@@ -5,7 +5,8 @@ spec's prefill and decode LLMConfigs, the ingress's Serve options) -> `stock_con
 application whose import path is Ray's own builder, `ray.serve.llm:build_pd_openai_app`, with
 those two LLMConfigs and the ingress's deployment options, less what only our code reads (every
 value that names a class or function of ours, such as the autoscaling policy and a server or
-router class, and the first-chunk switch our engine mixin reads) and less our front door (its
+router class, and every experimental_configs key Ray does not read: our streaming switches) and
+less our front door (its
 auth, deadlines and user_config) -> Ray's ingress, PDDecodeServer and PDPrefillServer, built by
 Ray -> the app a user of Ray Serve LLM would run on the same engines, to state each of our
 features' cost against (`make bench-goodput`). `stock_ray_env()` takes the same out of the Ray
@@ -22,14 +23,29 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from serving.spec.base import FIRST_CHUNK_KEY
-
 RAY_PD_MODE = "ray-pd"
 RAY_PD_IMPORT_PATH = "ray.serve.llm:build_pd_openai_app"
 OUR_PACKAGE = "serving"
 # Keys of Ray's PDServingArgs (Ray 2.60 serving_patterns/prefill_decode/builder.py) the stock
 # app is given; ingress_cls_config is left to Ray's default (its OpenAiIngress).
 _ENGINE_ARGS = ("prefill_config", "decode_config")
+# The LLMConfig.experimental_configs keys Ray Serve LLM 2.60 reads (ray/llm/_internal/serve/):
+# core/server/llm_server.py, serving_patterns/prefill_decode/pd_server.py and builder.py,
+# engines/vllm/kv_transfer/nixl.py and moriio.py, routing_policies/kv_aware/constants.py. Any
+# other key in our render is ours (read by serving/engines only) and is left out.
+RAY_EXPERIMENTAL_KEYS = frozenset(
+    {
+        "stream_batching_interval_ms",
+        "pd_tokenize_once",
+        "_prewarm_prefill_decode",
+        "NIXL_SIDE_CHANNEL_PORT_BASE",
+        "MORI_HANDSHAKE_PORT_BASE",
+        "MORI_NOTIFY_PORT_BASE",
+        "KV_EVENTS_PORT_BASE",
+        "KV_TOKEN_PORT_BASE",
+        "KV_INDEXER_THREADS",
+    }
+)
 
 
 def names_ours(value: Any) -> bool:
@@ -50,9 +66,12 @@ def _strip(d: Mapping[str, Any]) -> dict[str, Any]:
 
 def stock_llm_config(llm_config: Mapping[str, Any]) -> dict[str, Any]:
     """One of our rendered LLMConfigs as Ray's own app takes it: engine kwargs, runtime env,
-    placement and Serve options unchanged; our classes and our first-chunk switch left out."""
+    placement and Serve options unchanged; our classes and our experimental_configs keys left out."""
     out = _strip(llm_config)
-    out.get("experimental_configs", {}).pop(FIRST_CHUNK_KEY, None)
+    if "experimental_configs" in out:
+        out["experimental_configs"] = {
+            k: v for k, v in out["experimental_configs"].items() if k in RAY_EXPERIMENTAL_KEYS
+        }
     return out
 
 

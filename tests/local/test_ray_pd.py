@@ -15,7 +15,14 @@ import pytest
 
 from local.background import plan_stack
 from local.config import LocalConfigError, app_urls, stack_ray_env
-from local.ray_pd import RAY_PD_IMPORT_PATH, RAY_PD_MODE, names_ours, stock_config, stock_ray_env
+from local.ray_pd import (
+    RAY_EXPERIMENTAL_KEYS,
+    RAY_PD_IMPORT_PATH,
+    RAY_PD_MODE,
+    names_ours,
+    stock_config,
+    stock_ray_env,
+)
 from serving.spec.base import ENGINE_CLS_ENV, FIRST_CHUNK_KEY
 from tests.bench.dry_run import CLEAN_ENV
 
@@ -57,7 +64,7 @@ def test_ray_pd_is_rays_builder_on_our_pd_engines_without_our_code():
         assert mine_auto.pop("policy")["policy_function"].startswith("serving.")  # ours: left out
         assert stock["deployment_config"]["autoscaling_config"] == mine_auto
         assert stock["experimental_configs"] == {
-            k: v for k, v in mine["experimental_configs"].items() if k != FIRST_CHUNK_KEY
+            k: v for k, v in mine["experimental_configs"].items() if k in RAY_EXPERIMENTAL_KEYS
         }
     assert theirs["args"]["ingress_deployment_config"] == ours["args"]["ingress_deployment_config"]
     # Nothing of ours: no import path into serving/, no key only our code reads.
@@ -81,9 +88,37 @@ def test_its_url_and_its_one_line_refusals():
     # Ray's ingress checks no keys: asked for one, the run stops with one line saying so.
     with pytest.raises(
         LocalConfigError,
-        match="^--mode ray-pd serves Ray Serve LLM's own app, which checks no API keys: add --no-auth$",
+        match=r"^--mode ray-pd serves Ray Serve LLM's own app, which checks no API keys: add --no-auth$",
     ):
         _plan(RAY_PD_MODE, api_key="sk-x")
     both = _plan("both").config
     with pytest.raises(ValueError, match="takes the one-model disaggregated app, not 2 applications"):
         stock_config(both)
+
+
+def _ray_llm_source() -> str:
+    import ray.llm
+
+    root = Path(ray.llm.__file__).parent / "_internal" / "serve"
+    return "\n".join(p.read_text() for p in root.rglob("*.py") if "tests" not in p.parts)
+
+
+def test_the_experimental_keys_kept_are_rays_and_those_left_out_are_ours():
+    """Ray Serve LLM 2.60's own source (ray/llm/_internal/serve/) names every key kept, and none
+    of the keys our render sets that are left out (those only serving/engines reads)."""
+    source = _ray_llm_source()
+    assert [k for k in sorted(RAY_EXPERIMENTAL_KEYS) if f'"{k}"' not in source] == []
+    configs = [
+        c
+        for mode in ("disaggregated", "aggregated")
+        for app in _plan(mode, "--prefill-router", "kv-aware").config["applications"]
+        for c in (
+            app["args"].get("prefill_config"),
+            app["args"].get("decode_config"),
+            *(app["args"].get("llm_configs") or []),
+        )
+        if c
+    ]
+    ours = {k for c in configs for k in c.get("experimental_configs", {})} - RAY_EXPERIMENTAL_KEYS
+    assert FIRST_CHUNK_KEY in ours  # our engine mixin's switch is among them
+    assert [k for k in sorted(ours) if f'"{k}"' in source] == []
