@@ -360,11 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args)
     for f in report.findings[:40]:
         print(f"DIFF case {f.case} [{f.path}] {f.endpoint} {json.dumps(f.shrunk or f.body, ensure_ascii=False)[:600]}")
-        for d in f.diffs[:5]:
-            print(f"    {d}")
-    for d in report.deviations:
-        if not d["ok"]:
-            print(f"DEVIATION {d['name']}: got {d['status']}, chose {d['expected']}")
+        for line in f.diffs[:5]:
+            print(f"    {line}")
+    for dev in report.deviations:
+        if not dev["ok"]:
+            print(f"DEVIATION {dev['name']}: got {dev['status']}, chose {dev['expected']}")
     print(report.line())
     return 0 if report.differences == 0 else 1
 
