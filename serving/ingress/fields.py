@@ -64,6 +64,15 @@ def _set(v: Any) -> bool:
     return v not in (None, False, 0, "", [], {})
 
 
+def _nonzero(v: Any) -> bool:
+    """A number other than 0 as vLLM's model reads it (lax: "0.5" is 0.5); what is no number
+    is refused by the engine itself."""
+    try:
+        return v is not None and not isinstance(v, bool) and float(v) != 0
+    except (TypeError, ValueError):
+        return False
+
+
 @dataclass(frozen=True)
 class Field:
     """One request field a client may send."""
@@ -92,8 +101,10 @@ FIELDS: tuple[Field, ...] = (
     _f("messages", CHAT, True, A),
     # Several prompts are several answers in one stream (choices by index): not continued.
     _f("prompt", COMPLETIONS, True, A, (lambda v: prompt_count(v) > 1, "several prompts")),
-    _f("frequency_penalty", GENERATE, True, C),
-    _f("presence_penalty", GENERATE, True, C),
+    # vLLM applies these to the generated tokens only (vllm/v1/sample/ops/penalties.py): a
+    # continuation's engine sees the kept tokens as prompt, so its answer would differ.
+    _f("frequency_penalty", GENERATE, True, B, (lambda v: _nonzero(v), "penalties on generated tokens")),
+    _f("presence_penalty", GENERATE, True, B, (lambda v: _nonzero(v), "penalties on generated tokens")),
     _f("logit_bias", GENERATE, True, C),
     _f("seed", GENERATE, True, C),
     _f("stop", GENERATE, True, C),

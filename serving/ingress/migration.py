@@ -33,8 +33,9 @@ and production-stack end it; NVIDIA Dynamo migrates in its own Rust frontend).
 Exactness: a token whose text vLLM has not emitted yet (a multi-byte character split over
 tokens, or text held back while it may still become a stop string) is not part of the
 continuation's prompt: it is generated again. What the client saw is never repeated; what
-it did not see may differ from the cut stream (it was never sent). Penalties that look at
-generated tokens only (presence/frequency) see the continuation's output only.
+it did not see may differ from the cut stream (it was never sent). A request with presence
+or frequency penalties is not continued: vLLM applies them to generated tokens only, and the
+continuation's engine would see the kept tokens as prompt (`make conformance` found it).
 """
 
 from __future__ import annotations

@@ -623,3 +623,21 @@ def test_a_forced_cut_after_k_tokens_is_continued_into_the_no_fault_answer(k):
     # client has (a held-back token is generated again)
     kept = len(sent[0]["prompt"]) - len(PROMPT)
     assert len(sent) == 1 and k - 1 <= kept <= k
+
+
+@pytest.mark.parametrize(
+    ("fields", "why"),
+    [
+        ({"presence_penalty": 0.1}, "penalties on generated tokens"),
+        ({"frequency_penalty": "-2"}, "penalties on generated tokens"),
+        ({"presence_penalty": 0, "frequency_penalty": "0.0"}, None),
+        ({"presence_penalty": None, "repetition_penalty": 1.3}, None),
+    ],
+)
+def test_penalties_on_generated_tokens_are_not_continued(fields, why):
+    """vLLM applies presence and frequency penalties to the generated tokens only
+    (vllm/model_executor/layers/utils.py apply_penalties, 0.32): a continuation's engine would
+    read the tokens kept before the cut as prompt and answer otherwise (the conformance run
+    found it at temperature 0). A repetition penalty covers prompt and output alike: continued."""
+    for endpoint in ("chat", "completions"):
+        assert not_continuable(endpoint, fields) == why
