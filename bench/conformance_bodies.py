@@ -203,6 +203,11 @@ REQUIRED = {CHAT: ("messages",), COMPLETIONS: ("prompt",)}
 FREQUENT = {"stream": 50, "max_tokens": 70, "temperature": 60, "stream_options": 30}
 
 
+def reproducible(body: dict[str, Any]) -> bool:
+    """Sampling is compared where it is reproducible: greedy, or with a seed."""
+    return body.get("temperature") in (0, 0.0) or body.get("seed") is not None
+
+
 @st.composite
 def cases(draw: Any) -> Case:
     """One Case: the frequent fields at their rates, and up to five more (as clients do)."""
@@ -221,8 +226,7 @@ def cases(draw: Any) -> Case:
     elif uncapped:
         # No cap: to the context's end. A prompt that leaves about 24 tokens of it.
         body["messages"] = [{"role": "user", "content": _long_prompt(24)}]
-    if body.get("temperature") not in (0, 0.0) and body.get("seed") is None:
-        # Sampling is compared where it is reproducible: greedy, or with a seed.
+    if not reproducible(body):
         body["seed"] = draw(st.integers(0, 2**31))
     return Case(endpoint, body, draw(st.integers(1, 20)))
 
