@@ -81,6 +81,13 @@ def _deviations() -> list[Deviation]:
         Deviation("n bound (string)", "chat", json.dumps({**chat, "n": str(MAX_N + 72)}).encode(), 400, 'n as "200"'),
         Deviation("deep JSON", "chat", b"[" * 100_000, 400, "nesting past the parser's depth is a bad body"),
         Deviation(
+            "streamed refusal",
+            "chat",
+            json.dumps({**chat, "stream": True, "truncate_prompt_tokens": 0}).encode(),
+            400,
+            "a prompt P/D prefills before the first byte is refused with its status, not a 200 stream",
+        ),
+        Deviation(
             "body limit",
             "completions",
             json.dumps({"model": "tiny-llama", "prompt": "x" * (5 << 20), "max_tokens": 1}).encode(),
@@ -98,6 +105,7 @@ class Finding:
     body: dict[str, Any]
     endpoint: str
     shrunk: dict[str, Any] | None = None
+    cut_after: int | None = None  # the migration path's cut (x-pd-test-cut-after)
 
 
 @dataclass
@@ -234,9 +242,10 @@ async def run_cases(runner: Runner, cases: list[Case], paths: tuple[str, ...], r
             if path == "migration" and not _migratable(case.endpoint, case.body):
                 continue
             diffs = await runner.compare(path, case, case.endpoint, case.body)
+            cut = case.cut_after if path == "migration" else None
             report.compared[path] += 1
             if diffs:
-                report.findings.append(Finding(i, path, diffs, case.body, case.endpoint))
+                report.findings.append(Finding(i, path, diffs, case.body, case.endpoint, cut_after=cut))
                 say(f"  case {i} {path}: {diffs[0]}")
         if (i + 1) % 50 == 0:
             say(f"{i + 1}/{len(cases)} cases, {len(report.findings)} differences")
@@ -371,7 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = run(args)
     for f in report.findings[:40]:
-        print(f"DIFF case {f.case} [{f.path}] {f.endpoint} {json.dumps(f.shrunk or f.body, ensure_ascii=False)[:600]}")
+        cut = f" cut after {f.cut_after}" if f.cut_after is not None else ""
+        print(
+            f"DIFF case {f.case} [{f.path}{cut}] {f.endpoint} {json.dumps(f.shrunk or f.body, ensure_ascii=False)[:600]}"
+        )
         for line in f.diffs[:5]:
             print(f"    {line}")
     for dev in report.deviations:

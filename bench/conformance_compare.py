@@ -234,11 +234,31 @@ def view(answer: Answer) -> dict[str, Any]:
     return {"status": 200, "whole": v}
 
 
+def refusal_status(answer: Answer) -> int | None:
+    """The status of a refusal: a 4xx answer, or a 200 stream that is nothing but one error
+    event with a 4xx code and `[DONE]` (how plain vLLM refuses a streamed prompt its engine's
+    input processing rejects: the error is raised inside its stream generator, after the
+    headers). On P/D the prompt is prefilled before the first byte, so the same refusal comes
+    as the status itself (docs/conformance.md, the documented deviations). None otherwise."""
+    if 400 <= answer.status < 500:
+        return answer.status
+    if answer.status != 200 or answer.events is None or len(answer.events) != 1 or answer.done != 1:
+        return None
+    error = answer.events[0].get("error")
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, int) and 400 <= code < 500 else None
+
+
 def differences(oracle: Answer, ours: Answer) -> list[str]:
     """Every place our answer differs from the oracle's, as `path: oracle != ours` lines (only
     the status when that differs: the rest then says nothing more)."""
+    refused = refusal_status(oracle)
+    if refused is not None and refused == refusal_status(ours):
+        return []  # one refusal, as a status or as a stream of its one error event
     a, b = view(oracle), view(ours)
     if a["status"] != b["status"]:
+        if b["status"] == 599:  # no answer: what the transport said
+            return [f"status: {a['status']} != 599 ({ours.text[:300]})"]
         return [f"status: {a['status']} != {b['status']}"]
     for body in (a.get("whole"), a.get("stream")):
         if body is not None:

@@ -105,3 +105,29 @@ def test_engine_internal_fields_in_our_answer_are_a_difference():
     ours = _chat()
     ours.doc["kv_transfer_params"] = {"remote_host": "10.0.0.1"}
     assert any("internal" in d for d in differences(_chat(), ours))
+
+
+def _sse(*events: dict) -> str:
+    return "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+
+
+def test_a_refusal_as_a_status_or_as_a_stream_of_its_one_error_event_is_one_answer():
+    """Plain vLLM refuses a streamed prompt its engine rejects inside the stream (a 200, one
+    error event, [DONE]); P/D knows it before the first byte and answers the status."""
+    err = {"error": {"message": "The decoder prompt cannot be empty", "type": "BadRequestError", "code": 400}}
+    in_stream = answer_of(200, "text/event-stream", _sse(err))
+    as_status = answer_of(400, "application/json", json.dumps(err))
+    assert differences(in_stream, as_status) == []
+    # another code, a stream that says more than its error, or a server error are answers apart
+    assert differences(in_stream, answer_of(404, "application/json", json.dumps(err))) != []
+    chunk = {"id": "c", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": "a"}}]}
+    assert differences(answer_of(200, "text/event-stream", _sse(chunk, err)), as_status) != []
+    server_err = {"error": {"message": "boom", "type": "InternalServerError", "code": 500}}
+    assert differences(answer_of(200, "text/event-stream", _sse(server_err)), answer_of(500, "", "")) != []
+
+
+def test_no_answer_says_what_the_transport_said():
+    from bench.conformance_compare import Answer
+
+    diffs = differences(answer_of(200, "application/json", "{}"), Answer(599, text="ReadTimeout: timed out"))
+    assert diffs == ["status: 200 != 599 (ReadTimeout: timed out)"]
