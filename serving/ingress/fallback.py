@@ -110,7 +110,7 @@ def _upstream_message(resp_body: bytes) -> str:
         err = json.loads(resp_body).get("error")
         msg = err.get("message") if isinstance(err, dict) else err
         return str(msg)[:300] if msg else ""
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return ""
 
 
@@ -260,7 +260,7 @@ class FallbackClient:
             await resp.aclose()
         try:
             doc = json.loads(raw)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser
             raise self._failed(reason, "the fallback answered with something that is not JSON", 502) from exc
         if isinstance(doc, dict) and "model" in doc:
             doc["model"] = model

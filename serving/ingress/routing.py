@@ -324,7 +324,7 @@ class Router:
         try:
             doc = json.loads(bytes(resp.body))
             usage.take(doc.get("usage") if isinstance(doc, dict) else None)
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             pass
         self._count(ctx, metrics.DESTINATION_CLUSTER, usage)
         return resp

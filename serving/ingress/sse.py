@@ -72,8 +72,10 @@ def parse_event(raw: str) -> Event:
     except msgspec.DecodeError:
         try:
             doc = _STD_DECODER.decode(data)
-        except ValueError:
+        except (ValueError, RecursionError):
             doc = NOT_JSON
+    except RecursionError:  # nested past the parser's depth (msgspec and json alike): no JSON
+        doc = NOT_JSON
     return Event(raw, data, doc)
 
 

@@ -454,3 +454,17 @@ def test_a_streamed_tool_call_is_relayed_delta_by_delta_unchanged(monkeypatch):
     assert payloads == [{**e, "model": "ours"} for e in events]
     ((_, ok),) = done
     assert ok
+
+
+def test_a_provider_answer_nested_past_the_parser_is_a_bad_gateway_not_a_crash(monkeypatch):
+    """An answer nested past Python's recursion limit raises RecursionError in json, not
+    ValueError: it is the provider's malformed answer (502), and its error text only unread."""
+    deep = b"[" * 100_000
+    client, _ = _client(lambda r: httpx.Response(200, content=deep), monkeypatch)
+    with pytest.raises(FallbackError) as err:
+        _forward(client, "completions", {"model": "ours", "prompt": "x"})
+    assert err.value.status == 502
+    client, _ = _client(lambda r: httpx.Response(400, content=deep), monkeypatch)
+    with pytest.raises(FallbackError) as err:
+        _forward(client, "completions", {"model": "ours", "prompt": "x"})
+    assert err.value.status == 400

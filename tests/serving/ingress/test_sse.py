@@ -84,4 +84,5 @@ def test_what_msgspec_refuses_reads_and_writes_as_before():
     assert parse_event('data: {"n":123456789012345678901234567890}').doc == {"n": 123456789012345678901234567890}
     assert math.isnan(parse_event('data: {"x":NaN}').doc["x"])
     assert parse_event("data: {not json").doc is NOT_JSON
+    assert parse_event("data: " + "[" * 100_000).doc is NOT_JSON  # past any parser's depth
     assert encode({"n": 2**70}) == '{"n":1180591620717411303424}'
