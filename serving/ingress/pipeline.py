@@ -10,7 +10,8 @@ What flows through here, for /v1/chat/completions and /v1/completions:
   typed   the engine request, validated once: the client's fields, plus what the path needs
           (usage in every streamed chunk, token ids and stop strings for a stream that can be
           continued: migration.py), or 400 naming the field pydantic refused; then our bounds
-          on its values as the engine reads them, or 400 naming the field (fields.py BOUNDS)
+          on its values as the engine reads them, or 400 naming the field (fields.py BOUNDS);
+          then vLLM's own checks of the sampling it asks for, or vLLM's 400
   limits  the key's requests and tokens per minute on that model, the tokens sized from the
           validated request -> a reservation, or 429
   route   the cluster or the external fallback, then the usage (routing.py), through the
@@ -41,7 +42,14 @@ from serving.ingress.auth import ApiKeyAuth
 from serving.ingress.catalog import ModelNotFound, ModelRoute, Models, redact_storage
 from serving.ingress.context import RequestContext
 from serving.ingress.dispatch import dispatch_call
-from serving.ingress.errors import SERVED_BY, answer_for, error_response, model_not_found, validation_error
+from serving.ingress.errors import (
+    SERVED_BY,
+    answer_for,
+    error_response,
+    model_not_found,
+    request_refusal,
+    validation_error,
+)
 from serving.ingress.fields import out_of_bounds, refused_field
 from serving.ingress.limits import UNCHECKED, Decision, Limiter, Reservation, engine_view
 from serving.ingress.migration import StreamRecord
@@ -123,6 +131,7 @@ class FrontDoor:
         engine = {**cluster, **record.engine_fields()} if record is not None else cluster
         typed = _adapter(_request_type(endpoint)).validate_python(engine)
         _check_bounds(typed)
+        _check_sampling(typed, route.context_len)
         decision = await self.limiter.admit(kid, route.model, engine_view(body, typed), route.context_len)
         if not decision.ok:
             raise BodyError(self._refusal(decision))
@@ -249,6 +258,31 @@ def _check_bounds(typed: Any) -> None:
     over = out_of_bounds(typed)
     if over is not None:
         raise BodyError(error_response(400, over[1], param=over[0], code="integer_above_max_value"))
+
+
+def _check_sampling(typed: Any, context_len: int | None) -> None:
+    """vLLM's own checks of the sampling a request asks for (SamplingParams' argument checks,
+    run by the request's `to_sampling_params`: `min_tokens` over the cap, ...) before the
+    request is routed, so that what plain vLLM refuses is refused on every path, the
+    fallback's too (the provider gets OpenAI's fields only and would serve it: `make
+    conformance` found it). The cap is the request's own, or the context: what depends on the
+    prompt's length stays the engine's to refuse. What is no client's error (another vLLM's
+    signature) leaves the request to the engine."""
+    cap = getattr(typed, "max_completion_tokens", None) or getattr(typed, "max_tokens", None)
+    if context_len is not None and (cap is None or cap > context_len):
+        cap = context_len
+    if cap is None:
+        return
+    try:
+        typed.to_sampling_params(cap, default_sampling_params={})
+    except Exception as exc:
+        refusal = request_refusal(exc)
+        if refusal is None and isinstance(exc, ValueError):  # vLLM 0.29's checks raise ValueError
+            refusal = error_response(400, str(exc))
+        if refusal is None:
+            logger.debug("sampling not checked at the ingress: %r", exc)
+            return
+        raise BodyError(refusal) from exc
 
 
 NOT_JSON = "We could not parse the JSON body of your request. Send a JSON object with 'Content-Type: application/json'."

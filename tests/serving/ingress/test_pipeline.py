@@ -247,6 +247,22 @@ def test_n_is_bounded_as_openai_documents(monkeypatch):
     assert status == 400 and err["param"] == "n" and len(handle.calls) == 1
 
 
+@pytest.mark.parametrize("cap", [{"max_tokens": 3}, {"max_completion_tokens": "3"}])
+def test_sampling_vllm_refuses_is_refused_before_any_route(monkeypatch, cap):
+    """min_tokens over the cap: vLLM refuses it building the sampling (SamplingParams, 0.32:
+    "min_tokens must be less than or equal to max_tokens"); the ingress refuses it as vLLM
+    does before routing, so the fallback (which gets OpenAI's fields only, no min_tokens)
+    never serves it. Within the cap it is served."""
+    ingress, handle = make_ingress(monkeypatch)
+    status, err = error_of(run(ingress.chat(make_request({**CHAT, **cap, "min_tokens": 4}))))
+    assert status == 400 and "min_tokens" in err["message"] and handle.calls == []
+    assert run(ingress.chat(make_request({**CHAT, **cap, "min_tokens": 3}))).status_code == 200
+    # a completion's cap is vLLM's default 16 when it gives none
+    completion = {"model": "tiny", "prompt": "hi"}
+    status, _ = error_of(run(ingress.completions(make_request({**completion, "min_tokens": 17}))))
+    assert status == 400
+
+
 def _nested(depth: int):
     """A JSON array nested `depth` levels deep (itself included)."""
     doc: list = []
