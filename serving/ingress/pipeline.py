@@ -260,6 +260,9 @@ def _check_bounds(typed: Any) -> None:
         raise BodyError(error_response(400, over[1], param=over[0], code="integer_above_max_value"))
 
 
+EMPTY_PROMPT = "The decoder prompt cannot be empty"  # vLLM's words (v1 engine input processor)
+
+
 def _check_sampling(typed: Any, context_len: int | None) -> None:
     """vLLM's own checks of the sampling a request asks for (SamplingParams' argument checks,
     run by the request's `to_sampling_params`: `min_tokens` over the cap, ...) before the
@@ -268,6 +271,10 @@ def _check_sampling(typed: Any, context_len: int | None) -> None:
     conformance` found it). The cap is the request's own, or the context: what depends on the
     prompt's length stays the engine's to refuse. What is no client's error (another vLLM's
     signature) leaves the request to the engine."""
+    if getattr(typed, "truncate_prompt_tokens", None) == 0:
+        # Truncated to no token, whatever the prompt (vLLM 0.32 renderers/params.py: a
+        # max_length of 0), which vLLM's engine refuses; the fallback would serve it whole.
+        raise BodyError(error_response(400, EMPTY_PROMPT, param="truncate_prompt_tokens"))
     cap = getattr(typed, "max_completion_tokens", None) or getattr(typed, "max_tokens", None)
     if context_len is not None and (cap is None or cap > context_len):
         cap = context_len

@@ -263,6 +263,16 @@ def test_sampling_vllm_refuses_is_refused_before_any_route(monkeypatch, cap):
     assert status == 400
 
 
+def test_a_prompt_truncated_to_nothing_is_refused_before_any_route(monkeypatch):
+    """truncate_prompt_tokens 0 leaves no prompt token, whatever the prompt: vLLM's engine
+    refuses it ("The decoder prompt cannot be empty"); the fallback, which is not sent vLLM's
+    fields, would have served the whole prompt."""
+    ingress, handle = make_ingress(monkeypatch)
+    status, err = error_of(run(ingress.chat(make_request({**CHAT, "truncate_prompt_tokens": 0}))))
+    assert status == 400 and err["param"] == "truncate_prompt_tokens" and handle.calls == []
+    assert run(ingress.chat(make_request({**CHAT, "truncate_prompt_tokens": 5}))).status_code == 200
+
+
 def _nested(depth: int):
     """A JSON array nested `depth` levels deep (itself included)."""
     doc: list = []
