@@ -3,9 +3,10 @@ the engines' own metrics, on the shared local stack (P/D app and aggregated app)
 
 The local stack prices tokens at local/config.py LOCAL_TOKEN_PRICES (USD per prompt token an
 engine computed, per output token). From the engines' counters (vLLM's, re-exported by Ray as
-`ray_vllm_*` per Serve replica): prompt tokens computed = `prompt_tokens` less
-`prefix_cache_hits` on the engine that ran the prefill (P/D: the prefill replicas;
-aggregated: the one engine), output tokens = `generation_tokens` on the engine that decoded
+`ray_vllm_*` per Serve replica): prompt tokens computed = `prompt_tokens_by_source{source=
+"local_compute"}` (vLLM 0.32 vllm/v1/metrics/loggers.py, stats.py `PromptTokenStats`: the
+prompt less its prefix-cache hits and the KV it received) on the engine that ran the prefill
+(P/D: the prefill replicas; aggregated: the one engine), output tokens = `generation_tokens` on the engine that decoded
 -> the cost by hand, which the ingress's `ray_pd_usage_cost_usd_total` for the key, summed
 over phases, must match within 10%. The prompts repeat a prefix, so cache hits are part of it.
 """
@@ -32,9 +33,8 @@ APPS = {
     "disaggregated": (APP_NAME, "Prefill", "Decode"),
     "aggregated": (AGGREGATED_APP, "EagerLLMServer", "EagerLLMServer"),
 }
-PROMPT = hops.exported_name("vllm:prompt_tokens_total", via_ray=True)
+COMPUTED = hops.exported_name("vllm:prompt_tokens_by_source_total", via_ray=True)
 GENERATED = hops.exported_name("vllm:generation_tokens_total", via_ray=True)
-HITS = hops.exported_name("vllm:prefix_cache_hits_total", via_ray=True)
 
 
 def _scrape(stack) -> list[hops.Sample]:
@@ -49,14 +49,17 @@ def _reading(stack, app: str, kid: str) -> tuple[float, ...]:
     prefill_ids, decode_ids = set(replicas[prefill_dep]), set(replicas[decode_dep])
     samples = _scrape(stack)
 
-    def engines(series: str, ids: set[str]) -> float:
-        return hops.metric_total(samples, series, lambda labels: labels.get("ReplicaId") in ids)
+    def engines(series: str, ids: set[str], **only: str) -> float:
+        def where(labels: dict[str, str]) -> bool:
+            return labels.get("ReplicaId") in ids and all(labels.get(k) == v for k, v in only.items())
+
+        return hops.metric_total(samples, series, where)
 
     def ingress(series: str) -> float:
         want = {"key": kid, "destination": m.DESTINATION_CLUSTER, "application": name}
         return hops.metric_total(samples, series, lambda labels: all(labels.get(k) == v for k, v in want.items()))
 
-    computed = engines(PROMPT, prefill_ids) - engines(HITS, prefill_ids)
+    computed = engines(COMPUTED, prefill_ids, source="local_compute")
     return (
         computed,
         engines(GENERATED, decode_ids),
