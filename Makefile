@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 STACK ?= dev
 PORT ?= 8000
 
-.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane bench-goodput chaos conformance stack model diff clean efa-check
+.PHONY: help venv lock pulumi-venv light-env lint docs test test-long test-live-metrics test-fast serve render plan bench bench-prefix bench-scaling bench-ingress bench-data-plane bench-goodput chaos conformance stack model diff clean efa-check usage
 
 help:
 	@echo "make serve              run the disaggregated serving stack locally (CPU, tiny model)"
@@ -39,6 +39,7 @@ help:
 	@echo "make conformance [BODIES=2000] [SEED=]   every path of ours answers as plain vLLM does; build/conformance/"
 	@echo "make stack NAME=team-x  write stacks/Pulumi.team-x.yaml from the template"
 	@echo "make diff A=staging B=prod   config and manifest differences between two stacks"
+	@echo "make usage [PROM_URL=url] [DAYS=7] [KEY=k-...]   per key and UTC day: tokens, cluster \$$ prefill/decode, provider \$$, cache hits"
 
 # Installs come from the locks: every package at an exact version, every file checked against
 # its sha256 (--require-hashes). requirements-dev.lock is requirements-dev.txt and
@@ -262,6 +263,11 @@ model: pulumi-venv
 diff: pulumi-venv
 	@test -n "$(A)" -a -n "$(B)" || { echo "usage: make diff A=<stack> B=<stack>" >&2; exit 1; }
 	$(PULUMI_PY) -m tools.diff "$(A)" "$(B)"
+
+# What each API key used and cost per UTC day, from the ingress's counters in Prometheus
+# (PROM_URL: its root URL, else $$PD_PROMETHEUS_URL, else http://127.0.0.1:9090).
+usage: venv
+	$(PY) -m tools.usage $(if $(PROM_URL),--prometheus "$(PROM_URL)") $(if $(DAYS),--days $(DAYS)) $(if $(KEY),--key "$(KEY)")
 
 # Regenerate the command outputs and the stack diagrams (docs/img/) shown in README.md and docs/
 # (tests/tools/test_docs.py fails when stale; `python -m tools.docs --check` names them).

@@ -32,6 +32,7 @@ from infra.k8s.node_alerts import node_rule_groups
 from infra.k8s.rayservice import PoolBounds, used_pools
 from infra.k8s.tracing import export_for
 from infra.paths import stack_file
+from infra.plan.costs import token_prices
 from infra.plan.planning import KvLink, cold_start_seconds, kv_link, model_view, stack_head
 from infra.plan.stack import load, stack_replica_cpus
 from infra.sizing.head import HEAD_BASE_VCPUS
@@ -162,6 +163,8 @@ service = LlmService(
         cold_start_s=cold_start_seconds(cfg),
         # The decode replica's API side asks for what its planned tokens need (make plan).
         replica_cpus=stack_replica_cpus(cfg),
+        # What a token costs per model and phase, for the per-key cost counters (make plan's figures).
+        token_prices=token_prices(cfg),
     ),
     opts=pulumi.ResourceOptions(depends_on=list(pools.values())),
 )

@@ -263,7 +263,8 @@ def estimate_s(args: argparse.Namespace) -> float:
 def dry_run(args: argparse.Namespace) -> str:
     """What each target would deploy (nothing is started), and the schedule."""
     from local.background import plan_stack
-    from local.config import MODEL_ID, plain_vllm_argv
+    from local.config import MODEL_ID
+    from local.plain_vllm import plain_vllm_argv
 
     lines = []
     for t in args.targets:

@@ -30,7 +30,7 @@ def vllm_server(
     log_path: Path,
     extra_args: Sequence[str] = (),
 ):
-    from local.config import PLAIN_VLLM_ENV, plain_vllm_argv
+    from local.plain_vllm import PLAIN_VLLM_ENV, plain_vllm_argv
     from local.procs import interrupt_and_wait
 
     env = {**os.environ, **env_extra, **PLAIN_VLLM_ENV}

@@ -10,9 +10,7 @@ under its own name and route prefix. Everything under `args` is exactly what the
 from __future__ import annotations
 
 import copy
-import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -169,43 +167,6 @@ def hybrid_from_env(environ: dict[str, str]) -> dict[str, Any]:
     if limits:
         hybrid["limits"] = limits
     return hybrid
-
-
-# vLLM's own OpenAI server on the tiny model, with the engine settings the local stack uses:
-# the baseline `make bench` compares against and the stand-in external provider.
-PLAIN_VLLM_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", **LOCAL_TOOL_ENV}
-
-
-def plain_vllm_argv(model_dir: str, served_name: str, port: int) -> list[str]:
-    """The command line of `python -m vllm.entrypoints.openai.api_server` for the tiny model."""
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        model_dir,
-        "--served-model-name",
-        served_name,
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        str(MAX_MODEL_LEN),
-        "--enforce-eager",
-        "--host",
-        HOST,
-        "--port",
-        str(port),
-        "--disable-uvicorn-access-log",
-        # The same tool calling as the stack's engines (LOCAL_TOOLS), so a plain vLLM server
-        # answers tool requests as they do.
-        "--tool-call-parser",
-        LOCAL_TOOL_PARSER,
-        "--enable-auto-tool-choice",
-        "--chat-template",
-        str(ROOT / LOCAL_CHAT_TEMPLATE),
-        "--structured-outputs-config",
-        json.dumps(LOCAL_STRUCTURED_OUTPUTS),
-    ]
 
 
 # Engine replicas per role: `--prefill-replicas/--decode-replicas`, or PD_REPLICAS=N for
@@ -375,12 +336,20 @@ def _many_models(
     return data
 
 
+# What a token costs on the local stack, per cost phase (serving.spec.Target.token_prices): notional
+# prices, not a measurement (the cloud's come from the capacity plan, infra/plan/costs.py), so that
+# make serve exports per-key costs and make usage has figures to print: USD 1 per million prompt
+# tokens the engines compute, USD 4 per million output tokens.
+LOCAL_TOKEN_PRICES = {"prefill": 1e-6, "decode": 4e-6}
+
+
 def local_target(signals: bool = False) -> Target:
-    """CPU target: vLLM's CPU KV-cache size and thread binding; with `signals`, the per-role
-    policies' engine series (the local Prometheus's `role` label)."""
+    """CPU target: vLLM's CPU KV-cache size and thread binding, the notional token prices; with
+    `signals`, the per-role policies' engine series (the local Prometheus's `role` label)."""
     from local.prometheus import ROLE_LABEL
 
     return Target(
+        token_prices=LOCAL_TOKEN_PRICES,
         metrics_selectors={r: f'{ROLE_LABEL}="{r}"' for r in LOCAL_SIGNAL_ROLES} if signals else {},
         accelerator_type=None,
         # One host, several Ray nodes: one proxy (on the head) or they clash on the port.

@@ -36,7 +36,8 @@ from typing import Any
 
 import httpx
 
-from local.config import HOST, PLAIN_VLLM_ENV, plain_vllm_argv
+from local.config import HOST
+from local.plain_vllm import PLAIN_VLLM_ENV, plain_vllm_argv
 from local.procs import free_port
 
 EXTERNAL_MODEL = "tiny-llama-external"

@@ -925,4 +925,24 @@ MIRRORS: dict[str, Mirror] = {
         ("EFA_INSTALLER_VERSION", "1.49.0"),
         "main of 2026-08-21 (v2.6.0rc1+); the EFA installer 1.49.0 carries the libfabric the image runs",
     ),
+    "async_engine_kwargs": Mirror(
+        "ray-project/ray",
+        ("python/ray/llm/_internal/serve/engines/vllm/vllm_models.py (VLLMEngineConfig.from_llm_config)",),
+        "ray-2.60.0",
+        ("RAY_VERSION", "2.60.0"),
+        "engine_kwargs named by vLLM's FrontendArgs go to frontend_kwargs, the rest to AsyncEngineArgs",
+    ),
 }
+
+
+# --- ray/llm/_internal/serve/engines/vllm/vllm_models.py (VLLMEngineConfig.from_llm_config, Ray 2.60) --
+def async_engine_kwargs(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The part of an LLMConfig's engine_kwargs Ray hands vLLM's AsyncEngineArgs: every key
+    that is not a field of vLLM's FrontendArgs (those go to the OpenAI layer, e.g.
+    enable_prompt_tokens_details, tool_call_parser)."""
+    import dataclasses
+
+    from vllm.entrypoints.launchers.cli_args import FrontendArgs
+
+    frontend = {f.name for f in dataclasses.fields(FrontendArgs)}
+    return {k: v for k, v in engine_kwargs.items() if k not in frontend}

@@ -107,6 +107,9 @@ class LlmServiceArgs:
     replica_cpus: dict[str, dict[str, int]] = field(default_factory=dict)
     """Model id -> engine role -> the CPUs its replica actor asks Ray for, where the plan sizes
     it above Ray's default (the decode replica's API side: infra/sizing/streaming.py)."""
+    token_prices: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Model id -> cost phase (prefill, decode) -> USD per token on the cluster
+    (infra/plan/costs.py): what the ingress's per-key cost counters multiply by."""
 
 
 class LlmService(pulumi.ComponentResource):
@@ -330,6 +333,7 @@ def create_rayservice(
         head_cpus=args.head_cpus,
         cold_start_s=dict(args.cold_start_s),
         replica_cpus={m: dict(r) for m, r in args.replica_cpus.items()},
+        token_prices={m: dict(p) for m, p in args.token_prices.items()},
         tracing=args.tracing,
         pool_bounds=dict(args.pool_bounds),
         kv_offload=dict(args.kv_offload),

@@ -79,6 +79,9 @@ class NodePool(SpecModel):
     local_storage: LocalStorage = LocalStorage.RAID0
     # A KV offload tier per node (host memory, NVMe) behind NIXL; None: none (kv_offload.py).
     kv_offload: KvOffload | None = None
+    # What one node costs you per hour, in USD: a spot pool's usual price, a Capacity Block's,
+    # a discount's. None: the catalog's on-demand list price. Prices requests (infra/plan/costs.py).
+    usd_per_hour: float | None = Field(default=None, gt=0, le=10_000)
 
     @field_validator("instance_type")
     @classmethod
@@ -107,6 +110,11 @@ class NodePool(SpecModel):
     @property
     def instance(self) -> catalog.InstanceType:
         return catalog.lookup(self.instance_type)
+
+    @property
+    def node_usd_per_hour(self) -> float:
+        """What one node of the pool costs per hour: `usdPerHour`, else the on-demand list price."""
+        return self.usd_per_hour if self.usd_per_hour is not None else self.instance.usd_per_hour
 
     @property
     def raid0(self) -> bool:

@@ -7,7 +7,7 @@ dashboard's rows in order, each a title and its `PanelSpec`s (title, unit, descr
 `infra.k8s.dashboards` builds into a Grafana dashboard with Grafana's SDK. Per engine role:
 latency (TTFT, ITL, TPOT p50/p99), requests and errors by status, queues, KV cache and
 prefix-cache hits, NIXL KV transfer bytes and time per request; hybrid routing (fallback share,
-per-key usage, 429s, fallbacks, limiter errors); faults (refusals, retries, local prefills,
+per-key usage and cost, 429s, fallbacks, limiter errors); faults (refusals, retries, local prefills,
 stream migrations); GPU utilisation, HBM, power and XID errors from DCGM; and the node
 autoscaler's view.
 
@@ -23,7 +23,10 @@ from dataclasses import dataclass
 
 from infra.k8s.monitoring import RAY_CLUSTER, ROLE
 from infra.k8s.serving_metrics import (
+    BUDGET_OVERFLOWS,
+    CACHED_TOKENS,
     COMPLETION_TOKENS,
+    COST,
     FALLBACKS,
     INGRESS_REFUSALS,
     INGRESS_RETRIES,
@@ -263,6 +266,32 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "Tokens per second as billed (each answer's usage); destination fallback is the provider's bill.",
             ),
             PanelSpec(
+                "Cost per key, destination and phase (USD per hour)",
+                "currencyUSD",
+                (
+                    Query(
+                        f"3600 * sum by (key, destination, phase) (rate({COST}{{{MODEL_SEL}}}[{RATE}]))",
+                        "{{key}} {{destination}} {{phase}}",
+                    ),
+                ),
+                "What each key's requests cost: on the cluster, engine time at the pools' price (prefill: "
+                "prompt tokens computed; decode: output tokens); on the fallback, the provider's price. "
+                "`make usage` prints it per key and day.",
+            ),
+            PanelSpec(
+                "Prefix-cache hit share per key",
+                "percentunit",
+                (
+                    Query(
+                        f"sum by (key) (rate({CACHED_TOKENS}{{{MODEL_SEL}}}[{RATE}])) / "
+                        f"sum by (key) (rate({PROMPT_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
+                        "{{key}}",
+                    ),
+                ),
+                "Prompt tokens served from a prefix cache over all prompt tokens. Each key has a cache of "
+                "its own (limits.cacheIsolation), so a key's hits are its own prompts'.",
+            ),
+            PanelSpec(
                 "Rate-limited requests (429) per key and limit",
                 "reqps",
                 (
@@ -271,7 +300,18 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                         "{{key}} {{limit}}",
                     ),
                 ),
-                "Requests refused with 429 per key id, by the limit hit (rpm, tpm).",
+                "Requests refused with 429 per key id, by the limit hit (rpm, tpm, budget).",
+            ),
+            PanelSpec(
+                "Requests past their key's budget, served elsewhere",
+                "reqps",
+                (
+                    Query(
+                        f"sum by (key, to) (rate({BUDGET_OVERFLOWS}{{{MODEL_SEL}}}[{RATE}]))",
+                        "{{key}} to {{to}}",
+                    ),
+                ),
+                "Requests of keys whose budget is spent that its budget sends to the fallback or a cheaper model.",
             ),
             PanelSpec(
                 "Fallback requests by reason and outcome",

@@ -137,6 +137,7 @@ class RayServiceInputs:
     pool_bounds: dict[str, PoolBounds] = field(default_factory=dict)
     # By pool name: the pool's KV offload tier (nodePools.<name>.kvOffload); absent: none.
     kv_offload: dict[str, KvOffload] = field(default_factory=dict)
+    token_prices: dict[str, dict[str, float]] = field(default_factory=dict)  # model -> phase -> USD/token
 
 
 def serve_service(inp: RayServiceInputs) -> dict[str, Any]:
@@ -236,13 +237,12 @@ def _target(inp: RayServiceInputs, spec: ServingSpec) -> Target:
     if len(backends) != 1:  # the config refuses EFA on one side only; never render it
         raise ValueError(f"prefill and decode pools need the same fabric (got {sorted(b.value for b in backends)})")
     per_role = {role: i.ray_accelerator for role, i in insts.items()}
-    first = next(iter(per_role.values()))
     # The scrape gives engine series a `role` label from the worker group's (pool's) name
     # (infra/k8s/monitoring.py); the policies read them through RAY_PROMETHEUS_HOST. On a
     # pool several models share, vLLM's own `model_name` label tells their series apart.
     model_sel = f',model_name="{spec.model.id}"' if inp.serving.many else ""
     return Target(
-        accelerator_type=first,
+        accelerator_type=next(iter(per_role.values())),
         role_accelerator_types=per_role,
         working_dir=inp.working_dir,
         engine_env=engine_env,
@@ -253,6 +253,7 @@ def _target(inp: RayServiceInputs, spec: ServingSpec) -> Target:
         replica_cpus=dict(inp.replica_cpus.get(spec.model.id, {})),
         traces_endpoint=inp.tracing.endpoint if inp.tracing else None,
         role_kv_offload=_role_tiers(inp, spec),
+        token_prices=dict(inp.token_prices.get(spec.model.id, {})),
     )
 
 

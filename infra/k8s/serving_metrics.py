@@ -17,11 +17,16 @@ from serving.core import metrics as m
 from serving.core.failures import Reason
 
 # The ingress (head pods): usage per key id, model and destination; 429s per key, base model
-# and limit (rpm, tpm); fallbacks per reason and outcome (ok, failed); limiter errors.
+# and limit (rpm, tpm, budget); fallbacks per reason and outcome (ok, failed); limiter errors.
 REQUESTS = m.USAGE_REQUESTS.prometheus
 PROMPT_TOKENS = m.USAGE_PROMPT_TOKENS.prometheus
 COMPLETION_TOKENS = m.USAGE_COMPLETION_TOKENS.prometheus
 RATE_LIMITED = m.RATE_LIMITED.prometheus
+# Per key id, model and destination: prompt tokens served from a prefix cache, and what requests
+# cost in USD by phase (prefill, decode); requests of keys past their budget served elsewhere.
+CACHED_TOKENS = m.USAGE_CACHED_TOKENS.prometheus
+COST = m.USAGE_COST.prometheus
+BUDGET_OVERFLOWS = m.BUDGET_OVERFLOWS.prometheus
 FALLBACKS = m.FALLBACKS.prometheus
 LIMITER_ERRORS = m.LIMITER_ERRORS.prometheus
 # The `destination` of a request the external fallback answered.

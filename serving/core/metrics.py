@@ -77,6 +77,14 @@ CUT_OUTCOMES = (MigrationOutcome.FAILED, MigrationOutcome.NOT_MIGRATABLE)
 DESTINATION_CLUSTER = "cluster"
 DESTINATION_FALLBACK = "fallback"
 
+
+class CostPhase(str, enum.Enum):
+    """USAGE_COST's `phase` label: the part of a request its cost is for."""
+
+    PREFILL = "prefill"  # the prompt tokens the engines computed (cluster), or the prompt's (provider)
+    DECODE = "decode"  # the output tokens
+
+
 # --- the ingress: usage, limits, the external fallback ---------------------------------------
 USAGE_REQUESTS = Metric(
     "pd_usage_requests",
@@ -96,10 +104,32 @@ USAGE_COMPLETION_TOKENS = Metric(
     "Completion tokens, per API key id, model and destination.",
     INGRESS,
 )
+USAGE_CACHED_TOKENS = Metric(
+    "pd_usage_cached_tokens",
+    ("key", "model", "destination"),
+    "Prompt tokens served from a prefix cache (the engines', or the provider's), per API key id, model and "
+    "destination: the cache-hit share is this over pd_usage_prompt_tokens.",
+    INGRESS,
+)
+USAGE_COST = Metric(
+    "pd_usage_cost_usd",
+    ("key", "model", "destination", "phase"),
+    "What requests cost in USD, per API key id, model, destination and phase: on the cluster, engine time "
+    "at the pools' price (prefill: prompt tokens computed; decode: output tokens); on the fallback, the "
+    "provider's price per token.",
+    INGRESS,
+)
 RATE_LIMITED = Metric(
     "pd_rate_limited_requests",
     ("key", "model", "limit"),
-    "Requests refused with 429, per API key id, base model and limit (rpm or tpm).",
+    "Requests refused with 429, per API key id, base model and limit (rpm, tpm or budget).",
+    INGRESS,
+)
+BUDGET_OVERFLOWS = Metric(
+    "pd_budget_overflows",
+    ("key", "model", "to"),
+    "Requests of keys past their budget served elsewhere instead of refused, per API key id, the model "
+    "asked for and where they went (a model id, or fallback).",
     INGRESS,
 )
 FALLBACKS = Metric(
@@ -179,7 +209,10 @@ ALL = (
     USAGE_REQUESTS,
     USAGE_PROMPT_TOKENS,
     USAGE_COMPLETION_TOKENS,
+    USAGE_CACHED_TOKENS,
+    USAGE_COST,
     RATE_LIMITED,
+    BUDGET_OVERFLOWS,
     FALLBACKS,
     LIMITER_ERRORS,
     INGRESS_RETRIES,

@@ -17,6 +17,17 @@ Bookings are kept under Serve's internal request id (`booking_id`), which no cli
 and the prefill server has its engine report under that id too: two requests sent with one
 `x-request-id` (Serve's request id) keep separate bookings.
 
+Tenants' prefix caches (serving/ingress/tenancy.py): a request carries its key's `cache_salt`,
+and the scorer hands it to Dynamo's selection core, which hashes the prompt's blocks with it
+(ai-dynamo-runtime 1.6.1's select request takes `cache_salt`): another key's blocks are never
+overlap. vLLM 0.32 publishes a block's salt only inside its KV events' `extra_keys`, which
+Dynamo 1.6.1's event reader does not hash, so the events index a salted block as if unsalted
+and a salted prompt finds none of them; what lets it find its own blocks is Dynamo's
+predict-on-route index (`DYN_ROUTER_PREDICTED_TTL_SECS`, set for the scorer's process): the
+salted blocks of every prompt routed to a worker, held for KV_PREDICTED_TTL_S. So a key's
+repeated prefix goes back to the replica that computed it, as an unsalted one does, for that
+long after its last request (tests/serving/engines/test_kv_router.py runs Dynamo's own core).
+
 Why this module and not Ray's own wiring: Ray 2.60 scores KV overlap only for the deployment
 behind its `LLMRouter` ingress (direct streaming), which in its P/D builder is decode, never
 prefill; a `KVAwareRouter` set on our prefill tier would find no tracker in the decode process
@@ -29,7 +40,9 @@ the lifecycle contract; the scorer is deployed under the name Ray's engines repo
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
@@ -53,6 +66,12 @@ KV_ROUTE_KWARG = "kv_route"
 KV_SCORER_COOLDOWN_S = 5.0
 # Completed request ids the scorer lets Ray's tracker remember (see KvScorer._sweep).
 KV_COMPLETED_IDS_KEPT = 1024
+# Dynamo's predict-on-route index (see the module doc): how long a prompt's blocks count as held by
+# the worker it was routed to. Dynamo's own TTL for its approximate index (router_ttl_secs, 120 s).
+KV_PREDICTED_TTL_S = 120
+PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
+# The request's prefix-cache salt, for the selection core while the scorer selects.
+_SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kv_cache_salt", default=None)
 # The request fields the engine's renderer reads to build the prompt (vLLM's ChatCompletionRequest
 # and CompletionRequest): the scorer gets these, not the whole request.
 PROMPT_FIELDS = (
@@ -147,10 +166,14 @@ class KvScorer:
     async def __init__(self, prefill_server: Any, llm_config: Any) -> None:  # type: ignore[misc]
         self._model = llm_config.model_id
         self._bookings = metrics.counter(metrics.KV_BOOKINGS)
+        # Read by Dynamo's selection core when the tracker creates it, just below.
+        os.environ.setdefault(PREDICTED_TTL_ENV, str(KV_PREDICTED_TTL_S))
         self._tracker = ri.build_kv_token_tracker(llm_config, prefill_server.deployment_id)
+        salted(self._tracker)
         self._tokenizer = await asyncio.to_thread(ri.kv_tokenizer, llm_config)
 
     async def select(self, request_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        salt = fields.pop("cache_salt", None)  # not the renderer's: the selection core's
         workers = list(self._tracker._replica_id_by_worker)
         if not workers:
             return None
@@ -168,7 +191,11 @@ class KvScorer:
         # again under the same id releases its earlier booking first, not counted twice.
         await self.release(request_id)
         expected = fields.get("max_completion_tokens") or fields.get("max_tokens")
-        chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+        token = _SALT.set(salt if isinstance(salt, str) and salt else None)
+        try:
+            chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+        finally:
+            _SALT.reset(token)
         self._count(1, "booked")
         return {"worker_id": chosen["worker_id"], "overlap_tokens": chosen["overlap_tokens"], "prompt_tokens": len(ids)}
 
@@ -208,6 +235,28 @@ class KvScorer:
     def check_health(self) -> None:
         if self._tracker._svc is None:
             raise RuntimeError("ai-dynamo-runtime is not installed: KV-aware routing cannot score")
+
+
+class _SaltedSelection:
+    """Dynamo's selection service, as Ray's tracker holds it, with the request's prefix-cache
+    salt added to what it scores (Ray 2.60's `select_worker` builds the request without one)."""
+
+    def __init__(self, svc: Any):
+        self._svc = svc
+
+    async def select_and_reserve(self, request: dict[str, Any]) -> Any:
+        salt = _SALT.get()
+        return await self._svc.select_and_reserve({**request, "cache_salt": salt} if salt else request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._svc, name)
+
+
+def salted(tracker: Any) -> Any:
+    """`tracker` (Ray's KVTokenTracker) scoring with each request's salt (None: no Dynamo)."""
+    if tracker._svc is not None and not isinstance(tracker._svc, _SaltedSelection):
+        tracker._svc = _SaltedSelection(tracker._svc)
+    return tracker
 
 
 def scorer_deployment(prefill: Any, llm_config: Any) -> Any:
@@ -279,6 +328,9 @@ class KvRoutes:
 
     async def _ask(self, request: Any) -> tuple[int | None, metrics.KvRoute]:
         fields = {f: v for f in PROMPT_FIELDS if (v := getattr(request, f, None)) is not None}
+        salt = getattr(request, "cache_salt", None)
+        if salt:  # the key's prefix cache (serving/ingress/tenancy.py): scored with it
+            fields["cache_salt"] = salt
         call = self._scorer.select.remote(booking_id(), fields)
         try:
             chosen = await asyncio.wait_for(call, self._timeout_s)

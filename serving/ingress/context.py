@@ -29,6 +29,8 @@ class RequestContext:
     asked_usage: bool  # the client asked for the usage event itself
     reservation: Reservation
     started: float
+    # "fallback": the key's budget is spent and its budget sends it to the external fallback.
+    overflow: str | None = None
 
     @property
     def stream(self) -> bool:

@@ -146,6 +146,7 @@ FIELDS: tuple[Field, ...] = (
     _f("spaces_between_special_tokens", GENERATE, False, C),
     _f("include_stop_str_in_output", GENERATE, False, C),
     _f("bad_words", GENERATE, False, C),
+    # Narrows the key's own salt (serving/ingress/tenancy.py); the continuation carries the result.
     _f("cache_salt", GENERATE, False, C),
     _f("min_tokens", GENERATE, False, R),
     _f("return_token_ids", GENERATE, False, R),
@@ -231,6 +232,29 @@ def out_of_bounds(typed: Any) -> tuple[str, str] | None:
                 name,
                 f"Invalid '{name}': integer above maximum value. Expected a value <= {most}, but got {value} instead.",
             )
+    return None
+
+
+# A client's `cache_salt` as vLLM 0.32 accepts one (vllm/entrypoints/generate/base/protocol.py
+# `validate_cache_salt`): a non-empty string of at most 128 characters without '@', '/', '\\'
+# or NUL. The ingress never sends it on as it came: it narrows the key's own salt
+# (serving/ingress/tenancy.py), so it is checked here, where the client's value is still seen.
+CACHE_SALT_MAX_CHARS = 128
+CACHE_SALT_FORBIDDEN = frozenset("@/\\\x00")
+
+
+def cache_salt_problem(body: Mapping[str, Any]) -> str | None:
+    """The 400 message for the body's `cache_salt` where vLLM would refuse it, else None."""
+    if "cache_salt" not in body or body["cache_salt"] is None:
+        return None
+    salt = body["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        return "Parameter 'cache_salt' must be a non-empty string if provided."
+    if len(salt) > CACHE_SALT_MAX_CHARS or any(c in CACHE_SALT_FORBIDDEN for c in salt):
+        return (
+            f"Parameter 'cache_salt' must be at most {CACHE_SALT_MAX_CHARS} characters and must "
+            "not contain '@', '/', '\\\\', or NUL."
+        )
     return None
 
 

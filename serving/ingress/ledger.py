@@ -1,11 +1,15 @@
-"""The limits ledger: one Ray actor per application holding every key's sliding-minute windows,
-so that a limit holds across ingress replicas, and across a rollout of new ingress code.
+"""The limits ledger: one Ray actor per application holding every key's sliding-minute windows
+and its spend per UTC day and month, so that a limit or a budget holds across ingress
+replicas, and across a rollout of new ingress code.
 
 What flows through here: an ingress replica's Limiter (serving/ingress/limits.py) asks
-`admit(kid, model, rpm, tpm, tokens, rid)` -> a Decision: refused, or counted, its tokens
-reserved under the replica's reservation id `rid`. Later `settle(kid, model, rid, used)`
-replaces the reservation by the tokens really used, or `release(kid, model, rid)` takes the
-request out again (one the ingress refused after all). A settle or release whose admit has
+`admit(kid, model, rpm, tpm, tokens, rid, budget)` -> a Decision: refused (its budget spent,
+or a window full), or counted, its tokens reserved under the replica's reservation id `rid`.
+Later `settle(kid, model, rid, used, spend)` replaces the reservation by the tokens really
+used and adds the request's cost to the key's spend, or `release(kid, model, rid)` takes the
+request out again (one the ingress refused after all); `record(rows)` adds the spend of keys
+with no reservation (batched by each replica), `spend(kid)` answers a key's own day and month
+(the key-scoped usage endpoint). The arithmetic is serving/ingress/windows.py's. A settle or release whose admit has
 not landed (the replica stopped waiting for it) is remembered, so that the admit counts
 nothing when it lands; a settle whose admit never lands counts the tokens used, then.
 Every call of one replica reaches the actor in the order it was sent (Ray: a synchronous,
@@ -25,6 +29,11 @@ ledger keeps serving) to the new one, so the two versions still count in one pla
 ledgers named by a hash of their code (schema 1, before this scheme) cannot hand over: during
 the rollout that replaces them, their replicas and the new ones count apart.
 
+Spend outlives the actor: every SPEND_CHECKPOINT_S the ledger writes its spend book to Ray's
+GCS key-value store under its own name, and a restarted ledger reads it back (a restart loses
+at most that much spend; with gcsFaultTolerance the store survives a head restart too). A
+newer schema's ledger takes the older one's spend over with its windows.
+
 Cleanup. Every SWEEP_S the ledger looks at its application's other ledgers and kills (no
 restart) each that has had no call for RETIRE_IDLE_S (as it says itself; a schema-1 ledger,
 which cannot say, that long after this one first saw it), but only while no rollout of the
@@ -36,30 +45,39 @@ names is created again by that replica and retired again later.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
+
+from serving.ingress.windows import WINDOW_S, Decision, KeyLimit, SlidingWindows, SpendBook
 
 logger = logging.getLogger("ray.serve")
 
-WINDOW_S = 60
+# The arithmetic's names, where the ledger's callers have always found them.
+__all__ = ["WINDOW_S", "Decision", "KeyLimit", "LimitsLedger", "SlidingWindows", "get_ledger"]
+
 NAMESPACE = "serve"
-LEDGER_SCHEMA = 2
+LEDGER_SCHEMA = 3
 # The calls of this schema, with their parameters: what every ingress replica of the schema
-# sends, and what a ledger of a newer schema keeps serving for an older one forwarding to it.
+# sends, and what a ledger of a newer schema keeps serving for an older one forwarding to it
+# (schema 2's admit and settle had no budget and spend: they default to none).
 CALLS: dict[str, tuple[str, ...]] = {
-    "admit": ("kid", "model", "rpm", "tpm", "tokens", "rid"),
-    "settle": ("kid", "model", "rid", "used"),
+    "admit": ("kid", "model", "rpm", "tpm", "tokens", "rid", "budget"),
+    "settle": ("kid", "model", "rid", "used", "spend"),
     "release": ("kid", "model", "rid"),
+    "record": ("rows",),
+    "spend": ("kid",),
     "totals": ("kid", "model"),
     "idle_s": (),
     "hand_over": ("successor",),
 }
+# How often the spend book is written to Ray's GCS key-value store (what a restart may lose).
+SPEND_CHECKPOINT_S = 10.0
 SWEEP_S = 60.0
 RETIRE_IDLE_S = 300.0
 # How long a call to another ledger (the sweep's, or a forwarded one) may take.
@@ -68,140 +86,6 @@ CALL_TIMEOUT_S = 1.0
 OPEN_MAX_S = 3600
 # How many calls between two clean-ups of idle windows and forgotten reservations.
 TIDY_EVERY = 10_000
-
-
-@dataclass(frozen=True)
-class KeyLimit:
-    requests_per_minute: int = 0  # 0: no limit
-    tokens_per_minute: int = 0
-
-    @property
-    def unlimited(self) -> bool:
-        return self.requests_per_minute <= 0 and self.tokens_per_minute <= 0
-
-
-@dataclass(frozen=True)
-class Decision:
-    ok: bool
-    retry_after_s: int = 0
-    limit: str | None = None  # "rpm" or "tpm" when refused
-    message: str = ""
-    # Counted: the windows' (second of admission, tokens reserved); the ledger's answer carries
-    # the reservation's id instead.
-    ticket: tuple[int, int] | str | None = None
-    # The ledger handle that was asked (set by the ingress): the settle goes the same way.
-    ledger: Any = field(default=None, compare=False, repr=False)
-
-
-# --- the window arithmetic (pure; the actor only holds it) ------------------------------------
-class SlidingWindows:
-    """Sliding one-minute windows of (requests, tokens) per key (any hashable: the ledger's
-    are (key id, model id)), in one-second buckets."""
-
-    def __init__(self, window_s: int = WINDOW_S):
-        self.window_s = window_s
-        # key -> deque of [second, requests, tokens], oldest first
-        self._buckets: dict[Hashable, deque[list[int]]] = {}
-
-    def _trim(self, key: Hashable, now_s: int) -> deque[list[int]]:
-        q = self._buckets.setdefault(key, deque())
-        while q and q[0][0] <= now_s - self.window_s:
-            q.popleft()
-        return q
-
-    def _bucket(self, q: deque[list[int]], now_s: int) -> list[int]:
-        if not q or q[-1][0] != now_s:
-            q.append([now_s, 0, 0])
-        return q[-1]
-
-    def totals(self, key: Hashable, now_s: int) -> tuple[int, int]:
-        q = self._trim(key, now_s)
-        return sum(b[1] for b in q), sum(b[2] for b in q)
-
-    def _seconds_until(self, q: deque[list[int]], idx: int, most: int, now_s: int) -> int:
-        """Seconds until the window's sum of column `idx` is at most `most`, as buckets leave."""
-        total = sum(b[idx] for b in q)
-        for b in q:
-            if total <= most:
-                break
-            total -= b[idx]
-            if total <= most:
-                return max(1, b[0] + self.window_s - now_s)
-        return 1 if total <= most else self.window_s
-
-    def admit(self, key: Hashable, now: float, limit: KeyLimit, tokens: int, subject: str = "this API key") -> Decision:
-        """Count one request of `tokens` in `key`'s window, or refuse it; `subject` names
-        whose limit it is in the refusal's message."""
-        now_s = int(now)
-        q = self._trim(key, now_s)
-        reqs, toks = sum(b[1] for b in q), sum(b[2] for b in q)
-        rpm, tpm = limit.requests_per_minute, limit.tokens_per_minute
-        if rpm > 0 and reqs + 1 > rpm:
-            wait = self._seconds_until(q, 1, rpm - 1, now_s)
-            return Decision(False, wait, "rpm", f"Rate limit reached: {rpm} requests per minute for {subject}.")
-        if tpm > 0 and tokens > tpm:
-            # It can never fit: waiting does not help, a smaller max_tokens does.
-            return Decision(
-                False,
-                self.window_s,
-                "tpm",
-                f"Request too large: it may use up to {tokens} tokens (prompt and max_tokens), over the limit "
-                f"of {tpm} tokens per minute for {subject}; send a smaller max_tokens.",
-            )
-        if tpm > 0 and toks + tokens > tpm:
-            # The reservation would overspend the budget (reservations included): wait until
-            # enough of it leaves.
-            wait = self._seconds_until(q, 2, tpm - tokens, now_s)
-            return Decision(False, wait, "tpm", f"Rate limit reached: {tpm} tokens per minute for {subject}.")
-        b = self._bucket(q, now_s)
-        b[1] += 1
-        b[2] += tokens
-        return Decision(True, ticket=(now_s, tokens))
-
-    def settle(self, key: Hashable, now: float, ticket: tuple[int, int], used: int) -> None:
-        """Replace a reservation by the tokens really used."""
-        admitted_s, reserved = ticket
-        b = self._at(key, now, admitted_s)
-        if b is not None:
-            b[2] += used - reserved
-        else:
-            # The reservation already left the window (a request longer than a minute): the
-            # tokens were spent now.
-            self.charge(key, now, used)
-
-    def release(self, key: Hashable, now: float, ticket: tuple[int, int]) -> None:
-        """Take an admitted request out again: its request and its reservation."""
-        b = self._at(key, now, ticket[0])
-        if b is not None:
-            b[1] -= 1
-            b[2] -= ticket[1]
-
-    def charge(self, key: Hashable, now: float, tokens: int) -> None:
-        """Tokens spent now by a request that holds no reservation."""
-        now_s = int(now)
-        self._bucket(self._trim(key, now_s), now_s)[2] += tokens
-
-    def _at(self, key: Hashable, now: float, second: int) -> list[int] | None:
-        return next((b for b in self._trim(key, int(now)) if b[0] == second), None)
-
-    def forget_idle(self, now: float) -> None:
-        now_s = int(now)
-        for key in [k for k, q in self._buckets.items() if not q or q[-1][0] <= now_s - self.window_s]:
-            del self._buckets[key]
-
-    def export(self) -> list[tuple[Hashable, list[list[int]]]]:
-        return [(k, [list(b) for b in q]) for k, q in self._buckets.items() if q]
-
-    def load(self, rows: list[tuple[Hashable, list[list[int]]]]) -> None:
-        """Add exported windows to these (a ledger taking over from another)."""
-        for key, buckets in rows:
-            q = self._buckets.setdefault(key, deque())
-            merged = {b[0]: b for b in q}
-            for second, reqs, toks in buckets:
-                b = merged.setdefault(second, [second, 0, 0])
-                b[1] += reqs
-                b[2] += toks
-            self._buckets[key] = deque(sorted(merged.values()))
 
 
 # --- names ----------------------------------------------------------------------------------------
@@ -234,6 +118,14 @@ class Registry(Protocol):
     def rolling(self) -> bool: ...  # a rollout of the ingress is under way (or unknown)
 
 
+class SpendStore(Protocol):
+    """Where a ledger keeps its spend book across restarts (RaySpendStore; a stand-in in tests)."""
+
+    def load(self) -> list[list[Any]]: ...
+
+    def save(self, rows: list[list[Any]]) -> None: ...
+
+
 _LOCAL = object()
 
 
@@ -250,10 +142,13 @@ class LimitsLedger:
         registry: Registry | None = None,
         schema: int = LEDGER_SCHEMA,
         clock: Callable[[], float] = time.time,
+        store: SpendStore | None = None,
     ) -> None:
         self.app_name, self.schema, self.clock = app_name, schema, clock
         self.name = ledger_name(app_name, schema) if app_name is not None else None
         self._w = SlidingWindows()
+        self._spend = SpendBook()
+        self._spend_changed = False
         self._open: dict[str, tuple[tuple[str, str], tuple[int, int]]] = {}  # rid -> (key, ticket)
         self._closed: dict[str, int] = {}  # rid settled or released before its admit landed -> when
         self._lock = threading.Lock()  # the sweep's hand-over runs beside the calls
@@ -261,18 +156,30 @@ class LimitsLedger:
         self._last_call = clock()  # created to be used: creation counts as a call
         self._successor: Any = None  # a newer ledger this one forwards to, once it took over
         self._registry = registry
-        if registry is None and app_name is not None:  # the actor: sweep in the background
+        self._store = store
+        if registry is None and app_name is not None:  # the actor: sweep and checkpoint in the background
             self._registry = RayLedgers(app_name, ingress)
+            self._store = RaySpendStore(ledger_name(app_name, schema))
             succession = Succession(self, self._registry)
             threading.Thread(target=succession.run, name="ledger-sweep", daemon=True).start()
+            threading.Thread(target=self._checkpoints, name="ledger-checkpoint", daemon=True).start()
+        if self._store is not None:
+            self._spend.load(self._store.load())  # what this ledger had spent before a restart
 
     # --- the calls (CALLS) -------------------------------------------------------------------
-    def admit(self, kid: str, model: str, rpm: int, tpm: int, tokens: int, rid: str) -> Decision:
-        if (fwd := self._forward("admit", kid, model, rpm, tpm, tokens, rid)) is not _LOCAL:
+    def admit(
+        self, kid: str, model: str, rpm: int, tpm: int, tokens: int, rid: str, budget: Sequence[Any] | None = None
+    ) -> Decision:
+        """`budget`: the key's [USD, "day" or "month"], refused once that period's spend reached it."""
+        if (fwd := self._forward("admit", kid, model, rpm, tpm, tokens, rid, budget)) is not _LOCAL:
             return fwd  # the successor's answer
         with self._lock:
             if self._closed.pop(rid, None) is not None:
                 return Decision(True)  # settled or released before it landed: the request is over
+            if budget:
+                spent = self._spend.refusal(kid, float(budget[0]), str(budget[1]), self.clock())
+                if spent is not None:
+                    return spent
             subject = f"this API key on model '{model}'"
             d = self._w.admit((kid, model), self.clock(), KeyLimit(rpm, tpm), tokens, subject)
             if not d.ok or not isinstance(d.ticket, tuple):
@@ -280,10 +187,14 @@ class LimitsLedger:
             self._open[rid] = ((kid, model), d.ticket)
             return replace(d, ticket=rid)
 
-    def settle(self, kid: str, model: str, rid: str, used: int) -> None:
-        if self._forward("settle", kid, model, rid, used) is not _LOCAL:
+    def settle(self, kid: str, model: str, rid: str, used: int, spend: Sequence[float] | None = None) -> None:
+        """`spend`: the request's windows.Spend (USD, requests, prompt, completion, cached tokens)."""
+        if self._forward("settle", kid, model, rid, used, spend) is not _LOCAL:
             return
         with self._lock:
+            if spend:
+                self._spend.add(kid, self.clock(), spend)
+                self._spend_changed = True
             opened = self._open.pop(rid, None)
             if opened is not None:
                 self._w.settle(opened[0], self.clock(), opened[1], used)
@@ -302,6 +213,23 @@ class LimitsLedger:
                 self._w.release(opened[0], self.clock(), opened[1])
             else:
                 self._closed[rid] = int(self.clock())
+
+    def record(self, rows: Sequence[Sequence[Any]]) -> None:
+        """The spend of requests that held no reservation: [kid, *windows.Spend] per key."""
+        if self._forward("record", rows) is not _LOCAL:
+            return
+        with self._lock:
+            now = self.clock()
+            for kid, *spend in rows:
+                self._spend.add(kid, now, spend)
+            self._spend_changed = True
+
+    def spend(self, kid: str) -> dict[str, Any]:
+        """Key `kid`'s spend and tokens in the current UTC day and month (nothing of other keys)."""
+        if (fwd := self._forward("spend", kid)) is not _LOCAL:
+            return fwd  # the successor's answer
+        with self._lock:
+            return self._spend.report(kid, self.clock())
 
     def totals(self, kid: str, model: str) -> tuple[int, int]:
         if (fwd := self._forward("totals", kid, model)) is not _LOCAL:
@@ -324,8 +252,11 @@ class LimitsLedger:
                 "schema": self.schema,
                 "windows": [[k[0], k[1], rows] for k, rows in self._w.export()],  # type: ignore[index]
                 "open": [[rid, k[0], k[1], t[0], t[1]] for rid, (k, t) in self._open.items()],
+                "spend": self._spend.export(),
             }
             self._open.clear()
+            self._spend = SpendBook()  # the successor's now: checkpointed there, not here
+            self._spend_changed = True
             return state
 
     # --- inside -----------------------------------------------------------------------------------
@@ -343,6 +274,7 @@ class LimitsLedger:
     def _tidy(self) -> None:
         now = self.clock()
         self._w.forget_idle(now)
+        self._spend.tidy(now)
         self._open = {r: o for r, o in self._open.items() if o[1][0] > now - OPEN_MAX_S}
         self._closed = {r: s for r, s in self._closed.items() if s > now - 2 * WINDOW_S}
 
@@ -354,6 +286,26 @@ class LimitsLedger:
             self._w.load([((kid, model), rows) for kid, model, rows in state.get("windows") or []])
             for rid, kid, model, second, reserved in state.get("open") or []:
                 self._open[rid] = ((kid, model), (second, reserved))
+            self._spend.load(state.get("spend") or [])  # schema 2 kept none
+            self._spend_changed = True
+
+    def _checkpoint(self) -> bool:
+        """Write the spend book to the store if it changed since the last write; whether it wrote."""
+        if self._store is None or not self._spend_changed:
+            return False
+        with self._lock:
+            rows, self._spend_changed = self._spend.export(), False
+        self._store.save(rows)
+        return True
+
+    def _checkpoints(self) -> None:
+        while True:
+            time.sleep(SPEND_CHECKPOINT_S)
+            try:
+                self._checkpoint()
+            except Exception as exc:  # the next checkpoint tries again
+                self._spend_changed = True
+                logger.warning("limits ledger spend checkpoint failed: %r", exc)
 
 
 class Succession:
@@ -451,6 +403,28 @@ class RayLedgers:
             return bool(app.deployments[self.ingress].status == "UPDATING")  # a str Enum
         except Exception:
             return True
+
+
+class RaySpendStore:
+    """A ledger's spend book in Ray's GCS key-value store (internal_kv), under the ledger's name."""
+
+    def __init__(self, name: str):
+        self.key = f"pd-spend:{name}".encode()
+
+    def load(self) -> list[list[Any]]:
+        from ray.experimental import internal_kv
+
+        try:
+            raw = internal_kv._internal_kv_get(self.key, namespace=NAMESPACE)
+        except Exception as exc:  # no store: start from zero, and say so
+            logger.warning("limits ledger spend not read back: %r", exc)
+            return []
+        return json.loads(raw) if raw else []
+
+    def save(self, rows: list[list[Any]]) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self.key, json.dumps(rows).encode(), overwrite=True, namespace=NAMESPACE)
 
 
 def get_ledger(app_name: str, ingress: str | None = None, label_selector: dict[str, str] | None = None) -> Any:

@@ -1,4 +1,4 @@
-"""Per-key model access, request and token limits, and per-key usage, for the ingress.
+"""Per-key model access, request and token limits, budgets, and per-key usage, for the ingress.
 
 What flows through here: each authenticated request's API key -> its key id (`k-` + 12 hex
 of its SHA-256; the raw key never leaves the ingress), the model it asks for and an estimate
@@ -6,11 +6,13 @@ of its tokens -> `LimitsConfig.may_use`: may the key use that model (`limits.key
 an adapter `<model>:<adapter>` when its base model is) -> `Limiter.admit` asks ONE named Ray
 actor (the ledger, serving/ingress/ledger.py: shared by every ingress replica of the
 application, of every code version, so the counts hold across replicas and rollouts) whether
-the key is still under its requests-per-minute and tokens-per-minute limits on that model ->
-a 429 with Retry-After, or a reservation -> when the answer is complete, `Reservation.settle`
-replaces the estimate with the tokens really used, and `UsageMeter` counts requests, prompt
-and completion tokens per key id, model and destination (cluster or fallback) as Ray metrics
-(Prometheus, through Ray's metrics port).
+the key's budget for the day or month is not yet spent (`limits.keys.<id>.budget`) and it is
+still under its requests-per-minute and tokens-per-minute limits on that model -> a 429 with
+Retry-After, or a reservation -> when the answer is complete, `Reservation.settle` replaces
+the estimate with the tokens really used and adds the request's cost to the key's spend (keys
+holding no reservation send their spend in batches: `Limiter.record`), and `UsageMeter`
+counts requests, prompt, completion and cached tokens and the cost per key id, model and
+destination (cluster or fallback) as Ray metrics (Prometheus, through Ray's metrics port).
 
 The limits of key k on model m are k's own (`limits.keys`), else the model's
 (`limits.models`), else the defaults. Windows are counted per (key id, base model id): a
@@ -51,14 +53,16 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from serving.core import metrics
+from serving.core.calls import in_background
 from serving.ingress.ledger import WINDOW_S, Decision, KeyLimit, LimitsLedger, SlidingWindows, get_ledger
 from serving.ingress.sse import CHARS_PER_TOKEN
+from serving.ingress.windows import BUDGET, Spend
 from serving.spec import base_model_id
 
 logger = logging.getLogger("ray.serve")
 
 # The ledger's names, where the limiter's callers have always found them.
-__all__ = ["WINDOW_S", "Decision", "KeyLimit", "LimitsLedger", "SlidingWindows", "get_ledger"]
+__all__ = ["BUDGET", "WINDOW_S", "Decision", "KeyLimit", "LimitsLedger", "SlidingWindows", "Spend", "get_ledger"]
 
 LEDGER_TIMEOUT_S = 1.0
 # After the ledger failed to answer: decide by the policy, without asking, for this long.
@@ -68,10 +72,29 @@ LEDGER_START_S = 30.0
 ALLOW, REFUSE = "allow", "refuse"
 # Decision.limit of a refusal because the ledger could not be asked (policy "refuse").
 UNCHECKED = "unchecked"
+# budget.when_exceeded: the external fallback serves a key past its budget (else refuse, or a model id).
+OVER_BUDGET_FALLBACK = "fallback"
+# cache_isolation: each key (or its cache group) its own prefix cache, or one for every key.
+ISOLATE_KEYS, SHARED_CACHE = "key", "shared"
+# How long a replica keeps the spend of keys without a reservation before sending it (batched).
+SPEND_FLUSH_S = 1.0
 
 
 def _rates(cfg: Mapping[str, Any]) -> KeyLimit:
     return KeyLimit(int(cfg.get("requests_per_minute") or 0), int(cfg.get("tokens_per_minute") or 0))
+
+
+@dataclass(frozen=True)
+class Budget:
+    """A key's spend cap (limits.keys.<id>.budget): USD per UTC "day" or "month", and what its
+    requests get past it ("refuse", OVER_BUDGET_FALLBACK, or a model id)."""
+
+    usd: float
+    period: str
+    when_exceeded: str = REFUSE
+
+    def wire(self) -> list[Any]:
+        return [self.usd, self.period]
 
 
 @dataclass(frozen=True)
@@ -83,20 +106,32 @@ class LimitsConfig:
     when_ledger_unreachable: str = ALLOW
     models: Mapping[str, KeyLimit] = field(default_factory=dict)  # every other key's, per model id
     access: Mapping[str, frozenset[str]] = field(default_factory=dict)  # key id -> its models (absent: all)
+    budgets: Mapping[str, Budget] = field(default_factory=dict)  # key id -> its budget
+    cache_isolation: str = ISOLATE_KEYS
+    cache_groups: Mapping[str, str] = field(default_factory=dict)  # key id -> the group whose cache it shares
 
     @classmethod
     def from_user_config(cls, cfg: Mapping[str, Any] | None) -> LimitsConfig:
         cfg = cfg or {}
         entries: Mapping[str, Mapping[str, Any]] = cfg.get("keys") or {}
-        # An entry names its own limits, its models, or both (one with models only keeps the
-        # limits every key has).
+        # An entry names its own limits, its models, its budget, its cache group, or several
+        # (one without limits keeps the limits every key has).
         keys = {k: _rates(v) for k, v in entries.items() if "requests_per_minute" in v or "tokens_per_minute" in v}
         access = {k: frozenset(v["models"]) for k, v in entries.items() if v.get("models") is not None}
+        budgets = {
+            k: Budget(float(b["usd"]), str(b.get("period") or "month"), str(b.get("when_exceeded") or REFUSE))
+            for k, v in entries.items()
+            if (b := v.get("budget"))
+        }
+        groups = {k: str(v["cache_group"]) for k, v in entries.items() if v.get("cache_group")}
         models = {m: _rates(v) for m, v in (cfg.get("models") or {}).items()}
         policy = str(cfg.get("when_ledger_unreachable") or ALLOW)
         if policy not in (ALLOW, REFUSE):
             raise ValueError(f"limits.when_ledger_unreachable {policy!r} is not {ALLOW!r} or {REFUSE!r}")
-        return cls(_rates(cfg), keys, policy, models, access)
+        isolation = str(cfg.get("cache_isolation") or ISOLATE_KEYS)
+        if isolation not in (ISOLATE_KEYS, SHARED_CACHE):
+            raise ValueError(f"limits.cache_isolation {isolation!r} is not {ISOLATE_KEYS!r} or {SHARED_CACHE!r}")
+        return cls(_rates(cfg), keys, policy, models, access, budgets, isolation, groups)
 
     def for_key(self, kid: str, model: str) -> KeyLimit:
         """Key `kid`'s limits on `model` (an adapter: on its base model): its own, else the
@@ -113,8 +148,10 @@ class LimitsConfig:
 
     @property
     def any(self) -> bool:
-        """Whether any key has a limit on any model (else the ledger is never asked)."""
-        return any(not v.unlimited for v in (self.default, *self.keys.values(), *self.models.values()))
+        """Whether any key has a limit on any model or a budget (else the ledger is asked only
+        for spend)."""
+        limited = any(not v.unlimited for v in (self.default, *self.keys.values(), *self.models.values()))
+        return limited or bool(self.budgets)
 
 
 def _chars(value: Any) -> int:
@@ -210,6 +247,10 @@ class Limiter:
         # Reservation ids: this replica's, then a serial number.
         self._replica = uuid.uuid4().hex[:12]
         self._serial = itertools.count(1)
+        # The spend of requests without a reservation, per key, until the next flush.
+        self._pending: dict[str, Spend] = {}
+        self._flushed = clock()
+        self._flushing = False
 
     async def _handle(self) -> Any:
         if self._ledger is None:
@@ -244,13 +285,23 @@ class Limiter:
             return Decision(False, int(LEDGER_RETRY_S), UNCHECKED, UNREACHABLE_MESSAGE)
         return Decision(True)
 
-    async def admit(self, kid: str, model: str, body: Mapping[str, Any], context_len: int | None = None) -> Decision:
+    async def admit(
+        self,
+        kid: str,
+        model: str,
+        body: Mapping[str, Any],
+        context_len: int | None = None,
+        *,
+        budget: bool = True,
+    ) -> Decision:
         """Count a request of key `kid` on `model` (the body's, adapter included) in the
-        window of (kid, base model), or refuse it. `context_len`: the model's context, what
-        a request without max_tokens may generate up to. An admitted request's Decision
-        carries its reservation (ticket, and the handle that carried it) for `settle`."""
+        window of (kid, base model), or refuse it: its budget spent (unless `budget` is False:
+        a request overflowing past the budget), or a window full. `context_len`: the model's
+        context, what a request without max_tokens may generate up to. An admitted request's
+        Decision carries its reservation (ticket, and the handle that carried it) for `settle`."""
         limit = self.config.for_key(kid, model)
-        if limit.unlimited:
+        cap = self.config.budgets.get(kid) if budget else None
+        if limit.unlimited and cap is None:
             return Decision(True)
         if self._clock() < self._down_until:
             return self._unreachable(None)
@@ -261,8 +312,9 @@ class Limiter:
         except Exception as exc:
             return self._unreachable(exc)  # never asked: nothing to settle
         rid = f"{self._replica}-{next(self._serial)}"
+        rpm, tpm = limit.requests_per_minute, limit.tokens_per_minute
         try:
-            ref = ledger.admit.remote(kid, base, limit.requests_per_minute, limit.tokens_per_minute, tokens, rid)
+            ref = ledger.admit.remote(kid, base, rpm, tpm, tokens, rid, cap.wire() if cap else None)
             decision = await asyncio.wait_for(_awaited(ref), LEDGER_TIMEOUT_S)
         except Exception as exc:
             # The admit may still land: its reservation is settled (allowed) or released
@@ -273,17 +325,66 @@ class Limiter:
             self._send(ledger, "release", kid, base, rid)
             return decision
         if not decision.ok:
-            self._metrics.rate_limited(kid, base, decision.limit or "")
+            if decision.limit != BUDGET:  # a budget refusal may still overflow: the pipeline counts it
+                self._metrics.rate_limited(kid, base, decision.limit or "")
             return decision
         return replace(decision, ledger=ledger)
 
-    def settle(self, kid: str, model: str, decision: Decision, used: int) -> None:
-        """Replace an admitted request's reservation by the tokens it used, through the handle
-        that carried its admit (this replica's handle may have been dropped since). Fire and
-        forget: the answer has been sent already."""
+    def refused(self, kid: str, model: str, decision: Decision) -> None:
+        """Count a refusal the pipeline sends (a budget's, which `admit` leaves uncounted)."""
+        self._metrics.rate_limited(kid, base_model_id(model), decision.limit or "")
+
+    def overflowed(self, kid: str, model: str, to: str) -> None:
+        """Count a request of a key past its budget served by `to` (a model id, or fallback)."""
+        self._metrics.over_budget(kid, model, to)
+
+    def settle(self, kid: str, model: str, decision: Decision, used: int, spend: Spend | None = None) -> None:
+        """Replace an admitted request's reservation by the tokens it used and add its `spend`
+        to the key's, through the handle that carried its admit (this replica's handle may have
+        been dropped since); a request that holds no reservation has its spend recorded in the
+        next batch. Fire and forget: the answer has been sent already."""
         if decision.ticket is None:
+            if spend is not None:
+                self.record(kid, spend)
             return
-        self._send(decision.ledger or self._ledger, "settle", kid, base_model_id(model), decision.ticket, used)
+        wire = list(spend) if spend is not None else None
+        self._send(decision.ledger or self._ledger, "settle", kid, base_model_id(model), decision.ticket, used, wire)
+
+    def record(self, kid: str, spend: Spend) -> None:
+        """Add the spend of a request without a reservation to this replica's batch, sent to the
+        ledger once SPEND_FLUSH_S has passed since the last (`flush`)."""
+        self._pending[kid] = self._pending.get(kid, Spend()).plus(spend)
+        if self._clock() - self._flushed >= SPEND_FLUSH_S and not self._flushing:
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return  # no loop to send from: the next request's record sends it
+            self._flushing = True
+            in_background(self.flush())
+
+    async def flush(self) -> None:
+        """Send the batched spend to the ledger (lost, and logged, if it cannot be reached)."""
+        try:
+            if not self._pending:
+                return
+            rows = [[kid, *spend] for kid, spend in self._pending.items()]
+            self._pending, self._flushed = {}, self._clock()
+            try:
+                ledger = await asyncio.wait_for(self._handle(), LEDGER_TIMEOUT_S)
+            except Exception as exc:
+                logger.warning("limits ledger unreachable: spend of %d key(s) not recorded: %r", len(rows), exc)
+                return
+            self._send(ledger, "record", rows)
+        finally:
+            self._flushing = False
+
+    async def spend(self, kid: str) -> dict[str, Any]:
+        """Key `kid`'s spend in the current UTC day and month, as the ledger holds it (this
+        replica's batch sent first). Raises when the ledger does not answer in time."""
+        await self.flush()
+        ledger = await asyncio.wait_for(self._handle(), LEDGER_TIMEOUT_S)
+        report: dict[str, Any] = await asyncio.wait_for(_awaited(ledger.spend.remote(kid)), LEDGER_TIMEOUT_S)
+        return report
 
     @staticmethod
     def _send(ledger: Any, call: str, *args: Any) -> None:
@@ -309,11 +410,11 @@ class Reservation:
     decision: Decision
     settled: bool = False
 
-    def settle(self, used: int) -> None:
+    def settle(self, used: int, spend: Spend | None = None) -> None:
         if self.settled:
             return
         self.settled = True
-        self.limiter.settle(self.kid, self.model, self.decision, used)
+        self.limiter.settle(self.kid, self.model, self.decision, used, spend)
 
 
 # --- usage metrics --------------------------------------------------------------------------------
@@ -330,15 +431,35 @@ class UsageMeter:
         self._requests = metrics.counter(metrics.USAGE_REQUESTS)
         self._prompt = metrics.counter(metrics.USAGE_PROMPT_TOKENS)
         self._completion = metrics.counter(metrics.USAGE_COMPLETION_TOKENS)
+        self._cached = metrics.counter(metrics.USAGE_CACHED_TOKENS)
+        self._cost = metrics.counter(metrics.USAGE_COST)
         self._limited = metrics.counter(metrics.RATE_LIMITED)
+        self._overflows = metrics.counter(metrics.BUDGET_OVERFLOWS)
         self._fallback = metrics.counter(metrics.FALLBACKS)
         self._limiter_errors = metrics.counter(metrics.LIMITER_ERRORS)
 
-    def served(self, kid: str, model: str, destination: str, prompt: int, completion: int) -> None:
+    def served(
+        self,
+        kid: str,
+        model: str,
+        destination: str,
+        prompt: int,
+        completion: int,
+        cached: int = 0,
+        cost: tuple[float, float] | None = None,
+    ) -> None:
+        """One answered request: its tokens, and its cost (prefill, decode) in USD when priced."""
         tags = {"key": kid, "model": model, "destination": destination}
         self._requests.inc(1, tags)
         metrics.add(self._prompt, prompt, tags)
         metrics.add(self._completion, completion, tags)
+        metrics.add(self._cached, cached, tags)
+        if cost is not None:
+            for phase, usd in zip(metrics.CostPhase, cost, strict=True):
+                metrics.add(self._cost, usd, {**tags, "phase": phase.value})
+
+    def over_budget(self, kid: str, model: str, to: str) -> None:
+        self._overflows.inc(1, {"key": kid, "model": model, "to": to})
 
     def rate_limited(self, kid: str, model: str, limit: str) -> None:
         self._limited.inc(1, {"key": kid, "model": model, "limit": limit})

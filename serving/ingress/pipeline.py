@@ -12,8 +12,11 @@ What flows through here, for /v1/chat/completions and /v1/completions:
           continued: migration.py), or 400 naming the field pydantic refused; then our bounds
           on its values as the engine reads them, or 400 naming the field (fields.py BOUNDS);
           then vLLM's own checks of the sampling it asks for, or vLLM's 400
-  limits  the key's requests and tokens per minute on that model, the tokens sized from the
-          validated request -> a reservation, or 429
+  salt    the key's prefix-cache salt, narrowed by the client's `cache_salt` (tenancy.py), in
+          the cluster's copy of the request; 400 for a client salt vLLM would refuse
+  limits  the key's budget, then its requests and tokens per minute on that model, the tokens
+          sized from the validated request -> a reservation, or 429; past its budget, the
+          model or the fallback its budget names instead, when it names one
   route   the cluster or the external fallback, then the usage (routing.py), through the
   call    resilient relay to the model's engines (relay.py)
   meter   usage per key and destination; the reservation settled exactly once, whatever
@@ -50,11 +53,22 @@ from serving.ingress.errors import (
     request_refusal,
     validation_error,
 )
-from serving.ingress.fields import out_of_bounds, refused_field
-from serving.ingress.limits import UNCHECKED, Decision, Limiter, Reservation, engine_view
+from serving.ingress.fields import cache_salt_problem, out_of_bounds, refused_field
+from serving.ingress.limits import (
+    BUDGET,
+    ISOLATE_KEYS,
+    OVER_BUDGET_FALLBACK,
+    REFUSE,
+    UNCHECKED,
+    Decision,
+    Limiter,
+    Reservation,
+    engine_view,
+)
 from serving.ingress.migration import StreamRecord
 from serving.ingress.relay import Relay
 from serving.ingress.routing import Router
+from serving.ingress.tenancy import CacheSalts
 
 logger = logging.getLogger("ray.serve")
 
@@ -85,6 +99,7 @@ class FrontDoor:
         router: Router,
         relay: Relay,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        salts: CacheSalts | None = None,
     ):
         self.auth = auth
         self.models = models
@@ -92,6 +107,8 @@ class FrontDoor:
         self.router = router
         self.relay = relay
         self.max_body_bytes = max_body_bytes
+        # The keys' prefix-cache salts (None: the client's own salt, if any, goes as it came).
+        self.salts = salts
 
     # --- chat and completions ------------------------------------------------------------------
     async def generate(self, request: Any, endpoint: str) -> Response:
@@ -126,17 +143,64 @@ class FrontDoor:
             opts = body.get("stream_options")
             asked_usage = bool(isinstance(opts, Mapping) and opts.get("include_usage"))
             body["stream_options"] = {**(opts if isinstance(opts, Mapping) else {}), "include_usage": True}
-        cluster = self._cluster_fields(body, route)
-        record = self.relay.continuable(endpoint, cluster, route.context_len) if stream else None
+        salt = self._salt(kid, body)
+        typed, record, decision = await self._typed_and_admitted(kid, endpoint, body, route, salt)
+        overflow = None
+        if not decision.ok and decision.limit == BUDGET:
+            # Past its budget: refused, or served where the key's budget sends it.
+            route, overflow = await self._over_budget(kid, route, decision)
+            typed, record, decision = await self._typed_and_admitted(kid, endpoint, body, route, salt, budget=False)
+        if not decision.ok:
+            raise BodyError(self._refusal(decision))
+        reservation = Reservation(self.limiter, kid, route.model, decision)
+        ctx = RequestContext(request, endpoint, kid, route, body, asked_usage, reservation, started, overflow)
+        return ctx, typed, record
+
+    async def _typed_and_admitted(
+        self, kid: str, endpoint: str, body: dict[str, Any], route: ModelRoute, salt: str | None, budget: bool = True
+    ) -> tuple[Any, StreamRecord | None, Decision]:
+        """The engine request for `route` (validated, within bounds), its stream record, and
+        the limits' decision on it."""
+        cluster = self._cluster_fields(body, route, salt)
+        record = self.relay.continuable(endpoint, cluster, route.context_len) if body.get("stream") else None
         engine = {**cluster, **record.engine_fields()} if record is not None else cluster
         typed = _adapter(_request_type(endpoint)).validate_python(engine)
         _check_bounds(typed)
         _check_sampling(typed, route.context_len)
-        decision = await self.limiter.admit(kid, route.model, engine_view(body, typed), route.context_len)
-        if not decision.ok:
-            raise BodyError(self._refusal(decision))
-        reservation = Reservation(self.limiter, kid, route.model, decision)
-        return RequestContext(request, endpoint, kid, route, body, asked_usage, reservation, started), typed, record
+        view = engine_view(body, typed)
+        return typed, record, await self.limiter.admit(kid, route.model, view, route.context_len, budget=budget)
+
+    def _salt(self, kid: str, body: Mapping[str, Any]) -> str | None:
+        """The request's `cache_salt` for the cluster: the key's (serving/ingress/tenancy.py),
+        narrowed by the client's own; 400 for a client salt vLLM would refuse."""
+        problem = cache_salt_problem(body)
+        if problem is not None:
+            raise BodyError(error_response(400, problem, param="cache_salt"))
+        client = body.get("cache_salt")
+        if self.salts is None:
+            return client
+        cfg = self.limiter.config
+        return self.salts.salt(kid, cfg.cache_isolation == ISOLATE_KEYS, cfg.cache_groups, client)
+
+    async def _over_budget(self, kid: str, route: ModelRoute, refused: Decision) -> tuple[ModelRoute, str | None]:
+        """Where a request of key `kid` past its budget goes: the model its budget names (the
+        route of it) or the fallback ("fallback"); the 429 when it is refused instead."""
+        cap = self.limiter.config.budgets.get(kid)
+        to = cap.when_exceeded if cap is not None else REFUSE
+        fallback = self.router.fallback
+        if to == OVER_BUDGET_FALLBACK and fallback is not None and fallback.external_model(route.model):
+            self.limiter.overflowed(kid, route.model, to)
+            return route, to
+        if to not in (REFUSE, OVER_BUDGET_FALLBACK) and self.limiter.config.may_use(kid, to):
+            try:
+                cheaper = await self.models.resolve(to)
+            except Exception as exc:  # not deployed (yet): refused, as without an overflow
+                logger.warning("budget overflow to %s unavailable: %r", to, exc)
+            else:
+                self.limiter.overflowed(kid, route.model, cheaper.model)
+                return cheaper, None
+        self.limiter.refused(kid, route.model, refused)
+        raise BodyError(self._refusal(refused))
 
     def _key(self, request: Any) -> str:
         kid = self.auth.key_id(request)
@@ -177,13 +241,17 @@ class FrontDoor:
         return await self.models.resolve(model if isinstance(model, str) else None)
 
     @staticmethod
-    def _cluster_fields(body: Mapping[str, Any], route: ModelRoute) -> dict[str, Any]:
+    def _cluster_fields(body: Mapping[str, Any], route: ModelRoute, salt: str | None = None) -> dict[str, Any]:
         """The fields the cluster gets: the client's, naming the model the route resolved
-        (the only one when the client named none), and for a stream usage in every chunk
+        (the only one when the client named none), with the request's prefix-cache salt in
+        place of the client's (`_salt`), and for a stream usage in every chunk
         (continuous_usage_stats: the tokens of a stream that ends early are known; the
         router's rewriter strips it again). A stream that can be continued also asks for its
         token ids and leaves the stop strings to the ingress (StreamRecord.engine_fields)."""
         fields = {**body, "model": route.model}
+        fields.pop("cache_salt", None)
+        if salt is not None:
+            fields["cache_salt"] = salt
         if body.get("stream"):
             fields["stream_options"] = {**body["stream_options"], "continuous_usage_stats": True}
         return fields
@@ -210,7 +278,8 @@ class FrontDoor:
             route = await self._route(kid, body)
             typed = _adapter(_request_type(endpoint)).validate_python({**body, "model": route.model})
             _check_bounds(typed)
-            decision = await self.limiter.admit(kid, route.model, {})
+            # Nothing generated, nothing spent: a key past its budget may still tokenize.
+            decision = await self.limiter.admit(kid, route.model, {}, budget=False)
             if not decision.ok:
                 return self._refusal(decision)
             Reservation(self.limiter, kid, route.model, decision).settle(0)
@@ -230,10 +299,11 @@ class FrontDoor:
     # --- errors ----------------------------------------------------------------------------------
     def _refusal(self, decision: Decision) -> Response:
         unchecked = decision.limit == UNCHECKED  # the ledger is down and the policy refuses
+        code = "limits_unavailable" if unchecked else "budget_exceeded" if decision.limit == BUDGET else None
         return error_response(
             503 if unchecked else 429,
             decision.message,
-            code="limits_unavailable" if unchecked else "rate_limit_exceeded",
+            code=code or "rate_limit_exceeded",
             headers={"Retry-After": str(decision.retry_after_s), SERVED_BY: "cluster"},
         )
 

@@ -18,13 +18,16 @@ key id, model route and token reservation: serving/ingress/context.py `RequestCo
      anywhere. Every such request is counted (pd_ingress_refusals). A 503 no fallback takes
      while decode has no running replica and may scale to zero gets the planner's time to
      serve as Retry-After;
-  3. the response is marked `x-served-by: cluster|fallback`; its usage (prompt and completion
-     tokens, read from the answer itself) is counted per key id, model and destination, and
-     settles the request's token reservation. A stream of the relay's own
+  3. the response is marked `x-served-by: cluster|fallback`; its usage (prompt, completion and
+     cached prompt tokens, read from the answer itself) and its cost (serving/ingress/costs.py)
+     are counted per key id, model and destination, and settle the request's token
+     reservation and the key's spend. A stream of the relay's own
      (serving.ingress.sse.EventStreamResponse) is read in the same pass as its events are
      decoded for stream migration: the rewriter is added to that pass.
-Configuration arrives as the ingress deployment's `user_config`, so changing the fallback in
-a stack updates the ingress in place without restarting engines.
+A key past its budget whose budget sends it to the fallback (`budget.whenExceeded: fallback`)
+goes there at once, before the rules. Configuration arrives as the ingress deployment's
+`user_config`, so changing the fallback or the prices in a stack updates the ingress in place
+without restarting engines.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
@@ -42,9 +46,10 @@ from starlette.responses import Response, StreamingResponse
 from serving.core import metrics
 from serving.core.cluster_watch import ClusterWatch, serve_running
 from serving.core.failures import UNAVAILABLE_MESSAGE, Reason, Unservable, as_unservable
+from serving.ingress.costs import Costs, cached_tokens
 from serving.ingress.errors import SERVED_BY, error_response
 from serving.ingress.fallback import FallbackClient, FallbackConfig, FallbackError
-from serving.ingress.limits import UsageMeter
+from serving.ingress.limits import OVER_BUDGET_FALLBACK, Spend, UsageMeter
 from serving.ingress.sse import EventStreamResponse, SseRewriter, Usage, estimated_usage
 from serving.spec import TEST_HOOKS_ENV, FallbackWhen
 
@@ -57,8 +62,26 @@ logger = logging.getLogger("ray.serve")
 UNAVAILABLE = FallbackWhen.UNAVAILABLE.value
 OVERLOADED = FallbackWhen.OVERLOADED.value
 DEADLINE = FallbackWhen.DEADLINE.value
+# The fallback's `reason` for a key past its budget that its budget sends there.
+OVER_BUDGET = "budget"
 # How often a request waiting for the cluster's first byte looks at the routing rules again.
 WATCH_TICK_S = 0.5
+
+
+@dataclass
+class MeteredRewriter(SseRewriter):
+    """The metering rewriter of a cluster stream: also reads the usage's cached prompt tokens
+    (vLLM's prompt_tokens_details, which the spec turns on) before the usage is edited."""
+
+    cached_tokens: int = 0
+
+    def edit(self, msg: dict[str, Any]) -> dict[str, Any] | None:
+        usage = msg.get("usage")
+        if usage:
+            self.cached_tokens = cached_tokens(usage)
+        return super().edit(msg)
+
+
 # The conformance harness's request header: `fallback` sends the request to the fallback, read
 # only where TEST_HOOKS_ENV is "1" (Router._forced).
 ROUTE_HEADER = "x-pd-test-route"
@@ -116,6 +139,9 @@ class Router:
         # The conformance harness's forced fallback (ROUTE_HEADER), in a replica started for it.
         self._test_hooks = os.environ.get(TEST_HOOKS_ENV) == "1"
         self.fallback: FallbackClient | None = None
+        # What requests cost per model and destination (the user_config's `costs` and
+        # `fallback.prices`; serving/ingress/costs.py); unpriced until configured.
+        self.costs = Costs()
         self.watch: ClusterWatch | None = None
         self.inflight = Inflight()  # cluster requests this replica has open (streams until their end)
 
@@ -203,6 +229,8 @@ class Router:
         """The answer to an admitted request: the cluster's, or the fallback's. Raises what
         the pipeline answers itself (a request the cluster cannot serve and no fallback
         takes, an engine's 4xx)."""
+        if ctx.overflow == OVER_BUDGET_FALLBACK and self.fallback is not None:
+            return await self._to_fallback(ctx, OVER_BUDGET, "the key's budget is spent")
         skip = self.pre_route(ctx.route) or self._forced(ctx)
         if skip is not None:
             self._refused(ctx, *skip)
@@ -276,7 +304,8 @@ class Router:
         assert self.fallback is not None
 
         def done(usage: Usage, ok: bool) -> None:
-            self._count(ctx, metrics.DESTINATION_FALLBACK, usage)
+            # The provider's cached prompt tokens, where the usage read carries them.
+            self._count(ctx, metrics.DESTINATION_FALLBACK, usage, int(getattr(usage, "cached_tokens", 0) or 0))
             self.meter.fallback(reason, "ok" if ok else "failed")
 
         try:
@@ -296,22 +325,27 @@ class Router:
                 headers["Retry-After"] = str(err.retry_after_s)
             return error_response(err.status, f"{err.message} (cluster: {detail})", code=err.code, headers=headers)
 
-    def _count(self, ctx: RequestContext, destination: str, usage: Usage) -> None:
+    def _count(self, ctx: RequestContext, destination: str, usage: Usage, cached: int = 0) -> None:
         # The model as asked (an adapter by name); the limits window is its base model's.
-        self.meter.served(ctx.key_id, ctx.route.model, destination, usage.prompt_tokens, usage.completion_tokens)
-        ctx.reservation.settle(usage.prompt_tokens + usage.completion_tokens)
+        prompt, completion = usage.prompt_tokens, usage.completion_tokens
+        cached = max(0, min(cached, prompt))
+        cost = self.costs.of(ctx.route.model, destination, prompt, completion, cached)
+        parts = (cost.prefill, cost.decode) if cost is not None else None
+        self.meter.served(ctx.key_id, ctx.route.model, destination, prompt, completion, cached, parts)
+        spend = Spend(cost.total if cost is not None else 0.0, 1, prompt, completion, cached)
+        ctx.reservation.settle(prompt + completion, spend)
 
     def _metered(self, resp: Response, ctx: RequestContext, ticket: int) -> Response:
         resp.headers[SERVED_BY] = metrics.DESTINATION_CLUSTER
         if isinstance(resp, StreamingResponse):
-            rewriter = SseRewriter(model=None, keep_usage_event=ctx.asked_usage, keep_chunk_usage=False)
+            rewriter = MeteredRewriter(model=None, keep_usage_event=ctx.asked_usage, keep_chunk_usage=False)
 
             def settle() -> None:
                 self.inflight.close(ticket)
                 # Usage so far comes with every chunk: a stream cut before its usage
                 # event (the client went away) still counts what was generated.
                 usage = rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter)
-                self._count(ctx, metrics.DESTINATION_CLUSTER, usage)
+                self._count(ctx, metrics.DESTINATION_CLUSTER, usage, rewriter.cached_tokens)
 
             if isinstance(resp, EventStreamResponse):
                 # The relay's own stream: the rewriter reads the events it decodes anyway.
@@ -320,13 +354,14 @@ class Router:
                 resp.body_iterator = _rewritten(resp.body_iterator, rewriter, settle)
             return resp
         self.inflight.close(ticket)
-        usage = Usage()
+        usage, cached = Usage(), 0
         try:
             doc = json.loads(bytes(resp.body))
             usage.take(doc.get("usage") if isinstance(doc, dict) else None)
+            cached = cached_tokens(doc.get("usage")) if isinstance(doc, dict) else 0
         except (ValueError, AttributeError, RecursionError):
             pass
-        self._count(ctx, metrics.DESTINATION_CLUSTER, usage)
+        self._count(ctx, metrics.DESTINATION_CLUSTER, usage, cached)
         return resp
 
 

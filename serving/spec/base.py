@@ -178,6 +178,8 @@ RESERVED_ENGINE_KWARGS = frozenset(
         "reasoning_parser",
         "reasoning_parser_plugin",
         "chat_template",
+        # Per-request cost (serving/ingress/costs.py) reads the prompt's cached tokens from it.
+        "enable_prompt_tokens_details",
     }
 )
 

@@ -1,9 +1,10 @@
 """The serving spec's parts for hybrid routing: the external fallback and per-key limits.
 
 What flows through here: the `serving.fallback` and `serving.limits` keys of a stack file ->
-validated models (a provider's OpenAI-compatible root, model map, when to use it, deadlines;
-requests and tokens per minute per key id and per model, the models each key id may use, what
-to do while the ledger is unreachable),
+validated models (a provider's OpenAI-compatible root, model map, when to use it, deadlines,
+its price per million tokens; requests and tokens per minute per key id and per model, the
+models each key id may use, a key's budget in money and what happens past it, which keys
+share a prefix cache, what to do while the ledger is unreachable),
 rendered by serving/spec/serving.py into the ingress's `user_config`. Also the key id of an API key
 (`k-` + 12 hex of its SHA-256), which stacks and metrics use instead of the key.
 """
@@ -46,6 +47,18 @@ class FallbackWhen(str, Enum):
     DEADLINE = "deadline"  # a stream's first token did not come within firstTokenTimeoutS
 
 
+class TokenPrice(SpecModel):
+    """What a provider charges per million tokens, in USD (its price list)."""
+
+    prompt_per_million: float = Field(ge=0, description="USD per million prompt (input) tokens.")
+    completion_per_million: float = Field(ge=0, description="USD per million completion (output) tokens.")
+    cached_prompt_per_million: float | None = Field(
+        default=None,
+        ge=0,
+        description="USD per million prompt tokens the provider served from its cache (default: the prompt price).",
+    )
+
+
 class FallbackSpec(SpecModel):
     """An external OpenAI-compatible API that takes requests the cluster cannot serve."""
 
@@ -64,6 +77,11 @@ class FallbackSpec(SpecModel):
     timeout_s: float = Field(default=120.0, gt=0, le=3600)
     connect_timeout_s: float = Field(default=5.0, gt=0, le=60)
     retries: int = Field(default=2, ge=0, le=5, description="Retries of failed connections (never of answers).")
+    prices: dict[str, TokenPrice] = Field(
+        default_factory=dict,
+        description="Per served model id: the provider's price for that model's requests (what a "
+        "fallback request costs its key); a model left out is counted in tokens only.",
+    )
 
     @field_validator("base_url")
     @classmethod
@@ -110,6 +128,51 @@ class FallbackSpec(SpecModel):
     def models_for(self, model_id: str) -> dict[str, str]:
         return {model_id: self.model} if isinstance(self.model, str) else dict(self.model)
 
+    def unpriced(self, model_id: str) -> str | None:
+        """A model id under `prices` that the fallback does not map (`model_id`: the one-model
+        form's), else None."""
+        mapped = self.models_for(model_id)
+        return next((m for m in self.prices if m not in mapped), None)
+
+
+class BudgetPeriod(str, Enum):
+    DAY = "day"  # a UTC calendar day
+    MONTH = "month"  # a UTC calendar month
+
+
+# `budget.whenExceeded`: refuse (429), the external fallback, or another served model's id.
+REFUSE = "refuse"
+FALLBACK = "fallback"
+
+
+class BudgetSpec(SpecModel):
+    """A key's spend cap in USD per UTC day or month, over every model it uses: the cluster's
+    cost of its requests (engine time at the pools' price) and the provider's for those the
+    fallback served. Past it, the key's next request is refused, or overflows."""
+
+    usd: float = Field(gt=0, description="The most the key may spend in one period, in USD.")
+    period: BudgetPeriod = BudgetPeriod.MONTH
+    when_exceeded: str = Field(
+        default=REFUSE,
+        description="Past the budget: 'refuse' (429 budget_exceeded, Retry-After at the period's end), "
+        "'fallback' (the external provider serves it), or a served model id (a cheaper model serves it).",
+    )
+
+    @field_validator("when_exceeded")
+    @classmethod
+    def _when(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("give 'refuse', 'fallback' or a served model id")
+        return v
+
+    @property
+    def overflow_model(self) -> str | None:
+        """The model id that serves the key past its budget, if `whenExceeded` names one."""
+        return None if self.when_exceeded in (REFUSE, FALLBACK) else self.when_exceeded
+
+
+_GROUP_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
 
 class RateLimitSpec(SpecModel):
     """Requests and tokens (prompt + completion) per sliding minute; 0 means no limit."""
@@ -134,6 +197,18 @@ class KeyLimitSpec(SpecModel):
         description="The served model ids this key may use (absent: every model); an adapter "
         "`<model>:<adapter>` is allowed when its base model is. Any other model answers 404.",
     )
+    budget: BudgetSpec | None = Field(default=None, description="The key's spend cap in USD per day or month.")
+    cache_group: str | None = Field(
+        default=None,
+        description="Keys with the same group share one prefix cache (absent: the key has its own).",
+    )
+
+    @field_validator("cache_group")
+    @classmethod
+    def _group(cls, v: str | None) -> str | None:
+        if v is not None and not _GROUP_RE.match(v):
+            raise ValueError(f"{v!r} is not a group name (lowercase letters, digits and '-', 1-63)")
+        return v
 
     @field_validator("models")
     @classmethod
@@ -149,7 +224,8 @@ class KeyLimitSpec(SpecModel):
 
     @property
     def own_limits(self) -> RateLimitSpec | None:
-        """The key's own limits, or None when the entry names neither (it only lists models)."""
+        """The key's own limits, or None when the entry names neither (it lists only models, a
+        budget or a cache group)."""
         if self.requests_per_minute is None and self.tokens_per_minute is None:
             return None
         return RateLimitSpec(
@@ -175,6 +251,13 @@ class LimitsSpec(RateLimitSpec):
         "'allow' (served unmetered, counted in pd_limiter_errors: a limiter outage is no serving outage) "
         "or 'refuse' (503 with Retry-After: limits are never exceeded).",
     )
+    cache_isolation: Literal["key", "shared"] = Field(
+        default="key",
+        description="'key': each API key (or its cacheGroup) has a prefix cache of its own: the ingress "
+        "salts every request's prefix-cache hashes (vLLM's cache_salt) from the key, so a prompt cached "
+        "by one key gives another no hit; 'shared': every key shares one cache (a key can then learn "
+        "another's prompt prefixes from cache hits).",
+    )
 
     @field_validator("keys")
     @classmethod
@@ -193,6 +276,8 @@ class LimitsSpec(RateLimitSpec):
         named = [(f"limits.models.{m}", m) for m in self.models]
         for k, entry in self.keys.items():
             named += [(f"limits.keys.{k}.models[{i}]", m) for i, m in enumerate(entry.models or ())]
+            if entry.budget is not None and entry.budget.overflow_model is not None:
+                named.append((f"limits.keys.{k}.budget.whenExceeded", entry.budget.overflow_model))
         for path, m in named:
             if m in served:
                 continue
@@ -200,4 +285,20 @@ class LimitsSpec(RateLimitSpec):
             if ADAPTER_SEP in m and base_model_id(m) in served:
                 hint = f"; an adapter is allowed with its base model: list {base_model_id(m)!r}"
             return path, f"{m!r} is not the id of a served model (ids: {', '.join(served)}{hint})"
+        return None
+
+    def budget_problem(self, fallback_models: Sequence[str] | None) -> tuple[str, str] | None:
+        """(key path under `limits`, message) of the first budget whose overflow cannot be
+        served: the fallback without a fallback (`fallback_models`: the model ids it maps, None
+        without one), or a model the key may not use; None when every one can."""
+        for k, entry in self.keys.items():
+            budget = entry.budget
+            if budget is None:
+                continue
+            path = f"limits.keys.{k}.budget.whenExceeded"
+            if budget.when_exceeded == FALLBACK and not fallback_models:
+                return path, "'fallback' needs serving.fallback (an external provider); or give 'refuse' or a model id"
+            over = budget.overflow_model
+            if over is not None and entry.models is not None and over not in entry.models:
+                return path, f"{over!r} is not one of the models this key may use ({', '.join(entry.models)})"
         return None

@@ -41,7 +41,7 @@ from serving.spec.base import (
     MoeParallelism,
     Router,
 )
-from serving.spec.hybrid import FALLBACK_API_KEY_ENV, INGRESS_DEPLOYMENT, KeyLimitSpec, RateLimitSpec
+from serving.spec.hybrid import FALLBACK_API_KEY_ENV, INGRESS_DEPLOYMENT, KeyLimitSpec, RateLimitSpec, TokenPrice
 from serving.spec.offload import compose
 from serving.spec.roles import RoleSpec
 from serving.spec.scaling import policy_config, slo_thresholds
@@ -95,6 +95,10 @@ def _engine_kwargs(spec: ServingSpec, role: str, rs: RoleSpec, target: Target) -
         # Prompts stay out of the logs (Ray 2.60 defaults this to False in
         # engines/vllm/vllm_models.py; stated here so that no default can flip it).
         "enable_log_requests": False,
+        # usage.prompt_tokens_details.cached_tokens on every answer: the prompt tokens the
+        # prefix cache served, which a request's cost leaves out (serving/ingress/costs.py). A
+        # FrontendArgs field in vLLM 0.29 and 0.32, which Ray hands vLLM's OpenAI layer.
+        "enable_prompt_tokens_details": True,
     }
     if rs.data_parallel_size > 1:
         # Ray Serve LLM's P/D builder switches to its DP servers on this key
@@ -318,7 +322,40 @@ def _key_entry(entry: KeyLimitSpec) -> dict[str, Any]:
     rendered: dict[str, Any] = _rates(own) if own is not None else {}
     if entry.models is not None:
         rendered["models"] = list(entry.models)
+    if entry.budget is not None:
+        b = entry.budget
+        rendered["budget"] = {"usd": b.usd, "period": b.period.value, "when_exceeded": b.when_exceeded}
+    if entry.cache_group is not None:
+        rendered["cache_group"] = entry.cache_group
     return rendered
+
+
+def _per_token(price: TokenPrice) -> dict[str, float]:
+    """A provider's price per million tokens as USD per token (what the ingress multiplies)."""
+    cached = price.cached_prompt_per_million
+    return {
+        "prompt": price.prompt_per_million / 1e6,
+        "completion": price.completion_per_million / 1e6,
+        "cached_prompt": (price.prompt_per_million if cached is None else cached) / 1e6,
+    }
+
+
+def costs(spec: ServingSpec, targets: Mapping[str, Target] | None) -> dict[str, Any]:
+    """Per served model id, what its tokens cost on the cluster (USD per token, by phase: the
+    Target's prices from the capacity plan) and whether it runs P/D (its usage's cached
+    tokens are then the prefill engine's only where vLLM hands them to decode:
+    serving/ingress/costs.py); models with no priced Target are left out (counted in tokens
+    only)."""
+    out: dict[str, Any] = {}
+    for m in spec.served:
+        target = (targets or {}).get(m.model.id)
+        if target is None or not target.token_prices:
+            continue
+        out[m.model.id] = {
+            **{f"{phase}_usd_per_token": usd for phase, usd in sorted(target.token_prices.items())},
+            "disaggregated": m.mode is Mode.DISAGGREGATED,
+        }
+    return out
 
 
 def _fallback(spec: ServingSpec) -> dict[str, Any] | None:
@@ -340,12 +377,16 @@ def _fallback(spec: ServingSpec) -> dict[str, Any] | None:
         "api_key_env": FALLBACK_API_KEY_ENV,
         # The relay joins the provider's events as the engines batch their tokens.
         "batch_interval_ms": spec.streaming.batch_interval_ms,
+        # What a request the provider serves costs its key, per our model id (USD per token).
+        "prices": {m: _per_token(p) for m, p in sorted(fb.prices.items())},
     }
 
 
-def ingress_user_config(spec: ServingSpec) -> dict[str, Any]:
-    """The ingress deployment's user_config: the fallback, and the per-key limits and
-    model access (snake_case, read by serving.ingress.limits.LimitsConfig.from_user_config).
+def ingress_user_config(spec: ServingSpec, targets: Mapping[str, Target] | None = None) -> dict[str, Any]:
+    """The ingress deployment's user_config: the fallback, the per-key limits, budgets, model
+    access and prefix-cache isolation (snake_case, read by
+    serving.ingress.limits.LimitsConfig.from_user_config), and what each model's tokens cost
+    on the cluster where `targets` (per model id) carry the plan's prices.
 
     A user_config change reaches the running ingress through `reconfigure` (Serve's
     lightweight update); application `args` changes rebuild every deployment, engines
@@ -363,7 +404,10 @@ def ingress_user_config(spec: ServingSpec) -> dict[str, Any]:
             "when_ledger_unreachable": limits.when_ledger_unreachable,
             # Where the shared limits actor lives: with the ingress, on the head.
             "label_selector": {spec.placement.label_key: spec.placement.head},
+            # Each key's own prefix cache (its cache_salt), or one shared by every key.
+            "cache_isolation": limits.cache_isolation,
         },
+        "costs": costs(spec, targets),
     }
 
 
@@ -372,7 +416,9 @@ def serve_config(
 ) -> dict[str, Any]:
     """The Serve config (RayService serveConfigV2 / `serve deploy` file) for `target`
     (and, with several models, each model's own Target by id: one application each)."""
-    user_config = ingress_user_config(spec)
+    # Each model's tokens priced by the Target its engines run on.
+    priced = {m.model.id: (model_targets or {}).get(m.model.id, target) for m in spec.served}
+    user_config = ingress_user_config(spec, priced)
     if spec.many:
         user_config["models"] = model_table(spec)
     app: dict[str, Any] = {

@@ -56,6 +56,17 @@ class ModelArchitecture(SpecModel):
         return self
 
 
+class ModelThroughput(SpecModel):
+    """One replica's measured tokens per second, for the cost of a request (what a token costs
+    is a replica's price per hour over these); each left out comes from the capacity plan's
+    roofline, which no engine reaches (so a cost from it is a lower bound)."""
+
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0, description="Prompt tokens/s one replica computes.")
+    decode_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="Output tokens/s one decode replica emits at the batch it usually runs."
+    )
+
+
 class ModelSpec(SpecModel):
     id: str = Field(description="Served model name: what clients put in `model`.")
     source: str = Field(description="Hugging Face repo id, s3:// prefix, or a local path.")
@@ -63,6 +74,7 @@ class ModelSpec(SpecModel):
     max_model_len: int = Field(default=8192, ge=16, le=1_048_576)
     gpu_memory_utilization: float = Field(default=0.90, gt=0.05, le=0.98)
     architecture: ModelArchitecture | None = None
+    throughput: ModelThroughput = Field(default_factory=ModelThroughput)
     loading: LoadingSpec = Field(default_factory=LoadingSpec)
     # Tool calling, reasoning and a chat template in place of the model's (serving/spec/tools.py).
     tools: ToolsSpec | None = None

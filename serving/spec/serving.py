@@ -167,6 +167,16 @@ class ServingSpec(SpecModel):
             unknown = self.limits.unknown_model([m.model.id for m in self.models] or [self.model.id])
             if unknown is not None:
                 raise ValueError(f"@serving.{unknown[0]}@ {unknown[1]}")
+            mapped = list(self.fallback.models_for(self.model.id)) if self.fallback is not None else None
+            budget = self.limits.budget_problem(mapped)
+            if budget is not None:
+                raise ValueError(f"@serving.{budget[0]}@ {budget[1]}")
+            stray = self.fallback.unpriced(self.model.id) if self.fallback is not None else None
+            if stray is not None:
+                raise ValueError(
+                    f"@serving.fallback.prices.{stray}@ {stray!r} is not a model the fallback serves "
+                    f"(fallback.model maps {', '.join(mapped or ())})"
+                )
         if self.models:
             return self._check_models()
         if self.mode is Mode.DISAGGREGATED:
@@ -371,9 +381,10 @@ class ServingSpec(SpecModel):
         """The front door's view of the models, in order (render.model_table)."""
         return render.model_table(self)
 
-    def ingress_user_config(self) -> dict[str, Any]:
-        """The ingress deployment's user_config (render.ingress_user_config)."""
-        return render.ingress_user_config(self)
+    def ingress_user_config(self, targets: Mapping[str, Target] | None = None) -> dict[str, Any]:
+        """The ingress deployment's user_config (render.ingress_user_config); `targets`, per
+        model id, price each model's tokens."""
+        return render.ingress_user_config(self, targets)
 
     def serve_config(
         self, target: Target, *, port: int = SERVE_PORT, model_targets: Mapping[str, Target] | None = None

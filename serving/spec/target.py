@@ -60,6 +60,11 @@ class Target:
     # Per engine role: its share of the pool's KV offload tier (kvOffload); a role not listed
     # has none and renders NIXL alone (serving/spec/offload.py).
     role_kv_offload: Mapping[str, OffloadTier] = field(default_factory=dict)
+    # Per cost phase, what one token costs on the cluster in USD: "prefill" per prompt token an
+    # engine computes (not served from its prefix cache), "decode" per output token; a
+    # replica's price per hour over its tokens per second (infra/plan/costs.py). Absent: the
+    # cluster's part of a request's cost is not counted (its tokens still are).
+    token_prices: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def cpu(self) -> bool:

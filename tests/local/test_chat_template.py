@@ -126,7 +126,9 @@ def test_the_plain_vllm_server_has_the_same_tool_calling():
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = local_config.plain_vllm_argv("/tmp/model", "m", 8000)[3:]
+    from local.plain_vllm import plain_vllm_argv
+
+    argv = plain_vllm_argv("/tmp/model", "m", 8000)[3:]
     args = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)
     validate_parsed_serve_args(args)
     assert (args.tool_call_parser, args.enable_auto_tool_choice) == ("hermes", True)

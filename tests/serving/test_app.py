@@ -619,7 +619,7 @@ def test_tokenize_is_behind_the_keys_request_limit(monkeypatch):
     ingress, handle = make_ingress(monkeypatch)
     asked = []
 
-    async def refuse(kid, model, body, context_len=None):
+    async def refuse(kid, model, body, context_len=None, *, budget=True):
         asked.append((kid, model, body))
         return Decision(False, 9, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
 

@@ -20,6 +20,7 @@ from infra import catalog
 from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE
 from infra.sizing import nodes as sizing
 from tests.conftest import STACKS
+from tests.upstream import async_engine_kwargs
 
 
 def _rayservice(stack) -> dict:
@@ -96,7 +97,7 @@ def test_rendered_multinode_configs_pass_ray_and_vllm_validators(rendered_stacks
             {"prefill_config": args["prefill_config"], "decode_config": args["decode_config"]}
         )
         for llm in (pd.prefill_config, pd.decode_config):
-            kw = dict(llm.engine_kwargs)
+            kw = async_engine_kwargs(dict(llm.engine_kwargs))
             kw["kv_transfer_config"] = KVTransferConfig(**kw["kv_transfer_config"])
             engine = AsyncEngineArgs(model=stack.config.serving.model.source, **kw)
             assert engine.tensor_parallel_size * engine.pipeline_parallel_size == len(

@@ -33,6 +33,7 @@ from infra.k8s.rayservice import EFA_RESOURCE, GPU_RESOURCE, pods_for
 from infra.paths import ROOT
 from serving.spec import MODEL_APP_PREFIX, DataPlane, IngressSpec, pool_label
 from tests.conftest import STACKS
+from tests.upstream import async_engine_kwargs
 from tools import render, stackfile
 
 CRD_DIR = Path(os.environ.get("KUBERAY_CRD_DIR", ROOT.parent / "shared" / "schemas" / "kuberay-1.7.0"))
@@ -213,6 +214,7 @@ def test_no_stack_turns_on_the_ingress_test_hooks(stack):
 def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
     from infra.k8s.rayservice import RayServiceInputs, serve_config_yaml
     from infra.k8s.tracing import export_for
+    from infra.plan.costs import token_prices
     from infra.plan.stack import stack_replica_cpus
 
     rs = _rayservice(stack)
@@ -241,6 +243,8 @@ def test_serve_config_is_the_spec_rendering_and_passes_ray_validators(stack):
             # The decode replica's API-side CPUs, from the plan (infra/sizing/streaming.py).
             replica_cpus=stack_replica_cpus(cfg),
             kv_offload={name: p.kv_offload for name, p in cfg.node_pools if p.kv_offload is not None},
+            # What a token costs per model and phase (make plan's figures, infra/plan/costs.py).
+            token_prices=token_prices(cfg),
         )
     )
     assert yaml.safe_load(again) == serve
@@ -433,7 +437,7 @@ def test_prod_streams_its_s3_weights_with_the_runai_streamer(rendered_stacks):
     prod = rendered_stacks["prod"]
     args = yaml.safe_load(_rayservice(prod)["spec"]["serveConfigV2"])["applications"][0]["args"]
     for side in ("prefill_config", "decode_config"):
-        kwargs = dict(args[side]["engine_kwargs"])
+        kwargs = async_engine_kwargs(dict(args[side]["engine_kwargs"]))
         assert kwargs["load_format"] in STREAMING_LOAD_FORMATS
         kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
         engine = AsyncEngineArgs(model=prod.config.serving.model.source, **kwargs)

@@ -491,3 +491,159 @@ def test_two_requests_sent_with_one_x_request_id_keep_separate_bookings(monkeypa
     booked, after_first_finished = asyncio.run(go())
     assert booked == {"internal-a": 7, "internal-b": 7}  # two bookings, neither freed by the other
     assert after_first_finished == {"internal-b": 7}  # the first's completion freed only its own
+
+
+# --- tenants' prefix caches: the scorer scores with the request's cache_salt ------------------------
+class _Recording(_SelectionService):
+    """Ray's tracker's selection service, recording the requests it is asked to score."""
+
+    def __init__(self):
+        super().__init__()
+        self.asked: list[dict] = []
+
+    async def select_and_reserve(self, req):
+        self.asked.append(req)
+        return await super().select_and_reserve(req)
+
+
+class _FieldsTokenizer:
+    def __init__(self):
+        self.fields: list[dict] = []
+
+    async def tokenize(self, fields):
+        self.fields.append(dict(fields))
+        return [1, 2, 3]
+
+
+def test_decode_sends_the_requests_cache_salt_to_the_scorer(monkeypatch):
+    routes, scorer, _ = _routes(monkeypatch, {"worker_id": 4, "overlap_tokens": 0, "prompt_tokens": 3})
+    request = types.SimpleNamespace(prompt="hi", max_tokens=8, cache_salt="salt-of-key-a")
+    assert asyncio.run(routes.choose(request)) == 4
+    ((_, fields),) = scorer.calls
+    assert fields == {"prompt": "hi", "max_tokens": 8, "cache_salt": "salt-of-key-a"}
+
+
+def test_the_scorer_hands_the_salt_to_dynamos_selection_not_to_the_prompts_renderer():
+    tracker = _rays_tracker([7])
+    svc = _Recording()
+    tracker._svc = svc
+    kv_router.salted(tracker)
+    kv_router.salted(tracker)  # once: a second wrap would not add a second salt
+    scorer = _scorer_on(tracker)
+    scorer._tokenizer = _FieldsTokenizer()
+    asyncio.run(scorer.select("r1", {"prompt": "x", "cache_salt": "salt-a"}))
+    asyncio.run(scorer.select("r2", {"prompt": "x"}))
+    assert [f.get("cache_salt") for f in scorer._tokenizer.fields] == [None, None]
+    assert svc.asked[0]["cache_salt"] == "salt-a" and "cache_salt" not in svc.asked[1]
+    assert [a["token_ids"] for a in svc.asked] == [[1, 2, 3]] * 2
+
+
+BLOCK = 16
+
+
+async def _dynamo(workers, endpoints):
+    from dynamo.llm import SelectionService
+
+    svc = SelectionService(indexer_threads=1)
+    for worker, endpoint in zip(workers, endpoints, strict=True):
+        await svc.upsert_worker(
+            {
+                "worker_id": worker,
+                "model_name": "m",
+                "tenant_id": "default",
+                "endpoint": f"ray://w{worker}",
+                "block_size": BLOCK,
+                "max_num_batched_tokens": 4096,
+                "data_parallel_start_rank": 0,
+                "data_parallel_size": 1,
+                "kv_events_endpoints": {0: endpoint},
+            }
+        )
+    return svc
+
+
+async def _overlap(svc, tokens, salt=None) -> dict[int, int]:
+    req = {"model_name": "m", "tenant_id": "default", "token_ids": tokens, **({"cache_salt": salt} if salt else {})}
+    return {w["worker_id"]: w["device_blocks"] for w in (await svc.overlap_scores(req))["workers"]}
+
+
+def test_dynamos_selection_core_finds_a_keys_own_routed_blocks_and_never_another_keys(monkeypatch):
+    """Contract, ai-dynamo-runtime 1.6.1's SelectionService (what Ray 2.60's tracker runs): with
+    the predict-on-route index on (DYN_ROUTER_PREDICTED_TTL_SECS, read when the service is
+    created), a prompt routed with one salt scores its blocks on that worker for the same salt,
+    and none for another salt or for no salt."""
+    from local.procs import free_port
+
+    monkeypatch.setenv(kv_router.PREDICTED_TTL_ENV, str(kv_router.KV_PREDICTED_TTL_S))
+    prompt = list(range(100, 100 + 4 * BLOCK))
+
+    async def go():
+        svc = await _dynamo([1, 2], [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)])
+        try:
+            select = {"model_name": "m", "tenant_id": "default", "allowed_worker_ids": [1, 2], "token_ids": prompt}
+            first = await svc.select_and_reserve({**select, "selection_id": "a1", "cache_salt": "salt-a"})
+            await svc.free_reservation("a1")
+            worker = first["worker_id"]
+            return worker, {
+                "same key": await _overlap(svc, prompt, "salt-a"),
+                "other key": await _overlap(svc, prompt, "salt-b"),
+                "no salt": await _overlap(svc, prompt),
+            }
+        finally:
+            svc.shutdown()
+
+    worker, scores = asyncio.run(go())
+    assert scores["same key"][worker] == 4
+    assert scores["other key"] == {1: 0, 2: 0} and scores["no salt"] == {1: 0, 2: 0}
+
+
+def test_vllms_kv_events_carry_a_blocks_salt_where_dynamo_does_not_hash_it():
+    """Why the scorer needs the predict-on-route index: vLLM 0.32 publishes a salted block with
+    its salt only in `extra_keys` (vllm/v1/core/kv_cache_utils.py to_event_extra_keys;
+    vllm/distributed/kv_events.py BlockStored), and Dynamo 1.6.1 indexes that block as if
+    unsalted: the salted lookup of the same prompt finds nothing, the unsalted one finds it all.
+    A Dynamo that hashes the salt would fail this test: then the engines' events alone suffice."""
+    import time
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from local.procs import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(endpoint)
+    prompt = list(range(300, 300 + 4 * BLOCK))
+    stored = BlockStored(
+        block_hashes=[11, 12, 13, 14],
+        parent_block_hash=None,
+        token_ids=prompt,
+        block_size=BLOCK,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=[("salt-a",), None, None, None],  # what vLLM publishes for cache_salt="salt-a"
+    )
+
+    async def go():
+        svc = await _dynamo([1], [endpoint])
+        try:
+            deadline = time.monotonic() + 20
+            seq = 0
+            while time.monotonic() < deadline:  # until the listener has connected and indexed it
+                batch = KVEventBatch(ts=time.time(), events=[stored])
+                pub.send_multipart([b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+                seq += 1
+                await asyncio.sleep(0.2)
+                if (await _overlap(svc, prompt)).get(1):
+                    break
+            return await _overlap(svc, prompt), await _overlap(svc, prompt, "salt-a")
+        finally:
+            svc.shutdown()
+
+    try:
+        unsalted, salted = asyncio.run(go())
+    finally:
+        pub.close(0)
+    assert unsalted == {1: 4} and salted == {1: 0}

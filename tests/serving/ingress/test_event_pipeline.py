@@ -137,7 +137,7 @@ def test_the_metering_counts_the_ingress_stream_when_it_ends_and_when_the_client
     handle = EngineHandle(lambda ep, body: batches(engine_events(ep, 12, **asked(body)), 2))
     ingress = make_ingress(handle, migrations=2)
     settled = []
-    ingress._door.router._count = lambda ctx, where, usage: settled.append(
+    ingress._door.router._count = lambda ctx, where, usage, *cached: settled.append(
         (where, usage.prompt_tokens, usage.completion_tokens)
     )
     client_bytes(ingress, "chat", request_body("chat", 12))

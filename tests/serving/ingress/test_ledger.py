@@ -9,6 +9,8 @@ import inspect
 import sys
 from pathlib import Path
 
+import pytest
+
 from serving.ingress import ledger as ledger_module
 from serving.ingress import limits
 from serving.ingress.ledger import (
@@ -275,3 +277,101 @@ def test_an_application_names_only_its_own_ledgers():
     assert schema_of(ledger_name("llm"), "llm") == LEDGER_SCHEMA
     assert schema_of("pd-limits-llm-0123456789", "llm") == 1
     assert ledger_module.NAMESPACE == "serve"
+
+
+# --- budgets and spend: one more window in the same ledger ----------------------------------------
+class _Store:
+    """Ray's GCS key-value store for one ledger name (a stand-in): what a restart reads back."""
+
+    def __init__(self):
+        self.rows, self.saves = [], 0
+
+    def load(self):
+        return [list(r) for r in self.rows]
+
+    def save(self, rows):
+        self.rows, self.saves = [list(r) for r in rows], self.saves + 1
+
+
+# 2026-12-07 22:00:00 UTC: two hours before the day's budget resets.
+LATE_EVENING = 1_796_680_800.0
+
+
+def _spent(limiter, cost, used=10):
+    """One admitted request of KID on `limiter` that cost `cost` USD: its admit, then its settle."""
+
+    async def go():
+        d = await limiter.admit(KID, "m", {"prompt": "x", "max_tokens": 1})
+        if d.ok:
+            Reservation(limiter, KID, "m", d).settle(used, limits.Spend(cost, 1, used - 1, 1, 0))
+        return d
+
+    return asyncio.run(go())
+
+
+def test_a_key_past_its_budget_is_refused_on_its_first_request_past_it_across_ingress_replicas():
+    now = [LATE_EVENING]
+    ledger = LimitsLedger(clock=lambda: now[0])
+    cfg = LimitsConfig.from_user_config({"keys": {KID: {"budget": {"usd": 0.01, "period": "day"}}}})
+    a = limits.Limiter(cfg, lambda: _Handle(ledger), _Meter())
+    b = limits.Limiter(cfg, lambda: _Handle(ledger), _Meter())
+    assert _spent(a, 0.004).ok and _spent(b, 0.004).ok  # $0.008 of $0.01
+    assert _spent(a, 0.004).ok  # admitted under the budget; its cost takes the day to $0.012
+    refused = _spent(b, 0.004)  # the first request past it, on the other replica
+    assert not refused.ok and refused.limit == "budget"
+    assert refused.retry_after_s == 2 * 3600  # the day's end, UTC
+    assert "$0.01" in refused.message and "daily budget" in refused.message
+    assert not _spent(a, 0.0).ok
+    assert ledger.spend(KID)["day"]["usd"] == pytest.approx(0.012) and ledger.spend(KID)["day"]["requests"] == 3
+    now[0] += 2 * 3600  # midnight: a new day
+    assert _spent(a, 0.004).ok
+
+
+def test_a_monthly_budget_counts_every_model_of_the_key_and_other_keys_not_at_all():
+    ledger = LimitsLedger(clock=lambda: LATE_EVENING)
+    budget = [1.0, "month"]
+    ledger.settle(KID, "a", "r1", 5, [0.6, 1, 4, 1, 0])  # no admit landed: spend still counts
+    ledger.settle(KID, "b", "r2", 5, [0.5, 1, 4, 1, 0])
+    ledger.record([["k-other0000000", 3.0, 1, 1, 1, 0]])
+    assert not ledger.admit(KID, "c", 0, 0, 0, "r3", budget).ok  # $1.10 over a, b
+    assert ledger.admit("k-other0000000", "a", 0, 0, 0, "r4", None).ok  # no budget
+    assert ledger.spend("k-other0000000")["month"]["usd"] == 3.0
+
+
+def test_spend_survives_a_restart_of_the_ledger_from_its_checkpoint():
+    store = _Store()
+    before = LimitsLedger(clock=lambda: LATE_EVENING, store=store)
+    before.settle(KID, "m", "r1", 5, [0.25, 1, 4, 1, 2])
+    assert before._checkpoint() and not before._checkpoint()  # written once, then nothing new
+    after = LimitsLedger(clock=lambda: LATE_EVENING, store=store)  # the actor restarted
+    assert after.spend(KID) == before.spend(KID)
+    assert after.spend(KID)["month"]["cached"] == 2
+
+
+def test_a_newer_schemas_ledger_takes_the_spend_over_with_the_windows():
+    now = [LATE_EVENING]
+    reg = _Registry()
+    older = _ledger(reg, lambda: now[0], schema=LEDGER_SCHEMA)
+    older.settle(KID, "m", "r1", 5, [0.75, 1, 4, 1, 0])
+    newer = _ledger(reg, lambda: now[0], schema=LEDGER_SCHEMA + 1)
+    Succession(newer, reg).sweep()
+    assert newer.spend(KID)["day"]["usd"] == 0.75
+    older.settle(KID, "m", "r2", 5, [0.25, 1, 4, 1, 0])  # an old replica's settle: forwarded
+    assert newer.spend(KID)["day"]["usd"] == 1.0 and older._spend.export() == []
+
+
+def test_a_schema_2_ledgers_state_has_no_spend_and_its_calls_still_count():
+    """Schema 2 handed over windows and open reservations only, and its replicas send admit and
+    settle without a budget or a spend: a schema-3 ledger takes both."""
+    now = [LATE_EVENING]
+    ledger = LimitsLedger(clock=lambda: now[0])
+
+    class _Schema2:
+        def hand_over(self, successor):
+            return {"schema": 2, "windows": [[KID, "m", [[int(now[0]), 1, 7]]]], "open": []}
+
+    ledger._take_over(_Schema2())
+    assert ledger.totals(KID, "m") == (1, 7) and ledger.spend(KID)["day"]["usd"] == 0.0
+    d = ledger.admit(KID, "m", 10, 0, 3, "old-1")  # schema 2's six arguments
+    ledger.settle(KID, "m", d.ticket, 3)  # and its four
+    assert ledger.totals(KID, "m") == (2, 10)

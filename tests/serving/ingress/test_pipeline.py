@@ -109,13 +109,13 @@ def test_every_admitted_request_is_settled_exactly_once_whatever_its_fate(outcom
         settled: list[tuple] = []
         admitted: list[Decision] = []
 
-        async def admit(kid, model, body, context_len=None):
+        async def admit(kid, model, body, context_len=None, *, budget=True):
             d = Decision(True, ticket=(len(admitted), 1))
             admitted.append(d)
             return d
 
         r.limiter.admit = admit
-        r.limiter.settle = lambda kid, model, decision, used: settled.append(decision.ticket)
+        r.limiter.settle = lambda kid, model, decision, used, spend=None: settled.append(decision.ticket)
         for outcome in outcomes:
             fallback = outcome == "unservable_fallback"
             r.router.fallback.config = replace(base_cfg, when=frozenset({"deadline"} if fallback else set()))
@@ -206,11 +206,11 @@ def test_a_stream_the_client_leaves_is_settled_once_when_its_answer_ends(monkeyp
     r, _, _ = _routing(monkeypatch, fallback=False)
     settled = []
 
-    async def admit(kid, model, body, context_len=None):
+    async def admit(kid, model, body, context_len=None, *, budget=True):
         return Decision(True, ticket="r-1")
 
     r.limiter.admit = admit
-    r.limiter.settle = lambda kid, model, decision, used: settled.append((decision.ticket, used))
+    r.limiter.settle = lambda kid, model, decision, used, spend=None: settled.append((decision.ticket, used))
 
     async def go():
         resp = await r.handle(
@@ -411,3 +411,122 @@ def test_the_key_is_read_once_per_request(monkeypatch):
     ingress._door.auth.key_id = lambda req: seen.append(1) or real(req)
     assert run(ingress.chat(make_request(CHAT))).status_code == 200
     assert seen == [1] and KEY
+
+
+# --- tenants: each key's prefix-cache salt, budgets in money --------------------------------------
+def _salted(monkeypatch, **kw):
+    from serving.ingress.tenancy import CacheSalts
+
+    r, meter, calls = _routing(monkeypatch, **kw)
+    r.front.salts = CacheSalts(("sk-client", "sk-other"))
+    return r, meter, calls
+
+
+def _seen_cluster(seen):
+    async def call(body):
+        seen.append(body)
+        return JSONResponse(
+            {"model": body["model"], "choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": 5}}
+        )
+
+    return call
+
+
+def test_each_keys_requests_carry_its_own_cache_salt_to_the_cluster():
+    from serving.spec import key_id
+
+    mp = pytest.MonkeyPatch()
+    try:
+        r, _, _ = _salted(mp, fallback=False)
+        seen: list[dict] = []
+        streamed: list[dict] = []
+        r.relay.continuable = lambda endpoint, fields, context_len=None: streamed.append(dict(fields))
+        for key, body in (
+            ("sk-client", {"prompt": "x"}),
+            ("sk-client", {"prompt": "x"}),
+            ("sk-other", {"prompt": "x"}),
+            ("sk-client", {"prompt": "x", "cache_salt": "conversation-1"}),
+            ("sk-client", {"prompt": "x", "stream": True}),
+        ):
+            _run(r, body, _seen_cluster(seen), key=key)
+        salts = [b.get("cache_salt") for b in seen]
+        own = r.front.salts.salt(key_id("sk-client"), True, {}, None)
+        assert salts[0] == salts[1] == salts[4] == own
+        assert salts[2] not in (None, own)  # another key, another cache
+        assert salts[3] not in (None, own, "conversation-1")  # the client's narrows its key's
+        # A stream's record (its continuation's fields) carries the same salt as the request.
+        assert [f["cache_salt"] for f in streamed] == [own]
+        # With isolation off every key shares the cache: only a client's own salt goes on.
+        r.limiter.config = replace(r.limiter.config, cache_isolation="shared")
+        seen.clear()
+        _run(r, {"prompt": "x"}, _seen_cluster(seen))
+        _run(r, {"prompt": "x", "cache_salt": "mine"}, _seen_cluster(seen))
+        assert "cache_salt" not in seen[0] and seen[1]["cache_salt"] == "mine"
+    finally:
+        mp.undo()
+
+
+def test_the_fallback_never_gets_a_cache_salt_and_a_bad_client_salt_is_a_400(monkeypatch):
+    r, _, calls = _salted(monkeypatch, when=("deadline",))
+
+    async def unservable(body):
+        raise Unservable(Reason.DEADLINE, 1)
+
+    resp, _ = _run(r, {"model": "ours", "prompt": "x", "cache_salt": "mine"}, unservable)
+    assert resp.status_code == 200 and "cache_salt" not in json.loads(calls[0].content)
+    seen: list[dict] = []
+    resp, _ = _run(r, {"model": "ours", "prompt": "x", "cache_salt": "a/b"}, _seen_cluster(seen))
+    error = json.loads(resp.body)["error"]
+    assert resp.status_code == 400 and error["param"] == "cache_salt" and seen == []
+
+
+def _budgeted(monkeypatch, when_exceeded="refuse", **kw):
+    """The door with sk-client's budget of $0.001 a month; a cluster answer (2 prompt, 5
+    output tokens) costs $0.0007 at $0.0001 per prompt token and per output token."""
+    from serving.ingress.costs import Costs
+    from serving.spec import key_id
+
+    r, meter, calls = _routing(monkeypatch, **kw)
+    kid = key_id("sk-client")
+    budget = {"usd": 0.001, "period": "month", "when_exceeded": when_exceeded}
+    ledger = _limited(r, {"keys": {kid: {"budget": budget}}})
+    price = {"prefill_usd_per_token": 1e-4, "decode_usd_per_token": 1e-4, "disaggregated": False}
+    r.router.costs = Costs.from_user_config({"ours": price, "cheap": price}, None)
+    return r, meter, calls, ledger, kid
+
+
+def test_a_key_past_its_budget_gets_a_429_naming_it_with_retry_after_at_the_periods_end(monkeypatch):
+    import time
+
+    from serving.ingress.windows import MONTH, period_bounds
+
+    r, meter, _, ledger, kid = _budgeted(monkeypatch)
+    seen: list[dict] = []
+    first, second = (_run(r, {"model": "ours", "prompt": "x"}, _seen_cluster(seen))[0] for _ in range(2))
+    assert first.status_code == second.status_code == 200  # $0.0007, then $0.0014: admitted under it
+    refused, _ = _run(r, {"model": "ours", "prompt": "x"}, _seen_cluster(seen))
+    error = json.loads(refused.body)["error"]
+    assert refused.status_code == 429 and error["code"] == "budget_exceeded" and "monthly budget" in error["message"]
+    end = period_bounds(MONTH, time.time())[1]
+    assert abs(int(refused.headers["retry-after"]) - (end - time.time())) <= 2
+    assert len(seen) == 2 and meter.limited == [(kid, "ours", "budget")]
+    assert ledger.actor.spend(kid)["month"]["usd"] == pytest.approx(0.0014)
+    # Other keys are not touched by sk-client's budget.
+    assert _run(r, {"model": "ours", "prompt": "x"}, _seen_cluster(seen), key="sk-other")[0].status_code == 200
+
+
+def test_a_key_past_its_budget_overflows_to_the_cheaper_model_its_budget_names(monkeypatch):
+    r, meter, _, _, kid = _budgeted(monkeypatch, when_exceeded="cheap")
+    seen: list[dict] = []
+    statuses = [_run(r, {"model": "ours", "prompt": "x"}, _seen_cluster(seen))[0].status_code for _ in range(4)]
+    assert statuses == [200] * 4
+    assert [b["model"] for b in seen] == ["ours", "ours", "cheap", "cheap"]
+    assert meter.overflows == [(kid, "ours", "cheap")] * 2 and meter.limited == []
+
+
+def test_a_key_past_its_budget_overflows_to_the_fallback_when_its_budget_says_so(monkeypatch):
+    r, meter, calls, _, _ = _budgeted(monkeypatch, when_exceeded="fallback")
+    seen: list[dict] = []
+    answers = [_run(r, {"model": "ours", "prompt": "x"}, _seen_cluster(seen))[0] for _ in range(3)]
+    assert [a.headers["x-served-by"] for a in answers] == ["cluster", "cluster", "fallback"]
+    assert len(seen) == 2 and len(calls) == 1 and meter.fallbacks == [("budget", "ok")]

@@ -33,10 +33,14 @@ class _Meter:
     """Records what UsageMeter would count."""
 
     def __init__(self):
-        self.calls, self.fallbacks, self.limited = [], [], []
+        self.calls, self.fallbacks, self.limited, self.costs, self.overflows = [], [], [], [], []
 
-    def served(self, *a):
-        self.calls.append(a)
+    def served(self, kid, model, destination, prompt, completion, cached=0, cost=None):
+        self.calls.append((kid, model, destination, prompt, completion))
+        self.costs.append((cached, cost))
+
+    def over_budget(self, kid, model, to):
+        self.overflows.append((kid, model, to))
 
     def fallback(self, reason, outcome):
         self.fallbacks.append((reason, outcome))
@@ -292,7 +296,7 @@ def test_a_cluster_stream_cut_before_its_usage_event_still_counts_the_tokens_gen
     """A client that disconnects early must not get its tokens free of limits and metering."""
     r, meter, _ = _routing(monkeypatch)
     settled = []
-    r.limiter.settle = lambda kid, model, decision, used: settled.append(used)
+    r.limiter.settle = lambda kid, model, decision, used, spend=None: settled.append(used)
 
     async def call(body):
         async def gen():
@@ -443,7 +447,7 @@ def test_overflow_at_the_threshold_per_decode_replica(monkeypatch):
 def test_rate_limited_key_gets_429_with_retry_after(monkeypatch):
     r, _, calls = _routing(monkeypatch)
 
-    async def refuse(kid, model, body, context_len=None):
+    async def refuse(kid, model, body, context_len=None, *, budget=True):
         return Decision(False, 12, "rpm", "Rate limit reached: 1 requests per minute for this API key.")
 
     r.limiter.admit = refuse
@@ -672,3 +676,45 @@ def test_the_test_hook_sends_a_request_to_the_fallback_only_where_it_is_on(monke
     resp = asyncio.run(r.front.generate(request.starlette(), "completions"))
     assert resp.status_code == 200 and resp.headers[SERVED_BY] == served
     assert len(calls) == (1 if hooks else 0)
+
+
+def test_each_answer_is_priced_from_its_usage_and_its_cost_settles_the_keys_spend(monkeypatch):
+    """The cluster's answers, whole and streamed, read their cached prompt tokens (vLLM's
+    prompt_tokens_details) before the client's view drops the usage; each is priced at the
+    model's rates and its cost goes with the tokens to the key's spend."""
+    from serving.ingress.costs import Costs
+
+    r, meter, _ = _routing(monkeypatch)
+    price = {"prefill_usd_per_token": 1e-6, "decode_usd_per_token": 1e-5, "disaggregated": True}
+    r.router.costs = Costs.from_user_config({"ours": price}, None, vllm="0.32.0")
+    spent = []
+    r.limiter.settle = lambda kid, model, decision, used, spend=None: spent.append(spend)
+    usage = {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+
+    async def whole(body):
+        return JSONResponse({"model": "ours", "choices": [], "usage": usage})
+
+    async def streamed(body):
+        async def gen():
+            yield 'data: {"model":"ours","choices":[{"text":"a"}],"usage":null}\n\n'
+            yield f"data: {json.dumps({'model': 'ours', 'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(gen(), media_type="text/event-stream")
+
+    _run(r, {"model": "ours", "prompt": "x"}, whole)
+    _, chunks = _run(r, {"model": "ours", "prompt": "x", "stream": True}, streamed)
+    assert not any("prompt_tokens_details" in c for c in chunks)  # the usage event the client did not ask for
+    # 10 prompt tokens, 4 of them cached: 6 computed at $1/M; 3 output tokens at $10/M.
+    expected = (6e-6, 3e-5)
+    assert [c for c, _ in meter.costs] == [4, 4]
+    assert all(cost == pytest.approx(expected) for _, cost in meter.costs)
+    assert [(s.requests, s.prompt, s.completion, s.cached) for s in spent] == [(1, 10, 3, 4)] * 2
+    assert all(s.usd == pytest.approx(sum(expected)) for s in spent)
+
+
+def test_an_unpriced_model_is_metered_in_tokens_with_no_cost(monkeypatch):
+    r, meter, _ = _routing(monkeypatch)
+    spent = []
+    r.limiter.settle = lambda kid, model, decision, used, spend=None: spent.append(spend)
+    _run(r, {"model": "ours", "prompt": "x"}, _cluster_json())
+    assert meter.costs == [(0, None)] and spent[0].usd == 0.0 and spent[0].prompt == 2

@@ -211,3 +211,80 @@ def test_bad_key_entries_name_the_key(entry, fragment):
         many({"keys": {KID: entry}})
     err = e.value.errors()[0]
     assert err["loc"][:3] == ("limits", "keys", KID) and fragment in err["msg"]
+
+
+# --- budgets, prices and prefix-cache isolation ---------------------------------------------------
+FALLBACK = {"baseUrl": "https://api.example.com/v1", "model": "meta/llama-3.1-8b"}
+
+
+def test_budgets_cache_groups_isolation_and_provider_prices_render_into_the_ingress_user_config():
+    s = spec(
+        fallback={**FALLBACK, "prices": {"llama-8b": {"promptPerMillion": 0.2, "completionPerMillion": 0.6}}},
+        limits={
+            "cacheIsolation": "key",
+            "keys": {
+                KID: {"budget": {"usd": 25, "period": "day", "whenExceeded": "fallback"}, "cacheGroup": "team-a"},
+                "k-00000000000b": {"budget": {"usd": 100}},
+            },
+        },
+    )
+    uc = s.ingress_user_config()
+    keys = uc["limits"]["keys"]
+    assert keys[KID] == {"budget": {"usd": 25, "period": "day", "when_exceeded": "fallback"}, "cache_group": "team-a"}
+    # A budget's defaults: a month, refused past it.
+    assert keys["k-00000000000b"] == {"budget": {"usd": 100, "period": "month", "when_exceeded": "refuse"}}
+    assert uc["limits"]["cache_isolation"] == "key"
+    # Per million tokens in the stack, per token for the ingress; the cached prompt price is
+    # the prompt price unless given.
+    price = uc["fallback"]["prices"]["llama-8b"]
+    assert price == pytest.approx({"prompt": 0.2e-6, "completion": 0.6e-6, "cached_prompt": 0.2e-6})
+    assert spec().ingress_user_config()["limits"]["cache_isolation"] == "key"  # isolation by default
+
+
+def test_a_targets_token_prices_become_the_clusters_costs_per_model():
+    def costs(target):
+        cfg = spec().serve_config(target)
+        deployments = cfg["applications"][0]["deployments"]
+        return next(d["user_config"] for d in deployments if d["name"] == INGRESS_DEPLOYMENT)["costs"]
+
+    priced = costs(Target(accelerator_type="H100", token_prices={"prefill": 1e-7, "decode": 2e-6}))
+    assert priced == {"llama-8b": {"prefill_usd_per_token": 1e-7, "decode_usd_per_token": 2e-6, "disaggregated": True}}
+    assert costs(Target(accelerator_type="H100")) == {}  # unpriced: counted in tokens only
+
+
+@pytest.mark.parametrize(
+    "over,where,fragment",
+    [
+        (
+            {"limits": {"keys": {KID: {"budget": {"usd": 5, "whenExceeded": "fallback"}}}}},
+            f"serving.limits.keys.{KID}.budget.whenExceeded",
+            "'fallback' needs serving.fallback",
+        ),
+        (
+            {"limits": {"keys": {KID: {"budget": {"usd": 5, "whenExceeded": "tiny"}}}}},
+            f"serving.limits.keys.{KID}.budget.whenExceeded",
+            "'tiny' is not the id of a served model",
+        ),
+        (
+            {"fallback": {**FALLBACK, "prices": {"other": {"promptPerMillion": 1, "completionPerMillion": 1}}}},
+            "serving.fallback.prices.other",
+            "'other' is not a model the fallback serves",
+        ),
+    ],
+)
+def test_a_budget_or_price_that_cannot_apply_is_one_error_naming_its_key(over, where, fragment):
+    msg = error({"model": MODEL, **over})
+    assert msg.startswith(f"@{where}@ ") and fragment in msg
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"budget": {"usd": 0}},
+        {"budget": {"usd": 5, "period": "week"}},
+        {"cacheGroup": "Team A"},
+    ],
+)
+def test_a_budget_or_cache_group_out_of_range_is_refused(entry):
+    with pytest.raises(ValidationError):
+        spec(limits={"keys": {KID: entry}})

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from serving.spec import ServingSpec, Target
 from serving.spec.scaling import DECODE_SIGNALS, PREFILL_SIGNALS
+from tests.upstream import async_engine_kwargs
 
 GPU = Target(accelerator_type="H100")
 S3 = "s3://models-bucket/meta-llama/Llama-3.1-8B-Instruct"
@@ -44,7 +45,7 @@ def test_s3_weights_are_streamed_with_settings_vllm_accepts():
         model={"id": "m", "source": S3, "loading": {"streamerConcurrency": 32, "streamerMemoryLimitBytes": 2**33}}
     )
     for role in ("prefill", "decode"):
-        kwargs = dict(_engine(spec, role)["engine_kwargs"])
+        kwargs = async_engine_kwargs(dict(_engine(spec, role)["engine_kwargs"]))
         kwargs.pop("kv_transfer_config")
         assert kwargs["load_format"] == "runai_streamer"
         args = AsyncEngineArgs(model=S3, **kwargs)

@@ -21,6 +21,7 @@ from serving.spec import (
     ServingSpec,
     Target,
 )
+from tests.upstream import async_engine_kwargs
 
 GPU = Target(
     accelerator_type="H100",
@@ -202,7 +203,7 @@ def test_engine_kwargs_are_valid_vllm_engine_args(case):
 
     spec, target = CASES[case]
     for role, raw in engine_configs(spec.app_args(target)).items():
-        kwargs = dict(raw["engine_kwargs"])
+        kwargs = async_engine_kwargs(dict(raw["engine_kwargs"]))
         if "kv_transfer_config" in kwargs:
             kwargs["kv_transfer_config"] = KVTransferConfig(**kwargs["kv_transfer_config"])
         args = AsyncEngineArgs(model=spec.model.source, **kwargs)
@@ -261,7 +262,7 @@ def test_vllm_rejects_an_unknown_engine_kwarg_that_the_spec_lets_through():
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     spec = cpu_spec().model_copy(update={"engine_kwargs": {"enforce_eagre": True}})
-    kwargs = dict(spec.app_args(CPU)["decode_config"]["engine_kwargs"])
+    kwargs = async_engine_kwargs(dict(spec.app_args(CPU)["decode_config"]["engine_kwargs"]))
     kwargs.pop("kv_transfer_config")
     with pytest.raises(TypeError, match="enforce_eagre"):
         AsyncEngineArgs(model="/models/tiny", **kwargs)
