@@ -63,8 +63,9 @@ def test_a_key_reads_its_own_spend_and_is_refused_on_its_first_request_past_its_
     one = _settled(stack, start["day"]["requests"] + 1)
     per_request = one["day"]["spend_usd"] - start["day"]["spend_usd"]
     assert per_request > 0  # the local stack prices its tokens (local/config.py LOCAL_TOKEN_PRICES)
-    # Room for one more request and a half: the next is admitted, the one after that refused.
-    budget = one["day"]["spend_usd"] + 1.5 * per_request
+    # Room for half a request: the next is admitted (the spend is below the budget when it
+    # comes), its cost takes the spend past the budget, and the one after it is refused.
+    budget = one["day"]["spend_usd"] + 0.5 * per_request
     cfg = copy.deepcopy(base_user_config(stack))
     cfg["limits"] = {**cfg["limits"], "keys": {key_id(KEY): {"budget": {"usd": budget, "period": "day"}}}}
     set_user_config(stack, cfg)

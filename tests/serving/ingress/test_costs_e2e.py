@@ -46,7 +46,12 @@ def _reading(stack, app: str, kid: str) -> tuple[float, ...]:
     the ingress's cost for `kid` in USD, its requests), now."""
     name, prefill_dep, decode_dep = APPS[app]
     replicas = serve_apps(stack.state["dashboard_url"])[name]["replicas"]
-    prefill_ids, decode_ids = set(replicas[prefill_dep]), set(replicas[decode_dep])
+
+    def of(dep: str) -> set[str]:  # a deployment is named per model: "Prefill:tiny-llama"
+        return {r for d, ids in replicas.items() if d == dep or d.startswith(f"{dep}:") for r in ids}
+
+    prefill_ids, decode_ids = of(prefill_dep), of(decode_dep)
+    assert prefill_ids and decode_ids, sorted(replicas)
     samples = _scrape(stack)
 
     def engines(series: str, ids: set[str], **only: str) -> float:
