@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 from bench.conformance_bodies import Case, generate
-from bench.conformance_compare import Answer, answer_of, differences
+from bench.conformance_compare import Answer, answer_of, differences, refusal_status
 from infra.paths import BUILD_DIR
 
 PATHS = ("disaggregated", "aggregated", "migration", "fallback")
@@ -208,7 +208,7 @@ class Runner:
         oracle, ours = await asyncio.gather(
             self.oracle(endpoint, body), self.ours(path, endpoint, body, case.cut_after)
         )
-        if path == "fallback" and not 400 <= oracle.status < 500:
+        if path == "fallback" and refusal_status(oracle) is None:
             oracle = await self.oracle(endpoint, _openai_part(endpoint, body))
         where = "fallback" if path == "fallback" else "cluster"
         if ours.status == 200 and ours.served_by != where:

@@ -58,3 +58,21 @@ def test_the_fallback_is_compared_with_the_openai_part_when_vllm_serves_the_body
     runner = _Runner(200)
     assert asyncio.run(runner.compare("fallback", Case("completions", body, 1), "completions", body)) == []
     assert runner.oracle_bodies[-1] == {"prompt": "x"}
+
+
+class _StreamRefusingRunner(_Runner):
+    """Plain vLLM refuses this streamed body inside its stream (a 200, one error event)."""
+
+    async def oracle(self, endpoint: str, body: dict[str, Any]) -> Answer:
+        self.oracle_bodies.append(body)
+        if "truncate_prompt_tokens" in body:
+            err = {"error": {"message": "The decoder prompt cannot be empty", "code": 400}}
+            return Answer(200, events=[err], done=1)
+        return Answer(200, events=[{"choices": [{"index": 0, "text": "a"}]}], done=1)
+
+
+def test_the_fallback_is_held_to_a_refusal_vllm_makes_inside_its_stream():
+    body = {"prompt": "x", "stream": True, "truncate_prompt_tokens": 0}
+    runner = _StreamRefusingRunner(400)
+    assert asyncio.run(runner.compare("fallback", Case("completions", body, 1), "completions", body)) == []
+    assert runner.oracle_bodies == [body]  # the OpenAI part was never the reference
