@@ -51,12 +51,16 @@ class EagerFirstChunkMixin:
         if configs.get(FIRST_CHUNK_KEY) == FirstChunk.BATCHED.value:
             return super()._batch_output_stream(generator)  # type: ignore[misc]
         threshold = int(configs.get(BATCH_FROM_STREAMS_KEY, BATCH_FROM_STREAMS))
-        return self._counted(eager_batches(generator, self._get_batch_interval_ms(), lambda: self._busy(threshold)))
+        return self._stream_counted(
+            eager_batches(generator, self._get_batch_interval_ms(), lambda: self._busy(threshold))
+        )
 
     def _busy(self, threshold: int) -> bool:
         return self._open_streams >= threshold
 
-    async def _counted(self, batches: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
+    # A name of its own: P/D decode's class counts its requests in a `_counted` of its own,
+    # which took this one's place, so a P/D decode replica never batched.
+    async def _stream_counted(self, batches: AsyncIterator[list[Any]]) -> AsyncIterator[list[Any]]:
         self._open_streams += 1
         try:
             async for batch in batches:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 
+import pytest
 from ray.llm._internal.serve.core.server import llm_server as ray_llm_server
 from ray.serve.llm.deployment import LLMServer
 
@@ -190,10 +191,22 @@ def test_batching_switches_with_the_load_mid_stream_and_errors_still_reach_the_c
     assert len(batches) < 10 and [x for b in batches for x in b] == list(range(10))
 
 
-def test_the_replica_batches_only_from_the_configured_number_of_open_streams():
+def _pd_decode_server():
+    from serving.engines.pd_server import ResilientPDDecodeServer
+
+    server = object.__new__(ResilientPDDecodeServer)
+    server._open_requests = 0
+    return server
+
+
+@pytest.mark.parametrize("make", [lambda: object.__new__(EagerLLMServer), _pd_decode_server], ids=["aggregated", "pd"])
+def test_the_replica_batches_only_from_the_configured_number_of_open_streams(make):
+    """Both engine classes: the P/D decode replica counted its streams in its own request
+    counter (a method of the same name) and never batched (make bench-goodput: 1.03 tokens
+    per chunk on P/D's decode against 10.7 on the aggregated app under the same load)."""
     from serving.spec import BATCH_FROM_STREAMS_KEY
 
-    server = object.__new__(EagerLLMServer)
+    server = make()
     server._llm_config = type("C", (), {"experimental_configs": {BATCH_FROM_STREAMS_KEY: 2}})()
     server._get_batch_interval_ms = lambda: 30
 
@@ -213,3 +226,4 @@ def test_the_replica_batches_only_from_the_configured_number_of_open_streams():
     assert alone == [[i] for i in range(5)]
     assert all(len(batches) < 8 for batches in both)  # two open: batched
     assert left == 0
+    assert getattr(server, "_open_requests", 0) == 0  # P/D's request count is not the streams' count
