@@ -92,13 +92,6 @@ class ProviderPrice:
     cached_prompt: float
 
 
-def cached_tokens(usage: Any) -> int:
-    """`usage.prompt_tokens_details.cached_tokens` of an OpenAI usage object (0 when absent)."""
-    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    return int(cached) if isinstance(cached, int | float) and not isinstance(cached, bool) and cached > 0 else 0
-
-
 @dataclass(frozen=True)
 class Costs:
     """The prices of one ingress configuration, by base model id."""

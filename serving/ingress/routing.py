@@ -38,7 +38,6 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
@@ -46,7 +45,7 @@ from starlette.responses import Response, StreamingResponse
 from serving.core import metrics
 from serving.core.cluster_watch import ClusterWatch, serve_running
 from serving.core.failures import UNAVAILABLE_MESSAGE, Reason, Unservable, as_unservable
-from serving.ingress.costs import Costs, cached_tokens
+from serving.ingress.costs import Costs
 from serving.ingress.errors import SERVED_BY, error_response
 from serving.ingress.fallback import FallbackClient, FallbackConfig, FallbackError
 from serving.ingress.limits import OVER_BUDGET_FALLBACK, Spend, UsageMeter
@@ -66,20 +65,6 @@ DEADLINE = FallbackWhen.DEADLINE.value
 OVER_BUDGET = "budget"
 # How often a request waiting for the cluster's first byte looks at the routing rules again.
 WATCH_TICK_S = 0.5
-
-
-@dataclass
-class MeteredRewriter(SseRewriter):
-    """The metering rewriter of a cluster stream: also reads the usage's cached prompt tokens
-    (vLLM's prompt_tokens_details, which the spec turns on) before the usage is edited."""
-
-    cached_tokens: int = 0
-
-    def edit(self, msg: dict[str, Any]) -> dict[str, Any] | None:
-        usage = msg.get("usage")
-        if usage:
-            self.cached_tokens = cached_tokens(usage)
-        return super().edit(msg)
 
 
 # The conformance harness's request header: `fallback` sends the request to the fallback, read
@@ -304,8 +289,7 @@ class Router:
         assert self.fallback is not None
 
         def done(usage: Usage, ok: bool) -> None:
-            # The provider's cached prompt tokens, where the usage read carries them.
-            self._count(ctx, metrics.DESTINATION_FALLBACK, usage, int(getattr(usage, "cached_tokens", 0) or 0))
+            self._count(ctx, metrics.DESTINATION_FALLBACK, usage)
             self.meter.fallback(reason, "ok" if ok else "failed")
 
         try:
@@ -325,10 +309,10 @@ class Router:
                 headers["Retry-After"] = str(err.retry_after_s)
             return error_response(err.status, f"{err.message} (cluster: {detail})", code=err.code, headers=headers)
 
-    def _count(self, ctx: RequestContext, destination: str, usage: Usage, cached: int = 0) -> None:
+    def _count(self, ctx: RequestContext, destination: str, usage: Usage) -> None:
         # The model as asked (an adapter by name); the limits window is its base model's.
         prompt, completion = usage.prompt_tokens, usage.completion_tokens
-        cached = max(0, min(cached, prompt))
+        cached = max(0, min(usage.cached_tokens, prompt))
         cost = self.costs.of(ctx.route.model, destination, prompt, completion, cached)
         parts = (cost.prefill, cost.decode) if cost is not None else None
         self.meter.served(ctx.key_id, ctx.route.model, destination, prompt, completion, cached, parts)
@@ -338,14 +322,14 @@ class Router:
     def _metered(self, resp: Response, ctx: RequestContext, ticket: int) -> Response:
         resp.headers[SERVED_BY] = metrics.DESTINATION_CLUSTER
         if isinstance(resp, StreamingResponse):
-            rewriter = MeteredRewriter(model=None, keep_usage_event=ctx.asked_usage, keep_chunk_usage=False)
+            rewriter = SseRewriter(model=None, keep_usage_event=ctx.asked_usage, keep_chunk_usage=False)
 
             def settle() -> None:
                 self.inflight.close(ticket)
                 # Usage so far comes with every chunk: a stream cut before its usage
                 # event (the client went away) still counts what was generated.
                 usage = rewriter.usage if rewriter.usage.seen else estimated_usage(rewriter)
-                self._count(ctx, metrics.DESTINATION_CLUSTER, usage, rewriter.cached_tokens)
+                self._count(ctx, metrics.DESTINATION_CLUSTER, usage)
 
             if isinstance(resp, EventStreamResponse):
                 # The relay's own stream: the rewriter reads the events it decodes anyway.
@@ -354,14 +338,13 @@ class Router:
                 resp.body_iterator = _rewritten(resp.body_iterator, rewriter, settle)
             return resp
         self.inflight.close(ticket)
-        usage, cached = Usage(), 0
+        usage = Usage()
         try:
             doc = json.loads(bytes(resp.body))
             usage.take(doc.get("usage") if isinstance(doc, dict) else None)
-            cached = cached_tokens(doc.get("usage")) if isinstance(doc, dict) else 0
         except (ValueError, AttributeError, RecursionError):
             pass
-        self._count(ctx, metrics.DESTINATION_CLUSTER, usage, cached)
+        self._count(ctx, metrics.DESTINATION_CLUSTER, usage)
         return resp
 
 

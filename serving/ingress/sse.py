@@ -116,16 +116,27 @@ class SseDecoder:
         return [parse_event(rest)] if rest.strip() else []
 
 
+def cached_tokens(usage: Any) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of an OpenAI usage object (0 when absent)."""
+    details = usage.get("prompt_tokens_details") if isinstance(usage, Mapping) else None
+    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
+    return int(cached) if isinstance(cached, int | float) and not isinstance(cached, bool) and cached > 0 else 0
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     seen: bool = False
+    # Prompt tokens served from a prefix cache (vLLM's prompt_tokens_details, which the spec
+    # turns on; a provider's the same way): what a request's cost leaves out.
+    cached_tokens: int = 0
 
     def take(self, usage: Any) -> None:
         if isinstance(usage, Mapping):
             self.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             self.completion_tokens = int(usage.get("completion_tokens") or 0)
+            self.cached_tokens = cached_tokens(usage)
             self.seen = True
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from serving.ingress.costs import PREFILL_HITS_SINCE, Costs, cached_tokens, reports_prefill_hits
+from serving.ingress.costs import PREFILL_HITS_SINCE, Costs, reports_prefill_hits
+from serving.ingress.sse import cached_tokens
 
 # The rendered user_config's `costs` and `fallback.prices` (serving/spec/render.py): USD per token.
 COSTS = {

@@ -712,6 +712,25 @@ def test_each_answer_is_priced_from_its_usage_and_its_cost_settles_the_keys_spen
     assert all(s.usd == pytest.approx(sum(expected)) for s in spent)
 
 
+def test_a_fallback_answer_is_priced_with_the_providers_cached_prompt_tokens(monkeypatch):
+    """The provider's usage is read as the cluster's is: its cached prompt tokens
+    (prompt_tokens_details) are priced at its cached price (they were counted as full-price
+    prompt tokens: the fallback's usage reader never carried them)."""
+    from serving.ingress.costs import Costs
+
+    usage = {"prompt_tokens": 10, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 4}}
+    answer = {**PROVIDER_ANSWER, "usage": usage}
+    r, meter, _ = _routing(monkeypatch, when=("unavailable",), provider=lambda req: httpx.Response(200, json=answer))
+    prices = {"prices": {"ours": {"prompt": 1e-6, "completion": 1e-5, "cached_prompt": 1e-7}}}
+    r.router.costs = Costs.from_user_config(None, prices, vllm="0.32.0")
+    r.router.pre_route = lambda model: ("unavailable", "no decode replica")
+    resp, _ = _run(r, {"model": "ours", "prompt": "x"}, _cluster_json())
+    assert resp.headers[SERVED_BY] == "fallback"
+    # 6 prompt tokens at $1/M, 4 cached at $0.1/M; 3 output tokens at $10/M.
+    assert [c for c, _ in meter.costs] == [4]
+    assert meter.costs[0][1] == pytest.approx((6e-6 + 4e-7, 3e-5))
+
+
 def test_an_unpriced_model_is_metered_in_tokens_with_no_cost(monkeypatch):
     r, meter, _ = _routing(monkeypatch)
     spent = []
