@@ -258,6 +258,25 @@ def cache_salt_problem(body: Mapping[str, Any]) -> str | None:
     return None
 
 
+# The scalar types a validated request may read a client's lax value as (`"12"`, `12.0`).
+_READ_AS = (bool, int, float)
+
+
+def as_read(body: Mapping[str, Any], typed: Any) -> dict[str, Any]:
+    """`body` with each scalar field as the validated request `typed` (vLLM's model, lax) read
+    it: `"12"` and `12.0` are 12, `"true"` is True. What the cluster's engine served is what an
+    external OpenAI-compatible API is sent; OpenAI refuses a number given as a string. Read
+    from the model's fields themselves, as `limits.engine_view` does (a chat request's
+    max_tokens warns when read as an attribute)."""
+    read = getattr(typed, "__dict__", {})
+    out = dict(body)
+    for name, value in body.items():
+        got = read.get(name)
+        if isinstance(value, str | int | float) and isinstance(got, _READ_AS) and type(got) is not type(value):
+            out[name] = got
+    return out
+
+
 def openai_fields(endpoint: str, body: Mapping[str, Any]) -> dict[str, Any]:
     """The part of `body` that OpenAI documents, for an external OpenAI-compatible API."""
     keep = OPENAI[endpoint]

@@ -53,7 +53,7 @@ from serving.ingress.errors import (
     request_refusal,
     validation_error,
 )
-from serving.ingress.fields import cache_salt_problem, out_of_bounds, refused_field
+from serving.ingress.fields import as_read, cache_salt_problem, out_of_bounds, refused_field
 from serving.ingress.limits import (
     BUDGET,
     ISOLATE_KEYS,
@@ -153,7 +153,10 @@ class FrontDoor:
         if not decision.ok:
             raise BodyError(self._refusal(decision))
         reservation = Reservation(self.limiter, kid, route.model, decision)
-        ctx = RequestContext(request, endpoint, kid, route, body, asked_usage, reservation, started, overflow)
+        # The fallback is sent the client's fields as the engine read them ("12" is 12).
+        ctx = RequestContext(
+            request, endpoint, kid, route, as_read(body, typed), asked_usage, reservation, started, overflow
+        )
         return ctx, typed, record
 
     async def _typed_and_admitted(

@@ -480,6 +480,23 @@ def test_the_fallback_never_gets_a_cache_salt_and_a_bad_client_salt_is_a_400(mon
     assert resp.status_code == 400 and error["param"] == "cache_salt" and seen == []
 
 
+def test_the_fallback_is_sent_the_values_the_engine_read_not_the_clients_lax_spelling(monkeypatch):
+    """vLLM reads "12" and 12.0 as the integer 12 and "true" as true; OpenAI's API refuses a
+    number sent as a string. A body the cluster would serve goes to the fallback as the
+    cluster's engine read it, with the strings left as strings."""
+    r, _, calls = _salted(monkeypatch, when=("deadline",))
+
+    async def unservable(body):
+        raise Unservable(Reason.DEADLINE, 1)
+
+    body = {"model": "ours", "prompt": "x", "max_tokens": "12", "n": 2.0, "echo": "true", "stop": "7"}
+    resp, _ = _run(r, body, unservable)
+    sent = json.loads(calls[0].content)
+    assert resp.status_code == 200
+    assert (sent["max_tokens"], sent["n"], sent["echo"], sent["stop"]) == (12, 2, True, "7")
+    assert type(sent["n"]) is int and type(sent["max_tokens"]) is int
+
+
 def _budgeted(monkeypatch, when_exceeded="refuse", **kw):
     """The door with sk-client's budget of $0.001 a month; a cluster answer (2 prompt, 5
     output tokens) costs $0.0007 at $0.0001 per prompt token and per output token."""
