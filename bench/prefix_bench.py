@@ -31,7 +31,7 @@ from typing import Any
 from bench import BENCH_DIR, hops, vllm_load
 from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
-from serving.core.metrics import KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH
+from serving.core.metrics import KV_ROUTE_TOKENS, KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
 ROUTERS = {"p2c": "power-of-two", "affinity": "prefix-cache-affinity", "kv": "kv-aware"}
@@ -88,9 +88,12 @@ def _served_by(before: list[hops.Sample], after: list[hops.Sample], replica_id: 
 
 def _counts(metrics_urls: list[str]) -> dict[str, dict[str, float]]:
     """Decode's counters so far: how prefill calls were routed (pd_kv_routes by outcome, kv-aware
-    only), how requests were prefilled (pd_prefill_path by path) and why locally (by reason)."""
+    only), how requests were prefilled (pd_prefill_path by path) and why locally (by reason), and
+    for kv-aware the prompt tokens scored and those the scorer found cached on the replica it
+    chose (pd_kv_route_tokens: what the index believed, beside the engines' own hit rate)."""
     return {
         "routed": hops.scrape_by_label(metrics_urls, KV_ROUTES.prometheus, "outcome"),
+        "scored_tokens": hops.scrape_by_label(metrics_urls, KV_ROUTE_TOKENS.prometheus, "kind"),
         "prefill_path": hops.scrape_by_label(metrics_urls, PREFILL_PATH.prometheus, "path"),
         "local_prefill_reasons": hops.scrape_by_label(metrics_urls, LOCAL_PREFILLS.prometheus, "reason"),
     }
@@ -120,9 +123,13 @@ def table(apps: dict[str, dict[str, Any]]) -> str:
             f"  {sorted(int(v) for v in app['requests_per_prefill_replica'].values())}"
         )
     for app in apps.values():
+        scored = app.get("scored_tokens") or {}
+        believed = (
+            f", the scorer found {scored['cached'] / scored['prompt']:.1%} cached" if scored.get("prompt") else ""
+        )
         lines.append(
             f"{app['router']}: prefilled {app.get('prefill_path') or {}}, locally because "
-            f"{app.get('local_prefill_reasons') or {}}, routed {app.get('routed') or {}}"
+            f"{app.get('local_prefill_reasons') or {}}, routed {app.get('routed') or {}}{believed}"
         )
     return "\n".join(lines)
 

@@ -70,6 +70,26 @@ KV_COMPLETED_IDS_KEPT = 1024
 # the worker it was routed to. Dynamo's own TTL for its approximate index (router_ttl_secs, 120 s).
 KV_PREDICTED_TTL_S = 120
 PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
+# How Dynamo's selection core weighs a prefill worker (its cost: prefill_load_scale x (booked
+# prompt work + the prompt's uncached blocks) + the blocks its requests hold, shared prefixes
+# counted once; ai-dynamo-runtime 1.6.1, docs "Routing Concepts"). Its defaults book the whole
+# prompt of every request in flight as prompt work: a second request of a prefix whose first is
+# still prefilling on worker A is charged A's booked work plus its own suffix, more than the
+# whole prompt on an idle B, so the prefix is computed twice (make bench-prefix, 2026-12-07:
+# 45.1% hit rate against prefix affinity's 60.0%, and the index's belief equal to the engines'
+# hits: the choice, not the index, lost them). For a prefill tier a request's blocks in flight
+# already are its load, counted once per shared prefix, so the booked prompt work is not
+# counted twice (DYN_ROUTER_TRACK_PREFILL_TOKENS=false), and each uncached prompt block weighs
+# PREFILL_LOAD_SCALE blocks in flight: a prefix stays on the replica that holds it until that
+# replica is that much busier. Set in the scorer's process before the service reads them.
+# Measured: 52.4-54.9% with these (2.0), 55.1% at 8.0: what is left is not the load term
+# (docs/kv-aware-routing.md#measured).
+PREFILL_LOAD_SCALE = 2.0
+SCORER_ENV = {
+    PREDICTED_TTL_ENV: str(KV_PREDICTED_TTL_S),
+    "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",
+    "DYN_ROUTER_PREFILL_LOAD_SCALE": str(PREFILL_LOAD_SCALE),
+}
 # The request's prefix-cache salt, for the selection core while the scorer selects.
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kv_cache_salt", default=None)
 # The request fields the engine's renderer reads to build the prompt (vLLM's ChatCompletionRequest
@@ -167,10 +187,15 @@ class KvScorer:
         self._model = llm_config.model_id
         self._bookings = metrics.counter(metrics.KV_BOOKINGS)
         # Read by Dynamo's selection core when the tracker creates it, just below.
-        os.environ.setdefault(PREDICTED_TTL_ENV, str(KV_PREDICTED_TTL_S))
+        for name, value in SCORER_ENV.items():
+            os.environ.setdefault(name, value)
         self._tracker = ri.build_kv_token_tracker(llm_config, prefill_server.deployment_id)
         salted(self._tracker)
         self._tokenizer = await asyncio.to_thread(ri.kv_tokenizer, llm_config)
+        # One selection at a time: Dynamo books a routed prompt's blocks on its worker (the
+        # predict-on-route index) as it selects, and a selection run beside it would not see
+        # them, so a burst of one prefix would be spread over the workers (see `select`).
+        self._selecting = asyncio.Lock()
 
     async def select(self, request_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         salt = fields.pop("cache_salt", None)  # not the renderer's: the selection core's
@@ -193,7 +218,10 @@ class KvScorer:
         expected = fields.get("max_completion_tokens") or fields.get("max_tokens")
         token = _SALT.set(salt if isinstance(salt, str) and salt else None)
         try:
-            chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+            # Tokenizing above runs beside other requests; selecting does not (`_selecting`):
+            # it is Dynamo's in-process index, well under a millisecond per request.
+            async with self._selecting:
+                chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
         finally:
             _SALT.reset(token)
         self._count(1, "booked")

@@ -257,6 +257,7 @@ def _scorer(workers, ids) -> tuple[KvScorer, _Tracker]:
     tracker = _Tracker(workers)
     scorer._tracker, scorer._tokenizer = tracker, _Tokenizer(ids)
     scorer._model, scorer._bookings = "tiny", _Counter()
+    scorer._selecting = asyncio.Lock()
     return scorer, tracker
 
 
@@ -412,6 +413,7 @@ def _scorer_on(tracker) -> KvScorer:
     scorer = object.__new__(KvScorer)
     scorer._tracker, scorer._tokenizer = tracker, _Tokenizer([1, 2, 3])
     scorer._model, scorer._bookings = "tiny", _Counter()
+    scorer._selecting = asyncio.Lock()
     return scorer
 
 
@@ -541,7 +543,7 @@ def test_the_scorer_hands_the_salt_to_dynamos_selection_not_to_the_prompts_rende
 BLOCK = 16
 
 
-async def _dynamo(workers, endpoints):
+async def _dynamo(workers, endpoints, model="m"):
     from dynamo.llm import SelectionService
 
     svc = SelectionService(indexer_threads=1)
@@ -549,7 +551,7 @@ async def _dynamo(workers, endpoints):
         await svc.upsert_worker(
             {
                 "worker_id": worker,
-                "model_name": "m",
+                "model_name": model,
                 "tenant_id": "default",
                 "endpoint": f"ray://w{worker}",
                 "block_size": BLOCK,
@@ -647,3 +649,90 @@ def test_vllms_kv_events_carry_a_blocks_salt_where_dynamo_does_not_hash_it():
     finally:
         pub.close(0)
     assert unsalted == {1: 4} and salted == {1: 0}
+
+
+async def _burst(svc, shared, suffixes):
+    """Select (and book) one request per suffix of `shared`, all in flight at once: the
+    workers chosen."""
+    base = {"model_name": "m", "tenant_id": "default", "allowed_worker_ids": [1, 2]}
+    chosen = []
+    for i, suffix in enumerate(suffixes):
+        got = await svc.select_and_reserve({**base, "selection_id": f"r{shared[0]}-{i}", "token_ids": shared + suffix})
+        chosen.append(got["worker_id"])
+    return chosen
+
+
+def _burst_on(monkeypatch, env, prompts):
+    from local.procs import free_port
+
+    for name in kv_router.SCORER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+    async def go():
+        svc = await _dynamo([1, 2], [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)])
+        try:
+            return [await _burst(svc, shared, suffixes) for shared, suffixes in prompts]
+        finally:
+            svc.shutdown()
+
+    return asyncio.run(go())
+
+
+def _suffix(k: int) -> list[int]:
+    return list(range(9000 + k * BLOCK, 9000 + (k + 1) * BLOCK))
+
+
+def test_a_prefix_whose_first_request_is_still_in_flight_follows_it_and_new_prompts_still_spread(monkeypatch):
+    """Contract, ai-dynamo-runtime 1.6.1's selection core with the scorer's settings
+    (kv_router.SCORER_ENV): the requests of one 4-block prefix, sent together (each booked
+    before the next is scored, as a burst of a shared system prompt is), go to one worker;
+    prompts sharing nothing spread over both. With Dynamo's defaults (booked prompt work
+    counted) the second request of the prefix goes to the idle worker and computes it again:
+    what make bench-prefix measured."""
+    prefix = list(range(500, 500 + 4 * BLOCK))
+    unrelated = [(list(range(k * 1000, k * 1000 + 4 * BLOCK)), [_suffix(k)]) for k in (20, 21, 22, 23)]
+    burst = [(prefix, [_suffix(k) for k in range(3)])]
+    ours = _burst_on(monkeypatch, kv_router.SCORER_ENV, burst + unrelated)
+    assert len(set(ours[0])) == 1  # the prefix computed once
+    assert set(w for (w,) in ours[1:]) == {1, 2}  # load still spreads what shares nothing
+    defaults = _burst_on(monkeypatch, {kv_router.PREDICTED_TTL_ENV: "120"}, burst)
+    assert len(set(defaults[0])) == 2
+
+
+class _PromptIds:
+    """A renderer whose token ids are the request's `prompt` (a list of ids), after a pause:
+    several requests are tokenized at once, as the scorer's are."""
+
+    async def tokenize(self, fields):
+        await asyncio.sleep(0.01)
+        return list(fields["prompt"])
+
+
+def test_a_burst_of_one_prefix_scored_at_once_goes_to_one_worker(monkeypatch):
+    """Ray 2.60's tracker on ai-dynamo-runtime 1.6.1's selection core, through the scorer: three
+    requests of one prefix scored together (a burst of a shared system prompt at concurrency
+    3) are all sent to one worker, which computes the prefix once. Dynamo books a routed
+    prompt's blocks as it selects; two selections run side by side do not see each other's."""
+    from ray.llm._internal.serve.routing_policies.kv_aware import kv_token_tracker
+
+    from local.procs import free_port
+
+    for name, value in kv_router.SCORER_ENV.items():
+        monkeypatch.setenv(name, value)
+    prefix = list(range(700, 700 + 4 * BLOCK))
+
+    async def go():
+        tracker = _rays_tracker([1, 2])
+        endpoints = [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)]
+        tracker._svc = await _dynamo([1, 2], endpoints, model=kv_token_tracker._MODEL_NAME)
+        try:
+            scorer = _scorer_on(kv_router.salted(tracker))
+            scorer._tokenizer = _PromptIds()
+            picks = await asyncio.gather(*(scorer.select(f"b{k}", {"prompt": prefix + _suffix(k)}) for k in range(3)))
+            return [p["worker_id"] for p in picks]
+        finally:
+            tracker._svc.shutdown()
+
+    assert len(set(asyncio.run(go()))) == 1
