@@ -35,6 +35,9 @@ REQUEST_ITL_PERCENTILE = 99.0
 SATURATED = 0.9
 # The issue's targets.
 PD_OVER_AGGREGATED = 1.3  # our P/D's goodput over our aggregated app's, at an ITL threshold
+# The share of its loosest-threshold goodput our P/D app must keep at a threshold pair for that
+# pair's ratio to count as the best one (`crossing`).
+BEST_SHARE = 0.5
 OURS_OVER_RAY = 1.15  # our P/D's TTFT p50 and ITL p50 over Ray's stock P/D app's
 CPU_OURS_OVER_RAY = 1.3  # CPU per 1,000 output tokens outside the engines, ours over Ray's
 
@@ -175,11 +178,15 @@ def crossing(ours: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[s
     """`ours` (the disaggregated app: rate -> summary) against `base` (the aggregated app), per
     threshold pair: the lowest rate where ours serves more goodput ("passes_at", None: at no
     measured rate) and each rate's ratio; "best": the pair and rate of the highest ratio, with
-    both apps' ITL p99, and whether it reaches PD_OVER_AGGREGATED."""
+    both apps' ITL p99, and whether it reaches PD_OVER_AGGREGATED. A pair counts toward "best"
+    only where ours meets it for at least BEST_SHARE of what it serves at that rate's loosest
+    pair: a ratio of two goodputs near zero (a threshold neither app meets) is noise, while a
+    threshold ours meets and the aggregated app does not is exactly what disaggregation is for."""
     rates = sorted((r for r in ours if r in base), key=float)
     pairs = sorted(
         {p for r in rates for p in (ours[r].get("goodput") or {})}, key=lambda k: tuple(map(float, k.split("/")))
     )
+    loosest = {r: max((_gp(ours, r, p) or 0.0 for p in pairs), default=0.0) for r in rates}
     out: dict[str, Any] = {"pairs": {}, "best": None}
     best: tuple[float, str, str] | None = None
     for p in pairs:
@@ -190,7 +197,8 @@ def crossing(ours: Mapping[str, Mapping[str, Any]], base: Mapping[str, Mapping[s
             ratios[r] = a / b if b > 0 else (None if a == 0 else float("inf"))
             if passes_at is None and a > b:
                 passes_at = r
-            if b > 0 and (best is None or a / b > best[0]):
+            counts = a > 0 and a >= BEST_SHARE * loosest[r]
+            if b > 0 and counts and (best is None or a / b > best[0]):
                 best = (a / b, r, p)
         out["pairs"][p] = {"passes_at": passes_at, "ratio": ratios}
     if best is not None:

@@ -83,6 +83,18 @@ def test_the_crossing_is_the_lowest_rate_where_pd_serves_more():
     }
 
 
+def test_a_threshold_neither_app_meets_is_no_best_ratio_and_one_only_pd_meets_is():
+    """make bench-goodput, 2026-12-07 15:01: at ITL <= 0.05 s both apps' bursts miss, 0.58 and
+    0.08 req/s, a ratio of 7x between two failures; at the reference pair 6.13 against 4.12."""
+    agg = {"1": _at({"0.25/0.05": 0.08, "0.5/0.1": 4.12}, 60.0)}
+    pd = {"1": _at({"0.25/0.05": 0.58, "0.5/0.1": 6.13}, 55.0)}
+    best = gf.crossing(pd, agg)["best"]
+    assert best["pair"] == "0.5/0.1" and best["ratio"] == pytest.approx(6.13 / 4.12) and best["met"]
+    # P/D meeting a tight threshold the aggregated app fails (DistServe's case) is the best ratio
+    pd_meets = {"1": _at({"0.25/0.05": 5.9, "0.5/0.1": 6.13}, 40.0)}
+    assert gf.crossing(pd_meets, agg)["best"]["pair"] == "0.25/0.05"
+
+
 def test_the_binding_resource_is_a_saturated_engine_else_the_machine():
     binds = {"prefill": "0", "decode": "1", "aggregated": "0-1"}
     decode_bound = cpu.Tally(cpu_s={"engine_decode": 9.5, "engine_prefill": 3.0, "ingress": 2.0}, wall_s=10.0)
