@@ -216,8 +216,9 @@ bench-scaling: venv $(PROMETHEUS)
 	$(PY) -m bench.role_scaling --out build/bench/role-scaling.json
 	$(PY) -m bench.cold_start --out build/bench/cold-start.json
 
+# PREFIX_AUTH=1: API keys on, as a stack serves (one key's requests, its prefix cache salted).
 bench-prefix: venv
-	$(PY) -m bench.prefix_bench --out build/bench/prefix.json
+	$(PY) -m bench.prefix_bench --out build/bench/prefix.json $(if $(filter 1,$(PREFIX_AUTH)),--auth)
 
 # The ingress's CPU per streamed event (parse, migration record, metering) against a
 # bare passthrough beside it, in process (no Ray started; a minute or two). Not part of make bench.

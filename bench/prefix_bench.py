@@ -13,6 +13,10 @@ prefix-cache counters, by ReplicaId), the requests each prefill replica served, 
 kv-aware how each request was routed (pd_kv_routes) -> a table with each figure as a ratio to
 power-of-two in the same run, and build/bench/prefix.json.
 
+`--auth` serves the applications as a stack does, with API keys on: every request carries its
+key's prefix-cache salt (serving/ingress/tenancy.py), so the figures are one key's, salted;
+without it no request is salted.
+
 A benchmark prints figures; it does not pass or fail.
 """
 
@@ -32,6 +36,7 @@ from bench import BENCH_DIR, hops, vllm_load
 from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
 from serving.core.metrics import KV_ROUTE_TOKENS, KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH
+from serving.spec import API_KEYS_ENV
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
 ROUTERS = {"p2c": "power-of-two", "affinity": "prefix-cache-affinity", "kv": "kv-aware"}
@@ -47,7 +52,11 @@ ROUNDS = 4
 PER_ROUND = 48
 
 
-def render(model_dir: Path, port: int) -> dict[str, Any]:
+# The one key of an --auth run (the ingress reads it from the cluster's environment).
+BENCH_KEY = "sk-bench-prefix"
+
+
+def render(model_dir: Path, port: int, auth: bool = False) -> dict[str, Any]:
     """The three applications in one Serve config, from the spec (only prefill's router differs)."""
     from local.config import HOST, LOCAL_ROLE_LIMITS, local_spec, local_target
     from serving.spec import Mode, RoleSpec
@@ -55,7 +64,7 @@ def render(model_dir: Path, port: int) -> dict[str, Any]:
     apps = []
     config: dict[str, Any] = {}
     for name, router in ROUTERS.items():
-        base = local_spec(Mode.DISAGGREGATED, model_dir, auth=False)
+        base = local_spec(Mode.DISAGGREGATED, model_dir, auth=auth)
         prefill = RoleSpec.model_validate(
             {"minReplicas": REPLICAS, "maxReplicas": REPLICAS, "router": router, **LOCAL_ROLE_LIMITS}
         )
@@ -141,6 +150,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--per-round", type=int, default=PER_ROUND, help="requests per application per round")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--only", choices=list(ROUTERS), action="append", help="run these applications only")
+    p.add_argument("--auth", action="store_true", help="API keys on: one key's requests, salted (module doc)")
     return p.parse_args(argv)
 
 
@@ -158,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model_dir = ensure_tiny_model()
     port = free_port()
-    config = render(model_dir, port)
+    config = render(model_dir, port, auth=args.auth)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     # Two logical CPUs per engine: REPLICAS prefill engines and one decode engine.
     cluster = LocalCluster(decode_cpus=2)
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out.parent / "prefix-client.log", "w") as client_log:
         try:
             say(f"starting a local Ray cluster; {len(ROUTERS)} P/D applications, one at a time")
-            cluster.start(cluster_env(), extra_prefill=REPLICAS - 1)
+            env = {**cluster_env(), **({API_KEYS_ENV: BENCH_KEY} if args.auth else {})}
+            cluster.start(env, extra_prefill=REPLICAS - 1)
             wait_dashboard(cluster.dashboard_url)
             for name in args.only or ROUTERS:
                 # One application at a time: three side by side (nine engines) run this
@@ -196,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_replicas_per_app": REPLICAS,
             "decode_replicas_per_app": 1,
             "order": "one application after another, the same seeds",
+            "keys": "one API key, its prefix cache salted" if args.auth else "none (no request salted)",
         },
         "machine": {
             "cpus": os.cpu_count(),
@@ -234,7 +246,7 @@ def _measure(
 
     wait_running(cluster.dashboard_url, [name], timeout=900, progress=say)
     url = f"http://{HOST}:{port}/{name}"
-    smoke_request(f"{url}/v1", None, MODEL_ID)
+    smoke_request(f"{url}/v1", BENCH_KEY if args.auth else None, MODEL_ID)
     metrics_urls = [n["metrics_url"] for n in cluster.nodes()]
     prefill_url = next(n["metrics_url"] for n in cluster.nodes() if n["label"] == "prefill")
     served = serve_apps(cluster.dashboard_url)[name]
@@ -257,6 +269,7 @@ def _measure(
             suffix_len=SUFFIX_LEN,
             num_prefixes=NUM_PREFIXES,
             output_len=OUTPUT_LEN,
+            api_key=BENCH_KEY if args.auth else None,
         )
         res, dur = vllm_load.run(load, log=client_log)
         results.extend(res)

@@ -62,3 +62,15 @@ def test_the_table_shows_each_figure_against_power_of_two():
     assert "kv-aware: prefilled {'remote': 9.0, 'local': 1.0}, locally because {}, routed {'scored': 10.0}" in text
     # what the scorer believed cached, beside the engines' hit rate: 100 of 400 prompt tokens
     assert "the scorer found 25.0% cached" in text
+
+
+def test_with_auth_every_app_serves_the_benchs_key_from_the_clusters_environment():
+    """--auth: the applications as a stack serves them, API keys on (and so each key's prefix
+    cache salted: limits.cacheIsolation defaults to "key"); the ingress reads the keys from the
+    environment variable the bench sets on the cluster. Without it no key, no salt."""
+    from serving.spec import API_KEYS_ENV
+
+    keyed = [a["args"]["auth"] for a in prefix_bench.render(Path("/m"), 8123, auth=True)["applications"]]
+    plain = [a["args"]["auth"] for a in prefix_bench.render(Path("/m"), 8123)["applications"]]
+    assert keyed == [{"mode": "api-key", "api_keys_env": API_KEYS_ENV}] * 3
+    assert all(a["mode"] == "disabled" for a in plain)
