@@ -82,6 +82,8 @@ PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
 # counted twice (DYN_ROUTER_TRACK_PREFILL_TOKENS=false), and each uncached prompt block weighs
 # PREFILL_LOAD_SCALE blocks in flight: a prefix stays on the replica that holds it until that
 # replica is that much busier. Set in the scorer's process before the service reads them.
+# Dynamo 1.6.1 logs DYN_ROUTER_PREFILL_LOAD_SCALE as deprecated, to be removed in 1.7 for
+# DYN_ROUTER_POLICY_CONFIG's default policy parameters: an upgrade of the pin moves it there.
 # Measured: 52.4-54.9% with these (2.0), 55.1% at 8.0; what is left is inside Dynamo's
 # selection (docs/kv-aware-routing.md#measured).
 PREFILL_LOAD_SCALE = 2.0
