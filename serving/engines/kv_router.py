@@ -70,27 +70,24 @@ KV_COMPLETED_IDS_KEPT = 1024
 # the worker it was routed to. Dynamo's own TTL for its approximate index (router_ttl_secs, 120 s).
 KV_PREDICTED_TTL_S = 120
 PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
-# How Dynamo's selection core weighs a prefill worker (its cost: prefill_load_scale x (booked
-# prompt work + the prompt's uncached blocks) + the blocks its requests hold, shared prefixes
-# counted once; ai-dynamo-runtime 1.6.1, docs "Routing Concepts"). Its defaults book the whole
-# prompt of every request in flight as prompt work: a second request of a prefix whose first is
-# still prefilling on worker A is charged A's booked work plus its own suffix, more than the
-# whole prompt on an idle B, so the prefix is computed twice (make bench-prefix, 2026-12-07:
-# 45.1% hit rate against prefix affinity's 60.0%, and the index's belief equal to the engines'
-# hits: the choice, not the index, lost them). For a prefill tier a request's blocks in flight
-# already are its load, counted once per shared prefix, so the booked prompt work is not
-# counted twice (DYN_ROUTER_TRACK_PREFILL_TOKENS=false), and each uncached prompt block weighs
-# PREFILL_LOAD_SCALE blocks in flight: a prefix stays on the replica that holds it until that
-# replica is that much busier. Set in the scorer's process before the service reads them.
-# Dynamo 1.6.1 logs DYN_ROUTER_PREFILL_LOAD_SCALE as deprecated, to be removed in 1.7 for
-# DYN_ROUTER_POLICY_CONFIG's default policy parameters: an upgrade of the pin moves it there.
-# Measured: 52.4-54.9% with these (2.0), 55.1% at 8.0; what is left is inside Dynamo's
-# selection (docs/kv-aware-routing.md#measured).
-PREFILL_LOAD_SCALE = 2.0
+# How Dynamo's selection core weighs a prefill worker (ai-dynamo-runtime 1.6.1; its selector logs
+# each choice's logit): the prompt work booked on it and the prompt's uncached blocks, plus the
+# blocks its requests in flight hold, a prefix they share counted once. With its defaults every
+# request in flight books its whole prompt as prompt work, so a second request of a prefix whose
+# first is still prefilling on worker A costs more there than its whole prompt on an idle B, and
+# the prefix is computed twice (make bench-prefix, 2026-12-07: 45.1% hit rate against prefix
+# affinity's 60.0%, the index's belief equal to the engines' hits: the choice lost them). The
+# scorer turns the prompt-work term off (DYN_ROUTER_TRACK_PREFILL_TOKENS=false): a worker's cost
+# is then the blocks it holds in flight, the new request's included, so a prefix in flight on A
+# adds only its new blocks there (52-55% in six runs). What that leaves, read from the
+# selector's logits: a prefix cached on A but no longer in flight earns A nothing, and A with
+# one other request in flight ties an idle B, broken at random (docs/kv-aware-routing.md).
+# DYN_ROUTER_PREFILL_LOAD_SCALE is not set: in 1.6.1 it is read and logged (as deprecated)
+# but the logits do not change with it (0.1, 2 and 100 alike). Set in the scorer's process
+# before the service reads them.
 SCORER_ENV = {
     PREDICTED_TTL_ENV: str(KV_PREDICTED_TTL_S),
     "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",
-    "DYN_ROUTER_PREFILL_LOAD_SCALE": str(PREFILL_LOAD_SCALE),
 }
 # The request's prefix-cache salt, for the selection core while the scorer selects.
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kv_cache_salt", default=None)
