@@ -79,15 +79,19 @@ PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
 # affinity's 60.0%, the index's belief equal to the engines' hits: the choice lost them). The
 # scorer turns the prompt-work term off (DYN_ROUTER_TRACK_PREFILL_TOKENS=false): a worker's cost
 # is then the blocks it holds in flight, the new request's included, so a prefix in flight on A
-# adds only its new blocks there (52-55% in six runs). What that leaves, read from the
-# selector's logits: a prefix cached on A but no longer in flight earns A nothing, and A with
-# one other request in flight ties an idle B, broken at random (docs/kv-aware-routing.md).
-# DYN_ROUTER_PREFILL_LOAD_SCALE is not set: in 1.6.1 it is read and logged (as deprecated)
-# but the logits do not change with it (0.1, 2 and 100 alike). Set in the scorer's process
-# before the service reads them.
+# adds only its new blocks there (52-55% in six runs). That alone leaves, read from the
+# selector's logits, a prefix cached on A but no longer in flight earning A nothing: A with one
+# other request in flight ties an idle B, broken at random. So a cached block is credited twice
+# (DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=2; Dynamo documents credits above 1 as extra credit): a
+# prefix stays on the replica that holds it until that replica holds about twice the prefix's
+# blocks more in flight than the other (58.4%, against prefix affinity's 59.5-60.5% in the
+# day's runs; docs/kv-aware-routing.md). DYN_ROUTER_PREFILL_LOAD_SCALE is not set: in 1.6.1 it
+# is read and logged (as deprecated) but the logits do not change with it (0.1, 2 and 100
+# alike). Set in the scorer's process before the service reads them.
 SCORER_ENV = {
     PREDICTED_TTL_ENV: str(KV_PREDICTED_TTL_S),
     "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",
+    "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "2.0",
 }
 # The request's prefix-cache salt, for the selection core while the scorer selects.
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kv_cache_salt", default=None)
