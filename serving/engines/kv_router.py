@@ -84,8 +84,8 @@ PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
 # other request in flight ties an idle B, broken at random. So a cached block is credited twice
 # (DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=2; Dynamo documents credits above 1 as extra credit): a
 # prefix stays on the replica that holds it until that replica holds about twice the prefix's
-# blocks more in flight than the other (58.4%, against prefix affinity's 59.5-60.5% in the
-# day's runs; docs/kv-aware-routing.md). DYN_ROUTER_PREFILL_LOAD_SCALE is not set: in 1.6.1 it
+# blocks more in flight than the other (59.0% against prefix affinity's 60.0% in one
+# make bench-prefix, 2026-12-07 16:36; docs/kv-aware-routing.md). DYN_ROUTER_PREFILL_LOAD_SCALE is not set: in 1.6.1 it
 # is read and logged (as deprecated) but the logits do not change with it (0.1, 2 and 100
 # alike). Set in the scorer's process before the service reads them.
 SCORER_ENV = {
