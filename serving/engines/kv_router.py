@@ -70,24 +70,17 @@ KV_COMPLETED_IDS_KEPT = 1024
 # the worker it was routed to. Dynamo's own TTL for its approximate index (router_ttl_secs, 120 s).
 KV_PREDICTED_TTL_S = 120
 PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
-# How Dynamo's selection core weighs a prefill worker (ai-dynamo-runtime 1.6.1; its selector logs
-# each choice's logit): the prompt work booked on it and the prompt's uncached blocks, plus the
-# blocks its requests in flight hold, a prefix they share counted once. With its defaults every
-# request in flight books its whole prompt as prompt work, so a second request of a prefix whose
-# first is still prefilling on worker A costs more there than its whole prompt on an idle B, and
-# the prefix is computed twice (make bench-prefix, 2026-12-07: 45.1% hit rate against prefix
-# affinity's 60.0%, the index's belief equal to the engines' hits: the choice lost them). The
-# scorer turns the prompt-work term off (DYN_ROUTER_TRACK_PREFILL_TOKENS=false): a worker's cost
-# is then the blocks it holds in flight, the new request's included, so a prefix in flight on A
-# adds only its new blocks there (52-55% in six runs). That alone leaves, read from the
-# selector's logits, a prefix cached on A but no longer in flight earning A nothing: A with one
-# other request in flight ties an idle B, broken at random. So a cached block is credited twice
-# (DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=2; Dynamo documents credits above 1 as extra credit): a
-# prefix stays on the replica that holds it until that replica holds about twice the prefix's
-# blocks more in flight than the other (59.0% against prefix affinity's 60.0% in one
-# make bench-prefix, 2026-12-07 16:36; docs/kv-aware-routing.md). DYN_ROUTER_PREFILL_LOAD_SCALE is not set: in 1.6.1 it
-# is read and logged (as deprecated) but the logits do not change with it (0.1, 2 and 100
-# alike). Set in the scorer's process before the service reads them.
+# How Dynamo's selection core (ai-dynamo-runtime 1.6.1) weighs a prefill worker: the prompt work
+# booked on it and the prompt's uncached blocks, less a credit per cached block, plus the blocks
+# its requests in flight hold (a shared prefix counted once). Its defaults book every in-flight
+# prompt as prompt work, so a repeat of a prefix still prefilling on A goes to an idle B and
+# the prefix is computed twice: the scorer turns that term off. Then a prefix cached on A but no
+# longer in flight earns A nothing, and A with one other request in flight ties an idle B: so
+# each cached block is credited twice (Dynamo documents credits above 1 as extra credit), and
+# a prefix stays on its replica until that replica holds about twice the prefix's blocks more
+# in flight. DYN_ROUTER_PREFILL_LOAD_SCALE is not set: 1.6.1 reads it but its logits do not
+# change with it. Measured, and how each was found: docs/kv-aware-routing.md#measured. Set in
+# the scorer's process before the service reads them.
 SCORER_ENV = {
     PREDICTED_TTL_ENV: str(KV_PREDICTED_TTL_S),
     "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",

@@ -651,6 +651,15 @@ def test_vllms_kv_events_carry_a_blocks_salt_where_dynamo_does_not_hash_it():
     assert unsalted == {1: 4} and salted == {1: 0}
 
 
+def _dynamo_env(monkeypatch, env):
+    """Dynamo's router settings in this process: exactly `env` of the scorer's (the service
+    reads them when it is created)."""
+    for name in kv_router.SCORER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 async def _burst(svc, shared, suffixes):
     """Select (and book) one request per suffix of `shared`, all in flight at once: the
     workers chosen."""
@@ -665,10 +674,7 @@ async def _burst(svc, shared, suffixes):
 def _burst_on(monkeypatch, env, prompts):
     from local.procs import free_port
 
-    for name in kv_router.SCORER_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _dynamo_env(monkeypatch, env)
 
     async def go():
         svc = await _dynamo([1, 2], [f"tcp://127.0.0.1:{free_port()}" for _ in range(2)])
@@ -719,8 +725,7 @@ def test_a_burst_of_one_prefix_scored_at_once_goes_to_one_worker(monkeypatch):
 
     from local.procs import free_port
 
-    for name, value in kv_router.SCORER_ENV.items():
-        monkeypatch.setenv(name, value)
+    _dynamo_env(monkeypatch, kv_router.SCORER_ENV)
     prefix = list(range(700, 700 + 4 * BLOCK))
 
     async def go():
@@ -743,10 +748,7 @@ def _cached_then_busy(monkeypatch, env) -> int:
     request in flight on worker 1, then a request of the prefix: the worker chosen."""
     from local.procs import free_port
 
-    for name in kv_router.SCORER_ENV:
-        monkeypatch.delenv(name, raising=False)
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+    _dynamo_env(monkeypatch, env)
     prefix = list(range(800, 800 + 4 * BLOCK))
     base = {"model_name": "m", "tenant_id": "default"}
 
