@@ -35,7 +35,7 @@ from typing import Any
 from bench import BENCH_DIR, hops, vllm_load
 from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
-from serving.core.metrics import KV_ROUTE_TOKENS, KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH
+from serving.core.metrics import KV_ROUTE_TOKENS, KV_ROUTE_WAIT, KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH, KvRoute
 from serving.spec import API_KEYS_ENV
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
@@ -99,13 +99,22 @@ def _counts(metrics_urls: list[str]) -> dict[str, dict[str, float]]:
     """Decode's counters so far: how prefill calls were routed (pd_kv_routes by outcome, kv-aware
     only), how requests were prefilled (pd_prefill_path by path) and why locally (by reason), and
     for kv-aware the prompt tokens scored and those the scorer found cached on the replica it
-    chose (pd_kv_route_tokens: what the index believed, beside the engines' own hit rate)."""
+    chose (pd_kv_route_tokens: what the index believed, beside the engines' own hit rate), and
+    the seconds decode waited on the scorer (pd_kv_route_wait_seconds: its round trip)."""
     return {
         "routed": hops.scrape_by_label(metrics_urls, KV_ROUTES.prometheus, "outcome"),
+        "scorer_wait_s": hops.scrape_by_label(metrics_urls, KV_ROUTE_WAIT.prometheus, "model"),
         "scored_tokens": hops.scrape_by_label(metrics_urls, KV_ROUTE_TOKENS.prometheus, "kind"),
         "prefill_path": hops.scrape_by_label(metrics_urls, PREFILL_PATH.prometheus, "path"),
         "local_prefill_reasons": hops.scrape_by_label(metrics_urls, LOCAL_PREFILLS.prometheus, "reason"),
     }
+
+
+def _scorer_wait(app: dict[str, Any]) -> str:
+    """ ", decode waited N ms on the scorer per request that asked it" (none asked: "")."""
+    asked = sum(n for outcome, n in (app.get("routed") or {}).items() if outcome != KvRoute.SKIPPED.value)
+    waited = sum((app.get("scorer_wait_s") or {}).values())
+    return f", decode waited {waited / asked * 1e3:.1f} ms on the scorer per request that asked it" if asked else ""
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -139,6 +148,7 @@ def table(apps: dict[str, dict[str, Any]]) -> str:
         lines.append(
             f"{app['router']}: prefilled {app.get('prefill_path') or {}}, locally because "
             f"{app.get('local_prefill_reasons') or {}}, routed {app.get('routed') or {}}{believed}"
+            f"{_scorer_wait(app)}"
         )
     return "\n".join(lines)
 

@@ -32,6 +32,7 @@ from infra.k8s.serving_metrics import (
     INGRESS_RETRIES,
     KV_BOOKINGS,
     KV_ROUTE_TOKENS,
+    KV_ROUTE_WAIT,
     KV_ROUTES,
     LIMITER_ERRORS,
     LOCAL_PREFILLS,
@@ -423,6 +424,20 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "Of the prompt tokens of KV-scored requests, the share the chosen prefill replica already held "
                 "in its KV cache (by the index built from the engines' KV events): the prefill compute routing "
                 "saved. It falls when prompts stop sharing prefixes or the caches evict them.",
+            ),
+            PanelSpec(
+                "KV scorer's round trip, mean per request (decode)",
+                "s",
+                (
+                    Query(
+                        f"sum by (model) (rate({KV_ROUTE_WAIT}{{{MODEL_SEL}}}[{RATE}])) / "
+                        f'sum by (model) (rate({KV_ROUTES}{{{MODEL_SEL}, outcome!="skipped"}}[{RATE}]))',
+                        "{{model}}",
+                    ),
+                ),
+                "How long decode waited for the scorer's choice before each KV-routed prefill call: time "
+                "every such request adds to its time to first token, against what a cache hit saves. "
+                "It climbs toward the scorer's timeout when the scorer falls behind (then timeouts rise).",
             ),
             PanelSpec(
                 "KV scorer: prefill bookings outstanding",

@@ -40,6 +40,7 @@ PREFILL_RETRIES = m.PREFILL_RETRIES.prometheus
 LOCAL_PREFILLS = m.LOCAL_PREFILLS.prometheus
 KV_ROUTES = m.KV_ROUTES.prometheus
 KV_ROUTE_TOKENS = m.KV_ROUTE_TOKENS.prometheus
+KV_ROUTE_WAIT = m.KV_ROUTE_WAIT.prometheus
 KV_BOOKINGS = m.KV_BOOKINGS.prometheus
 PREFILL_PATH = m.PREFILL_PATH.prometheus
 # Streams cut after their first byte (model, reason, outcome), counted by the ingress.

@@ -196,6 +196,15 @@ KV_ROUTE_TOKENS = Metric(
     "replica held in its KV cache by the index (kind cached).",
     DECODE,
 )
+KV_ROUTE_WAIT = Metric(
+    "pd_kv_route_wait_seconds",
+    ("model",),
+    "Seconds decode waited on the KV scorer before a P/D request's prefill call, summed over every "
+    "request that asked it (scored, unscored, timed out or failed; not those skipped while the scorer "
+    "was taken for down): over those requests, the scorer's round trip as decode sees it, which "
+    "every KV-routed request adds to its time to first token.",
+    DECODE,
+)
 KV_BOOKINGS = Metric(
     "pd_kv_bookings",
     ("model", "event"),
@@ -223,6 +232,7 @@ ALL = (
     LOCAL_PREFILLS,
     KV_ROUTES,
     KV_ROUTE_TOKENS,
+    KV_ROUTE_WAIT,
     KV_BOOKINGS,
 )
 

@@ -309,12 +309,12 @@ def scorer_deployment(prefill: Any, llm_config: Any) -> Any:
 
 class KvRoutes:
     """Decode's side: ask the scorer for a prefill worker within `timeout_s`, and count how each
-    request was routed (`pd_kv_routes`: scored, unscored, timeout, error, skipped) and, for a
-    scored one, its prompt tokens and how many the chosen replica held cached
-    (`pd_kv_route_tokens`). A breaker: after a timeout or an error the scorer is not asked for
-    `cooldown_s` (those requests are `skipped`, routed by load at once), then one request asks
-    again while the others keep skipping; its answer closes the breaker, its failure opens it
-    for another `cooldown_s`."""
+    request was routed (`pd_kv_routes`: scored, unscored, timeout, error, skipped), how long it
+    waited for the answer (`pd_kv_route_wait_seconds`) and, for a scored one, its prompt tokens
+    and how many the chosen replica held cached (`pd_kv_route_tokens`). A breaker: after a
+    timeout or an error the scorer is not asked for `cooldown_s` (those requests are
+    `skipped`, routed by load at once), then one request asks again while the others keep
+    skipping; its answer closes the breaker, its failure opens it for another `cooldown_s`."""
 
     def __init__(
         self,
@@ -331,6 +331,7 @@ class KvRoutes:
         self._clock = clock
         self._counter = metrics.counter(metrics.KV_ROUTES)
         self._tokens = metrics.counter(metrics.KV_ROUTE_TOKENS)
+        self._wait = metrics.counter(metrics.KV_ROUTE_WAIT)
         self._down_until: float | None = None  # set while the scorer is taken for down
         self._probing = False
 
@@ -341,10 +342,12 @@ class KvRoutes:
             self._counter.inc(tags={"model": self._model, "outcome": metrics.KvRoute.SKIPPED.value})
             return None
         self._probing = down_until is not None  # the first request after the cool-down: the only one that asks
+        asked = self._clock()
         try:
             worker, outcome = await self._ask(request)
         finally:
             self._probing = False
+        metrics.add(self._wait, self._clock() - asked, {"model": self._model})
         failed = outcome in (metrics.KvRoute.TIMEOUT, metrics.KvRoute.ERROR)
         self._down_until = self._clock() + self._cooldown_s if failed else None
         self._counter.inc(tags={"model": self._model, "outcome": outcome.value})

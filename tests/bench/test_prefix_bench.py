@@ -54,14 +54,18 @@ def test_the_table_shows_each_figure_against_power_of_two():
         }
         for i, (name, router) in enumerate(prefix_bench.ROUTERS.items())
     }
-    apps["kv"]["routed"] = {"scored": 10.0}
+    apps["kv"]["routed"] = {"scored": 8.0, "timeout": 2.0, "skipped": 6.0}
+    apps["kv"]["scorer_wait_s"] = {"tiny": 0.6}
     apps["kv"]["prefill_path"] = {"remote": 9.0, "local": 1.0}
     apps["kv"]["scored_tokens"] = {"prompt": 400.0, "cached": 100.0}
     text = prefix_bench.table(apps)
     assert "(0.33x)" in text and "(1.00x)" in text
-    assert "kv-aware: prefilled {'remote': 9.0, 'local': 1.0}, locally because {}, routed {'scored': 10.0}" in text
+    assert "kv-aware: prefilled {'remote': 9.0, 'local': 1.0}, locally because {}, routed {'scored': 8.0, 'timeout': 2.0, 'skipped': 6.0}" in text
     # what the scorer believed cached, beside the engines' hit rate: 100 of 400 prompt tokens
     assert "the scorer found 25.0% cached" in text
+    # 0.6 s over the 10 requests that asked the scorer (the skipped ones did not wait)
+    assert "decode waited 60.0 ms on the scorer per request that asked it" in text
+    assert "waited" not in text.split("\n")[-2]  # affinity: no scorer
 
 
 def test_with_auth_every_app_serves_the_benchs_key_from_the_clusters_environment():

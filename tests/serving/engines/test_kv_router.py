@@ -190,7 +190,7 @@ class _Scorer:
 
 
 def _routes(monkeypatch, result):
-    counters = {metrics.KV_ROUTES: _Counter(), metrics.KV_ROUTE_TOKENS: _Counter()}
+    counters = {metrics.KV_ROUTES: _Counter(), metrics.KV_ROUTE_TOKENS: _Counter(), metrics.KV_ROUTE_WAIT: _Counter()}
     monkeypatch.setattr(metrics, "counter", counters.__getitem__)
     monkeypatch.setattr(ri, "serve_internal_request_id", lambda: "req-1")
     scorer = _Scorer(result)
@@ -221,6 +221,9 @@ def test_decode_asks_the_scorer_and_routes_by_load_on_anything_but_an_answer(mon
     # The prompt fields only, none unset; the booking id (the prefill engine reports under it).
     assert request_id == "req-1" and fields == {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     assert scorer.last.cancelled == (outcome == "timeout")
+    # How long it waited, whatever the outcome: the whole timeout for a stalled scorer.
+    ((waited, tags),) = counters[metrics.KV_ROUTE_WAIT].seen
+    assert tags == {"model": "tiny"} and (0.05 <= waited < 1.0 if outcome == "timeout" else 0 < waited < 0.05)
 
 
 # --- the scorer ----------------------------------------------------------------------------------
