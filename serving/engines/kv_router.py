@@ -46,6 +46,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ray import serve
@@ -86,6 +87,11 @@ SCORER_ENV = {
     "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",
     "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "2.0",
 }
+# Dynamo enters a routed prompt's predicted blocks into its index a moment after it answers
+# the selection (about a millisecond on two loaded cores, 2026-12-07; not at once in about one
+# selection of seven), so the next selection holds back until they show, for at most this long.
+KV_INDEX_WAIT_S = 0.05
+KV_INDEX_POLL_S = 0.001
 # The request's prefix-cache salt, for the selection core while the scorer selects.
 _SALT: contextvars.ContextVar[str | None] = contextvars.ContextVar("kv_cache_salt", default=None)
 # The request fields the engine's renderer reads to build the prompt (vLLM's ChatCompletionRequest
@@ -188,10 +194,13 @@ class KvScorer:
         self._tracker = ri.build_kv_token_tracker(llm_config, prefill_server.deployment_id)
         salted(self._tracker)
         self._tokenizer = await asyncio.to_thread(ri.kv_tokenizer, llm_config)
-        # One selection at a time: Dynamo books a routed prompt's blocks on its worker (the
-        # predict-on-route index) as it selects, and a selection run beside it would not see
-        # them, so a burst of one prefix would be spread over the workers (see `select`).
+        # One selection at a time, each after the last one's blocks entered the index: Dynamo
+        # books a routed prompt's blocks on its worker (the predict-on-route index) as it
+        # selects, and a selection that does not see them spreads a burst of one prefix over
+        # the workers (see `select`).
         self._selecting = asyncio.Lock()
+        self._releasing: asyncio.Future[None] | None = None  # holds the lock until the index shows
+        self._index_warned = False
 
     async def select(self, request_id: str, fields: dict[str, Any]) -> dict[str, Any] | None:
         salt = fields.pop("cache_salt", None)  # not the renderer's: the selection core's
@@ -212,16 +221,37 @@ class KvScorer:
         # again under the same id releases its earlier booking first, not counted twice.
         await self.release(request_id)
         expected = fields.get("max_completion_tokens") or fields.get("max_tokens")
+        await self._selecting.acquire()
         token = _SALT.set(salt if isinstance(salt, str) and salt else None)
+        handed_over = False
         try:
             # Tokenizing above runs beside other requests; selecting does not (`_selecting`):
-            # it is Dynamo's in-process index, well under a millisecond per request.
-            async with self._selecting:
-                chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+            # it is Dynamo's in-process index, a few milliseconds per request at most. The
+            # answer goes back at once; the next selection waits for this one's blocks.
+            chosen = await self._tracker.select_worker(request_id, ids, workers, expected)
+            svc = self._tracker._svc
+            if isinstance(svc, _SaltedSelection) and svc.booked is not None:
+                self._releasing = asyncio.ensure_future(self._release_once_indexed(svc, svc.booked))
+                handed_over = True
         finally:
             _SALT.reset(token)
+            if not handed_over:
+                self._selecting.release()
         self._count(1, "booked")
         return {"worker_id": chosen["worker_id"], "overlap_tokens": chosen["overlap_tokens"], "prompt_tokens": len(ids)}
+
+    async def _release_once_indexed(self, svc: _SaltedSelection, booking: Booking) -> None:
+        """Let the next selection run once `booking`'s blocks show in Dynamo's index, or after
+        KV_INDEX_WAIT_S: a lagging index costs a burst its shared prefix, never a stall."""
+        try:
+            if not await svc.indexed(booking, KV_INDEX_WAIT_S):
+                logger.debug("KV scorer: a routed prompt's blocks not indexed within %ss", KV_INDEX_WAIT_S)
+        except Exception as exc:  # the index is advice: the next selection runs regardless
+            if not self._index_warned:
+                self._index_warned = True
+                logger.warning("KV scorer cannot read Dynamo's index back: %r", exc)
+        finally:
+            self._selecting.release()
 
     async def release(self, request_id: str) -> None:
         """Free a booking no engine will report finished (the call never reached one)."""
@@ -261,16 +291,50 @@ class KvScorer:
             raise RuntimeError("ai-dynamo-runtime is not installed: KV-aware routing cannot score")
 
 
+@dataclass(frozen=True)
+class Booking:
+    """A selection Dynamo answered: the request it scored, the worker it chose and how many
+    of the prompt's blocks it booked there (its full blocks)."""
+
+    request: dict[str, Any]
+    worker_id: int
+    blocks: int
+
+
 class _SaltedSelection:
     """Dynamo's selection service, as Ray's tracker holds it, with the request's prefix-cache
-    salt added to what it scores (Ray 2.60's `select_worker` builds the request without one)."""
+    salt added to what it scores (Ray 2.60's `select_worker` builds the request without one),
+    and the last selection's booking kept, to be read back from the index (`indexed`)."""
 
     def __init__(self, svc: Any):
         self._svc = svc
+        self.booked: Booking | None = None
 
     async def select_and_reserve(self, request: dict[str, Any]) -> Any:
         salt = _SALT.get()
-        return await self._svc.select_and_reserve({**request, "cache_salt": salt} if salt else request)
+        request = {**request, "cache_salt": salt} if salt else request
+        self.booked = None
+        selection = await self._svc.select_and_reserve(request)
+        self.booked = Booking(request, selection["worker_id"], len(selection.get("sequence_hashes") or ()))
+        return selection
+
+    async def indexed(self, booking: Booking, within_s: float) -> bool:
+        """Whether `booking`'s blocks show on its worker in Dynamo's index within `within_s`."""
+        query = {
+            k: booking.request[k]
+            for k in ("model_name", "tenant_id", "token_ids", "cache_salt")
+            if k in booking.request
+        }
+        deadline = time.monotonic() + within_s
+        while True:
+            scores = await self._svc.overlap_scores(query)
+            if any(
+                w["worker_id"] == booking.worker_id and w["device_blocks"] >= booking.blocks for w in scores["workers"]
+            ):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(KV_INDEX_POLL_S)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._svc, name)
