@@ -77,15 +77,17 @@ PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
 # prompt as prompt work, so a repeat of a prefix still prefilling on A goes to an idle B and
 # the prefix is computed twice: the scorer turns that term off. Then a prefix cached on A but no
 # longer in flight earns A nothing, and A with one other request in flight ties an idle B: so
-# each cached block is credited twice (Dynamo documents credits above 1 as extra credit), and
-# a prefix stays on its replica until that replica holds about twice the prefix's blocks more
-# in flight. DYN_ROUTER_PREFILL_LOAD_SCALE is not set: 1.6.1 reads it but its logits do not
-# change with it. Measured, and how each was found: docs/kv-aware-routing.md#measured. Set in
+# each cached block is credited four times (Dynamo documents credits above 1 as extra credit),
+# and a prefix stays on its replica until that replica holds about four times the prefix's
+# blocks more in flight (a cached block is a block's prefill saved, and a prefill worker's
+# blocks in flight count its cached ones too; at 2 a repeat still left a replica two
+# requests busier: make bench-prefix). DYN_ROUTER_PREFILL_LOAD_SCALE is not set: 1.6.1 reads
+# it but its logits do not change with it. Measured, and how each was found: docs/kv-aware-routing.md#measured. Set in
 # the scorer's process before the service reads them.
 SCORER_ENV = {
     PREDICTED_TTL_ENV: str(KV_PREDICTED_TTL_S),
     "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",
-    "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "2.0",
+    "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "4.0",
 }
 # Dynamo enters a routed prompt's predicted blocks into its index a moment after it answers
 # the selection (about a millisecond on two loaded cores, 2026-12-07; not at once in about one

@@ -837,11 +837,19 @@ def _cached_then_busy(monkeypatch, env, others: int = 1) -> int:
     return asyncio.run(go())
 
 
-def test_a_prefix_cached_on_a_busier_worker_still_goes_there(monkeypatch):
-    """Contract, ai-dynamo-runtime 1.6.1's core with the scorer's settings: a prefix cached on
-    worker 1 (its request finished) goes back there though worker 1 holds one other request and
-    worker 2 none: the cached blocks' double credit (DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=2)
-    outweighs one request's blocks. With single credit it goes to worker 2 here (with the
-    bench's 128-token blocks the two tie and Dynamo picks at random: make bench-prefix's
-    misses, docs/kv-aware-routing.md)."""
-    assert {_cached_then_busy(monkeypatch, kv_router.SCORER_ENV) for _ in range(4)} == {1}
+@pytest.mark.parametrize(("others", "worker"), [(1, 1), (3, 1), (4, 2)])
+def test_a_prefix_cached_on_a_busier_worker_goes_there_until_its_load_outweighs_the_cache(monkeypatch, others, worker):
+    """Contract, ai-dynamo-runtime 1.6.1's core with the scorer's settings: a 4-block prefix
+    cached on worker 1 (its request finished) goes back there while worker 1 holds up to three
+    other 5-block requests (15 blocks) and worker 2 none: each cached block is credited four
+    times (DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT=4, 16 blocks' worth); with four (20 blocks) the
+    load wins and it goes to the idle worker 2, which computes it again."""
+    assert {_cached_then_busy(monkeypatch, kv_router.SCORER_ENV, others) for _ in range(3)} == {worker}
+
+
+def test_with_single_credit_one_other_request_sends_a_cached_prefix_away(monkeypatch):
+    """The same core with Dynamo's single credit: one other request on worker 1 sends the
+    prefix to worker 2 (with the bench's 128-token blocks the two tie and Dynamo picks at
+    random: make bench-prefix's misses, docs/kv-aware-routing.md)."""
+    env = {**kv_router.SCORER_ENV, "DYN_ROUTER_KV_OVERLAP_SCORE_CREDIT": "1.0"}
+    assert {_cached_then_busy(monkeypatch, env, 1) for _ in range(3)} == {2}
