@@ -26,7 +26,7 @@ help:
 	@echo "make efa-check STACK=prod   EFA fabric check between each P/D model's prefill and decode pools (DRY_RUN=1: offline)"
 	@echo "  (render, plan, diff, stack and efa-check use the light .venv-pulumi: requirements.lock only)"
 	@echo "make bench              benchmark the local serving path against its baselines"
-	@echo "make bench-prefix       the prefill tier's routers side by side (default, prefix affinity, KV-aware), 2 replicas each"
+	@echo "make bench-prefix [PREFIX_WORKLOAD=multi-turn] [PREFIX_AUTH=1]   the prefill tier's routers side by side (default, prefix affinity, KV-aware), 2 replicas each"
 	@echo "make bench-scaling      each role scales on its own load; time from 0 decode replicas to a first token"
 	@echo "make bench-ingress      CPU per streamed event on the ingress's stream path vs a bare passthrough (no Ray)"
 	@echo "make bench-data-plane   Serve's data planes (ray-proxy, grpc, haproxy), a local stack each: latency, CPU per hop"
@@ -217,8 +217,9 @@ bench-scaling: venv $(PROMETHEUS)
 	$(PY) -m bench.cold_start --out build/bench/cold-start.json
 
 # PREFIX_AUTH=1: API keys on, as a stack serves (one key's requests, its prefix cache salted).
+# PREFIX_WORKLOAD=multi-turn: chat sessions resending the conversation (bench/multi_turn.py).
 bench-prefix: venv
-	$(PY) -m bench.prefix_bench --out build/bench/prefix.json $(if $(filter 1,$(PREFIX_AUTH)),--auth)
+	$(PY) -m bench.prefix_bench --workload $(or $(PREFIX_WORKLOAD),prefix-repetition) $(if $(filter 1,$(PREFIX_AUTH)),--auth)
 
 # The ingress's CPU per streamed event (parse, migration record, metering) against a
 # bare passthrough beside it, in process (no Ray started; a minute or two). Not part of make bench.

@@ -13,6 +13,11 @@ prefix-cache counters, by ReplicaId), the requests each prefill replica served, 
 kv-aware how each request was routed (pd_kv_routes) -> a table with each figure as a ratio to
 power-of-two in the same run, and build/bench/prefix.json.
 
+`--workload multi-turn` (`make bench-prefix PREFIX_WORKLOAD=multi-turn`) sends chat sessions
+instead, each turn resending the conversation so far (bench/multi_turn.py): the prefix a
+request shares is its own session's, grown by every turn, not a system prompt shared by
+unrelated requests; its figures land in build/bench/prefix-multi-turn.json.
+
 `--auth` serves the applications as a stack does, with API keys on: every request carries its
 key's prefix-cache salt (serving/ingress/tenancy.py), so the figures are one key's, salted;
 without it no request is salted.
@@ -23,6 +28,7 @@ A benchmark prints figures; it does not pass or fail.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import platform
@@ -32,13 +38,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR, hops, vllm_load
+from bench import BENCH_DIR, hops, multi_turn, vllm_load
 from bench.observe import roles, serve_apps, settled
 from bench.stats import RequestResult, summarize
 from serving.core.metrics import KV_ROUTE_TOKENS, KV_ROUTE_WAIT, KV_ROUTES, LOCAL_PREFILLS, PREFILL_PATH, KvRoute
 from serving.spec import API_KEYS_ENV
 
 DEFAULT_OUT = BENCH_DIR / "prefix.json"
+WORKLOADS = {"prefix-repetition": DEFAULT_OUT, "multi-turn": BENCH_DIR / "prefix-multi-turn.json"}
 ROUTERS = {"p2c": "power-of-two", "affinity": "prefix-cache-affinity", "kv": "kv-aware"}
 BASELINE = "p2c"
 REPLICAS = 2  # prefill replicas per application (one decode replica each)
@@ -50,6 +57,8 @@ OUTPUT_LEN = 16
 CONCURRENCY = 4
 ROUNDS = 4
 PER_ROUND = 48
+# The multi-turn workload (bench/multi_turn.py): 16 sessions of 4 turns per round, 4 at once.
+MULTI_TURN = multi_turn.Sessions()
 
 
 # The one key of an --auth run (the ingress reads it from the cluster's environment).
@@ -110,11 +119,16 @@ def _counts(metrics_urls: list[str]) -> dict[str, dict[str, float]]:
     }
 
 
-def _scorer_wait(app: dict[str, Any]) -> str:
-    """ ", decode waited N ms on the scorer per request that asked it" (none asked: "")."""
+def scorer_wait_ms(app: dict[str, Any]) -> float | None:
+    """Decode's mean wait on the scorer per request that asked it, ms (None: none asked)."""
     asked = sum(n for outcome, n in (app.get("routed") or {}).items() if outcome != KvRoute.SKIPPED.value)
     waited = sum((app.get("scorer_wait_s") or {}).values())
-    return f", decode waited {waited / asked * 1e3:.1f} ms on the scorer per request that asked it" if asked else ""
+    return waited / asked * 1e3 if asked else None
+
+
+def _scorer_wait(app: dict[str, Any]) -> str:
+    wait = scorer_wait_ms(app)
+    return "" if wait is None else f", decode waited {wait:.1f} ms on the scorer per request that asked it"
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -158,10 +172,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=20261130)
     p.add_argument("--rounds", type=int, default=ROUNDS)
     p.add_argument("--per-round", type=int, default=PER_ROUND, help="requests per application per round")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--workload", choices=list(WORKLOADS), default="prefix-repetition")
+    p.add_argument("--out", type=Path, help="default: build/bench/prefix.json, or prefix-multi-turn.json")
     p.add_argument("--only", choices=list(ROUTERS), action="append", help="run these applications only")
     p.add_argument("--auth", action="store_true", help="API keys on: one key's requests, salted (module doc)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.out = args.out or WORKLOADS[args.workload]
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,14 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workload": {
-            "client": "vllm.benchmarks.serve, dataset prefix_repetition, streamed /v1/completions",
-            "prefix_tokens": PREFIX_LEN,
-            "suffix_tokens": SUFFIX_LEN,
-            "prefixes_per_round": NUM_PREFIXES,
-            "output_tokens": OUTPUT_LEN,
-            "concurrency": CONCURRENCY,
+            **_workload(args),
             "rounds": args.rounds,
-            "requests_per_app": args.rounds * args.per_round,
             "prefill_replicas_per_app": REPLICAS,
             "decode_replicas_per_app": 1,
             "order": "one application after another, the same seeds",
@@ -231,6 +242,64 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(report, indent=2))
     print(f"JSON: {args.out}  wall {report['wall_s']:.0f}s")
     return 0
+
+
+def _workload(args: argparse.Namespace) -> dict[str, Any]:
+    """What each application was sent, for the report."""
+    if args.workload == "multi-turn":
+        shape = MULTI_TURN
+        return {
+            "client": "bench/multi_turn.py: chat sessions, each turn resending the conversation, streamed /v1/chat/completions",
+            "sessions_per_round": shape.sessions,
+            "turns": shape.turns,
+            "system_tokens": shape.system_tokens,
+            "user_tokens_per_turn": shape.user_tokens,
+            "output_tokens": shape.answer_tokens,
+            "concurrency": shape.concurrency,
+            "requests_per_app": args.rounds * shape.sessions * shape.turns,
+        }
+    return {
+        "client": "vllm.benchmarks.serve, dataset prefix_repetition, streamed /v1/completions",
+        "prefix_tokens": PREFIX_LEN,
+        "suffix_tokens": SUFFIX_LEN,
+        "prefixes_per_round": NUM_PREFIXES,
+        "output_tokens": OUTPUT_LEN,
+        "concurrency": CONCURRENCY,
+        "requests_per_app": args.rounds * args.per_round,
+    }
+
+
+def _round(
+    url: str, model_dir: Path, args: argparse.Namespace, r: int, client_log: Any
+) -> tuple[list[RequestResult], float]:
+    """Round `r` of the workload against one application: its results and its wall time."""
+    from local.config import MODEL_ID
+
+    api_key = BENCH_KEY if args.auth else None
+    if args.workload == "multi-turn":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        parts = multi_turn.texts(MULTI_TURN, args.seed + r, tok.decode, tok.vocab_size)
+        t = time.monotonic()
+        results = asyncio.run(multi_turn.run(url, MODEL_ID, MULTI_TURN, parts, api_key))
+        return results, time.monotonic() - t
+    load = vllm_load.Load(
+        base_url=url,
+        model=MODEL_ID,
+        tokenizer=str(model_dir),
+        num_prompts=args.per_round,
+        concurrency=CONCURRENCY,
+        # The same seed per round for every application: the same prompts.
+        seed=args.seed + r,
+        dataset="prefix_repetition",
+        prefix_len=PREFIX_LEN,
+        suffix_len=SUFFIX_LEN,
+        num_prefixes=NUM_PREFIXES,
+        output_len=OUTPUT_LEN,
+        api_key=api_key,
+    )
+    return vllm_load.run(load, log=client_log)
 
 
 def _app(config: dict[str, Any], name: str) -> dict[str, Any]:
@@ -266,22 +335,7 @@ def _measure(
     results: list[RequestResult] = []
     duration = 0.0
     for r in range(args.rounds):
-        load = vllm_load.Load(
-            base_url=url,
-            model=MODEL_ID,
-            tokenizer=str(model_dir),
-            num_prompts=args.per_round,
-            concurrency=CONCURRENCY,
-            # The same seed per round for every application: the same prompts.
-            seed=args.seed + r,
-            dataset="prefix_repetition",
-            prefix_len=PREFIX_LEN,
-            suffix_len=SUFFIX_LEN,
-            num_prefixes=NUM_PREFIXES,
-            output_len=OUTPUT_LEN,
-            api_key=BENCH_KEY if args.auth else None,
-        )
-        res, dur = vllm_load.run(load, log=client_log)
+        res, dur = _round(url, model_dir, args, r, client_log)
         results.extend(res)
         duration += dur
         say(f"{name}: round {r + 1}/{args.rounds} done")

@@ -1,7 +1,7 @@
 """docs/performance.md, generated from the benchmarks' JSON (build/bench/*.json).
 
 What flows through here: build/bench/serving.json (`make bench`), build/bench/prefix.json
-(`make bench-prefix`), build/bench/data-plane.json (`make bench-data-plane`) and
+and prefix-multi-turn.json (`make bench-prefix`), build/bench/data-plane.json (`make bench-data-plane`) and
 build/bench/goodput.json (`make bench-goodput`, bench/goodput_report.py), when present
 -> the figures' tables (targets, ratios against the issue's bars, the per-hop breakdown, CPU
 per hop and its bars, CPU per output token net of idle with its ceiling and targets, the
@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import BENCH_DIR, cpu, data_plane, gaps, goodput_report, observe, per_token
+from bench import BENCH_DIR, cpu, data_plane, gaps, goodput_report, observe, per_token, prefix_bench
 from bench.hops import row_shown
 from bench.stats import markdown
 from infra.paths import ROOT
@@ -150,6 +150,16 @@ def prefix_table(pre: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def prefix_section(pre: dict[str, Any]) -> str:
+    """One make bench-prefix run: its date and workload, the table, the verdict."""
+    return (
+        f"Run of {pre['date']}; workload {json.dumps(pre['workload'])}.\n\n"
+        + prefix_table(pre)
+        + "\n\n"
+        + prefix_verdict(pre)
+    ).rstrip()
+
+
 def prefix_verdict(pre: dict[str, Any]) -> str:
     """What each router bought in this run against power-of-two: hit rate and TTFT p50, and
     whether KV-aware routing did at least as well as prefix affinity (issue 39's bar)."""
@@ -175,6 +185,12 @@ def prefix_verdict(pre: dict[str, Any]) -> str:
     if aff and kv and aff.get("prefix_cache_hit_rate") is not None and kv.get("prefix_cache_hit_rate") is not None:
         verdict = "at least as high as" if kv["prefix_cache_hit_rate"] >= aff["prefix_cache_hit_rate"] else "below"
         out.append(f"KV-aware routing's hit rate is {verdict} prefix affinity's in this run.")
+    wait = prefix_bench.scorer_wait_ms(kv) if kv else None
+    if wait is not None:
+        out.append(
+            f"Each KV-routed request waited {wait:.1f} ms on the scorer (the mean of decode's "
+            "pd_kv_route_wait_seconds) before its prefill call, which prefix affinity decides in decode's own process."
+        )
     if any("did not fall" in line for line in out):
         out.append(
             "What a hit saves is the prefill of the cached tokens, and for this tiny random-weight model on "
@@ -353,6 +369,7 @@ def render(
     data_planes: dict[str, Any] | None = None,
     previous: str | None = None,
     goodput: dict[str, Any] | None = None,
+    multi_turn: dict[str, Any] | None = None,
 ) -> str:
     """The page; a section whose benchmark has no JSON here keeps what `previous` (the page as
     it was) showed for it, if anything."""
@@ -384,14 +401,12 @@ def render(
         "IDLE_WORKERS": _idle(serving, "stack", "VLLM::Worker"),
         "IDLE_VLLM": _idle(serving, "vllm"),
         # The run's date inside the block: a page rendered without prefix.json keeps it whole.
-        "PREFIX": (
-            f"Run of {prefix['date']}; workload {json.dumps(prefix['workload'])}.\n\n"
-            + prefix_table(prefix)
-            + "\n\n"
-            + prefix_verdict(prefix)
-        ).rstrip()
+        "PREFIX": prefix_section(prefix)
         if prefix
         else kept(previous, template, "PREFIX") or "(run `make bench-prefix`)",
+        "PREFIX_MULTI_TURN": prefix_section(multi_turn)
+        if multi_turn
+        else kept(previous, template, "PREFIX_MULTI_TURN") or "(run `make bench-prefix PREFIX_WORKLOAD=multi-turn`)",
         "DATA_PLANE": data_plane_section(data_planes)
         if data_planes
         else kept(previous, template, "DATA_PLANE") or "(run `make bench-data-plane`)",
@@ -442,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             load(data_plane.DEFAULT_OUT.name),
             previous,
             load(goodput_report.JSON_NAME),
+            load(prefix_bench.WORKLOADS["multi-turn"].name),
         )
     )
     print(f"wrote {args.out}")

@@ -60,7 +60,10 @@ def test_the_table_shows_each_figure_against_power_of_two():
     apps["kv"]["scored_tokens"] = {"prompt": 400.0, "cached": 100.0}
     text = prefix_bench.table(apps)
     assert "(0.33x)" in text and "(1.00x)" in text
-    assert "kv-aware: prefilled {'remote': 9.0, 'local': 1.0}, locally because {}, routed {'scored': 8.0, 'timeout': 2.0, 'skipped': 6.0}" in text
+    assert (
+        "kv-aware: prefilled {'remote': 9.0, 'local': 1.0}, locally because {}, routed {'scored': 8.0, 'timeout': 2.0, 'skipped': 6.0}"
+        in text
+    )
     # what the scorer believed cached, beside the engines' hit rate: 100 of 400 prompt tokens
     assert "the scorer found 25.0% cached" in text
     # 0.6 s over the 10 requests that asked the scorer (the skipped ones did not wait)

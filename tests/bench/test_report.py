@@ -103,6 +103,18 @@ def test_prefix_section():
     again = report.render(SERVING, None, TEMPLATE, previous=page)
     assert 'Run of d; workload {"prefix_tokens": 512}.' in again
     assert "| power-of-two | 10 | 0 | 20.0 (1.00x) |" in again and "run `make bench-prefix`" not in again
+    # The multi-turn run has its own section, under its heading, kept the same way.
+    turns = {**prefix, "date": "mt", "workload": {"turns": 4}}
+    both = report.render(None, prefix, TEMPLATE, multi_turn=turns)
+    heading = both.index("### The same routers on a multi-turn workload")
+    assert (
+        both.index('Run of d; workload {"prefix_tokens": 512}.')
+        < heading
+        < both.index('Run of mt; workload {"turns": 4}.')
+    )
+    kept = report.render(SERVING, None, TEMPLATE, previous=both)
+    assert 'Run of d; workload {"prefix_tokens": 512}.' in kept and 'Run of mt; workload {"turns": 4}.' in kept
+    assert "PREFIX_WORKLOAD=multi-turn`)" not in kept
 
 
 def test_readme_block_is_replaced_between_the_markers_only():
@@ -151,8 +163,12 @@ def test_prefix_verdict_says_what_each_router_bought_against_power_of_two():
     assert "The affinity router raised the prefill tier's prefix-cache hit rate from 40.0% to 60.0%" in text
     assert "cut TTFT p50 from 100.0 to 80.0 ms" in text
     assert "at least as high as prefix affinity's" in text
+    assert "waited" not in text  # no scorer counts: nothing said of its wait
     text = prefix_verdict(pre(110.0, 0.5))
     assert "did not fall" in text and "below prefix affinity's" in text
+    waited = pre(80.0, 0.7)
+    waited["apps"]["kv"].update(routed={"scored": 90.0, "timeout": 10.0, "skipped": 50.0}, scorer_wait_s={"m": 2.5})
+    assert "Each KV-routed request waited 25.0 ms on the scorer" in prefix_verdict(waited)
     both = pre(80.0, 0.7)
     for a, (computed, per) in zip(
         both["apps"].values(), [(1000.0, [30, 30]), (500.0, [40, 20]), (250.0, [35, 25])], strict=False
