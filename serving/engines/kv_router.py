@@ -321,7 +321,10 @@ class _SaltedSelection:
         return selection
 
     async def indexed(self, booking: Booking, within_s: float) -> bool:
-        """Whether `booking`'s blocks show on its worker in Dynamo's index within `within_s`."""
+        """Whether `booking`'s blocks show on its worker in Dynamo's index within `within_s`
+        (a prompt shorter than a block books none: nothing to wait for)."""
+        if not booking.blocks:
+            return True
         query = {
             k: booking.request[k]
             for k in ("model_name", "tenant_id", "token_ids", "cache_salt")

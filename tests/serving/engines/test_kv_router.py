@@ -777,6 +777,14 @@ class _LaggingIndex(_SelectionService):
         return {"workers": [{"worker_id": 1, "device_blocks": 2 if self.reads >= self.lag else 0}]}
 
 
+def test_a_prompt_shorter_than_a_block_holds_no_selection_back():
+    """Nothing booked, nothing to read back: the index is not asked."""
+    svc = _LaggingIndex(10**9)
+    selection = kv_router._SaltedSelection(svc)
+    booking = kv_router.Booking({"token_ids": [1, 2]}, worker_id=1, blocks=0)
+    assert asyncio.run(selection.indexed(booking, within_s=5.0)) and svc.reads == 0
+
+
 @pytest.mark.parametrize("lag", [3, 10**9])
 def test_the_next_selection_waits_until_the_last_ones_blocks_are_indexed(lag):
     """Two requests scored at once: the first is answered at once, and the second is selected
