@@ -21,29 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from infra.k8s import serving_metrics as sm
 from infra.k8s.monitoring import RAY_CLUSTER, ROLE
-from infra.k8s.serving_metrics import (
-    BUDGET_OVERFLOWS,
-    CACHED_TOKENS,
-    COMPLETION_TOKENS,
-    COST,
-    FALLBACKS,
-    INGRESS_REFUSALS,
-    INGRESS_RETRIES,
-    KV_BOOKINGS,
-    KV_ROUTE_TOKENS,
-    KV_ROUTE_WAIT,
-    KV_ROUTES,
-    LIMITER_ERRORS,
-    LOCAL_PREFILLS,
-    PREFILL_RETRIES,
-    PROMPT_TOKENS,
-    RATE_LIMITED,
-    REQUESTS,
-    STREAM_MIGRATIONS,
-    fallback_share,
-    local_prefill_share,
-)
 
 # Grafana's own range variable: at least four scrape intervals (Grafana docs).
 RATE = "$__rate_interval"
@@ -236,7 +215,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Fallback share",
                 "percentunit",
-                (Query(fallback_share("model", RATE, MODEL_SEL), "{{model}}"),),
+                (Query(sm.fallback_share("model", RATE, MODEL_SEL), "{{model}}"),),
                 "Share of answered requests that the external fallback served (cluster unavailable, "
                 "overloaded, or first token late). Empty while nothing went to the fallback.",
             ),
@@ -245,7 +224,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (key, destination) (rate({REQUESTS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (key, destination) (rate({sm.REQUESTS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}} {{destination}}",
                     ),
                 ),
@@ -256,11 +235,11 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "short",
                 (
                     Query(
-                        f"sum by (key, destination) (rate({PROMPT_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (key, destination) (rate({sm.PROMPT_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
                         "prompt {{key}} {{destination}}",
                     ),
                     Query(
-                        f"sum by (key, destination) (rate({COMPLETION_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (key, destination) (rate({sm.COMPLETION_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
                         "completion {{key}} {{destination}}",
                     ),
                 ),
@@ -271,7 +250,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "currencyUSD",
                 (
                     Query(
-                        f"3600 * sum by (key, destination, phase) (rate({COST}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"3600 * sum by (key, destination, phase) (rate({sm.COST}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}} {{destination}} {{phase}}",
                     ),
                 ),
@@ -284,8 +263,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "percentunit",
                 (
                     Query(
-                        f"sum by (key) (rate({CACHED_TOKENS}{{{MODEL_SEL}}}[{RATE}])) / "
-                        f"sum by (key) (rate({PROMPT_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (key) (rate({sm.CACHED_TOKENS}{{{MODEL_SEL}}}[{RATE}])) / "
+                        f"sum by (key) (rate({sm.PROMPT_TOKENS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}}",
                     ),
                 ),
@@ -297,7 +276,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (key, limit) (rate({RATE_LIMITED}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (key, limit) (rate({sm.RATE_LIMITED}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}} {{limit}}",
                     ),
                 ),
@@ -308,7 +287,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (key, to) (rate({BUDGET_OVERFLOWS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (key, to) (rate({sm.BUDGET_OVERFLOWS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{key}} to {{to}}",
                     ),
                 ),
@@ -319,7 +298,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason, outcome) (rate({FALLBACKS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (reason, outcome) (rate({sm.FALLBACKS}{{{CLUSTER_SEL}}}[{RATE}]))",
                         "{{reason}} {{outcome}}",
                     ),
                 ),
@@ -328,7 +307,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Limiter errors",
                 "ops",
-                (Query(f"sum(rate({LIMITER_ERRORS}{{{CLUSTER_SEL}}}[{RATE}]))", "ledger unreachable"),),
+                (Query(f"sum(rate({sm.LIMITER_ERRORS}{{{CLUSTER_SEL}}}[{RATE}]))", "ledger unreachable"),),
                 "Limit checks skipped because the limits ledger did not answer: requests pass unlimited.",
             ),
         ),
@@ -341,7 +320,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason, status) (rate({INGRESS_REFUSALS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (reason, status) (rate({sm.INGRESS_REFUSALS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{reason}} {{status}}",
                     ),
                 ),
@@ -353,7 +332,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason) (rate({INGRESS_RETRIES}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (reason) (rate({sm.INGRESS_RETRIES}{{{CLUSTER_SEL}}}[{RATE}]))",
                         "{{reason}}",
                     ),
                 ),
@@ -362,7 +341,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
             PanelSpec(
                 "Remote prefill share (the P/D mode)",
                 "percentunit",
-                (Query(f"1 - ({local_prefill_share('model', RATE, MODEL_SEL)})", "{{model}}"),),
+                (Query(f"1 - ({sm.local_prefill_share('model', RATE, MODEL_SEL)})", "{{model}}"),),
                 "Share of P/D requests prefilled by the prefill tier (remote, or remote after a retry). Near 100% "
                 "is the designed mode; a dip during a prefill fault must come back once the replica is back "
                 "(alert PDRunningAggregated).",
@@ -372,7 +351,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (model, reason, outcome) (rate({STREAM_MIGRATIONS}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (model, reason, outcome) (rate({sm.STREAM_MIGRATIONS}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{model}} {{reason}} {{outcome}}",
                     ),
                 ),
@@ -386,11 +365,11 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (reason) (rate({PREFILL_RETRIES}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (reason) (rate({sm.PREFILL_RETRIES}{{{CLUSTER_SEL}}}[{RATE}]))",
                         "retry {{reason}}",
                     ),
                     Query(
-                        f"sum by (reason) (rate({LOCAL_PREFILLS}{{{CLUSTER_SEL}}}[{RATE}]))",
+                        f"sum by (reason) (rate({sm.LOCAL_PREFILLS}{{{CLUSTER_SEL}}}[{RATE}]))",
                         "local {{reason}}",
                     ),
                 ),
@@ -402,7 +381,7 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "reqps",
                 (
                     Query(
-                        f"sum by (model, outcome) (rate({KV_ROUTES}{{{MODEL_SEL}}}[{RATE}]))",
+                        f"sum by (model, outcome) (rate({sm.KV_ROUTES}{{{MODEL_SEL}}}[{RATE}]))",
                         "{{model}} {{outcome}}",
                     ),
                 ),
@@ -416,8 +395,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "percentunit",
                 (
                     Query(
-                        f'sum by (model) (rate({KV_ROUTE_TOKENS}{{{MODEL_SEL}, kind="cached"}}[{RATE}])) / '
-                        f'sum by (model) (rate({KV_ROUTE_TOKENS}{{{MODEL_SEL}, kind="prompt"}}[{RATE}]))',
+                        f'sum by (model) (rate({sm.KV_ROUTE_TOKENS}{{{MODEL_SEL}, kind="cached"}}[{RATE}])) / '
+                        f'sum by (model) (rate({sm.KV_ROUTE_TOKENS}{{{MODEL_SEL}, kind="prompt"}}[{RATE}]))',
                         "{{model}}",
                     ),
                 ),
@@ -430,8 +409,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "s",
                 (
                     Query(
-                        f"sum by (model) (rate({KV_ROUTE_WAIT}{{{MODEL_SEL}}}[{RATE}])) / "
-                        f'sum by (model) (rate({KV_ROUTES}{{{MODEL_SEL}, outcome!="skipped"}}[{RATE}]))',
+                        f"sum by (model) (rate({sm.KV_ROUTE_WAIT}{{{MODEL_SEL}}}[{RATE}])) / "
+                        f'sum by (model) (rate({sm.KV_ROUTES}{{{MODEL_SEL}, outcome!="skipped"}}[{RATE}]))',
                         "{{model}}",
                     ),
                 ),
@@ -444,8 +423,8 @@ ROWS: tuple[tuple[str, tuple[PanelSpec, ...]], ...] = (
                 "none",
                 (
                     Query(
-                        f'sum by (model) ({KV_BOOKINGS}{{{MODEL_SEL}, event="booked"}}) - '
-                        f'sum by (model) ({KV_BOOKINGS}{{{MODEL_SEL}, event="freed"}})',
+                        f'sum by (model) ({sm.KV_BOOKINGS}{{{MODEL_SEL}, event="booked"}}) - '
+                        f'sum by (model) ({sm.KV_BOOKINGS}{{{MODEL_SEL}, event="freed"}})',
                         "{{model}}",
                     ),
                 ),
