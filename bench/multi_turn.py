@@ -27,11 +27,9 @@ from typing import Any
 
 import httpx
 
+from bench.goodput_load import FIRST_TOKEN_ID, REQUEST_TIMEOUT_S
 from bench.sse import Streamed, stream_request
 from bench.stats import RequestResult
-
-FIRST_TOKEN_ID = 10  # past the tiny tokenizer's special tokens (local/tiny_model.py)
-REQUEST_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -98,8 +96,8 @@ def result_of(s: Streamed) -> RequestResult:
     times = s.token_times
     return RequestResult(
         ok=True,
-        ttft_s=times[0] - s.start,
-        latency_s=s.end - s.start,
+        ttft_s=s.ttft_s or 0.0,
+        latency_s=s.latency_s,
         itl_s=[b - a for a, b in itertools.pairwise(times)],
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         output_tokens=int(usage.get("completion_tokens") or len(times)),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -269,6 +270,15 @@ def _workload(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+@functools.cache
+def _sessions(model_dir: Path, seed: int) -> list[list[str]]:
+    """The multi-turn sessions of one round's seed: made once, sent to every application."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return multi_turn.texts(MULTI_TURN, seed, tok.decode, tok.vocab_size)
+
+
 def _round(
     url: str, model_dir: Path, args: argparse.Namespace, r: int, client_log: Any
 ) -> tuple[list[RequestResult], float]:
@@ -277,10 +287,7 @@ def _round(
 
     api_key = BENCH_KEY if args.auth else None
     if args.workload == "multi-turn":
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        parts = multi_turn.texts(MULTI_TURN, args.seed + r, tok.decode, tok.vocab_size)
+        parts = _sessions(model_dir, args.seed + r)
         t = time.monotonic()
         results = asyncio.run(multi_turn.run(url, MODEL_ID, MULTI_TURN, parts, api_key))
         return results, time.monotonic() - t

@@ -82,8 +82,8 @@ PREDICTED_TTL_ENV = "DYN_ROUTER_PREDICTED_TTL_SECS"
 # blocks more in flight (a cached block is a block's prefill saved, and a prefill worker's
 # blocks in flight count its cached ones too; at 2 a repeat still left a replica two
 # requests busier: make bench-prefix). DYN_ROUTER_PREFILL_LOAD_SCALE is not set: 1.6.1 reads
-# it but its logits do not change with it. Measured, and how each was found: docs/kv-aware-routing.md#measured. Set in
-# the scorer's process before the service reads them.
+# it but its logits do not change with it. Measured, and how each was found:
+# docs/kv-aware-routing.md#measured. Set in the scorer's process before the service reads them.
 SCORER_ENV = {
     PREDICTED_TTL_ENV: str(KV_PREDICTED_TTL_S),
     "DYN_ROUTER_TRACK_PREFILL_TOKENS": "false",
